@@ -1,0 +1,56 @@
+"""Transport errors: one small tree, so callers can decide per branch (retry, give up, report).
+
+```
+TransportError                      base of everything raised by asyncloco.transport
+├── CodecError (also ValueError)    bad codec name, wrong numel, wrong payload length, bad tensor
+├── ProtocolError                   the remote side sent something malformed (bad header, size mismatch,
+│                                   too many bytes, missing fields); retrying the same call will not help
+├── RemoteError                     the remote handler refused or failed; ``message`` carries its reason
+├── RpcTimeout (also TimeoutError)  no complete answer within the per-call timeout; safe to retry
+└── PeerUnreachable                 could not open a stream to the peer (daemon error, connection reset)
+```
+
+Operating advice: ``RpcTimeout`` and ``PeerUnreachable`` are transient (retry with backoff; a submit is
+idempotent by ``lease_id`` on the coordinator). ``ProtocolError`` and ``CodecError`` indicate a version or
+configuration mismatch between peers (different model size or codec): fix the config, do not retry.
+``RemoteError`` is whatever the coordinator said; read ``message``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TransportError",
+    "CodecError",
+    "ProtocolError",
+    "RemoteError",
+    "RpcTimeout",
+    "PeerUnreachable",
+]
+
+
+class TransportError(Exception):
+    """Base class of all transport errors."""
+
+
+class CodecError(TransportError, ValueError):
+    """A tensor could not be encoded or an encoded payload failed validation."""
+
+
+class ProtocolError(TransportError):
+    """The remote side violated the wire protocol (malformed or oversized message)."""
+
+
+class RemoteError(TransportError):
+    """The remote handler raised or refused the call; ``message`` is the remote's text."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RpcTimeout(TransportError, TimeoutError):
+    """The call did not complete within its timeout."""
+
+
+class PeerUnreachable(TransportError):
+    """No stream could be opened to the peer, or it broke mid-call."""
