@@ -1,0 +1,74 @@
+"""``task:`` section for language-model runs (``kind: lm``); built by :func:`asyncloco.models.lm.build_lm_workload`.
+
+Data sources, one code path (``datasets.load_dataset(..., streaming=True)``) for all of them:
+
+* ``embedded`` (default): the shipped public-domain English corpus (~1.6 M tokens with the project
+  tokenizer), no network.
+* ``text`` / ``json`` / ``parquet``: local files; ``path`` is a file, a glob or a list of them. ``text``
+  makes one document per line; ``json`` reads JSON Lines; ``text_field`` names the text column.
+* ``hub``: a Hugging Face hub dataset streamed (never fully downloaded), e.g. ``path: allenai/c4``
+  with ``name: en``, or ``path: HuggingFaceFW/fineweb`` with ``name: sample-10BT``. Needs
+  ``max_train_sequences`` (the stream is read only that far).
+
+Documents are tokenized, joined with the tokenizer's eos token and packed into rows of
+``seq_len + 1`` tokens (inputs = row[:-1], targets = row[1:]); ``val_sequences`` rows are held out
+(seeded), the rest split into ``num_shards`` shards: ``iid: true`` deals rows out by a seeded
+permutation, ``iid: false`` cuts them into contiguous runs in document order (e.g. Austen vs. Jargon
+File vs. Devil's Dictionary for the embedded corpus), the heterogeneous-data setting.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from asyncloco.config_base import StrictModel
+from asyncloco.models.presets import PRESETS
+
+__all__ = ["LMTaskConfig"]
+
+
+class LMTaskConfig(StrictModel):
+    kind: Literal["lm"] = "lm"
+    model: str = Field("tiny", description="model preset: tiny, small, 20m, 60m, 150m")
+    tokenizer: str | None = Field(None, description="AutoTokenizer name or path; None: the project BPE (4,096)")
+    source: Literal["embedded", "text", "json", "parquet", "hub"] = "embedded"
+    path: str | list[str] | None = Field(None, description="files/glob(s) for text/json/parquet, dataset id for hub")
+    name: str | None = Field(None, description="hub dataset configuration, e.g. 'en' for allenai/c4")
+    split: str = "train"
+    text_field: str = "text"
+    seq_len: int = Field(128, ge=2, description="tokens per training sequence (the paper uses 256 / 1,024)")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step")
+    eval_batch_size: int | None = Field(None, ge=1, description="default: batch_size")
+    num_shards: int = Field(4, ge=1)
+    iid: bool = True
+    max_train_sequences: int | None = Field(None, ge=1, description="cap on training rows; required for hub")
+    val_sequences: int = Field(64, ge=1, description="held-out rows evaluated by evaluate()")
+    seed: int = Field(0, description="seeds the held-out split, the shard split and per-epoch orders")
+    cache_dir: str | None = Field(None, description="packed-token cache; default ~/.cache/asyncloco (XDG)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LMTaskConfig":
+        if self.model not in PRESETS:
+            raise ValueError(f"task.model {self.model!r} is not a preset; choose one of {sorted(PRESETS)}")
+        if self.source == "embedded" and self.path is not None:
+            raise ValueError("task.path is only for source text/json/parquet/hub; remove it or set task.source")
+        if self.source != "embedded" and not self.path:
+            hint = "a dataset id such as 'allenai/c4'" if self.source == "hub" else "a file, glob or list of files"
+            raise ValueError(f"task.source={self.source!r} needs task.path: {hint}")
+        if self.name is not None and self.source != "hub":
+            raise ValueError("task.name (a hub dataset configuration) is only used with task.source='hub'")
+        if self.source == "hub" and self.max_train_sequences is None:
+            raise ValueError("task.source='hub' streams the dataset and needs task.max_train_sequences "
+                             "to know where to stop, e.g. 100000")
+        if self.max_train_sequences is not None and self.max_train_sequences < self.num_shards * self.batch_size:
+            raise ValueError(f"task.max_train_sequences={self.max_train_sequences} gives some of the "
+                             f"{self.num_shards} shards less than one batch of {self.batch_size}; raise it to "
+                             f">= num_shards * batch_size = {self.num_shards * self.batch_size}")
+        return self
+
+    @property
+    def units_per_step(self) -> int:
+        """Tokens consumed by one inner step (the unit of DyLU throughput reports)."""
+        return self.batch_size * self.seq_len
