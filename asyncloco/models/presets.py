@@ -30,12 +30,14 @@ only adds up with separate input and output matrices; the 896-wide models only a
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import Field, model_validator
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncloco.config_base import StrictModel
+
+if TYPE_CHECKING:  # torch / transformers load lazily: config validation must stay a cheap import
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["ModelPreset", "PRESETS", "build_causal_lm", "causal_lm_config", "count_parameters", "get_preset"]
 
@@ -99,6 +101,8 @@ def causal_lm_config(
     pad_token_id: int | None = None,
 ) -> LlamaConfig:
     """The ``LlamaConfig`` of a preset. ``vocab_size`` must match the tokenizer (``len(tokenizer)``)."""
+    from transformers import LlamaConfig
+
     shape = get_preset(preset)
     vocab = vocab_size if vocab_size is not None else shape.vocab_size
     if vocab is None:
@@ -140,6 +144,9 @@ def build_causal_lm(
     The global torch RNG is left untouched (initialisation runs inside ``fork_rng``).
     ``special_token_ids``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for generation.
     """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     if isinstance(preset, LlamaConfig):
         config = preset
     else:
@@ -152,6 +159,9 @@ def build_causal_lm(
 
 def count_parameters(preset: str | ModelPreset, vocab_size: int | None = None) -> int:
     """Unique trainable parameters (tied embeddings counted once), without allocating them."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     with torch.device("meta"):
         model = LlamaForCausalLM(causal_lm_config(preset, vocab_size))
     return sum(p.numel() for p in model.parameters())
