@@ -204,9 +204,9 @@ def devil_documents(package_root: Path) -> list[dict[str, str]]:
     data = gzip.decompress((dictd / "devil.dict.dz").read_bytes())
     entries: dict[int, int] = {}
     for row in (dictd / "devil.index").read_text(encoding="utf-8").splitlines():
-        headword, offset, length = row.split("\t")
+        headword, offset_code, length_code = row.split("\t")
         if not headword.startswith("00database"):
-            entries[_dictd_number(offset)] = _dictd_number(length)
+            entries[_dictd_number(offset_code)] = _dictd_number(length_code)
     docs = []
     for offset in sorted(entries):
         text = data[offset : offset + entries[offset]].decode("latin-1").replace("_", "")

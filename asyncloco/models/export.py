@@ -24,7 +24,9 @@ def export_causal_lm(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_d
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"export needs a transformers PreTrainedModel, got {type(model).__name__}; build the "
                          "model with asyncloco.models.presets.build_causal_lm or LMWorkload.build_model")
-    embedding_rows = model.get_input_embeddings().weight.shape[0]
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, nn.Embedding), "a causal LM embeds tokens with nn.Embedding"
+    embedding_rows = embedding.num_embeddings
     if embedding_rows < len(tokenizer):
         raise ValueError(f"the model embeds {embedding_rows} tokens but the tokenizer has {len(tokenizer)}; "
                          "export with the tokenizer the model was trained with")

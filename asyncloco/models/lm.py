@@ -130,6 +130,7 @@ class LMWorkload(Workload):
     # --------------------------------------------------------------------------------- export
     def export(self, model_or_params: nn.Module | torch.Tensor, out_dir: str | Path) -> Path:
         """Write a model (or a flat θ) plus the tokenizer as a ``from_pretrained`` directory."""
+        model: nn.Module
         if isinstance(model_or_params, torch.Tensor):
             model = self.build_model(seed=0)
             load_flat_params(model, model_or_params.detach().to(torch.float32).cpu())

@@ -54,13 +54,13 @@ class ModelPreset(StrictModel):
     num_layers: int = Field(ge=1)
     hidden_size: int = Field(ge=8)
     num_heads: int = Field(ge=1)
-    head_dim: int = Field(64, ge=4)
+    head_dim: int = Field(default=64, ge=4)
     intermediate_size: int = Field(ge=8)
     tie_embeddings: bool
-    vocab_size: int | None = Field(None, ge=2, description="default vocabulary; None: the tokenizer's")
-    rope_theta: float = Field(10_000.0, gt=0)
-    rms_norm_eps: float = Field(1e-5, gt=0)
-    initializer_range: float = Field(0.02, gt=0)
+    vocab_size: int | None = Field(default=None, ge=2, description="default vocabulary; None: the tokenizer's")
+    rope_theta: float = Field(default=10_000.0, gt=0)
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    initializer_range: float = Field(default=0.02, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelPreset":
