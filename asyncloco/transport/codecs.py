@@ -215,9 +215,13 @@ def decode(encoded: EncodedTensor, expected_numel: int) -> torch.Tensor:
         )
         out = bnbf.dequantize_blockwise(quantized, quant_state=state)
     else:
+        # The fast CPU kernel needs an even length; an odd numel falls back to a pure-torch path ~20x
+        # slower. Decoding numel + 1 reads the same bytes and the same number of blocks (an odd numel is
+        # never a multiple of the block size), so we decode one padding value and drop it.
+        padded = numel + (numel % 2)
         state = bnbf.QuantState(
             absmax=absmax,
-            shape=torch.Size([numel]),
+            shape=torch.Size([padded]),
             blocksize=INT4_BLOCKSIZE,
             quant_type="nf4",
             dtype=torch.float32,
@@ -225,6 +229,6 @@ def decode(encoded: EncodedTensor, expected_numel: int) -> torch.Tensor:
         # The CPU kernels return (numel,), (1, numel) or (numel, 1) depending on parity and a
         # transpose shim; the element order is the same in all of them.
         out = bnbf.dequantize_4bit(quantized, quant_state=state)
-    out = out.reshape(-1)
+    out = out.reshape(-1)[:numel]
     assert out.dtype == torch.float32 and out.numel() == numel, (out.dtype, out.shape)
     return out

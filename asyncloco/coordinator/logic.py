@@ -1,0 +1,559 @@
+"""The coordinator's brain: ``handle(state, event, now) -> (state, actions)``.
+
+One pure decision function, driven by the simulator's fake clock and by the networked daemon's
+real clock alike. It owns no clock, no transport and no global randomness: ``now`` is passed in,
+shard sampling draws from a counter-based generator seeded by ``state.seed``, and every action
+carries a human-readable ``reason``.
+
+Events and what the coordinator decides:
+
+* :class:`SpeedReport` — a peer's measured throughput (tokens or samples per second), smoothed.
+* :class:`RequestWork` — a peer wants a lease: answer now (:class:`Assign`) or hold it for the
+  grace period (:class:`Hold`), paper Algorithm 2 / algorithm.md §6. A held request is answered
+  later by an :class:`Assign` emitted while handling another event.
+* :class:`SubmitUpdate` — a pseudo-gradient arrives for a lease: validate it, apply it with the
+  method's outer optimizer (:class:`Applied`), acknowledge a resend without applying it twice
+  (:class:`Duplicate`), or refuse it (:class:`Rejected`).
+* :class:`Tick` — time passes: expired leases give their steps back (:class:`Expired`), held
+  requests whose grace window closed are answered.
+* :class:`PeerLeft` — a peer is gone: its leases are given back, it leaves the DyLU max.
+
+Grace windows (offline Algorithm 2, run online with predicted completion times): when a peer that
+just finished asks for work while other leases are expected to finish within ``grace`` seconds, a
+window opens until ``now + grace``; every request in the window is held until all leases expected
+inside the window have been applied (or expired), or the window closes, and then all held peers
+get leases from the newest θ, in request order. In barrier mode (sync DiLoCo) the window never
+closes by time: everyone waits for every lease of the round.
+
+``handle`` mutates ``state`` in place (θ can be hundreds of MB) and returns it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import numpy as np
+import torch
+
+from asyncloco.algo.dylu import dylu_steps, ema
+from asyncloco.algo.grace import hold_decision
+from asyncloco.algo.outer import OuterOptimizer
+from asyncloco.algo.sampler import sample_shard
+from asyncloco.algo.staleness import StalenessTransform, apply_transforms
+
+__all__ = [
+    "Lease",
+    "ShardState",
+    "PeerInfo",
+    "CoordinatorPolicy",
+    "CoordinatorState",
+    "SpeedReport",
+    "RequestWork",
+    "SubmitUpdate",
+    "Tick",
+    "PeerLeft",
+    "Event",
+    "Assign",
+    "Hold",
+    "Applied",
+    "Duplicate",
+    "Rejected",
+    "Expired",
+    "Action",
+    "handle",
+]
+
+
+# ----------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    peer: str
+    shard: int
+    start_offset: int  # index of the first batch of the shard this lease trains
+    steps: int
+    lr_offset: int  # shard's local-update counter at issue: step j uses η(lr_offset + j)
+    base_version: int
+    issued_at: float
+    expected_finish: float
+    deadline: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ShardState:
+    size: int  # batches per epoch
+    assigned: int = 0  # n_i of Eq. 2: local updates assigned (given back when a lease is abandoned)
+    cursor: int = 0  # next never-issued batch index (monotonic)
+    returned: list[tuple[int, int]] = field(default_factory=list)  # (start, steps) given back, reissued first
+
+
+@dataclass
+class PeerInfo:
+    speed: float  # smoothed units (tokens or samples) per second
+    last_seen: float
+    alive: bool = True
+
+
+@dataclass(frozen=True)
+class CoordinatorPolicy:
+    """Knobs of the decision function (from the run config)."""
+
+    max_local_steps: int  # H
+    min_steps: int = 1
+    dylu: bool = True
+    barrier: bool = False  # sync DiLoCo
+    grace_period: float = 0.0
+    units_per_step: int = 1  # tokens (or samples) one local step consumes
+    speed_ema: float = 0.5
+    lease_timeout_factor: float = 3.0
+    lease_slack: float = 30.0
+    max_staleness: int | None = None
+    max_update_norm: float | None = None
+
+
+@dataclass
+class CoordinatorState:
+    params: torch.Tensor  # θ, flat fp32
+    optimizer: OuterOptimizer
+    transforms: list[StalenessTransform]
+    policy: CoordinatorPolicy
+    shards: list[ShardState]
+    seed: int = 0
+    version: int = 0
+    local_updates: int = 0  # sum of steps of applied updates
+    lease_counter: int = 0
+    leases: dict[str, Lease] = field(default_factory=dict)
+    peers: dict[str, PeerInfo] = field(default_factory=dict)
+    applied: dict[str, int] = field(default_factory=dict)  # lease_id -> version after applying it
+    held: dict[str, float] = field(default_factory=dict)  # peer -> time of its held request (insertion order)
+    window_end: float | None = None  # open grace window closes at this time
+    base_params: dict[int, torch.Tensor] = field(default_factory=dict)  # θ(v) kept for delay compensation
+
+    @property
+    def needs_base_params(self) -> bool:
+        return any(t.needs_base_params for t in self.transforms)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to continue the same trajectory (tensors + plain values)."""
+        return {
+            "params": self.params,
+            "optimizer": self.optimizer.state_dict(),
+            "transforms": [t.state_dict() for t in self.transforms],
+            "shards": [dict(s.__dict__) for s in self.shards],
+            "seed": self.seed,
+            "version": self.version,
+            "local_updates": self.local_updates,
+            "lease_counter": self.lease_counter,
+            "leases": {k: v.to_dict() for k, v in self.leases.items()},
+            "peers": {k: dict(v.__dict__) for k, v in self.peers.items()},
+            "applied": dict(self.applied),
+            "held": dict(self.held),
+            "window_end": self.window_end,
+            "base_params": dict(self.base_params),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = state["params"]
+        if params.shape != self.params.shape:
+            raise ValueError(
+                f"checkpoint θ has {params.numel()} values but this run's model has {self.params.numel()}; "
+                "resume with the config the checkpoint was written with"
+            )
+        if len(state["shards"]) != len(self.shards):
+            raise ValueError(f"checkpoint has {len(state['shards'])} shards, config has {len(self.shards)}")
+        self.params.copy_(params)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for transform, sub in zip(self.transforms, state["transforms"]):
+            transform.load_state_dict(sub)
+        self.shards = [
+            ShardState(s["size"], s["assigned"], s["cursor"], [tuple(r) for r in s["returned"]])  # type: ignore[misc]
+            for s in state["shards"]
+        ]
+        self.seed = int(state["seed"])
+        self.version = int(state["version"])
+        self.local_updates = int(state["local_updates"])
+        self.lease_counter = int(state["lease_counter"])
+        self.leases = {k: Lease(**v) for k, v in state["leases"].items()}
+        self.peers = {k: PeerInfo(**v) for k, v in state["peers"].items()}
+        self.applied = {k: int(v) for k, v in state["applied"].items()}
+        self.held = dict(state["held"])
+        self.window_end = state["window_end"]
+        self.base_params = {int(k): v.clone() for k, v in state["base_params"].items()}
+
+
+# ---------------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class SpeedReport:
+    peer: str
+    units_per_second: float
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    peer: str
+
+
+@dataclass(frozen=True)
+class SubmitUpdate:
+    peer: str
+    lease_id: str
+    base_version: int
+    pseudo_gradient: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class PeerLeft:
+    peer: str
+
+
+Event = Union[SpeedReport, RequestWork, SubmitUpdate, Tick, PeerLeft]
+
+
+# --------------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Assign:
+    peer: str
+    lease: Lease
+    reason: str
+
+
+@dataclass(frozen=True)
+class Hold:
+    peer: str
+    until: float  # math.inf in barrier mode
+    waiting_for: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Applied:
+    peer: str
+    lease_id: str
+    version: int  # θ's version after this update
+    staleness: int
+    steps: int
+    shard: int
+    moved: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    peer: str
+    lease_id: str
+    version: int  # the version at which it was first applied
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    peer: str
+    lease_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Expired:
+    peer: str
+    lease_id: str
+    shard: int
+    steps: int
+    reason: str
+
+
+Action = Union[Assign, Hold, Applied, Duplicate, Rejected, Expired]
+
+
+# ------------------------------------------------------------------------------------- decisions
+
+
+def handle(state: CoordinatorState, event: Event, now: float) -> tuple[CoordinatorState, list[Action]]:
+    """Decide what ``event`` at time ``now`` does. Mutates and returns ``state``."""
+    if isinstance(event, SpeedReport):
+        actions = _on_speed(state, event, now)
+    elif isinstance(event, RequestWork):
+        actions = _on_request(state, event, now)
+    elif isinstance(event, SubmitUpdate):
+        actions = _on_submit(state, event, now)
+    elif isinstance(event, Tick):
+        actions = _expire(state, now)
+    elif isinstance(event, PeerLeft):
+        actions = _on_peer_left(state, event, now)
+    else:
+        raise TypeError(f"unknown event {event!r}")
+    actions += _release_held(state, now)
+    return state, actions
+
+
+def _on_speed(state: CoordinatorState, event: SpeedReport, now: float) -> list[Action]:
+    speed = float(event.units_per_second)
+    if not (math.isfinite(speed) and speed > 0):
+        return []  # a bogus report never reaches DyLU; the peer keeps its previous speed
+    info = state.peers.get(event.peer)
+    previous = info.speed if info is not None and info.alive else None
+    state.peers[event.peer] = PeerInfo(ema(previous, speed, state.policy.speed_ema), now, True)
+    return []
+
+
+def _alive_speeds(state: CoordinatorState) -> dict[str, float]:
+    return {name: info.speed for name, info in state.peers.items() if info.alive}
+
+
+def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list[Action]:
+    peer = event.peer
+    info = state.peers.get(peer)
+    if info is None or not info.alive:
+        return [Rejected(peer, "", "no speed report from this peer yet; it must publish its throughput first")]
+    info.last_seen = now
+    for lease in state.leases.values():
+        if lease.peer == peer:
+            # A peer holds one lease at a time: asking again means it abandoned the old one.
+            return _give_back(state, lease, "peer asked for new work before submitting") + _on_request(state, event, now)
+    if peer in state.held:
+        return []
+    policy = state.policy
+    if policy.barrier:
+        if any(lease.base_version < state.version for lease in state.leases.values()):
+            state.held[peer] = now
+            waiting = tuple(sorted(state.leases))
+            return [Hold(peer, math.inf, waiting, f"sync barrier: waiting for {len(waiting)} lease(s) of this round")]
+        return [_issue(state, peer, now, "sync round starts")]
+    if state.window_end is not None and now <= state.window_end:
+        state.held[peer] = now
+        waiting = _expected_in_window(state, state.window_end)
+        return [Hold(peer, state.window_end, waiting, "joined the open grace window")]
+    decision = hold_decision(now, ((lid, l.expected_finish) for lid, l in state.leases.items()), policy.grace_period)
+    if decision.hold_until is None:
+        return [_issue(state, peer, now, decision.reason)]
+    state.window_end = decision.hold_until
+    state.held[peer] = now
+    return [Hold(peer, decision.hold_until, decision.waiting_for, decision.reason)]
+
+
+def _expected_in_window(state: CoordinatorState, window_end: float) -> tuple[str, ...]:
+    return tuple(sorted(lid for lid, lease in state.leases.items() if lease.expected_finish <= window_end))
+
+
+def _release_held(state: CoordinatorState, now: float) -> list[Action]:
+    """Answer held requests once their window is settled."""
+    if not state.held:
+        if state.window_end is not None and now >= state.window_end:
+            state.window_end = None
+        return []
+    if state.policy.barrier:
+        if state.leases:
+            return []
+        reason = "sync barrier released: every lease of the round is in"
+    else:
+        window_end = state.window_end if state.window_end is not None else now
+        pending = _expected_in_window(state, window_end)
+        if pending and now < window_end:
+            return []
+        reason = (
+            "grace window closed" if pending else "every update expected in the grace window has been applied"
+        )
+    held = sorted(state.held.items(), key=lambda item: (item[1], item[0]))
+    state.held.clear()
+    state.window_end = None
+    actions: list[Action] = []
+    for peer, _ in held:
+        info = state.peers.get(peer)
+        if info is None or not info.alive:
+            continue
+        actions.append(_issue(state, peer, now, reason))
+    return actions
+
+
+def _next_uniform(state: CoordinatorState) -> float:
+    # Counter-based: the n-th lease's draw depends only on (seed, n), so a resumed coordinator draws
+    # exactly what an uninterrupted one would have.
+    return float(np.random.default_rng([state.seed, state.lease_counter]).random())
+
+
+def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
+    policy = state.policy
+    speeds = _alive_speeds(state)
+    if policy.dylu:
+        steps = dylu_steps(speeds, peer, policy.max_local_steps, policy.min_steps)
+        why_steps = f"DyLU: {steps} steps at {speeds[peer]:.4g} units/s vs fastest {max(speeds.values()):.4g}"
+    else:
+        steps = policy.max_local_steps
+        why_steps = f"{steps} steps (fixed H)"
+    sizes = [s.size for s in state.shards]
+    progress = [s.assigned for s in state.shards]
+    shard_index = sample_shard(sizes, progress, _next_uniform(state))
+    shard = state.shards[shard_index]
+    lr_offset = shard.assigned
+    if shard.returned:
+        start, available = shard.returned.pop(0)
+        if available > steps:
+            shard.returned.insert(0, (start + steps, available - steps))
+        else:
+            steps = available
+            why_steps += f"; shortened to {steps} to re-train a range given back by an abandoned lease"
+    else:
+        start = shard.cursor
+        shard.cursor += steps
+    shard.assigned += steps
+    state.lease_counter += 1
+    duration = steps * policy.units_per_step / speeds[peer]
+    lease = Lease(
+        lease_id=f"L{state.lease_counter:08d}",
+        peer=peer,
+        shard=shard_index,
+        start_offset=start,
+        steps=steps,
+        lr_offset=lr_offset,
+        base_version=state.version,
+        issued_at=now,
+        expected_finish=now + duration,
+        deadline=now + duration * policy.lease_timeout_factor + policy.lease_slack,
+    )
+    state.leases[lease.lease_id] = lease
+    if state.needs_base_params and state.version not in state.base_params:
+        state.base_params[state.version] = state.params.clone()
+    return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
+
+
+def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
+    del state.leases[lease.lease_id]
+    shard = state.shards[lease.shard]
+    shard.assigned -= lease.steps
+    if lease.start_offset + lease.steps == shard.cursor and not shard.returned:
+        shard.cursor = lease.start_offset  # the newest range: simply rewind
+    else:
+        shard.returned.append((lease.start_offset, lease.steps))
+        shard.returned.sort()
+    _drop_unused_base_params(state)
+    return [Expired(lease.peer, lease.lease_id, lease.shard, lease.steps, f"{why}; {lease.steps} steps given back to shard {lease.shard}")]
+
+
+def _drop_unused_base_params(state: CoordinatorState) -> None:
+    if not state.base_params:
+        return
+    in_use = {lease.base_version for lease in state.leases.values()}
+    for version in list(state.base_params):
+        if version not in in_use:
+            del state.base_params[version]
+
+
+def _expire(state: CoordinatorState, now: float) -> list[Action]:
+    actions: list[Action] = []
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if now > lease.deadline:
+            actions += _give_back(state, lease, f"lease deadline {lease.deadline:.1f} passed")
+    return actions
+
+
+def _on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[Action]:
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.alive = False
+    state.held.pop(event.peer, None)
+    actions: list[Action] = []
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if lease.peer == event.peer:
+            actions += _give_back(state, lease, "peer left")
+    return actions
+
+
+def validate_update(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -> str | None:
+    """Why this update must not touch θ, or None if it may."""
+    update = event.pseudo_gradient
+    if lease.peer != event.peer:
+        return f"lease {lease.lease_id} belongs to another peer"
+    if event.base_version != lease.base_version:
+        return f"base_version {event.base_version} does not match the lease's {lease.base_version}"
+    if not isinstance(update, torch.Tensor) or update.dtype != torch.float32:
+        return "pseudo-gradient must be a float32 tensor"
+    if update.shape != state.params.shape:
+        return f"pseudo-gradient has shape {tuple(update.shape)}, θ has {tuple(state.params.shape)}"
+    if not bool(torch.isfinite(update).all()):
+        return "pseudo-gradient contains NaN or Inf"
+    staleness = state.version - lease.base_version
+    if state.policy.max_staleness is not None and staleness > state.policy.max_staleness:
+        return f"staleness {staleness} exceeds the bound {state.policy.max_staleness}"
+    if state.policy.max_update_norm is not None:
+        norm = float(torch.linalg.vector_norm(update))
+        if norm > state.policy.max_update_norm:
+            return f"pseudo-gradient norm {norm:.4g} exceeds the bound {state.policy.max_update_norm:g}"
+    return None
+
+
+def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[Action]:
+    if event.lease_id in state.applied:
+        version = state.applied[event.lease_id]
+        return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
+    lease = state.leases.get(event.lease_id)
+    if lease is None:
+        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back")]
+    problem = validate_update(state, event, lease)
+    if problem is not None:
+        return [Rejected(event.peer, event.lease_id, problem)]
+    staleness = state.version - lease.base_version
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.last_seen = now
+    base = state.base_params.get(lease.base_version)
+    adjusted = apply_transforms(state.transforms, event.pseudo_gradient, staleness, state.params, base)
+    del state.leases[lease.lease_id]
+    if adjusted.pseudo_gradient is None:
+        # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
+        state.applied[lease.lease_id] = state.version
+        _drop_unused_base_params(state)
+        return [Rejected(event.peer, lease.lease_id, adjusted.reason)]
+    info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
+    state.version += 1
+    state.local_updates += lease.steps
+    state.applied[lease.lease_id] = state.version
+    _drop_unused_base_params(state)
+    return [
+        Applied(
+            event.peer,
+            lease.lease_id,
+            state.version,
+            staleness,
+            lease.steps,
+            lease.shard,
+            info_step.moved,
+            f"{info_step.reason}; {adjusted.reason}",
+        )
+    ]
+
+
+def new_state(
+    params: torch.Tensor,
+    optimizer: OuterOptimizer,
+    transforms: Sequence[StalenessTransform],
+    policy: CoordinatorPolicy,
+    shard_sizes: Sequence[int],
+    seed: int,
+) -> CoordinatorState:
+    if params.dim() != 1 or params.dtype != torch.float32:
+        raise ValueError("θ must be a flat float32 vector")
+    if not shard_sizes or any(size <= 0 for size in shard_sizes):
+        raise ValueError(f"every shard needs at least one batch, got sizes {list(shard_sizes)}")
+    return CoordinatorState(
+        params=params,
+        optimizer=optimizer,
+        transforms=list(transforms),
+        policy=policy,
+        shards=[ShardState(int(size)) for size in shard_sizes],
+        seed=seed,
+    )

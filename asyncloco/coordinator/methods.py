@@ -1,0 +1,151 @@
+"""Named training methods: which outer optimizer, which staleness transforms, DyLU or not, barrier or not.
+
+A *method* is what the paper compares in its tables and figures. Everything else (data, model,
+inner optimizer, worker speeds) stays fixed, so a comparison changes exactly one thing.
+
+``barrier=True`` is synchronous DiLoCo: every peer waits until all active leases are in, the k
+pseudo-gradients are averaged (Async Buffer with N = k) and one Nesterov step is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from asyncloco.algo.outer import (
+    AsyncBuffer,
+    DelayedNesterov,
+    OuterAdam,
+    OuterNesterov,
+    OuterOptimizer,
+    OuterSGD,
+    OuterSGDMomentum,
+)
+from asyncloco.algo.staleness import (
+    AsyncAwareLR,
+    DelayCompensation,
+    PolyDiscount,
+    StalenessLR,
+    StalenessTransform,
+)
+
+if TYPE_CHECKING:
+    from asyncloco.config import OuterConfig
+
+__all__ = ["MethodSpec", "METHODS", "build_method"]
+
+Groups = Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    label: str
+    dylu: bool
+    barrier: bool
+    outer: Callable[["OuterConfig", int], OuterOptimizer]
+    transforms: Callable[["OuterConfig", Groups], list[StalenessTransform]] = lambda cfg, groups: []
+
+
+def _n(cfg: "OuterConfig", workers: int) -> int:
+    return cfg.buffer_size or workers
+
+
+def _nesterov(cfg: "OuterConfig", workers: int) -> OuterOptimizer:
+    return OuterNesterov(cfg.lr, cfg.momentum)
+
+
+def _dn(cfg: "OuterConfig", workers: int) -> OuterOptimizer:
+    return DelayedNesterov(cfg.lr, cfg.momentum, _n(cfg, workers), cfg.activation)
+
+
+def _buffer(cfg: "OuterConfig", workers: int) -> OuterOptimizer:
+    return AsyncBuffer(cfg.lr, cfg.momentum, _n(cfg, workers))
+
+
+def _sync(cfg: "OuterConfig", workers: int) -> OuterOptimizer:
+    return AsyncBuffer(cfg.lr, cfg.momentum, workers)
+
+
+def _sgd(cfg: "OuterConfig", workers: int) -> OuterOptimizer:
+    return OuterSGD(cfg.sgd_lr or cfg.lr / (1.0 + cfg.momentum))
+
+
+_SPECS = [
+    MethodSpec("sync_diloco", "Sync DiLoCo", dylu=False, barrier=True, outer=_sync),
+    MethodSpec("async_diloco", "Async DiLoCo (Nesterov)", dylu=False, barrier=False, outer=_nesterov),
+    MethodSpec("async_dn", "Async DN", dylu=False, barrier=False, outer=_dn),
+    MethodSpec("async_dn_dylu", "Async DN + DyLU", dylu=True, barrier=False, outer=_dn),
+    MethodSpec("async_diloco_dylu", "Async DiLoCo + DyLU", dylu=True, barrier=False, outer=_nesterov),
+    MethodSpec("async_buffer", "Async Buffer (FedBuff)", dylu=False, barrier=False, outer=_buffer),
+    MethodSpec(
+        "poly",
+        "Async DiLoCo + Poly",
+        dylu=False,
+        barrier=False,
+        outer=_nesterov,
+        transforms=lambda cfg, groups: [PolyDiscount(cfg.poly_exponent)],
+    ),
+    MethodSpec(
+        "poly_thres",
+        "Async DiLoCo + PolyThres",
+        dylu=False,
+        barrier=False,
+        outer=_nesterov,
+        transforms=lambda cfg, groups: [PolyDiscount(cfg.poly_exponent, cfg.poly_max_staleness)],
+    ),
+    MethodSpec(
+        "delay_comp",
+        "Async DiLoCo + Delay Comp.",
+        dylu=False,
+        barrier=False,
+        outer=_nesterov,
+        transforms=lambda cfg, groups: [DelayCompensation(cfg.delay_compensation)],
+    ),
+    MethodSpec(
+        "elasticdl_lr",
+        "Async DiLoCo + staleness lr (ElasticDL)",
+        dylu=False,
+        barrier=False,
+        outer=_nesterov,
+        transforms=lambda cfg, groups: [StalenessLR()],
+    ),
+    MethodSpec(
+        "asynclm",
+        "Async DiLoCo + AsyncLM (group comp. + AALR)",
+        dylu=False,
+        barrier=False,
+        outer=_nesterov,
+        transforms=lambda cfg, groups: [
+            DelayCompensation(cfg.delay_compensation, groups=list(groups) or None),
+            AsyncAwareLR(cfg.aalr_threshold, cfg.aalr_window),
+        ],
+    ),
+    MethodSpec("async_sgd", "Async SGD (outer)", dylu=False, barrier=False, outer=_sgd),
+    MethodSpec(
+        "async_sgd_momentum",
+        "Async SGD-momentum (outer)",
+        dylu=False,
+        barrier=False,
+        outer=lambda cfg, workers: OuterSGDMomentum(cfg.lr / (1.0 + cfg.momentum), cfg.momentum),
+    ),
+    MethodSpec(
+        "async_adam",
+        "Async Adam (outer)",
+        dylu=False,
+        barrier=False,
+        outer=lambda cfg, workers: OuterAdam(cfg.adam_lr),
+    ),
+]
+
+METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def build_method(
+    name: str, cfg: "OuterConfig", workers: int, groups: Groups = ()
+) -> tuple[MethodSpec, OuterOptimizer, list[StalenessTransform]]:
+    """The spec, a fresh outer optimizer and fresh transforms for method ``name``."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
+    spec = METHODS[name]
+    return spec, spec.outer(cfg, workers), spec.transforms(cfg, groups)

@@ -1,0 +1,287 @@
+"""Deterministic fake-time simulation of asynchronous Local-SGD (paper Algorithm 2).
+
+Workers are in-process :class:`~asyncloco.peer.inner.InnerTrainer` replicas that really train;
+only *time* is fake: a worker with ``s`` seconds per step finishes a lease of H_w steps
+``H_w · s`` seconds after it started. The coordinator is the same pure
+:func:`~asyncloco.coordinator.logic.handle` the networked daemon drives, with exact speed reports,
+so the grace window predicts completions perfectly and the run is Algorithm 2 exactly:
+
+* a completed worker submits its pseudo-gradient (applied at once) and asks for new work;
+* if other leases are expected to finish within the grace period it is held, and all workers that
+  finish in the window restart together from the newest θ at the last in-window completion;
+* sync DiLoCo is the same loop in barrier mode (everyone waits for the whole round).
+
+The run stops once the applied updates sum to ``sim.total_local_updates``. Same seed and config →
+bit-identical JSON-lines trace.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+import torch
+
+from asyncloco.algo.schedule import ShardSchedule
+from asyncloco.config import RunConfig, worker_seconds_per_step
+from asyncloco.coordinator.logic import (
+    Action,
+    Applied,
+    Assign,
+    CoordinatorPolicy,
+    Hold,
+    Rejected,
+    RequestWork,
+    SpeedReport,
+    SubmitUpdate,
+    Tick,
+    handle,
+    new_state,
+)
+from asyncloco.coordinator.methods import build_method
+from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
+from asyncloco.peer.inner import InnerTrainer, RoundResult
+
+__all__ = ["SimResult", "Simulation", "build_workload", "shard_schedule"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_workload(cfg: RunConfig) -> Workload:
+    """The workload named by ``cfg.task`` (toy classifier or language model)."""
+    if cfg.task.kind == "toy":
+        from asyncloco.sim.toy import ToyWorkload
+
+        return ToyWorkload(cfg.task)  # type: ignore[arg-type]
+    from asyncloco.models.lm import build_lm_workload  # the LM layer, imported only when asked for
+
+    return build_lm_workload(cfg.task)  # type: ignore[arg-type]
+
+
+def shard_schedule(cfg: RunConfig) -> ShardSchedule:
+    return ShardSchedule(cfg.inner.lr, cfg.inner.min_lr, cfg.inner.warmup_steps, cfg.inner.total_steps_per_shard)
+
+
+@dataclass
+class SimResult:
+    method: str
+    label: str
+    evals: list[dict[str, float]] = field(default_factory=list)  # time, local_updates, version, loss, ...
+    at_budget: dict[str, float] = field(default_factory=dict)  # the eval once sim.total_local_updates is reached
+    applied: int = 0
+    local_updates: int = 0
+    sim_time: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+
+    @property
+    def final(self) -> dict[str, float]:
+        """Metrics at equal total local updates (the budget), the paper's comparison point."""
+        return self.at_budget or self.evals[-1]
+
+    def time_to_reach(self, loss: float) -> float | None:
+        """Simulated time of the first evaluation at or below ``loss`` (None if never)."""
+        for record in self.evals:
+            if record["loss"] <= loss:
+                return record["time"]
+        return None
+
+
+@dataclass
+class _Worker:
+    name: str
+    seconds_per_step: float
+    trainer: InnerTrainer
+    lease_id: str | None = None
+    base_version: int = 0
+    result: RoundResult | None = None
+
+
+class Simulation:
+    """One method, one config: ``Simulation(cfg, "async_dn_dylu").run(trace=fh)``.
+
+    With ``target_loss`` the run goes on past the budget, until an evaluation reaches that loss or
+    the simulated time passes ``time_limit`` — that is how "time to reach sync DiLoCo's final
+    loss" is measured. ``result.final`` is always the evaluation at the budget.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        method: str,
+        workload: Workload | None = None,
+        target_loss: float | None = None,
+        time_limit: float = math.inf,
+    ) -> None:
+        self.cfg = cfg
+        self.target_loss = target_loss
+        self.time_limit = time_limit
+        self.workload = workload if workload is not None else build_workload(cfg)
+        speeds = worker_seconds_per_step(cfg.sim.profile, cfg.sim.workers)
+        schedule = shard_schedule(cfg)
+        self.eval_model = self.workload.build_model(cfg.seed)
+        theta = flatten_params(self.eval_model)
+        self.spec, optimizer, transforms = build_method(
+            method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model)
+        )
+        policy = CoordinatorPolicy(
+            max_local_steps=cfg.schedule.max_local_steps,
+            min_steps=cfg.schedule.min_steps,
+            dylu=self.spec.dylu,
+            barrier=self.spec.barrier,
+            grace_period=cfg.schedule.grace_period,
+            units_per_step=self.workload.units_per_step,
+            speed_ema=cfg.schedule.speed_ema,
+            lease_timeout_factor=math.inf,  # fake time: nobody crashes, leases never expire
+            lease_slack=0.0,
+            max_staleness=None,
+        )
+        self.state = new_state(theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.sim.seed)
+        self.workers = {
+            f"w{i}": _Worker(
+                f"w{i}",
+                s,
+                InnerTrainer(
+                    self.workload,
+                    schedule,
+                    seed=cfg.seed,
+                    optimizer=cfg.inner.optimizer,
+                    betas=cfg.inner.betas,
+                    weight_decay=cfg.inner.weight_decay,
+                    grad_clip=cfg.inner.grad_clip,
+                ),
+            )
+            for i, s in enumerate(speeds)
+        }
+        self._queue: list[tuple[float, int, str, str]] = []
+        self._seq = 0
+        self._next_eval = cfg.sim.eval_every
+        self.result = SimResult(method, self.spec.label)
+        self._trace: TextIO | None = None
+
+    # ------------------------------------------------------------------------------------ output
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self._trace is not None:
+            self._trace.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def _evaluate(self, now: float) -> None:
+        load_flat_params(self.eval_model, self.state.params)
+        metrics = self.workload.evaluate(self.eval_model)
+        record = {"time": now, "local_updates": self.state.local_updates, "version": self.state.version, **metrics}
+        self.result.evals.append(record)
+        self._emit({"type": "eval", "method": self.result.method, **record})
+
+    # ------------------------------------------------------------------------------------- loop
+
+    def _push(self, time: float, kind: str, worker: str) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, (time, self._seq, kind, worker))
+
+    def _dispatch(self, actions: list[Action], now: float) -> None:
+        for action in actions:
+            if isinstance(action, Assign):
+                lease = action.lease
+                worker = self.workers[action.peer]
+                worker.lease_id, worker.base_version = lease.lease_id, lease.base_version
+                worker.result = worker.trainer.run(
+                    self.state.params, lease.shard, lease.start_offset, lease.steps, lease.lr_offset
+                )
+                finish = now + lease.steps * worker.seconds_per_step
+                self._push(finish, "complete", worker.name)
+                self._emit(
+                    {
+                        "type": "task",
+                        "method": self.result.method,
+                        "time": now,
+                        "worker": worker.name,
+                        "lease_id": lease.lease_id,
+                        "shard": lease.shard,
+                        "steps": lease.steps,
+                        "start_offset": lease.start_offset,
+                        "lr_offset": lease.lr_offset,
+                        "base_version": lease.base_version,
+                        "finish": finish,
+                        "train_loss": worker.result.mean_loss,
+                    }
+                )
+            elif isinstance(action, Hold):
+                if math.isfinite(action.until):
+                    self._push(action.until, "tick", action.peer)
+            elif isinstance(action, Applied):
+                self.result.applied += 1
+                self.result.staleness.append(action.staleness)
+                self._emit(
+                    {
+                        "type": "applied",
+                        "method": self.result.method,
+                        "time": now,
+                        "worker": action.peer,
+                        "lease_id": action.lease_id,
+                        "version": action.version,
+                        "staleness": action.staleness,
+                        "steps": action.steps,
+                        "local_updates": self.state.local_updates,
+                    }
+                )
+                if self.state.local_updates >= self._next_eval:
+                    self._evaluate(now)
+                    while self._next_eval <= self.state.local_updates:
+                        self._next_eval += self.cfg.sim.eval_every
+            elif isinstance(action, Rejected):
+                self._emit({"type": "rejected", "method": self.result.method, "time": now, "worker": action.peer, "reason": action.reason})
+
+    def _finished(self, now: float) -> bool:
+        if self.state.local_updates < self.cfg.sim.total_local_updates:
+            return False
+        if not self.result.at_budget:
+            if self.result.evals[-1]["local_updates"] != self.state.local_updates:
+                self._evaluate(now)
+            self.result.at_budget = dict(self.result.evals[-1])
+        if self.target_loss is None or now >= self.time_limit:
+            return True
+        return any(record["loss"] <= self.target_loss for record in self.result.evals)
+
+    def events(self) -> Iterator[tuple[float, str, str]]:
+        while self._queue:
+            time, _, kind, worker = heapq.heappop(self._queue)
+            yield time, kind, worker
+
+    def run(self, trace: TextIO | None = None) -> SimResult:
+        self._trace = trace
+        units = self.workload.units_per_step
+        for name, worker in self.workers.items():
+            self._dispatch(handle(self.state, SpeedReport(name, units / worker.seconds_per_step), 0.0)[1], 0.0)
+        self._evaluate(0.0)
+        for name in self.workers:
+            self._dispatch(handle(self.state, RequestWork(name), 0.0)[1], 0.0)
+        now = 0.0
+        for now, kind, name in self.events():
+            if kind == "complete":
+                worker = self.workers[name]
+                assert worker.result is not None and worker.lease_id is not None
+                submit = SubmitUpdate(name, worker.lease_id, worker.base_version, worker.result.pseudo_gradient)
+                worker.result, worker.lease_id = None, None
+                self._dispatch(handle(self.state, submit, now)[1], now)
+                if self._finished(now):
+                    break
+                self._dispatch(handle(self.state, RequestWork(name), now)[1], now)
+            else:
+                self._dispatch(handle(self.state, Tick(), now)[1], now)
+        self._finished(now)
+        self.result.local_updates = self.state.local_updates
+        self.result.sim_time = now
+        return self.result
+
+
+def run_to_file(cfg: RunConfig, method: str, trace_path: Path | None, workload: Workload | None = None) -> SimResult:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if trace_path is None:
+        return Simulation(cfg, method, workload).run()
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    with trace_path.open("w") as fh:
+        return Simulation(cfg, method, workload).run(trace=fh)
