@@ -46,7 +46,7 @@ __all__ = [
 CHUNK_BYTES = 1 << 20  # 1 MiB: 17 B framing per chunk (0.002 %); small enough to interleave streams
 MAX_CHUNK_BYTES = 4 << 20  # a receiver refuses bigger chunks (hivemind has already read them, see docs)
 MAX_HEADER_BYTES = 64 << 10
-FRAME_BYTES = 1 + P2P.HEADER_LEN  # hivemind's message marker + big-endian length
+FRAME_BYTES: int = 1 + int(P2P.HEADER_LEN)  # hivemind's message marker + big-endian length
 
 
 def varint_size(value: int) -> int:
@@ -60,7 +60,7 @@ def varint_size(value: int) -> int:
 
 def framed_size(message: Message) -> int:
     """Bytes hivemind writes on a stream for ``message``."""
-    return FRAME_BYTES + message.ByteSize()
+    return FRAME_BYTES + int(message.ByteSize())
 
 
 def stream_bytes(header_len: int, body_len: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -74,7 +74,7 @@ def stream_bytes(header_len: int, body_len: int, chunk_bytes: int = CHUNK_BYTES)
 
 
 def pack_header(fields: Dict[str, Any]) -> bytes:
-    data = msgpack.packb(fields, use_bin_type=True)
+    data: bytes = msgpack.packb(fields, use_bin_type=True)
     if len(data) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     return data
@@ -104,7 +104,7 @@ def chunk_buffer(message: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse
     """The body bytes of a chunk message, refusing anything that is not exactly one bounded buffer."""
     if len(message.tensors) != 1 or message.metadata:
         raise ProtocolError("expected a chunk message (one tensor buffer, no metadata)")
-    buffer = message.tensors[0].buffer
+    buffer: bytes = message.tensors[0].buffer
     if len(buffer) > MAX_CHUNK_BYTES:
         raise ProtocolError(f"chunk of {len(buffer)} bytes exceeds {MAX_CHUNK_BYTES}")
     return buffer
