@@ -75,6 +75,8 @@ class EncodedTensor:
 
     def to_bytes(self) -> bytes:
         """The stream body: ``meta`` then ``payload``; exactly ``wire_bytes(codec, numel)`` long."""
+        if not self.meta:  # float codecs: no concatenation copy (θ in fp32 can be hundreds of MB)
+            return self.payload if isinstance(self.payload, bytes) else bytes(self.payload)
         return bytes(self.meta) + bytes(self.payload)
 
     @classmethod

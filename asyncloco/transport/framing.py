@@ -11,10 +11,11 @@ Bytes on a hivemind stream per message = 1 (marker) + 8 (length) + protobuf size
 
     stream_bytes = (9 + 1 + varint(h) + h) + Σ_i (9 + 2 + varint(c_i) + varint(1 + varint(c_i) + c_i) + c_i)
 
-which is ``B + 17`` per full 1 MiB chunk (:func:`stream_bytes`). A streaming *request* is followed by
-hivemind's own 9-byte end-of-stream frame, not counted here. Unary messages (``assign``, the
-``get_model`` request, the ``submit`` ack) are counted as their protobuf size; p2pd's persistent
-connection adds its own small envelope. libp2p's yamux/noise framing below all of this is not counted.
+which is ``B + 17`` per full 1 MiB chunk (:func:`stream_bytes`). ``submit``'s ``ready`` and ack messages
+are stream frames too (9 + protobuf size each). A streaming *request* is followed by hivemind's own 9-byte
+end-of-stream frame, not counted here. Unary messages (``assign`` both ways, the ``get_model`` request)
+are counted as their protobuf size; p2pd's persistent connection adds its own small envelope. libp2p's
+yamux/noise framing below all of this is not counted.
 """
 
 from __future__ import annotations
