@@ -376,3 +376,30 @@ def test_invalid_hyper_parameters_raise() -> None:
         OuterAdam(1e-3, betas=(0.9, 1.0))
     # the boundary c = 1/N is allowed
     assert DelayedNesterov(0.7, 0.9, buffer_size=4, activation=0.25).activation == 0.25
+
+
+@pytest.mark.timeout(30)
+def test_async_buffer_flush_steps_on_the_mean_of_what_arrived() -> None:
+    lr, beta = 0.7, 0.9
+    theta0 = _theta()
+    g1, g2, g3 = _vectors(3, seed=60)
+    opt = AsyncBuffer(lr, beta, buffer_size=3)
+    theta = theta0.clone()
+    assert opt.flush(theta) is None and torch.equal(theta, theta0)  # nothing buffered: nothing to do
+    opt.step(theta, g1, lr_scale=1.0)
+    opt.step(theta, g2, lr_scale=0.5)
+    info = opt.flush(theta)
+    assert info is not None and info.moved and "2" in info.reason
+    mean = (g1 + g2) / 2
+    assert torch.allclose(theta, theta0 - lr * 0.75 * (1 + beta) * mean, rtol=RTOL, atol=1e-6)
+    assert torch.equal(opt.momentum_buffer, mean)
+    assert opt.buffered == 0 and opt.buffered_lr_scale == 0.0 and torch.equal(opt.buffer, torch.zeros(DIM))
+    # the next arrival starts a fresh buffer: θ does not move until three more have arrived
+    before = theta.clone()
+    assert not opt.step(theta, g3).moved and torch.equal(theta, before)
+    for name in ("sgd", "nesterov", "delayed_nesterov"):  # nothing to flush in the others
+        other = FACTORIES[name]()
+        theta_other = theta0.clone()
+        other.step(theta_other, g1)
+        after_step = theta_other.clone()
+        assert other.flush(theta_other) is None and torch.equal(theta_other, after_step)

@@ -467,6 +467,33 @@ def test_barrier_mode_runs_a_sync_round() -> None:
     assert lease_of(assign_c).base_version == 3 and "sync round starts" in assign_c.reason
 
 
+def test_barrier_round_that_loses_a_lease_closes_on_the_mean_of_what_arrived() -> None:
+    """A sync round whose lease expired steps on the mean of the arrivals it got; the next round starts clean."""
+    lr, beta = 0.7, 0.9
+    state = make_state(policy(barrier=True), optimizer=AsyncBuffer(lr, beta, 3))
+    leases = {}
+    for peer in "abc":
+        join(state, peer, 1.0)
+        leases[peer] = lease_of(do(state, RequestWork(peer), 0.0)[0])
+    g_a, g_b = torch.tensor([1.0, 0.0, 2.0, -1.0]), torch.tensor([3.0, 2.0, 0.0, 1.0])
+    submit(state, leases["a"], g_a, 10.0)
+    do(state, RequestWork("a"), 10.0)
+    submit(state, leases["b"], g_b, 11.0)
+    do(state, RequestWork("b"), 11.0)
+    assert torch.equal(state.params, torch.zeros(DIM))
+    expired, release_a, release_b = do(state, Tick(), 36.0)  # c's deadline was 35
+    assert isinstance(expired, Expired) and expired.peer == "c"
+    round_one = -lr * (1 + beta) * (g_a + g_b) / 2
+    assert torch.allclose(state.params, round_one, rtol=1e-6, atol=1e-7)
+    assert [release_a.peer, release_b.peer] == ["a", "b"]
+    assert all("mean of 2" in r.reason and lease_of(r).base_version == 2 for r in (release_a, release_b))
+    # round two: a's update is buffered on its own, never averaged with round one's
+    after_round_one = state.params.clone()
+    (applied,) = submit(state, lease_of(release_a), 5 * g_a, 50.0)
+    assert applied.moved is False and torch.equal(state.params, after_round_one)
+    assert state.optimizer.buffered == 1
+
+
 # ------------------------------------------------------------------------------ checkpoint (§7.6)
 
 

@@ -69,6 +69,10 @@ class OuterOptimizer(ABC):
     def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
         """Apply one pseudo-gradient to ``params`` in place."""
 
+    def flush(self, params: torch.Tensor) -> OuterStepInfo | None:
+        """Apply whatever is still buffered (a sync round that closed short); None when nothing is."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -276,13 +280,29 @@ class AsyncBuffer(OuterNesterov):
         self.buffered_lr_scale += lr_scale
         if self.buffered < self.buffer_size:
             return OuterStepInfo(False, f"buffered {self.buffered}/{self.buffer_size}")
-        mean = self.buffer.div_(self.buffer_size)
-        scale = self.buffered_lr_scale / self.buffer_size
+        return self._step_on_mean(params)
+
+    def flush(self, params: torch.Tensor) -> OuterStepInfo | None:
+        """One Nesterov step on the mean of the arrivals buffered so far (fewer than N).
+
+        The coordinator calls this when a sync round ends with some of its leases given back, so
+        that the next round's pseudo-gradients are never averaged into this round's step.
+        """
+        if self.buffered == 0:
+            return None
+        _check_vectors(params, self.buffer)  # type: ignore[arg-type]
+        return self._step_on_mean(params)
+
+    def _step_on_mean(self, params: torch.Tensor) -> OuterStepInfo:
+        assert self.buffer is not None and self.buffered > 0
+        count = self.buffered
+        mean = self.buffer.div_(count)
+        scale = self.buffered_lr_scale / count
         super().step(params, mean, lr_scale=scale)
         self.buffer.zero_()
         self.buffered = 0
         self.buffered_lr_scale = 0.0
-        return OuterStepInfo(True, f"nesterov step on the mean of {self.buffer_size} buffered pseudo-gradients")
+        return OuterStepInfo(True, f"nesterov step on the mean of {count} buffered pseudo-gradients")
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -352,6 +352,12 @@ def _expected_in_window(state: CoordinatorState, window_end: float) -> tuple[str
 
 def _release_held(state: CoordinatorState, now: float) -> list[Action]:
     """Answer held requests once their window is settled."""
+    closed_short = None
+    if state.policy.barrier and not state.leases:
+        # A sync round whose leases were given back (expired, peer left) ends with fewer than N
+        # arrivals buffered: step on their mean now, or the next round's updates would be averaged
+        # into this round's step and every later round would stay misaligned.
+        closed_short = state.optimizer.flush(state.params)
     if not state.held:
         if state.window_end is not None and now >= state.window_end:
             state.window_end = None
@@ -360,6 +366,8 @@ def _release_held(state: CoordinatorState, now: float) -> list[Action]:
         if state.leases:
             return []
         reason = "sync barrier released: every lease of the round is in"
+        if closed_short is not None:
+            reason += f" or given back; {closed_short.reason}"
     else:
         window_end = state.window_end if state.window_end is not None else now
         pending = _expected_in_window(state, window_end)
