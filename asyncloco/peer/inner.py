@@ -8,7 +8,9 @@ optimizer state persists across rounds on the same trainer and is never sent (pa
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,8 +70,19 @@ class InnerTrainer:
     def numel(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def run(self, params: torch.Tensor, shard: int, start_offset: int, steps: int, lr_offset: int) -> RoundResult:
-        """Train ``steps`` steps from θ = ``params`` and return θ_start − θ_end (fp32, on CPU)."""
+    def run(
+        self,
+        params: torch.Tensor,
+        shard: int,
+        start_offset: int,
+        steps: int,
+        lr_offset: int,
+        on_step: Callable[[float], None] | None = None,
+    ) -> RoundResult:
+        """Train ``steps`` steps from θ = ``params`` and return θ_start − θ_end (fp32, on CPU).
+
+        ``on_step(seconds)`` is called after every step with that step's duration (progress bars,
+        emulated slow devices)."""
         if steps < 1:
             raise ValueError(f"a round needs at least one step, got {steps}")
         theta_start = params.detach().to(torch.float32).cpu()
@@ -77,6 +90,7 @@ class InnerTrainer:
         self.model.train()
         total = 0.0
         for j in range(steps):
+            step_started = time.perf_counter()
             lr = self.schedule.lr(lr_offset + j)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -88,5 +102,7 @@ class InnerTrainer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
             total += float(loss.detach())
+            if on_step is not None:
+                on_step(time.perf_counter() - step_started)
         theta_end = flatten_params(self.model).cpu()
         return RoundResult(theta_start - theta_end, steps, total / steps)

@@ -1,0 +1,548 @@
+"""The networked coordinator: the pure decision logic driven by a real clock over hivemind.
+
+What it does, in one place:
+
+* starts a hivemind DHT node (a persistent identity in the checkpoint directory, so its peer id —
+  the one peers pin — survives restarts; the same TCP port on ``--resume``), announces itself under
+  the run id, and serves :class:`~asyncloco.transport.rpc.CoordinatorService`;
+* feeds :func:`~asyncloco.coordinator.logic.handle` with events: speed reports read from the DHT
+  (signed, schema-checked), lease requests (held for the grace period when the logic says so),
+  submissions (decoded only after the transport checked their exact size), a 1-second tick that
+  expires leases and closes grace windows, and departures of peers whose reports went stale;
+* serves θ at each lease's base version (snapshots are kept only for versions that active leases
+  still reference);
+* writes a durable snapshot before acknowledging an applied update or handing out a lease (see
+  :mod:`asyncloco.coordinator.checkpoint`), a JSON-lines journal of every decision, periodic
+  validation metrics and a ``status.json`` for dashboards and the demo;
+* on SIGINT/SIGTERM: snapshot, stop serving, shut hivemind down (no orphaned p2pd).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from asyncloco import __version__
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.checkpoint import load_snapshot, save_snapshot
+from asyncloco.coordinator.journal import Journal
+from asyncloco.coordinator.logic import (
+    Action,
+    Applied,
+    Assign,
+    CoordinatorPolicy,
+    CoordinatorState,
+    Duplicate,
+    Event,
+    Expired,
+    Hold,
+    Lease,
+    PeerLeft,
+    Rejected,
+    RequestWork,
+    SpeedReport,
+    SubmitUpdate,
+    Tick,
+    handle,
+    new_state,
+)
+from asyncloco.coordinator.methods import build_method
+from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
+
+__all__ = ["CoordinatorDaemon", "PeerStats"]
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT_FILE = "endpoint.json"
+IDENTITY_FILE = "identity.key"
+STATUS_FILE = "status.json"
+JOURNAL_FILE = "events.jsonl"
+
+
+@dataclass
+class PeerStats:
+    speed: float = 0.0
+    leases: int = 0
+    steps_assigned: int = 0
+    applied: int = 0
+    steps_applied: int = 0
+    staleness_sum: int = 0
+    expired: int = 0
+    rejected: int = 0
+    duplicates: int = 0
+
+
+@dataclass
+class _Waiter:
+    future: "asyncio.Future[Lease]"
+    since: float
+
+
+@dataclass
+class _Stats:
+    peers: dict[str, PeerStats] = field(default_factory=dict)
+    evals: list[dict[str, float]] = field(default_factory=list)
+
+    def peer(self, name: str) -> PeerStats:
+        return self.peers.setdefault(name, PeerStats())
+
+
+def lease_to_wire(lease: Lease, batch_size: int) -> dict[str, Any]:
+    return {
+        "lease_id": lease.lease_id,
+        "base_version": lease.base_version,
+        "shard": lease.shard,
+        "start_offset": lease.start_offset,
+        "steps": lease.steps,
+        "lr_offset": lease.lr_offset,
+        "batch_size": batch_size,
+        "issued_at": lease.issued_at,
+        "deadline": lease.deadline,
+    }
+
+
+class CoordinatorDaemon:
+    """``await CoordinatorDaemon(cfg, checkpoint_dir=..., resume=...).run(stop_event)``."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        checkpoint_dir: Path | None = None,
+        resume: bool = False,
+        initial_peers: tuple[str, ...] = (),
+        workload: Workload | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dir = Path(checkpoint_dir or cfg.runtime.checkpoint_dir)
+        self.resume = resume
+        self.initial_peers = tuple(initial_peers)
+        if not resume and (self.dir / "state.pt").exists():
+            raise ValueError(
+                f"{self.dir} already holds a run; continue it with --resume, or choose a new runtime.checkpoint_dir"
+            )
+        self.workload = workload if workload is not None else _build_workload(cfg)
+        self.model = self.workload.build_model(cfg.seed)
+        theta = flatten_params(self.model)
+        self.numel = theta.numel()
+        workers = cfg.outer.buffer_size or cfg.sim.workers
+        self.spec, optimizer, transforms = build_method(cfg.schedule.method, cfg.outer, workers, param_groups(self.model))
+        policy = CoordinatorPolicy(
+            max_local_steps=cfg.schedule.max_local_steps,
+            min_steps=cfg.schedule.min_steps,
+            dylu=self.spec.dylu,
+            barrier=self.spec.barrier,
+            grace_period=cfg.schedule.grace_period,
+            units_per_step=self.workload.units_per_step,
+            speed_ema=cfg.schedule.speed_ema,
+            lease_timeout_factor=cfg.runtime.lease_timeout_factor,
+            lease_slack=cfg.runtime.lease_slack,
+            max_staleness=cfg.outer.max_staleness,
+            max_update_norm=cfg.runtime.max_update_norm,
+        )
+        self.state: CoordinatorState = new_state(
+            theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.seed
+        )
+        self.stats = _Stats()
+        self.model_snapshots: dict[int, torch.Tensor] = {}
+        if resume:
+            self._load()
+        self.journal = Journal(self.dir / JOURNAL_FILE)
+        self.lock = asyncio.Lock()
+        self.waiters: dict[str, _Waiter] = {}
+        self.multiaddrs: list[str] = []
+        self.peer_id: str = ""
+        self._eval_tasks: set[asyncio.Task[None]] = set()
+        self._last_eval_version = -1
+
+    # ----------------------------------------------------------------------------- persistence
+
+    def _load(self) -> None:
+        snapshot = load_snapshot(self.dir)
+        self.state.load_state_dict(snapshot["coordinator"])
+        # Requests held before the restart died with their RPCs; their peers will ask again.
+        self.state.held.clear()
+        self.state.window_end = None
+        self.model_snapshots = {int(k): v for k, v in snapshot.get("model_snapshots", {}).items()}
+        for name, values in snapshot.get("peer_stats", {}).items():
+            self.stats.peers[name] = PeerStats(**values)
+        self.stats.evals = list(snapshot.get("evals", []))
+        logger.info(
+            "resumed from %s: version %d, %d local updates, %d active leases",
+            self.dir,
+            self.state.version,
+            self.state.local_updates,
+            len(self.state.leases),
+        )
+
+    async def _save(self) -> None:
+        payload = {
+            "coordinator": self.state.state_dict(),
+            "model_snapshots": dict(self.model_snapshots),
+            "peer_stats": {name: dict(stats.__dict__) for name, stats in self.stats.peers.items()},
+            "evals": list(self.stats.evals),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        await asyncio.to_thread(save_snapshot, self.dir, payload)
+
+    def _write_status(self) -> None:
+        status = {
+            "run_id": self.cfg.runtime.run_id,
+            "peer_id": self.peer_id,
+            "multiaddrs": self.multiaddrs,
+            "method": self.spec.name,
+            "version": self.state.version,
+            "local_updates": self.state.local_updates,
+            "active_leases": len(self.state.leases),
+            "peers": {name: dict(stats.__dict__) for name, stats in self.stats.peers.items()},
+            "evals": self.stats.evals,
+            "traffic": self.counters.as_dict() if hasattr(self, "counters") else {},
+            "updated": time.time(),
+        }
+        tmp = self.dir / (STATUS_FILE + ".tmp")
+        tmp.write_text(json.dumps(status, indent=1))
+        os.replace(tmp, self.dir / STATUS_FILE)
+
+    # ------------------------------------------------------------------------------- decisions
+
+    async def _decide(self, event: Event) -> list[Action]:
+        """Run one event through the logic and carry out its actions. Call with ``self.lock`` held."""
+        _, actions = handle(self.state, event, time.time())
+        changed = False
+        for action in actions:
+            changed |= self._record(action)
+        if changed:
+            self._prune_snapshots()
+            await self._save()
+        for action in actions:
+            if isinstance(action, Assign):
+                waiter = self.waiters.pop(action.peer, None)
+                if waiter is not None and not waiter.future.done():
+                    waiter.future.set_result(action.lease)
+        if any(isinstance(a, Applied) for a in actions):
+            self._maybe_evaluate()
+        if changed:
+            self._write_status()
+        return actions
+
+    def _record(self, action: Action) -> bool:
+        """Journal and count one action; True when it changed durable state."""
+        if isinstance(action, Assign):
+            lease = action.lease
+            stats = self.stats.peer(action.peer)
+            stats.leases += 1
+            stats.steps_assigned += lease.steps
+            info = self.state.peers.get(action.peer)
+            stats.speed = info.speed if info is not None else 0.0
+            if lease.base_version not in self.model_snapshots:
+                self.model_snapshots[lease.base_version] = self.state.params.clone()
+            self.journal.write("assign", reason=action.reason, **lease.to_dict())
+            logger.info("lease %s → %s: %d steps on shard %d (%s)", lease.lease_id, action.peer[-8:], lease.steps, lease.shard, action.reason)
+            return True
+        if isinstance(action, Hold):
+            self.journal.write("hold", peer=action.peer, until=action.until, waiting_for=list(action.waiting_for), reason=action.reason)
+            return False
+        if isinstance(action, Applied):
+            stats = self.stats.peer(action.peer)
+            stats.applied += 1
+            stats.steps_applied += action.steps
+            stats.staleness_sum += action.staleness
+            self.journal.write(
+                "applied",
+                peer=action.peer,
+                lease_id=action.lease_id,
+                version=action.version,
+                staleness=action.staleness,
+                steps=action.steps,
+                shard=action.shard,
+                local_updates=self.state.local_updates,
+                reason=action.reason,
+            )
+            logger.info("applied %s from %s: version %d, staleness %d", action.lease_id, action.peer[-8:], action.version, action.staleness)
+            return True
+        if isinstance(action, Expired):
+            self.stats.peer(action.peer).expired += 1
+            self.journal.write("expired", peer=action.peer, lease_id=action.lease_id, shard=action.shard, steps=action.steps, reason=action.reason)
+            logger.warning("lease %s of %s given back: %s", action.lease_id, action.peer[-8:], action.reason)
+            return True
+        if isinstance(action, Duplicate):
+            self.stats.peer(action.peer).duplicates += 1
+            self.journal.write("duplicate", peer=action.peer, lease_id=action.lease_id, version=action.version, reason=action.reason)
+            return False
+        if isinstance(action, Rejected):
+            self.stats.peer(action.peer).rejected += 1
+            self.journal.write("rejected", peer=action.peer, lease_id=action.lease_id, reason=action.reason)
+            logger.warning("rejected %s from %s: %s", action.lease_id or "request", action.peer[-8:], action.reason)
+            # a dropped-by-policy update consumed its lease: durable state changed
+            return action.lease_id in self.state.applied
+        raise AssertionError(f"unhandled action {action!r}")
+
+    def _prune_snapshots(self) -> None:
+        in_use = {lease.base_version for lease in self.state.leases.values()}
+        for version in list(self.model_snapshots):
+            if version not in in_use:
+                del self.model_snapshots[version]
+
+    # ------------------------------------------------------------------------------ evaluation
+
+    def _maybe_evaluate(self, force: bool = False) -> None:
+        version = self.state.version
+        if version == self._last_eval_version:
+            return
+        if not force and version % self.cfg.runtime.eval_every != 0:
+            return
+        self._last_eval_version = version
+        theta = self.state.params.clone()
+        local_updates = self.state.local_updates
+        task = asyncio.get_running_loop().create_task(self._evaluate(version, local_updates, theta))
+        self._eval_tasks.add(task)
+        task.add_done_callback(self._eval_tasks.discard)
+
+    async def _evaluate(self, version: int, local_updates: int, theta: torch.Tensor) -> None:
+        def run() -> dict[str, float]:
+            load_flat_params(self.model, theta)
+            return self.workload.evaluate(self.model)
+
+        metrics = await asyncio.to_thread(run)
+        record = {"time": time.time(), "version": version, "local_updates": local_updates, **metrics}
+        self.stats.evals.append(record)
+        self.journal.write("eval", **record)
+        logger.info("eval at version %d: %s", version, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        self._write_status()
+
+    # --------------------------------------------------------------------------- RPC handlers
+
+    async def assign(self, request: dict[str, Any], peer_id: str) -> dict[str, Any]:
+        if request.get("kind") == "config":
+            return {
+                "config": json.dumps(self.cfg.model_dump(mode="json")),
+                "model_numel": self.numel,
+                "codec": self.cfg.runtime.codec,
+                "run_id": self.cfg.runtime.run_id,
+                "software_version": __version__,
+            }
+        reported = request.get("tokens_per_s")
+        async with self.lock:
+            if peer_id not in self.state.peers or not self.state.peers[peer_id].alive:
+                if isinstance(reported, (int, float)) and not isinstance(reported, bool):
+                    # First contact before the DHT read loop saw its record: take the speed from the
+                    # authenticated request so the peer is not turned away.
+                    await self._decide(SpeedReport(peer_id, float(reported)))
+            previous = self.waiters.pop(peer_id, None)
+            if previous is not None and not previous.future.done():
+                previous.future.cancel()
+            loop = asyncio.get_running_loop()
+            waiter = _Waiter(loop.create_future(), time.time())
+            self.waiters[peer_id] = waiter
+            actions = await self._decide(RequestWork(peer_id))
+            for action in actions:
+                if isinstance(action, Rejected) and action.peer == peer_id:
+                    self.waiters.pop(peer_id, None)
+                    return {"lease": None, "reason": action.reason}
+        try:
+            lease = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=self._hold_limit())
+        except asyncio.TimeoutError:
+            async with self.lock:
+                if self.waiters.get(peer_id) is waiter:
+                    del self.waiters[peer_id]
+                self.state.held.pop(peer_id, None)
+            return {"lease": None, "reason": "held too long; ask again"}
+        except asyncio.CancelledError:
+            return {"lease": None, "reason": "superseded by a newer request"}
+        return {"lease": lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))}
+
+    def _hold_limit(self) -> float:
+        if self.spec.barrier:
+            return 600.0
+        return self.cfg.schedule.grace_period + 30.0
+
+    async def get_model(self, version: Optional[int]) -> tuple[int, torch.Tensor]:
+        async with self.lock:
+            if version is None or version == self.state.version:
+                return self.state.version, self.state.params.clone()
+            snapshot = self.model_snapshots.get(version)
+            if snapshot is None:
+                raise ValueError(f"version {version} is no longer served (current {self.state.version}); ask for a new lease")
+            return version, snapshot
+
+    async def submit(self, lease_id: str, base_version: int, pseudo_gradient: Any, peer_id: str) -> dict[str, Any]:
+        from asyncloco.transport.codecs import decode
+
+        update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
+        async with self.lock:
+            actions = await self._decide(SubmitUpdate(peer_id, lease_id, base_version, update))
+        for action in actions:
+            if isinstance(action, Applied) and action.lease_id == lease_id:
+                return {"accepted": True, "version": action.version, "reason": action.reason, "duplicate": False}
+            if isinstance(action, Duplicate) and action.lease_id == lease_id:
+                return {"accepted": True, "version": action.version, "reason": action.reason, "duplicate": True}
+            if isinstance(action, Rejected) and action.lease_id == lease_id:
+                return {"accepted": False, "version": self.state.version, "reason": action.reason, "duplicate": False}
+        raise AssertionError(f"submit of {lease_id} produced no verdict: {actions}")
+
+    # -------------------------------------------------------------------------------- main loop
+
+    async def _tick_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            async with self.lock:
+                await self._decide(Tick())
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _speed_loop(self, records: Any, stop: asyncio.Event) -> None:
+        from hivemind.utils import get_dht_time
+
+        period = self.cfg.runtime.speed_report_period
+        while not stop.is_set():
+            try:
+                reports = await asyncio.to_thread(records.read_speeds)
+            except Exception as error:  # a DHT hiccup must not stop the coordinator; it retries next period
+                logger.warning("could not read speed reports from the DHT: %r", error)
+                reports = {}
+            now_dht = get_dht_time()
+            async with self.lock:
+                for peer, report in sorted(reports.items()):
+                    if now_dht - report.last_seen <= 3 * period:
+                        await self._decide(SpeedReport(peer, report.tokens_per_s))
+                for peer, info in sorted(self.state.peers.items()):
+                    report = reports.get(peer)
+                    stale = report is None or now_dht - report.last_seen > 3 * period
+                    if info.alive and stale and time.time() - info.last_seen > 3 * period:
+                        logger.warning("peer %s stopped reporting; giving its leases back", peer[-8:])
+                        self.journal.write("peer_left", peer=peer, reason="no speed report or request for 3 periods")
+                        await self._decide(PeerLeft(peer))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=max(0.5, period / 2))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _announce_loop(self, records: Any, stop: asyncio.Event) -> None:
+        from asyncloco.transport.records import CoordinatorAnnouncement
+        from hivemind.utils import get_dht_time
+
+        while not stop.is_set():
+            announcement = CoordinatorAnnouncement(
+                peer_id=self.peer_id,
+                multiaddrs=tuple(self.multiaddrs),
+                run_id=self.cfg.runtime.run_id,
+                model_numel=self.numel,
+                codec=self.cfg.runtime.codec,
+                version=self.state.version,
+                timestamp=get_dht_time(),
+            )
+            try:
+                await asyncio.to_thread(records.announce_coordinator, announcement, 90.0)
+            except Exception as error:  # retried next period
+                logger.warning("could not announce the coordinator in the DHT: %r", error)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=30.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def _endpoint_port(self) -> int:
+        if self.cfg.runtime.port:
+            return self.cfg.runtime.port
+        endpoint = self.dir / ENDPOINT_FILE
+        if self.resume and endpoint.is_file():
+            try:
+                return int(json.loads(endpoint.read_text())["port"])
+            except (ValueError, KeyError, TypeError):
+                logger.warning("unreadable %s; choosing a new port", endpoint)
+        return 0
+
+    async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
+        import hivemind
+
+        from asyncloco.transport.records import RunRecords
+        from asyncloco.transport.rpc import CoordinatorService, TrafficCounters
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        port = self._endpoint_port()
+        dht = hivemind.DHT(
+            initial_peers=list(self.initial_peers),
+            host_maddrs=[f"/ip4/{self.cfg.runtime.host}/tcp/{port}"],
+            identity_path=str(self.dir / IDENTITY_FILE),
+            start=True,
+        )
+        p2p = None
+        service = None
+        try:
+            records = RunRecords(dht, self.cfg.runtime.run_id)
+            self.peer_id = dht.peer_id.to_base58()
+            self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
+            bound = int(str(self.multiaddrs[0]).split("/tcp/")[1].split("/")[0]) if self.multiaddrs else port
+            (self.dir / ENDPOINT_FILE).write_text(
+                json.dumps({"peer_id": self.peer_id, "multiaddrs": self.multiaddrs, "port": bound}, indent=1)
+            )
+            p2p = await dht.replicate_p2p()
+            self.counters = TrafficCounters()
+            service = CoordinatorService(
+                self,
+                self.numel,
+                submit_codecs=(self.cfg.runtime.codec,),
+                counters=self.counters,
+            )
+            await service.add_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
+            if not self.resume:
+                await self._save()
+            self.journal.write(
+                "start",
+                peer_id=self.peer_id,
+                multiaddrs=self.multiaddrs,
+                version=self.state.version,
+                method=self.spec.name,
+                resumed=self.resume,
+                numel=self.numel,
+            )
+            self._write_status()
+            self._maybe_evaluate(force=True)
+            logger.info("coordinator of run %r (%s) serving a %d-parameter model", self.cfg.runtime.run_id, self.spec.label, self.numel)
+            for addr in self.multiaddrs:
+                logger.info("listening at %s", addr)
+            if ready is not None:
+                ready.set()
+            tasks = [
+                asyncio.create_task(self._tick_loop(stop)),
+                asyncio.create_task(self._speed_loop(records, stop)),
+                asyncio.create_task(self._announce_loop(records, stop)),
+            ]
+            await stop.wait()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for waiter in self.waiters.values():
+                waiter.future.cancel()
+            if self._eval_tasks:
+                await asyncio.gather(*self._eval_tasks, return_exceptions=True)
+            async with self.lock:
+                await self._save()
+                self._write_status()
+            self.journal.write("stop", version=self.state.version, local_updates=self.state.local_updates)
+            logger.info("checkpoint written at version %d; shutting down", self.state.version)
+        finally:
+            if service is not None and p2p is not None:
+                try:
+                    await service.remove_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
+                except Exception as error:  # shutting down anyway
+                    logger.debug("removing handlers failed: %r", error)
+            if p2p is not None:
+                await p2p.shutdown()
+            dht.shutdown()
+            self.journal.close()
+
+
+def _build_workload(cfg: RunConfig) -> Workload:
+    from asyncloco.sim.engine import build_workload
+
+    return build_workload(cfg)

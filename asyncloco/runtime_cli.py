@@ -1,0 +1,162 @@
+"""Networked entry points: ``asyncloco coordinator``, ``asyncloco peer join``, ``asyncloco demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+__all__ = ["add_commands"]
+
+logger = logging.getLogger("asyncloco")
+
+
+def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[Any]]) -> Any:
+    """Run ``main(stop)`` on a fresh loop; SIGINT/SIGTERM set ``stop`` (a second one aborts)."""
+
+    async def runner() -> Any:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop)
+
+    return asyncio.run(runner())
+
+
+def _limit_threads(threads: int | None) -> None:
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from asyncloco.cli import _resolve_config
+    from asyncloco.config import load_config
+    from asyncloco.coordinator.daemon import CoordinatorDaemon
+
+    _limit_threads(args.threads)
+    overrides: dict[str, Any] = {}
+    if args.port is not None:
+        overrides["runtime.port"] = args.port
+    if args.host is not None:
+        overrides["runtime.host"] = args.host
+    if args.checkpoint_dir is not None:
+        overrides["runtime.checkpoint_dir"] = args.checkpoint_dir
+    cfg = load_config(_resolve_config(args.config), overrides)
+    daemon = CoordinatorDaemon(cfg, resume=args.resume, initial_peers=tuple(args.initial_peers or ()))
+
+    async def main(stop: asyncio.Event) -> None:
+        ready = asyncio.Event()
+        task = asyncio.create_task(daemon.run(stop, ready))
+        ready_wait = asyncio.create_task(ready.wait())
+        await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            address = daemon.multiaddrs[0] if daemon.multiaddrs else "?"
+            print(f"Coordinator of run '{cfg.runtime.run_id}' is up. Peer id: {daemon.peer_id}", flush=True)
+            print(f"Join it from another terminal with:\n  asyncloco peer join --initial-peers {address} --run-id {cfg.runtime.run_id}", flush=True)
+        else:
+            ready_wait.cancel()
+        await task
+
+    _run_until_signal(main)
+    return 0
+
+
+def cmd_peer_join(args: argparse.Namespace) -> int:
+    from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
+
+    _limit_threads(args.threads)
+    options = PeerOptions(
+        initial_peers=list(args.initial_peers),
+        coordinator_id=args.coordinator_id,
+        run_id=args.run_id,
+        host=args.host,
+        slowdown=args.slowdown,
+        max_rounds=args.max_rounds,
+        device=args.device,
+        summary_path=Path(args.summary) if args.summary else None,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        connect_timeout=args.connect_timeout,
+    )
+    try:
+        runner = PeerRunner(options)
+    except PeerError as error:
+        raise ValueError(str(error)) from None
+
+    async def main(stop: asyncio.Event) -> Any:
+        task = asyncio.create_task(runner.run())
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            logger.info("stopping: finishing the current step and leaving the run")
+            runner.stop()
+        else:
+            stopper.cancel()
+        return await task
+
+    try:
+        summary = _run_until_signal(main)
+    except PeerError as error:
+        raise ValueError(str(error)) from None
+    print(
+        f"peer {summary.peer_id}: {summary.rounds} rounds, {summary.steps} steps, {summary.accepted} accepted "
+        f"({summary.duplicates} duplicates), {summary.rejected} rejected",
+        flush=True,
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from asyncloco.demo import DemoOptions, run_demo
+
+    return run_demo(
+        DemoOptions(
+            config=args.config,
+            duration=args.duration,
+            slowdowns=[float(x) for x in args.slowdowns.split(",")],
+            out=Path(args.out),
+        )
+    )
+
+
+def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    coordinator = sub.add_parser("coordinator", help="run a coordinator daemon (holds θ, applies updates)")
+    coordinator.add_argument("--config", required=True, help="run config YAML, e.g. configs/demo.yaml")
+    coordinator.add_argument("--resume", action="store_true", help="continue the run in runtime.checkpoint_dir")
+    coordinator.add_argument("--checkpoint-dir", help="override runtime.checkpoint_dir")
+    coordinator.add_argument("--host", help="override runtime.host (address to listen on)")
+    coordinator.add_argument("--port", type=int, help="override runtime.port (0: chosen by the OS)")
+    coordinator.add_argument("--initial-peers", nargs="*", help="other DHT nodes to join (optional)")
+    coordinator.add_argument("--threads", type=int, help="torch CPU threads")
+    coordinator.set_defaults(func=cmd_coordinator)
+
+    peer = sub.add_parser("peer", help="volunteer commands")
+    peer_sub = peer.add_subparsers(dest="peer_command", required=True)
+    join = peer_sub.add_parser("join", help="join a run and train leases until Ctrl+C")
+    join.add_argument("--initial-peers", nargs="+", required=True, help="the multiaddr the coordinator printed")
+    join.add_argument("--run-id", default="asyncloco-demo", help="run id (printed by the coordinator)")
+    join.add_argument("--coordinator-id", help="coordinator peer id to pin (default: from the first initial peer)")
+    join.add_argument("--host", default="127.0.0.1", help="address this peer listens on (0.0.0.0 for public runs)")
+    join.add_argument("--slowdown", type=float, default=1.0, help="emulate a device this many times slower")
+    join.add_argument("--max-rounds", type=int, help="leave after this many rounds")
+    join.add_argument("--device", default="cpu", help="torch device for training, e.g. cuda")
+    join.add_argument("--summary", help="write a JSON summary (rounds, bytes) here")
+    join.add_argument("--no-progress", action="store_true", help="no progress bar")
+    join.add_argument("--threads", type=int, help="torch CPU threads")
+    join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator")
+    join.set_defaults(func=cmd_peer_join)
+
+    demo = sub.add_parser("demo", help="coordinator + heterogeneous peers on this machine, then a summary")
+    demo.add_argument("--config", default="configs/demo.yaml")
+    demo.add_argument("--duration", type=float, default=150.0, help="seconds of training")
+    demo.add_argument("--slowdowns", default="1,1.5,4", help="comma-separated slowdown factor of each peer")
+    demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.set_defaults(func=cmd_demo)
