@@ -152,6 +152,13 @@ class SimConfig(StrictModel):
     profile: Union[Literal["none", "slight", "moderate", "very"], list[float]] = "very"
     total_local_updates: int = Field(4_000, ge=1, description="stop once the applied updates sum to this")
     eval_every: int = Field(200, ge=1, description="evaluate every this many applied local updates")
+    pretrain_steps: int = Field(
+        0, ge=0, description="plain AdamW steps before Local-SGD starts (the paper fine-tunes a pretrained model)"
+    )
+    pretrain_lr: float | None = Field(None, gt=0, description="peak lr of the pretraining phase; default inner.lr")
+    reach_budget_factor: float = Field(
+        2.0, ge=1.0, description="methods chase sync DiLoCo's final loss for at most this × the budget"
+    )
     methods: list[str] = Field(
         default_factory=lambda: ["sync_diloco", "async_diloco", "async_dn", "async_dn_dylu", "async_buffer", "poly"]
     )

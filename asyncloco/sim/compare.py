@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from asyncloco.config import RunConfig
-from asyncloco.sim.engine import SimResult, Simulation, build_workload
+from asyncloco.sim.engine import SimResult, Simulation, build_workload, pretrain
 
 __all__ = ["compare", "format_table", "plot_results"]
 
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 def compare(cfg: RunConfig, methods: Sequence[str], out_dir: Path | None = None) -> list[SimResult]:
     workload = build_workload(cfg)
+    initial = pretrain(cfg, workload)  # the same θ0 for every method
     ordered = sorted(methods, key=lambda m: m != "sync_diloco")
     results: list[SimResult] = []
     target: float | None = None
@@ -31,7 +32,7 @@ def compare(cfg: RunConfig, methods: Sequence[str], out_dir: Path | None = None)
     for method in ordered:
         started = time.monotonic()
         trace_path = out_dir / f"trace-{method}.jsonl" if out_dir is not None else None
-        simulation = Simulation(cfg, method, workload, target_loss=target, time_limit=limit)
+        simulation = Simulation(cfg, method, workload, target_loss=target, time_limit=limit, initial_params=initial)
         if trace_path is not None:
             trace_path.parent.mkdir(parents=True, exist_ok=True)
             with trace_path.open("w") as fh:

@@ -47,7 +47,7 @@ from asyncloco.coordinator.methods import build_method
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
 from asyncloco.peer.inner import InnerTrainer, RoundResult
 
-__all__ = ["SimResult", "Simulation", "build_workload", "shard_schedule"]
+__all__ = ["SimResult", "Simulation", "build_workload", "shard_schedule", "pretrain"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,39 @@ def build_workload(cfg: RunConfig) -> Workload:
 
 def shard_schedule(cfg: RunConfig) -> ShardSchedule:
     return ShardSchedule(cfg.inner.lr, cfg.inner.min_lr, cfg.inner.warmup_steps, cfg.inner.total_steps_per_shard)
+
+
+def pretrain(cfg: RunConfig, workload: Workload) -> torch.Tensor:
+    """θ0 after ``sim.pretrain_steps`` plain AdamW steps (one worker, no Local-SGD), as a flat vector.
+
+    The paper fine-tunes a checkpoint pretrained for 24,000 steps; this is the scaled-down version.
+    Batches come from the *tail* of each shard's first epoch, round-robin over shards, while
+    Local-SGD leases start at the head, so the two phases do not share data within an epoch.
+    """
+    model = workload.build_model(cfg.seed)
+    steps = cfg.sim.pretrain_steps
+    if steps == 0:
+        return flatten_params(model)
+    peak = cfg.sim.pretrain_lr or cfg.inner.lr
+    schedule = ShardSchedule(peak, min(cfg.inner.min_lr, peak), min(cfg.inner.warmup_steps, steps - 1), steps)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=peak, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay
+    )
+    sizes = workload.shard_sizes()
+    model.train()
+    for step in range(steps):
+        shard = step % len(sizes)
+        index = sizes[shard] - 1 - (step // len(sizes)) % sizes[shard]
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.lr(step)
+        loss = workload.loss(model, workload.batch(shard, index))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.inner.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+        optimizer.step()
+    logger.info("pretrained θ0 for %d steps (final train loss %.4f)", steps, float(loss.detach()))
+    return flatten_params(model)
 
 
 @dataclass
@@ -116,15 +149,17 @@ class Simulation:
         workload: Workload | None = None,
         target_loss: float | None = None,
         time_limit: float = math.inf,
+        initial_params: torch.Tensor | None = None,
     ) -> None:
         self.cfg = cfg
         self.target_loss = target_loss
         self.time_limit = time_limit
+        self.update_limit = cfg.sim.reach_budget_factor * cfg.sim.total_local_updates
         self.workload = workload if workload is not None else build_workload(cfg)
         speeds = worker_seconds_per_step(cfg.sim.profile, cfg.sim.workers)
         schedule = shard_schedule(cfg)
         self.eval_model = self.workload.build_model(cfg.seed)
-        theta = flatten_params(self.eval_model)
+        theta = (initial_params if initial_params is not None else pretrain(cfg, self.workload)).clone()
         self.spec, optimizer, transforms = build_method(
             method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model)
         )
@@ -185,6 +220,8 @@ class Simulation:
     def _dispatch(self, actions: list[Action], now: float) -> None:
         for action in actions:
             if isinstance(action, Assign):
+                if self._out_of_budget():
+                    continue  # the run ends with this event: don't train a lease that can never finish
                 lease = action.lease
                 worker = self.workers[action.peer]
                 worker.lease_id, worker.base_version = lease.lease_id, lease.base_version
@@ -235,6 +272,10 @@ class Simulation:
             elif isinstance(action, Rejected):
                 self._emit({"type": "rejected", "method": self.result.method, "time": now, "worker": action.peer, "reason": action.reason})
 
+    def _out_of_budget(self) -> bool:
+        limit = self.cfg.sim.total_local_updates if self.target_loss is None else self.update_limit
+        return self.state.local_updates >= limit
+
     def _finished(self, now: float) -> bool:
         if self.state.local_updates < self.cfg.sim.total_local_updates:
             return False
@@ -242,7 +283,7 @@ class Simulation:
             if self.result.evals[-1]["local_updates"] != self.state.local_updates:
                 self._evaluate(now)
             self.result.at_budget = dict(self.result.evals[-1])
-        if self.target_loss is None or now >= self.time_limit:
+        if self.target_loss is None or now >= self.time_limit or self.state.local_updates >= self.update_limit:
             return True
         return any(record["loss"] <= self.target_loss for record in self.result.evals)
 
