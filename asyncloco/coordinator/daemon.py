@@ -26,6 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,6 +67,19 @@ ENDPOINT_FILE = "endpoint.json"
 IDENTITY_FILE = "identity.key"
 STATUS_FILE = "status.json"
 JOURNAL_FILE = "events.jsonl"
+RESUME_GRACE_S = 10.0  # after --resume, peers known from the checkpoint get this long to call again
+
+
+async def _ping_peers(peer_ids: list[str], _dht: Any, node: Any) -> int:
+    """Runs inside the DHT process (``dht.run_coroutine``): ping peers by id, so each side puts the other
+    back in its routing table. Needed after a restart: the coordinator is the run's bootstrap node, comes
+    back with an empty routing table under a new DHT node id, and the peers dropped the old one while it
+    was down — so neither side's store/get reached the other and no speed report was seen again. The
+    peers' p2p daemons are reachable by id alone once they have called an RPC (an open connection)."""
+    from hivemind.p2p import PeerID
+
+    found = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(peer)) for peer in peer_ids))
+    return sum(node_id is not None for node_id in found)
 
 
 @dataclass
@@ -163,6 +177,7 @@ class CoordinatorDaemon:
         self.peer_id: str = ""
         self._eval_tasks: set[asyncio.Task[None]] = set()
         self._last_eval_version = -1
+        self._stopping = False  # set under the lock at shutdown: no RPC changes state after that
 
     # ----------------------------------------------------------------------------- persistence
 
@@ -172,6 +187,13 @@ class CoordinatorDaemon:
         # Requests held before the restart died with their RPCs; their peers will ask again.
         self.state.held.clear()
         self.state.window_end = None
+        # The downtime is not the peers' silence: without this, the first speed-loop pass after a restart
+        # (before any report reached the new DHT node) declared every peer gone and gave back every lease
+        # in flight, so the peers' resends were rejected and their work lost. They get the usual 3 report
+        # periods, counted from RESUME_GRACE_S from now (a peer's resend backoff grows to 10 s).
+        now = time.time() + RESUME_GRACE_S
+        for info in self.state.peers.values():
+            info.last_seen = max(info.last_seen, now)
         self.model_snapshots = {int(k): v for k, v in snapshot.get("model_snapshots", {}).items()}
         for name, values in snapshot.get("peer_stats", {}).items():
             self.stats.peers[name] = PeerStats(**values)
@@ -332,6 +354,7 @@ class CoordinatorDaemon:
             }
         reported = request.get("tokens_per_s")
         async with self.lock:
+            self._refuse_if_stopping()
             if peer_id not in self.state.peers or not self.state.peers[peer_id].alive:
                 if isinstance(reported, (int, float)) and not isinstance(reported, bool):
                     # First contact before the DHT read loop saw its record: take the speed from the
@@ -360,6 +383,13 @@ class CoordinatorDaemon:
             return {"lease": None, "reason": "superseded by a newer request"}
         return {"lease": lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))}
 
+    def _refuse_if_stopping(self) -> None:
+        # Without this, a submit that was still decoding when SIGTERM came could be applied *after* the
+        # final snapshot and the journal's close: acknowledged, durable in the next snapshot only by luck,
+        # and missing from events.jsonl. The peer sees a RemoteError and resends after the restart.
+        if self._stopping:
+            raise ConnectionAbortedError("the coordinator is shutting down; resend after it restarts")
+
     def _hold_limit(self) -> float:
         if self.spec.barrier:
             return 600.0
@@ -379,6 +409,7 @@ class CoordinatorDaemon:
 
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
         async with self.lock:
+            self._refuse_if_stopping()
             actions = await self._decide(SubmitUpdate(peer_id, lease_id, base_version, update))
         for action in actions:
             if isinstance(action, Applied) and action.lease_id == lease_id:
@@ -400,7 +431,7 @@ class CoordinatorDaemon:
             except asyncio.TimeoutError:
                 pass
 
-    async def _speed_loop(self, records: Any, stop: asyncio.Event) -> None:
+    async def _speed_loop(self, records: Any, stop: asyncio.Event, dht: Any = None) -> None:
         from hivemind.utils import get_dht_time
 
         period = self.cfg.runtime.speed_report_period
@@ -411,6 +442,15 @@ class CoordinatorDaemon:
                 logger.warning("could not read speed reports from the DHT: %r", error)
                 reports = {}
             now_dht = get_dht_time()
+            unseen = sorted(
+                peer for peer, info in self.state.peers.items()
+                if info.alive and (peer not in reports or now_dht - reports[peer].last_seen > 3 * period)
+            )
+            if unseen and dht is not None:
+                try:
+                    await asyncio.wait_for(asyncio.to_thread(dht.run_coroutine, partial(_ping_peers, unseen)), timeout=period * 2)
+                except Exception as error:  # best effort; the peer may really be gone
+                    logger.debug("pinging %d silent peer(s) failed: %r", len(unseen), error)
             async with self.lock:
                 for peer, report in sorted(reports.items()):
                     if now_dht - report.last_seen <= 3 * period:
@@ -419,7 +459,8 @@ class CoordinatorDaemon:
                     report = reports.get(peer)
                     stale = report is None or now_dht - report.last_seen > 3 * period
                     if info.alive and stale and time.time() - info.last_seen > 3 * period:
-                        logger.warning("peer %s stopped reporting; giving its leases back", peer[-8:])
+                        age = "none in the DHT" if report is None else f"last {now_dht - report.last_seen:.1f}s ago"
+                        logger.warning("peer %s stopped reporting (%s); giving its leases back", peer[-8:], age)
                         self.journal.write("peer_left", peer=peer, reason="no speed report or request for 3 periods")
                         await self._decide(PeerLeft(peer))
             try:
@@ -514,10 +555,12 @@ class CoordinatorDaemon:
                 ready.set()
             tasks = [
                 asyncio.create_task(self._tick_loop(stop)),
-                asyncio.create_task(self._speed_loop(records, stop)),
+                asyncio.create_task(self._speed_loop(records, stop, dht)),
                 asyncio.create_task(self._announce_loop(records, stop)),
             ]
             await stop.wait()
+            async with self.lock:
+                self._stopping = True
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
