@@ -10,8 +10,14 @@ Round trip of one lease (algorithm.md §1):
    restart loses nothing (the coordinator acknowledges a resend of an applied lease as a duplicate).
 
 Throughput is measured on real rounds (tokens per second of pure training time, smoothed) and
-published to the DHT under the run id, signed with the peer's key. ``slowdown`` > 1 stretches every
-training step to emulate a slower device (demos, heterogeneity tests).
+published to the DHT under the run id, signed with the peer's key. It is the steady-state throughput:
+the first step of a round is left out (it runs on cold caches after the download; on a small model it
+takes 1.5-2x a warm step), otherwise a slow peer's short leases would measure it slower still, give it
+still fewer steps, and so on — DyLU would drift away from the true speed ratio. ``slowdown`` > 1 stretches every
+round ``slowdown``-fold to emulate a slower device (demos, heterogeneity tests): the steps run back to
+back, then the peer pauses for ``slowdown - 1`` times their duration. (Sleeping after each step instead
+lets caches go cold between steps, which on a CPU makes every step itself 1.3-1.7x slower: a
+``--slowdown 4`` peer then behaved like a device 5-7x slower.)
 """
 
 from __future__ import annotations
@@ -137,14 +143,16 @@ class PeerRunner:
 
     # ---------------------------------------------------------------------------------- rounds
 
-    def _train(self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], bar: Any) -> tuple[torch.Tensor, float]:
-        """Train the lease; returns (pseudo-gradient, seconds of training incl. emulated slowdown)."""
+    def _train(
+        self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], bar: Any
+    ) -> tuple[torch.Tensor, float, list[float]]:
+        """Train the lease; returns (pseudo-gradient, seconds of training, each step's seconds), all without
+        the emulated slowdown."""
         started = time.perf_counter()
-        slowdown = self.options.slowdown
+        step_seconds: list[float] = []
 
-        def on_step(step_seconds: float) -> None:
-            if slowdown > 1.0:
-                time.sleep(step_seconds * (slowdown - 1.0))  # emulate a slower device
+        def on_step(seconds: float) -> None:
+            step_seconds.append(seconds)
             if bar is not None:
                 bar.update(1)
 
@@ -156,7 +164,7 @@ class PeerRunner:
             int(lease["lr_offset"]),
             on_step=on_step,
         )
-        return result.pseudo_gradient, time.perf_counter() - started
+        return result.pseudo_gradient, time.perf_counter() - started, step_seconds
 
     async def _submit_with_retry(self, client: Any, lease: dict[str, Any], encoded: Any) -> Optional[dict[str, Any]]:
         from asyncloco.transport.errors import TransportError
@@ -179,6 +187,21 @@ class PeerRunner:
                 except asyncio.TimeoutError:
                     pass
                 delay = min(delay * 2, 10.0)
+        return None
+
+    def _observed_speed(self, step_seconds: list[float], units_per_step: int) -> Optional[float]:
+        """This round's steady-state throughput of the (emulated) device, or None for no new sample.
+
+        The first step is left out (module doc). A 1-step round has only that cold step: it is used only
+        when it is faster than the current estimate — it then proves the estimate too low (a peer measured
+        during a busy start-up must be able to climb out of 1-step leases), and it can never drag it down."""
+        warm = step_seconds[1:]
+        if warm and sum(warm) > 0:
+            return len(warm) * units_per_step / (sum(warm) * self.options.slowdown)
+        if step_seconds and step_seconds[0] > 0:
+            cold = units_per_step / (step_seconds[0] * self.options.slowdown)
+            if self.speed is None or cold > self.speed:
+                return cold
         return None
 
     async def _publish_loop(self, records: Any, period: float) -> None:
@@ -211,16 +234,11 @@ class PeerRunner:
 
         probe = InnerTrainer(workload, shard_schedule(cfg), seed=cfg.seed, device=self.options.device)
         theta = torch.cat([p.detach().reshape(-1) for p in probe.model.parameters()]).cpu()
-        slowdown = self.options.slowdown
-
-        def on_step(seconds: float) -> None:
-            if slowdown > 1.0:
-                time.sleep(seconds * (slowdown - 1.0))  # emulate a slower device
-
         probe.run(theta, 0, 0, 1, 0)  # warm-up (allocations, kernels)
         started = time.perf_counter()
-        probe.run(theta, 0, 0, steps, 0, on_step=on_step)
-        return steps * workload.units_per_step / (time.perf_counter() - started)
+        probe.run(theta, 0, 0, steps, 0)
+        # an emulated slower device takes `slowdown` times as long for the same steps (see run())
+        return steps * workload.units_per_step / ((time.perf_counter() - started) * self.options.slowdown)
 
     async def run(self) -> PeerSummary:
         from asyncloco.transport.codecs import encode
@@ -269,6 +287,7 @@ class PeerRunner:
             self.speed = await asyncio.to_thread(self._measure, cfg, workload)
             self.summary.tokens_per_s = self.speed
             logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g)", namespace, self.summary.peer_id, self.speed, self.options.slowdown)
+            self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
             publisher = asyncio.create_task(self._publish_loop(records, cfg.runtime.speed_report_period))
             while not self._stop.is_set():
                 if self.options.max_rounds is not None and self.summary.rounds >= self.options.max_rounds:
@@ -292,12 +311,16 @@ class PeerRunner:
                     continue
                 bar = self._progress_bar(lease)
                 try:
-                    pseudo_gradient, seconds = await asyncio.to_thread(self._train, trainer, theta, lease, bar)
+                    pseudo_gradient, seconds, step_seconds = await asyncio.to_thread(self._train, trainer, theta, lease, bar)
+                    if self.options.slowdown > 1.0:
+                        # emulate a slower device: one pause after the steps, so that they ran warm (module doc)
+                        await self._pause(seconds * (self.options.slowdown - 1.0))
                 finally:
                     if bar is not None:
                         bar.close()
-                observed = int(lease["steps"]) * workload.units_per_step / seconds
-                self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
+                observed = self._observed_speed(step_seconds, workload.units_per_step)
+                if observed is not None:
+                    self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
                 self.summary.tokens_per_s = self.speed
                 encoded = await asyncio.to_thread(encode, codec, pseudo_gradient)
                 ack = await self._submit_with_retry(client, lease, encoded)
