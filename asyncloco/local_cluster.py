@@ -49,6 +49,8 @@ class LocalCluster:
         self.coordinator: Optional[subprocess.Popen[bytes]] = None
         self.peers: dict[str, subprocess.Popen[bytes]] = {}
         self.multiaddr: Optional[str] = None
+        # every process ever started, so close() also reaches a replaced coordinator or a peer name reused
+        self.spawned: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
 
     # ---------------------------------------------------------------------------- processes
@@ -56,7 +58,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("ab")
         self._logs.append(log)
-        return subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "asyncloco.cli", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -64,6 +66,8 @@ class LocalCluster:
             env=self.env,
             start_new_session=True,
         )
+        self.spawned.append(process)
+        return process
 
     def start_coordinator(self, resume: bool = False, timeout: float = 120.0) -> str:
         """Start (or ``resume``) the coordinator and return the multiaddr peers join through."""
@@ -142,7 +146,11 @@ class LocalCluster:
         return self.stop(self.coordinator, timeout)
 
     def close(self) -> None:
-        for process in list(self.peers.values()) + ([self.coordinator] if self.coordinator else []):
+        # peers first (they would only retry against a stopped coordinator), then the coordinator, then
+        # anything replaced earlier; stop() SIGKILLs each process group, so no p2pd outlives its owner
+        ordered = list(self.peers.values()) + ([self.coordinator] if self.coordinator else [])
+        ordered += [process for process in self.spawned if process not in ordered]
+        for process in ordered:
             try:
                 self.stop(process, timeout=20.0)
             except Exception as error:  # teardown must reach every process
