@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.config_base import StrictModel
 
 __all__ = [
@@ -100,6 +101,10 @@ class InnerConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(None, gt=0)
+
+    def schedule(self) -> ShardSchedule:
+        """The per-shard learning-rate schedule of paper Eq. 3."""
+        return ShardSchedule(self.lr, self.min_lr, self.warmup_steps, self.total_steps_per_shard)
 
     @model_validator(mode="after")
     def _check(self) -> "InnerConfig":

@@ -22,7 +22,6 @@ deterministically, so a rebuild from the same package versions is byte-identical
 from __future__ import annotations
 
 import argparse
-import base64
 import glob
 import gzip
 import json

@@ -27,14 +27,13 @@ What each test pins:
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,6 @@ from asyncloco.coordinator.logic import (
     Action,
     Applied,
     Assign,
-    CoordinatorPolicy,
     CoordinatorState,
     Duplicate,
     Event,
@@ -56,7 +54,8 @@ from asyncloco.coordinator.logic import (
     handle,
     new_state,
 )
-from asyncloco.coordinator.methods import build_method
+from asyncloco.coordinator.methods import build_method, coordinator_policy
+from asyncloco.workloads import build_workload
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
 
 __all__ = ["CoordinatorDaemon", "PeerStats"]
@@ -144,25 +143,13 @@ class CoordinatorDaemon:
             raise ValueError(
                 f"{self.dir} already holds a run; continue it with --resume, or choose a new runtime.checkpoint_dir"
             )
-        self.workload = workload if workload is not None else _build_workload(cfg)
+        self.workload = workload if workload is not None else build_workload(cfg)
         self.model = self.workload.build_model(cfg.seed)
         theta = flatten_params(self.model)
         self.numel = theta.numel()
         workers = cfg.outer.buffer_size or cfg.sim.workers
         self.spec, optimizer, transforms = build_method(cfg.schedule.method, cfg.outer, workers, param_groups(self.model))
-        policy = CoordinatorPolicy(
-            max_local_steps=cfg.schedule.max_local_steps,
-            min_steps=cfg.schedule.min_steps,
-            dylu=self.spec.dylu,
-            barrier=self.spec.barrier,
-            grace_period=cfg.schedule.grace_period,
-            units_per_step=self.workload.units_per_step,
-            speed_ema=cfg.schedule.speed_ema,
-            lease_timeout_factor=cfg.runtime.lease_timeout_factor,
-            lease_slack=cfg.runtime.lease_slack,
-            max_staleness=cfg.outer.max_staleness,
-            max_update_norm=cfg.runtime.max_update_norm,
-        )
+        policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=False)
         self.state: CoordinatorState = new_state(
             theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.seed
         )
@@ -503,18 +490,16 @@ class CoordinatorDaemon:
         return 0
 
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
-        import hivemind
-
+        from asyncloco.transport.dht import start_dht, stop_dht
         from asyncloco.transport.records import RunRecords
         from asyncloco.transport.rpc import CoordinatorService, TrafficCounters
 
         self.dir.mkdir(parents=True, exist_ok=True)
         port = self._endpoint_port()
-        dht = hivemind.DHT(
+        dht = start_dht(
             initial_peers=list(self.initial_peers),
             host_maddrs=[f"/ip4/{self.cfg.runtime.host}/tcp/{port}"],
             identity_path=str(self.dir / IDENTITY_FILE),
-            start=True,
         )
         p2p = None
         service = None
@@ -581,11 +566,5 @@ class CoordinatorDaemon:
                     logger.debug("removing handlers failed: %r", error)
             if p2p is not None:
                 await p2p.shutdown()
-            dht.shutdown()
+            stop_dht(dht)
             self.journal.close()
-
-
-def _build_workload(cfg: RunConfig) -> Workload:
-    from asyncloco.sim.engine import build_workload
-
-    return build_workload(cfg)

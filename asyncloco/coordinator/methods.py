@@ -9,6 +9,7 @@ pseudo-gradients are averaged (Async Buffer with N = k) and one Nesterov step is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -29,10 +30,12 @@ from asyncloco.algo.staleness import (
     StalenessTransform,
 )
 
-if TYPE_CHECKING:
-    from asyncloco.config import OuterConfig
+from asyncloco.coordinator.logic import CoordinatorPolicy
 
-__all__ = ["MethodSpec", "METHODS", "build_method"]
+if TYPE_CHECKING:
+    from asyncloco.config import OuterConfig, RunConfig
+
+__all__ = ["MethodSpec", "METHODS", "build_method", "coordinator_policy"]
 
 Groups = Sequence[tuple[int, int]]
 
@@ -149,3 +152,21 @@ def build_method(
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
     spec = METHODS[name]
     return spec, spec.outer(cfg, workers), spec.transforms(cfg, groups)
+
+
+def coordinator_policy(cfg: "RunConfig", spec: MethodSpec, units_per_step: int, *, simulated: bool) -> CoordinatorPolicy:
+    """The decision knobs of a run. In the simulator (fake time, nobody crashes) leases never expire
+    and no update is refused for staleness or size, so every method sees the same updates."""
+    return CoordinatorPolicy(
+        max_local_steps=cfg.schedule.max_local_steps,
+        min_steps=cfg.schedule.min_steps,
+        dylu=spec.dylu,
+        barrier=spec.barrier,
+        grace_period=cfg.schedule.grace_period,
+        units_per_step=units_per_step,
+        speed_ema=cfg.schedule.speed_ema,
+        lease_timeout_factor=math.inf if simulated else cfg.runtime.lease_timeout_factor,
+        lease_slack=0.0 if simulated else cfg.runtime.lease_slack,
+        max_staleness=None if simulated else cfg.outer.max_staleness,
+        max_update_norm=None if simulated else cfg.runtime.max_update_norm,
+    )

@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params
+
+if TYPE_CHECKING:
+    from asyncloco.config import RunConfig
 
 __all__ = ["InnerTrainer", "RoundResult", "build_inner_optimizer"]
 
@@ -64,6 +67,20 @@ class InnerTrainer:
         self.grad_clip = grad_clip
         self.optimizer = build_inner_optimizer(
             optimizer, list(self.model.parameters()), schedule.peak_lr, betas, weight_decay
+        )
+
+    @classmethod
+    def from_config(cls, cfg: "RunConfig", workload: Workload, device: str | torch.device = "cpu") -> "InnerTrainer":
+        """The trainer a run config describes (inner optimizer, schedule, clipping, model seed)."""
+        return cls(
+            workload,
+            cfg.inner.schedule(),
+            seed=cfg.seed,
+            optimizer=cfg.inner.optimizer,
+            betas=cfg.inner.betas,
+            weight_decay=cfg.inner.weight_decay,
+            grad_clip=cfg.inner.grad_clip,
+            device=device,
         )
 
     @property

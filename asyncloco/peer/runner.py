@@ -102,14 +102,13 @@ class PeerRunner:
     # ---------------------------------------------------------------------------------- setup
 
     def _start_dht(self) -> Any:
-        import hivemind
+        from asyncloco.transport.dht import start_dht
 
         try:
-            return hivemind.DHT(
+            return start_dht(
                 initial_peers=self.options.initial_peers,
                 host_maddrs=[f"/ip4/{self.options.host}/tcp/0"],
                 identity_path=self.options.identity_path,
-                start=True,
             )
         except Exception as error:  # hivemind raises several types when bootstrap fails
             raise PeerError(
@@ -230,9 +229,7 @@ class PeerRunner:
         """Initial throughput from a few real steps of a throwaway replica (tokens or samples per second).
 
         A separate trainer keeps the real inner optimizer state untouched by the probe."""
-        from asyncloco.sim.engine import shard_schedule
-
-        probe = InnerTrainer(workload, shard_schedule(cfg), seed=cfg.seed, device=self.options.device)
+        probe = InnerTrainer.from_config(cfg, workload, device=self.options.device)
         theta = torch.cat([p.detach().reshape(-1) for p in probe.model.parameters()]).cpu()
         probe.run(theta, 0, 0, 1, 0)  # warm-up (allocations, kernels)
         started = time.perf_counter()
@@ -242,6 +239,7 @@ class PeerRunner:
 
     async def run(self) -> PeerSummary:
         from asyncloco.transport.codecs import encode
+        from asyncloco.transport.dht import stop_dht
         from asyncloco.transport.errors import TransportError
         from asyncloco.transport.records import RunRecords
         from asyncloco.transport.rpc import CoordinatorClient, TrafficCounters
@@ -258,19 +256,10 @@ class PeerRunner:
             cfg, hello = await self._fetch_config(p2p, namespace)
             if hello.get("run_id") != namespace:
                 raise PeerError(f"the coordinator serves run {hello.get('run_id')!r}, not {namespace!r}; check --run-id")
-            from asyncloco.sim.engine import build_workload, shard_schedule
+            from asyncloco.workloads import build_workload
 
             workload = build_workload(cfg)
-            trainer = InnerTrainer(
-                workload,
-                shard_schedule(cfg),
-                seed=cfg.seed,
-                optimizer=cfg.inner.optimizer,
-                betas=cfg.inner.betas,
-                weight_decay=cfg.inner.weight_decay,
-                grad_clip=cfg.inner.grad_clip,
-                device=self.options.device,
-            )
+            trainer = InnerTrainer.from_config(cfg, workload, device=self.options.device)
             numel = int(hello["model_numel"])
             if trainer.numel != numel:
                 raise PeerError(
@@ -346,7 +335,7 @@ class PeerRunner:
             self._write_summary()
             if p2p is not None:
                 await p2p.shutdown()
-            dht.shutdown()
+            stop_dht(dht)
 
     async def _pause(self, seconds: float) -> None:
         try:

@@ -33,7 +33,6 @@ from asyncloco.coordinator.logic import (
     Action,
     Applied,
     Assign,
-    CoordinatorPolicy,
     Hold,
     Rejected,
     RequestWork,
@@ -43,28 +42,14 @@ from asyncloco.coordinator.logic import (
     handle,
     new_state,
 )
-from asyncloco.coordinator.methods import build_method
+from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
 from asyncloco.peer.inner import InnerTrainer, RoundResult
+from asyncloco.workloads import build_workload
 
-__all__ = ["SimResult", "Simulation", "build_workload", "shard_schedule", "pretrain"]
+__all__ = ["SimResult", "Simulation", "build_workload", "pretrain"]
 
 logger = logging.getLogger(__name__)
-
-
-def build_workload(cfg: RunConfig) -> Workload:
-    """The workload named by ``cfg.task`` (toy classifier or language model)."""
-    if cfg.task.kind == "toy":
-        from asyncloco.sim.toy import ToyWorkload
-
-        return ToyWorkload(cfg.task)  # type: ignore[arg-type]
-    from asyncloco.models.lm import build_lm_workload  # the LM layer, imported only when asked for
-
-    return build_lm_workload(cfg.task)  # type: ignore[arg-type]
-
-
-def shard_schedule(cfg: RunConfig) -> ShardSchedule:
-    return ShardSchedule(cfg.inner.lr, cfg.inner.min_lr, cfg.inner.warmup_steps, cfg.inner.total_steps_per_shard)
 
 
 def pretrain(cfg: RunConfig, workload: Workload) -> torch.Tensor:
@@ -157,38 +142,18 @@ class Simulation:
         self.update_limit = cfg.sim.reach_budget_factor * cfg.sim.total_local_updates
         self.workload = workload if workload is not None else build_workload(cfg)
         speeds = worker_seconds_per_step(cfg.sim.profile, cfg.sim.workers)
-        schedule = shard_schedule(cfg)
         self.eval_model = self.workload.build_model(cfg.seed)
         theta = (initial_params if initial_params is not None else pretrain(cfg, self.workload)).clone()
         self.spec, optimizer, transforms = build_method(
             method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model)
         )
-        policy = CoordinatorPolicy(
-            max_local_steps=cfg.schedule.max_local_steps,
-            min_steps=cfg.schedule.min_steps,
-            dylu=self.spec.dylu,
-            barrier=self.spec.barrier,
-            grace_period=cfg.schedule.grace_period,
-            units_per_step=self.workload.units_per_step,
-            speed_ema=cfg.schedule.speed_ema,
-            lease_timeout_factor=math.inf,  # fake time: nobody crashes, leases never expire
-            lease_slack=0.0,
-            max_staleness=None,
-        )
+        policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=True)
         self.state = new_state(theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.sim.seed)
         self.workers = {
             f"w{i}": _Worker(
                 f"w{i}",
                 s,
-                InnerTrainer(
-                    self.workload,
-                    schedule,
-                    seed=cfg.seed,
-                    optimizer=cfg.inner.optimizer,
-                    betas=cfg.inner.betas,
-                    weight_decay=cfg.inner.weight_decay,
-                    grad_clip=cfg.inner.grad_clip,
-                ),
+                InnerTrainer.from_config(cfg, self.workload),
             )
             for i, s in enumerate(speeds)
         }

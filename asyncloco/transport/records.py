@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
