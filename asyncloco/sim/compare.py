@@ -85,18 +85,23 @@ def format_table(results: Sequence[SimResult]) -> str:
         final = r.final
         value = final["perplexity"] if has_ppl else final["loss"]
         ref = (sync.final["perplexity"] if has_ppl else sync.final["loss"]) if sync is not None else None
-        ratio = f"{value / ref:8.4f}" if ref else f"{'':8s}"
+        ratio = (f"{value / ref:8.4f}" if value / ref < 1e3 else f"{value / ref:8.1e}") if ref else f"{'':8s}"
         reach = r.time_to_reach(target) if target is not None else None
         reach_s = f"{reach:9.0f}" if reach is not None else f"{'never':>9s}"
         frac = f"{reach / sync.sim_time:7.2f}" if reach is not None and sync is not None else f"{'-':>7s}"
         stale = sum(r.staleness) / len(r.staleness) if r.staleness else 0.0
         lines.append(
-            f"{r.label + ' [' + r.method + ']':44s} {value:11.4f} {ratio} {final['time']:9.0f} {reach_s} {frac} {stale:6.2f}"
+            f"{r.label + ' [' + r.method + ']':44s} {_fixed(value, 11)} {ratio} {final['time']:9.0f} {reach_s} {frac} {stale:6.2f}"
         )
     lines.append(
         "final = at equal total local updates; t→sync = simulated time to first reach sync DiLoCo's final loss"
     )
     return "\n".join(lines)
+
+
+def _fixed(value: float, width: int) -> str:
+    """4 decimals while that fits, scientific for diverged runs."""
+    return f"{value:{width}.4f}" if abs(value) < 1e5 else f"{value:{width}.3e}"
 
 
 def plot_results(results: Sequence[SimResult], path: Path, metric: str = "loss") -> None:
@@ -117,12 +122,18 @@ def plot_results(results: Sequence[SimResult], path: Path, metric: str = "loss")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"eval {metric}")
         ax.grid(alpha=0.3)
-    lows = [e[metric] for r in results for e in r.evals]
-    if lows:
-        lo = min(lows)
-        hi = sorted(lows)[int(0.9 * (len(lows) - 1))]
-        left.set_ylim(lo - 0.05 * (hi - lo), hi)
-        right.set_ylim(lo - 0.05 * (hi - lo), hi)
+    # Every method starts from the same θ0: show from that value down, so a diverging method leaves
+    # the chart instead of squashing the others; perplexity spans decades, so it gets a log axis.
+    start = results[0].evals[0][metric] if results and results[0].evals else None
+    finals = [r.evals[-1][metric] for r in results if r.evals]
+    if start is not None and finals:
+        low = min(min(e[metric] for e in r.evals) for r in results if r.evals)
+        for ax in (left, right):
+            if metric == "perplexity":
+                ax.set_yscale("log")
+                ax.set_ylim(low * 0.95, start * 1.1)
+            else:
+                ax.set_ylim(low - 0.05 * (start - low), start + 0.02 * (start - low))
     left.set_title(f"{metric} vs local updates")
     right.set_title(f"{metric} vs time")
     right.legend(fontsize=8)
