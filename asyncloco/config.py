@@ -231,7 +231,10 @@ class RunConfig(StrictModel):
 def _format_errors(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        loc = list(item["loc"])
+        if len(loc) > 1 and loc[0] == "task" and loc[1] in ("toy", "lm"):
+            del loc[1]  # pydantic names the union member; the user wrote task.<key>
+        where = ".".join(str(p) for p in loc) or "(top level)"
         if item["type"] == "extra_forbidden":
             lines.append(f"  {where}: unknown key — check its spelling or remove it")
         else:
