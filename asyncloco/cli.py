@@ -59,6 +59,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the coordinator's current θ (from its checkpoint) as a transformers model directory."""
+    from asyncloco.config import RunConfig
+    from asyncloco.coordinator.checkpoint import load_snapshot
+    from asyncloco.workloads import build_workload
+
+    snapshot = load_snapshot(Path(args.checkpoint_dir))
+    cfg = RunConfig.model_validate(snapshot["config"])  # the config the run was started with
+    if cfg.task.kind != "lm":
+        raise ValueError(f"only language-model runs can be exported; this run's task is {cfg.task.kind!r}")
+    workload = build_workload(cfg)
+    theta = snapshot["coordinator"]["params"]
+    out = workload.export(theta, args.out)  # type: ignore[attr-defined]
+    version = snapshot["coordinator"]["version"]
+    print(f"exported version {version} of run '{cfg.runtime.run_id}' to {out}; load it with "
+          f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncloco", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -77,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile", choices=["none", "slight", "moderate", "very"], help="override sim.profile")
     sim.add_argument("--workers", type=int, help="override sim.workers")
     sim.set_defaults(func=cmd_simulate)
+
+    export = sub.add_parser("export", help="write a run's current model + tokenizer as a from_pretrained directory")
+    export.add_argument("--checkpoint-dir", required=True, help="the coordinator's runtime.checkpoint_dir")
+    export.add_argument("--out", required=True, help="directory to write (config, weights, tokenizer)")
+    export.set_defaults(func=cmd_export)
 
     _add_runtime_commands(sub)
     return parser

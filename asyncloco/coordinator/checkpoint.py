@@ -55,7 +55,8 @@ def load_snapshot(directory: Path) -> dict[str, Any]:
     path = directory / SNAPSHOT_NAME
     if not path.is_file():
         raise ValueError(
-            f"no checkpoint at {path}; start without --resume, or point runtime.checkpoint_dir at the old run"
+            f"no checkpoint at {path}: give the directory an `asyncloco coordinator` run writes to (its "
+            "runtime.checkpoint_dir or --checkpoint-dir); to start a new run, leave out --resume"
         )
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
