@@ -70,8 +70,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if cfg.task.kind != "lm":
         raise ValueError(f"only language-model runs can be exported; this run's task is {cfg.task.kind!r}")
     workload = build_workload(cfg)
+    from asyncloco.models.lm import LMWorkload
+
+    assert isinstance(workload, LMWorkload)  # task.kind == "lm"
     theta = snapshot["coordinator"]["params"]
-    out = workload.export(theta, args.out)  # type: ignore[attr-defined]
+    out = workload.export(theta, args.out)
     version = snapshot["coordinator"]["version"]
     print(f"exported version {version} of run '{cfg.runtime.run_id}' to {out}; load it with "
           f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')")

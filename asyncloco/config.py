@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.config_base import StrictModel
+from asyncloco.models.config import LMTaskConfig  # pydantic only: no torch/transformers
 
 __all__ = [
     "ToyTaskConfig",
@@ -79,15 +80,7 @@ class ToyTaskConfig(StrictModel):
     seed: int = 0
 
 
-def _lm_task_type() -> Any:
-    try:
-        from asyncloco.models.config import LMTaskConfig
-    except ImportError:  # models layer not installed in this checkout
-        return ToyTaskConfig
-    return LMTaskConfig
-
-
-TaskConfig = Annotated[Union[ToyTaskConfig, _lm_task_type()], Field(discriminator="kind")]
+TaskConfig = Annotated[Union[ToyTaskConfig, LMTaskConfig], Field(discriminator="kind")]
 
 
 class InnerConfig(StrictModel):

@@ -12,7 +12,7 @@ def build_workload(cfg: RunConfig) -> Workload:
     if cfg.task.kind == "toy":
         from asyncloco.sim.toy import ToyWorkload
 
-        return ToyWorkload(cfg.task)  # type: ignore[arg-type]
+        return ToyWorkload(cfg.task)
     from asyncloco.models.lm import build_lm_workload  # transformers/datasets load only when asked for
 
-    return build_lm_workload(cfg.task)  # type: ignore[arg-type]
+    return build_lm_workload(cfg.task)

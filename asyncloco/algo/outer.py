@@ -290,7 +290,8 @@ class AsyncBuffer(OuterNesterov):
         """
         if self.buffered == 0:
             return None
-        _check_vectors(params, self.buffer)  # type: ignore[arg-type]
+        assert self.buffer is not None  # set by the first step(), and buffered > 0
+        _check_vectors(params, self.buffer)
         return self._step_on_mean(params)
 
     def _step_on_mean(self, params: torch.Tensor) -> OuterStepInfo:

@@ -173,7 +173,7 @@ class CoordinatorState:
         for transform, sub in zip(self.transforms, state["transforms"]):
             transform.load_state_dict(sub)
         self.shards = [
-            ShardState(s["size"], s["assigned"], s["cursor"], [tuple(r) for r in s["returned"]])  # type: ignore[misc]
+            ShardState(s["size"], s["assigned"], s["cursor"], [tuple(r) for r in s["returned"]])
             for s in state["shards"]
         ]
         self.seed = int(state["seed"])

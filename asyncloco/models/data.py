@@ -170,11 +170,11 @@ def split_rows(
         raise ValueError(f"only {n_rows} packed rows, not more than val_sequences={val_rows}; lower "
                          "task.val_sequences or task.seq_len, or use a larger source")
     held_out = torch.zeros(n_rows, dtype=torch.bool)
-    held_out[torch.randperm(n_rows, generator=_generator(seed, "val"))[:val_rows]] = True  # type: ignore[arg-type]
+    held_out[torch.randperm(n_rows, generator=_generator(seed, "val"))[:val_rows]] = True
     val_ids = torch.nonzero(held_out).flatten()
     train_ids = torch.nonzero(~held_out).flatten()
     if iid:
-        train_ids = train_ids[torch.randperm(len(train_ids), generator=_generator(seed, "shards"))]  # type: ignore[arg-type]
+        train_ids = train_ids[torch.randperm(len(train_ids), generator=_generator(seed, "shards"))]
     return val_ids, [part.clone() for part in torch.tensor_split(train_ids, num_shards)]
 
 

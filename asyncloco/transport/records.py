@@ -42,6 +42,8 @@ _SHORT_TEXT = constr(strict=True, max_length=128)
 _CODEC = constr(strict=True, regex="^(" + "|".join(CODECS) + ")$")
 
 
+# The value schemas use pydantic.v1 (what hivemind's SchemaValidator takes); mypy cannot read v1's
+# constr()/conint()/confloat()/conlist() calls as annotations, hence the ignore[valid-type] below.
 class _SpeedValue(BaseModel):
     peer_id: _PEER_ID  # type: ignore[valid-type]
     tokens_per_s: confloat(strict=True, ge=0.0, lt=1e15)  # type: ignore[valid-type]  # rejects NaN and inf
