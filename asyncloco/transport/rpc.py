@@ -263,6 +263,11 @@ class CoordinatorClient:
     :param model_numel: the model size from the run config / announcement; bodies are checked against it.
     :param timeouts: defaults per call in seconds. ``assign`` must exceed the coordinator's grace hold;
         ``get_model``/``submit`` about 3x the transfer time at your slowest expected bandwidth.
+    :param liveness_period: while a call runs, check this often that the connection to the coordinator is
+        still open, and fail the call (:class:`PeerUnreachable`) once it is gone. hivemind's p2pd does not
+        end a stream whose connection died (a SIGKILLed or crashed coordinator): without this check a peer
+        waiting for the submit READY/ack or a held lease sat out the whole timeout (10 min for submit),
+        by which time its lease had expired and its work was lost.
     """
 
     def __init__(
@@ -277,6 +282,7 @@ class CoordinatorClient:
         get_model_timeout: float = 600.0,
         submit_timeout: float = 600.0,
         counters: Optional[TrafficCounters] = None,
+        liveness_period: float = 1.0,
     ) -> None:
         if isinstance(coordinator_peer_id, str):
             coordinator_peer_id = PeerID.from_base58(coordinator_peer_id)
@@ -284,6 +290,7 @@ class CoordinatorClient:
         self.p2p, self.coordinator_peer_id, self.model_numel = p2p, coordinator_peer_id, model_numel
         self.chunk_bytes = chunk_bytes
         self.timeouts = {"assign": assign_timeout, "get_model": get_model_timeout, "submit": submit_timeout}
+        self.liveness_period = liveness_period
         self.counters = counters if counters is not None else TrafficCounters()
         self._stub: Any = CoordinatorService.get_stub(p2p, coordinator_peer_id, namespace=namespace)
 
@@ -292,7 +299,7 @@ class CoordinatorClient:
         traffic.calls += 1
         limit = self.timeouts[name] if timeout is None else timeout
         try:
-            return await asyncio.wait_for(call, timeout=limit)
+            return await asyncio.wait_for(self._while_connected(name, call), timeout=limit)
         except asyncio.TimeoutError:
             traffic.failures += 1
             raise RpcTimeout(f"{name} to {self.coordinator_peer_id} timed out after {limit:.1f} s") from None
@@ -305,6 +312,29 @@ class CoordinatorClient:
         except TransportError:
             traffic.failures += 1
             raise
+
+    async def _connected(self) -> bool:
+        return any(info.peer_id == self.coordinator_peer_id for info in await self.p2p.list_peers())
+
+    async def _while_connected(self, name: str, call: Awaitable[T]) -> T:
+        """Run ``call``; raise :class:`PeerUnreachable` once the connection it runs on is gone. Only a
+        connection seen open during this call counts as lost (a call may still be dialing)."""
+        task = asyncio.ensure_future(call)
+        try:
+            seen = await self._connected()
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.liveness_period)
+                if done:
+                    return task.result()
+                connected = await self._connected()
+                if seen and not connected:
+                    raise PeerUnreachable(f"{name} to {self.coordinator_peer_id}: the connection closed mid-call")
+                seen = seen or connected
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     async def assign(self, request: Dict[str, Any], *, timeout: Optional[float] = None) -> Dict[str, Any]:
         """Ask for a lease. ``request`` is a msgpack-able map (e.g. ``{"tokens_per_s": 1e4}``)."""
