@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_snapshot", "load_snapshot", "SNAPSHOT_NAME"]
+__all__ = ["save_snapshot", "load_snapshot", "remove_partial_snapshots", "SNAPSHOT_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,17 @@ def save_snapshot(directory: Path, state: dict[str, Any]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+def remove_partial_snapshots(directory: Path) -> int:
+    """Delete temporary files a crash in the middle of :func:`save_snapshot` left behind."""
+    removed = 0
+    for leftover in directory.glob(".state-*.tmp"):
+        leftover.unlink(missing_ok=True)
+        removed += 1
+    if removed:
+        logger.info("removed %d partial snapshot(s) left by an interrupted save in %s", removed, directory)
+    return removed
 
 
 def load_snapshot(directory: Path) -> dict[str, Any]:

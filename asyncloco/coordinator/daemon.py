@@ -33,7 +33,7 @@ import torch
 
 from asyncloco import __version__
 from asyncloco.config import RunConfig
-from asyncloco.coordinator.checkpoint import load_snapshot, save_snapshot
+from asyncloco.coordinator.checkpoint import load_snapshot, remove_partial_snapshots, save_snapshot
 from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import (
     Action,
@@ -143,6 +143,8 @@ class CoordinatorDaemon:
             raise ValueError(
                 f"{self.dir} already holds a run; continue it with --resume, or choose a new runtime.checkpoint_dir"
             )
+        if self.dir.is_dir():
+            remove_partial_snapshots(self.dir)
         self.workload = workload if workload is not None else build_workload(cfg)
         self.model = self.workload.build_model(cfg.seed)
         theta = flatten_params(self.model)
@@ -165,6 +167,7 @@ class CoordinatorDaemon:
         self._eval_tasks: set[asyncio.Task[None]] = set()
         self._last_eval_version = -1
         self._stopping = False  # set under the lock at shutdown: no RPC changes state after that
+        self._stop_event: Optional[asyncio.Event] = None
 
     # ----------------------------------------------------------------------------- persistence
 
@@ -231,7 +234,22 @@ class CoordinatorDaemon:
             changed |= self._record(action)
         if changed:
             self._prune_snapshots()
-            await self._save()
+            try:
+                await self._save()
+            except OSError as error:
+                # Fail-stop: the decision is in memory but not durable, so nobody may be told about it.
+                # The caller's RPC fails (the peer keeps its update and resends after a restart, which
+                # continues from the last durable snapshot) and the daemon stops accepting work.
+                logger.critical(
+                    "could not write the checkpoint to %s (%r); stopping without acknowledging. Fix the disk, "
+                    "then restart with --resume",
+                    self.dir,
+                    error,
+                )
+                self._stopping = True
+                if self._stop_event is not None:
+                    self._stop_event.set()
+                raise
         for action in actions:
             if isinstance(action, Assign):
                 waiter = self.waiters.pop(action.peer, None)
@@ -490,6 +508,7 @@ class CoordinatorDaemon:
         return 0
 
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
+        self._stop_event = stop
         from asyncloco.transport.dht import start_dht, stop_dht
         from asyncloco.transport.records import RunRecords
         from asyncloco.transport.rpc import CoordinatorService, TrafficCounters
@@ -554,10 +573,13 @@ class CoordinatorDaemon:
             if self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks, return_exceptions=True)
             async with self.lock:
-                await self._save()
-                self._write_status()
+                try:
+                    await self._save()
+                    self._write_status()
+                    logger.info("checkpoint written at version %d; shutting down", self.state.version)
+                except OSError as error:  # the last durable snapshot stands; nothing unsaved was acknowledged
+                    logger.critical("final checkpoint failed (%r); --resume continues from the last good one", error)
             self.journal.write("stop", version=self.state.version, local_updates=self.state.local_updates)
-            logger.info("checkpoint written at version %d; shutting down", self.state.version)
         finally:
             if service is not None and p2p is not None:
                 try:

@@ -1,0 +1,66 @@
+"""The daemon's durability rules, in-process (no network): fail-stop on a broken disk, crash leftovers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncloco.config import RunConfig
+from asyncloco.coordinator import daemon as daemon_module
+from asyncloco.coordinator.checkpoint import load_snapshot, remove_partial_snapshots
+from asyncloco.coordinator.daemon import CoordinatorDaemon
+from asyncloco.transport.codecs import encode
+
+
+def small_config() -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2},
+            "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},
+            "sim": {"workers": 2},
+        }
+    )
+
+
+@pytest.mark.timeout(60)
+def test_failed_snapshot_is_never_acknowledged_and_stops_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = CoordinatorDaemon(small_config(), checkpoint_dir=tmp_path)
+
+    async def scenario() -> None:
+        daemon._stop_event = asyncio.Event()
+        await daemon._save()  # what run() writes at start
+        reply = await daemon.assign({"tokens_per_s": 100.0}, "peer-a")
+        lease = reply["lease"]
+        assert lease is not None and load_snapshot(tmp_path)["coordinator"]["leases"].keys() == {lease["lease_id"]}
+        theta_before = daemon.state.params.clone()
+
+        def broken_disk(*args: Any, **kwargs: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(daemon_module, "save_snapshot", broken_disk)
+        update = encode("none", torch.full_like(theta_before, 0.01))
+        with pytest.raises(OSError):
+            await daemon.submit(lease["lease_id"], lease["base_version"], update, "peer-a")
+        # not acknowledged, not durable, and the daemon stops taking work
+        assert daemon._stop_event.is_set()
+        durable = load_snapshot(tmp_path)["coordinator"]
+        assert durable["version"] == 0 and torch.equal(durable["params"], theta_before)
+        with pytest.raises(ConnectionAbortedError):
+            await daemon.submit(lease["lease_id"], lease["base_version"], update, "peer-a")
+
+    asyncio.run(scenario())
+    daemon.journal.close()
+
+
+def test_partial_snapshots_from_an_interrupted_save_are_removed(tmp_path: Path) -> None:
+    (tmp_path / ".state-abc.tmp").write_bytes(b"half a snapshot")
+    (tmp_path / ".state-def.tmp").write_bytes(b"")
+    (tmp_path / "state.pt").write_bytes(b"keep")
+    assert remove_partial_snapshots(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
