@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from asyncloco.transport.codecs import (
     INT4_BLOCKSIZE,
     INT8_BLOCKSIZE,
     EncodedTensor,
+    all_finite,
     decode,
     encode,
     meta_bytes,
@@ -103,3 +105,47 @@ def test_encode_rejects_bad_input() -> None:
         encode("none", torch.zeros(0))
     with pytest.raises(CodecError, match="fp16 range"):
         encode("fp16", torch.tensor([1e5]))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_never_crosses_the_wire(bad: float) -> None:
+    clean = torch.randn(10_000)
+    dirty = clean.clone()
+    dirty[1234] = bad
+    for codec in CODECS:  # an honest peer never sends a NaN: encode refuses it and counts it
+        with pytest.raises(CodecError, match="1 of 10000"):
+            encode(codec, dirty)
+    # A hostile sender builds the bytes itself: each float codec's payload with the bad value in it.
+    raw = {
+        "none": dirty.numpy().astype("<f4").tobytes(),
+        "fp16": dirty.numpy().astype("<f2").tobytes(),
+        "bf16": dirty.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
+    }
+    for codec, payload in raw.items():
+        with pytest.raises(CodecError, match=f"codec '{codec}': 1 NaN/Inf values"):
+            decode(EncodedTensor(codec, 10_000, payload), 10_000)
+    # int8/int4: a non-finite block scale in an otherwise valid encoding (block 1 of each).
+    for codec, blocksize in (("int8", INT8_BLOCKSIZE), ("int4", INT4_BLOCKSIZE)):
+        good = encode(codec, clean)
+        scales = np.frombuffer(bytes(good.meta), dtype="<f4").copy()
+        scales[1] = bad
+        with pytest.raises(CodecError, match="non-finite block absmax"):
+            decode(EncodedTensor(codec, 10_000, good.payload, scales.tobytes()), 10_000)
+        assert len(scales) == math.ceil(10_000 / blocksize)
+
+
+@pytest.mark.timeout(30)
+def test_finite_check_is_exact_at_the_float32_limits() -> None:
+    # Finite values whose sum overflows to inf are still finite: the fast path must fall back, not refuse.
+    huge = torch.full((1000,), 3.0e38)
+    assert torch.isinf(huge.sum())
+    assert torch.equal(decode(encode("none", huge), 1000), huge)
+    assert all_finite(huge) and not all_finite(torch.tensor([1.0, math.nan])) and not all_finite(torch.tensor([math.inf, -math.inf]))
+    # The largest finite bf16 (0x7F7F) decodes; the smallest exponent-all-ones pattern (0x7F80 = inf) is refused.
+    assert float(decode(EncodedTensor("bf16", 1, b"\x7f\x7f"), 1)) == float(torch.finfo(torch.bfloat16).max)
+    with pytest.raises(CodecError, match="NaN/Inf"):
+        decode(EncodedTensor("bf16", 1, b"\x80\x7f"), 1)
+    assert float(decode(EncodedTensor("fp16", 1, b"\xff\x7b"), 1)) == 65504.0
+    with pytest.raises(CodecError, match="NaN/Inf"):
+        decode(EncodedTensor("fp16", 1, b"\x00\x7c"), 1)

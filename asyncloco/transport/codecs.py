@@ -46,6 +46,7 @@ __all__ = [
     "wire_bytes",
     "meta_bytes",
     "value_bytes",
+    "all_finite",
 ]
 
 if sys.byteorder != "little":  # the raw formats below are little-endian views of native tensors
@@ -134,8 +135,24 @@ def _check_input(tensor: torch.Tensor) -> None:
         )
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True iff every value of a float tensor is finite, in one pass and without a tensor-sized temporary.
+
+    A NaN or ±Inf anywhere makes the sum NaN or ±Inf, so a finite sum proves every value finite. A
+    non-finite sum can also come from finite values overflowing; only then is the exact element check run.
+    """
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+def _count_non_finite(tensor: torch.Tensor) -> int:
+    return int((~torch.isfinite(tensor)).sum())
+
+
 def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
-    """Encode a flat fp32 CPU tensor. Raises :class:`CodecError` on a bad codec or tensor.
+    """Encode a flat fp32 CPU tensor. Raises :class:`CodecError` on a bad codec or tensor, and on any
+    NaN/Inf value (an honest peer never sends one; the receiver refuses them at decode anyway).
 
     ``fp16`` refuses values beyond ±65504 (they would silently become inf): use ``bf16`` for such data.
     """
@@ -143,6 +160,11 @@ def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
     numel = tensor.numel()
     _check_codec_and_numel(name, numel)
     tensor = tensor.contiguous()
+    if not all_finite(tensor):
+        raise CodecError(
+            f"refusing to encode a tensor with NaN or Inf values ({_count_non_finite(tensor)} of {numel}); "
+            "the training step diverged: lower the inner learning rate or check the data"
+        )
     if name == "none":
         return EncodedTensor(name, numel, tensor.numpy().tobytes())
     if name == "fp16":
@@ -179,8 +201,9 @@ def decode(encoded: EncodedTensor, expected_numel: int) -> torch.Tensor:
     """Decode to a new flat fp32 tensor of ``expected_numel`` elements.
 
     Validates, before allocating: the codec name, ``encoded.numel == expected_numel``, and the exact
-    lengths of payload and meta. For int8/int4 the absmax values must be finite. Non-finite *values* in
-    fp32/fp16/bf16 payloads are passed through: finiteness of an update is the coordinator's check.
+    lengths of payload and meta. Raises :class:`CodecError` when the result would hold a NaN or Inf:
+    for int8/int4 a non-finite block absmax (the code books are finite, so finite scales give finite
+    values), for none/fp16/bf16 a non-finite value. A NaN on the wire never becomes a finite number.
     """
     name, numel = encoded.codec, encoded.numel
     _check_codec_and_numel(name, expected_numel)
@@ -191,13 +214,17 @@ def decode(encoded: EncodedTensor, expected_numel: int) -> torch.Tensor:
             f"codec {name!r} numel={numel}: expected payload {value_bytes(name, numel)} B and meta "
             f"{meta_bytes(name, numel)} B, got {len(encoded.payload)} B and {len(encoded.meta)} B"
         )
-    if name == "none":
-        return torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f4").copy())
-    if name == "fp16":
-        return torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f2").astype(np.float32))
-    if name == "bf16":
-        upper = np.frombuffer(encoded.payload, dtype="<u2").astype(np.uint32) << 16  # exact widening
-        return torch.from_numpy(upper.view(np.float32))
+    if name in ("none", "fp16", "bf16"):
+        if name == "none":
+            values = torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f4").copy())
+        elif name == "fp16":
+            values = torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f2").astype(np.float32))
+        else:
+            upper = np.frombuffer(encoded.payload, dtype="<u2").astype(np.uint32) << 16  # exact widening
+            values = torch.from_numpy(upper.view(np.float32))
+        if not all_finite(values):
+            raise CodecError(f"codec {name!r}: {_count_non_finite(values)} NaN/Inf values in payload")
+        return values
 
     absmax = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
     if not bool(torch.isfinite(absmax).all()):
