@@ -188,7 +188,9 @@ class RuntimeConfig(StrictModel):
     lease_timeout_factor: float = Field(3.0, gt=1, description="lease deadline = expected duration × this + slack")
     lease_slack: float = Field(30.0, ge=0, description="seconds added to every lease deadline")
     checkpoint_dir: str = "runs/coordinator"
-    checkpoint_every: int = Field(10, ge=1, description="applied updates between periodic snapshots")
+    # --- durability (coordinator/wal.py): every event is in the write-ahead log; full snapshots in the background
+    snapshot_every: int = Field(100, ge=1, description="applied updates between background snapshots")
+    snapshot_every_s: float = Field(120.0, gt=0, description="seconds between background snapshots (if anything changed)")
     eval_every: int = Field(10, ge=1, description="applied updates between validation evaluations")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
