@@ -335,8 +335,15 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
             return [Hold(peer, math.inf, waiting, f"sync barrier: waiting for {len(waiting)} lease(s) of this round")]
         return [_issue(state, peer, now, "sync round starts")]
     if state.window_end is not None and now <= state.window_end:
-        state.held[peer] = now
+        # Inside an open grace window (paper Alg. 2 and Fig. 3, docs/algorithm.md §6): join the held
+        # group while updates expected in the window are outstanding; once they are all in, the window
+        # is settled and a peer that finished inside it (B in Fig. 3) starts at once from the same θ
+        # the group was released with — it never opens a window of its own that would chain to a
+        # completion outside this one (C in Fig. 3).
         waiting = _expected_in_window(state, state.window_end)
+        if not waiting:
+            return [_issue(state, peer, now, "finished inside a settled grace window: starts from its newest θ")]
+        state.held[peer] = now
         return [Hold(peer, state.window_end, waiting, "joined the open grace window")]
     decision = hold_decision(now, ((lid, l.expected_finish) for lid, l in state.leases.items()), policy.grace_period)
     if decision.hold_until is None:
@@ -359,9 +366,10 @@ def _release_held(state: CoordinatorState, now: float) -> list[Action]:
         # into this round's step and every later round would stay misaligned.
         closed_short = state.optimizer.flush(state.params)
     if not state.held:
-        if state.window_end is not None and now >= state.window_end:
+        if state.window_end is not None and now > state.window_end:
             state.window_end = None
         return []
+    pending: tuple[str, ...] = ()
     if state.policy.barrier:
         if state.leases:
             return []
@@ -378,7 +386,10 @@ def _release_held(state: CoordinatorState, now: float) -> list[Action]:
         )
     held = sorted(state.held.items(), key=lambda item: (item[1], item[0]))
     state.held.clear()
-    state.window_end = None
+    if state.policy.barrier or pending:
+        state.window_end = None
+    # Otherwise the window stays open (settled) until its end, so that peers whose updates were
+    # applied inside it and who ask a moment later join this group instead of opening a chained one.
     actions: list[Action] = []
     for peer, _ in held:
         info = state.peers.get(peer)
