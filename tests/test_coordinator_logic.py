@@ -369,9 +369,10 @@ def test_hold_until_the_expected_update_is_applied() -> None:
     new_a = lease_of(released)
     assert new_a.peer == "a" and new_a.base_version == 2 and new_a.issued_at == 10.2
     assert "applied" in released.reason
-    (assign_b,) = do(state, RequestWork("b"), 10.2)  # the window is closed: answered at once, same θ
-    assert lease_of(assign_b).base_version == 2
-    assert state.held == {} and state.window_end is None
+    (assign_b,) = do(state, RequestWork("b"), 10.2)  # the window is settled: answered at once, same θ
+    assert lease_of(assign_b).base_version == 2 and "settled grace window" in assign_b.reason
+    assert state.held == {} and state.window_end == 10.5  # open until its end (paper Fig. 3)
+    assert do(state, Tick(), 10.6) == [] and state.window_end is None
 
 
 def test_hold_is_released_when_the_window_closes() -> None:

@@ -1,4 +1,4 @@
-"""Grace-period decisions, paper Algorithms 2, 4 and 5 (and algorithm.md §6).
+"""Grace-period decisions, paper Algorithms 2, 4 and 5 (docs/algorithm.md §6).
 
 Offline (the simulator's fake time): :func:`next_in_window` is Algorithm 5's ``get_worker``.
 Online (the coordinator's real clock): :func:`hold_decision` says whether a peer asking for
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["Completion", "next_in_window", "HoldDecision", "hold_decision"]
+__all__ = ["Completion", "next_in_window", "grace_windows", "HoldDecision", "hold_decision"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,32 @@ def next_in_window(
     if math.isinf(window_start) or earliest.completed_time - window_start <= grace:
         return earliest
     return None
+
+
+def grace_windows(completions: Sequence[Completion], grace: float) -> list[list[Completion]]:
+    """Algorithm 2's grouping of completions: the workers that restart together, window by window.
+
+    Each window opens at its earliest completion τ_sync and takes every completion up to
+    τ_sync + grace (inclusive); the first completion after that opens the next window. Windows
+    never chain: with grace 0.5, completions at 10.0, 10.4 and 10.8 give [[10.0, 10.4], [10.8]]
+    (paper Fig. 3: A and B restart from the same θ, C starts its own grace period).
+    """
+    pending = list(completions)
+    windows: list[list[Completion]] = []
+    window_start = math.inf
+    current: list[Completion] = []
+    while pending:
+        nxt = next_in_window(pending, grace, window_start)
+        if nxt is None:  # Algorithm 2 lines 17-20: everyone completed so far restarts; the window resets
+            windows.append(current)
+            current, window_start = [], math.inf
+            continue
+        pending.remove(nxt)
+        current.append(nxt)
+        window_start = min(window_start, nxt.completed_time)
+    if current:
+        windows.append(current)
+    return windows
 
 
 @dataclass(frozen=True)
