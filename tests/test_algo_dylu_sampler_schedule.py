@@ -131,10 +131,16 @@ def test_sampler_errors() -> None:
 # ------------------------------------------------------------------------------ schedule (Eq. 3)
 
 
-def test_warmup_is_linear_to_peak() -> None:
+def test_warmup_is_eq3_exactly() -> None:
+    """Eq. 3: η_t = t·η_max/t_warmup for t < t_warmup — η_0 = 0, η at warmup−1 below the peak."""
     schedule = ShardSchedule(peak_lr=1e-3, min_lr=1e-4, warmup_steps=4, total_steps=14)
-    assert [schedule.lr(t) for t in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3], rel=1e-12)
-    assert schedule.lr(4) == pytest.approx(1e-3, rel=1e-12)  # cosine starts at the peak
+    assert schedule.lr(0) == 0.0
+    assert schedule.lr(1) == pytest.approx(2.5e-4, rel=1e-12)
+    assert [schedule.lr(t) for t in range(4)] == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4], rel=1e-12, abs=0)
+    assert schedule.lr(3) == pytest.approx(1e-3 * 3 / 4, rel=1e-12)  # t = warmup − 1
+    assert schedule.lr(4) == 1e-3  # t = warmup: the cosine starts exactly at the peak
+    long = ShardSchedule(peak_lr=0.5, min_lr=0.05, warmup_steps=1000, total_steps=5000)
+    assert (long.lr(0), long.lr(1), long.lr(999), long.lr(1000)) == (0.0, 0.5 / 1000, 0.5 * 999 / 1000, 0.5)
 
 
 def test_cosine_midpoint_end_and_clamp() -> None:

@@ -1,9 +1,10 @@
 """Per-shard inner learning-rate schedule, paper Eq. 3 and §3.
 
 Each shard has its own step counter t (= local updates already done on that shard). Linear
-warmup from 0 to η_max over ``warmup_steps``, then cosine from η_max down to η_min over
-``total_steps − warmup_steps``. The cosine progress is clamped into [0, 1] and η_min > 0 is
-required, so a shard that runs past T keeps learning at η_min (paper §3).
+warmup η_t = t·η_max/t_warmup for t < t_warmup (so η_0 = 0, exactly as the paper writes it), then
+cosine from η_max down to η_min over ``total_steps − warmup_steps``. The cosine progress is clamped
+into [0, 1] and η_min > 0 is required, so a shard that runs past T keeps learning at η_min
+(paper §3). See docs/algorithm.md §5.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class ShardSchedule:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if step < self.warmup_steps:
-            return self.peak_lr * (step + 1) / self.warmup_steps
+            return self.peak_lr * step / self.warmup_steps
         progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
         progress = min(max(progress, 0.0), 1.0)
         return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
