@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from asyncloco import __version__
+
 __all__ = ["main"]
 
 logger = logging.getLogger("asyncloco")
 
-DEFAULT_TOY_CONFIG = "configs/toy.yaml"
+DEFAULT_TOY_CONFIG = "toy"
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -26,15 +28,32 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The configs that ship inside the package, by name (``toy`` → ``asyncloco/configs/toy.yaml``)."""
+    from importlib.resources import files
+
+    folder = Path(str(files("asyncloco") / "configs"))
+    return {path.stem: path for path in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
 def _resolve_config(path: str) -> Path:
-    """A config path as given, or relative to the installed package's repository."""
+    """A run config by path (``my-run.yaml``, ``configs/toy.yaml``) or by the name of a shipped one (``toy``).
+
+    An existing file wins; otherwise a bare name, or ``configs/<name>.yaml`` outside the repository,
+    is looked up among the configs shipped in the package (so both spellings work from any install)."""
     candidate = Path(path)
     if candidate.is_file():
         return candidate
-    repo_relative = Path(__file__).resolve().parent.parent / path
-    if repo_relative.is_file():
-        return repo_relative
-    raise ValueError(f"config file {path!r} not found (looked in the current directory and {repo_relative.parent})")
+    shipped = shipped_configs()
+    name = path
+    if candidate.suffix in (".yaml", ".yml") and not candidate.is_absolute() and str(candidate.parent) in (".", "configs"):
+        name = candidate.stem
+    if name in shipped:
+        return shipped[name]
+    raise ValueError(
+        f"config {path!r} not found: no such file, and not the name of a shipped config "
+        f"({', '.join(shipped) or 'none installed'}); pass a YAML path or one of those names"
+    )
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -84,10 +103,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncloco", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"asyncloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="deterministic fake-time simulation of one or more methods")
-    sim.add_argument("--config", default=DEFAULT_TOY_CONFIG, help=f"run config YAML (default {DEFAULT_TOY_CONFIG})")
+    sim.add_argument("--config", default=DEFAULT_TOY_CONFIG, help=f"run config: a YAML path or a shipped config's name (default {DEFAULT_TOY_CONFIG})")
     sim.add_argument(
         "--method",
         action="append",

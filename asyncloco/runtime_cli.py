@@ -129,7 +129,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     coordinator = sub.add_parser("coordinator", help="run a coordinator daemon (holds θ, applies updates)")
-    coordinator.add_argument("--config", required=True, help="run config YAML, e.g. configs/demo.yaml")
+    coordinator.add_argument("--config", required=True, help="run config: a YAML path or a shipped config's name, e.g. demo")
     coordinator.add_argument("--resume", action="store_true", help="continue the run in runtime.checkpoint_dir")
     coordinator.add_argument("--checkpoint-dir", help="override runtime.checkpoint_dir")
     coordinator.add_argument("--host", help="override runtime.host (address to listen on)")
@@ -155,7 +155,7 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     join.set_defaults(func=cmd_peer_join)
 
     demo = sub.add_parser("demo", help="coordinator + heterogeneous peers on this machine, then a summary")
-    demo.add_argument("--config", default="configs/demo.yaml")
+    demo.add_argument("--config", default="demo", help="run config: a YAML path or a shipped config's name (default demo)")
     demo.add_argument("--duration", type=float, default=150.0, help="seconds of training")
     demo.add_argument("--slowdowns", default="1,1.5,4", help="comma-separated slowdown factor of each peer")
     demo.add_argument("--out", default="runs/demo", help="output directory")
