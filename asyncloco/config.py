@@ -94,6 +94,9 @@ class InnerConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(None, gt=0)
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forward and loss under torch.autocast (bf16) on the peer's device; weights stay fp32"
+    )
 
     def schedule(self) -> ShardSchedule:
         """The per-shard learning-rate schedule of paper Eq. 3."""
@@ -196,6 +199,30 @@ class RuntimeConfig(StrictModel):
     port: int = Field(0, ge=0, le=65535)
     speed_report_period: float = Field(10.0, gt=0)
     max_update_norm: float | None = Field(None, gt=0, description="reject pseudo-gradients with a larger L2 norm")
+    eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="torch device of the coordinator's evaluation")
+    # --- watching a run (coordinator/status.py, dashboard.py, sinks.py)
+    dashboard_port: int | None = Field(None, ge=0, le=65535, description="serve the web dashboard here (0: any port)")
+    dashboard_host: str = Field("127.0.0.1", description="dashboard address; a public one only on purpose")
+    log_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="optional metrics sinks")
+    summary_every: float = Field(30.0, gt=0, description="seconds between the coordinator's INFO summary lines")
+    # --- admission (coordinator/admission.py)
+    admission: Literal["open", "token", "allowlist"] = Field(
+        "open", description="open: anyone with the address; token: signed tokens; allowlist: runtime.allowlist"
+    )
+    allowlist: list[str] = Field(default_factory=list, description="libp2p peer ids admitted in allowlist mode")
+
+    @model_validator(mode="after")
+    def _check_admission(self) -> "RuntimeConfig":
+        bad = [p for p in self.allowlist if not (isinstance(p, str) and 1 <= len(p) <= 128 and p.isalnum())]
+        if bad:
+            raise ValueError(f"runtime.allowlist entries must be libp2p peer ids (Qm... or 12D3...), got {bad[:3]}")
+        if self.admission == "allowlist" and not self.allowlist:
+            raise ValueError("runtime.admission is 'allowlist' but runtime.allowlist is empty: list the peer ids to admit")
+        if self.admission != "allowlist" and self.allowlist:
+            raise ValueError(
+                f"runtime.allowlist is set but runtime.admission is {self.admission!r}; set runtime.admission: allowlist"
+            )
+        return self
 
 
 class RunConfig(StrictModel):

@@ -17,6 +17,11 @@ Events and what the coordinator decides:
 * :class:`Tick` — time passes: expired leases give their steps back (:class:`Expired`), held
   requests whose grace window closed are answered.
 * :class:`PeerLeft` — a peer is gone: its leases are given back, it leaves the DyLU max.
+* :class:`Admit` / :class:`Revoke` — admission (``runtime.admission: token``): a verified token
+  binds to the libp2p peer id that first uses it (:class:`Admitted` or :class:`Refused`); a revoked
+  token's peer loses its leases and its say in DyLU. In ``token`` and ``allowlist`` mode, speed
+  reports, lease requests and submissions of a peer that :func:`is_admitted` denies are ignored or
+  refused before anything else looks at them (see ``coordinator/admission.py``).
 
 Grace windows (offline Algorithm 2, run online with predicted completion times): when a peer that
 just finished asks for work while other leases are expected to finish within ``grace`` seconds, a
@@ -54,6 +59,8 @@ __all__ = [
     "SubmitUpdate",
     "Tick",
     "PeerLeft",
+    "Admit",
+    "Revoke",
     "Event",
     "Assign",
     "Hold",
@@ -61,8 +68,13 @@ __all__ = [
     "Duplicate",
     "Rejected",
     "Expired",
+    "Admitted",
+    "Refused",
+    "Revoked",
+    "AdmissionRecord",
     "Action",
     "handle",
+    "is_admitted",
 ]
 
 
@@ -116,6 +128,19 @@ class CoordinatorPolicy:
     lease_slack: float = 30.0
     max_staleness: int | None = None
     max_update_norm: float | None = None
+    # --- admission (coordinator/admission.py): "open" admits everyone (demos, the simulator)
+    admission: str = "open"  # "open" | "token" | "allowlist"
+    allowlist: frozenset[str] = frozenset()  # libp2p peer ids admitted in "allowlist" mode
+
+
+@dataclass
+class AdmissionRecord:
+    """A peer admitted by a token (``runtime.admission: token``), bound on first use."""
+
+    token_id: str
+    name: str
+    expires_at: float
+    admitted_at: float
 
 
 @dataclass
@@ -135,6 +160,10 @@ class CoordinatorState:
     held: dict[str, float] = field(default_factory=dict)  # peer -> time of its held request (insertion order)
     window_end: float | None = None  # open grace window closes at this time
     base_params: dict[int, torch.Tensor] = field(default_factory=dict)  # θ(v) kept for delay compensation
+    # --- admission: peer id -> its token; token id -> the peer it is bound to; revoked token ids -> when
+    admitted: dict[str, AdmissionRecord] = field(default_factory=dict)
+    token_peers: dict[str, str] = field(default_factory=dict)
+    revoked: dict[str, float] = field(default_factory=dict)
 
     @property
     def needs_base_params(self) -> bool:
@@ -157,6 +186,9 @@ class CoordinatorState:
             "held": dict(self.held),
             "window_end": self.window_end,
             "base_params": dict(self.base_params),
+            "admitted": {k: dict(v.__dict__) for k, v in self.admitted.items()},
+            "token_peers": dict(self.token_peers),
+            "revoked": dict(self.revoked),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -186,6 +218,10 @@ class CoordinatorState:
         self.held = dict(state["held"])
         self.window_end = state["window_end"]
         self.base_params = {int(k): v.clone() for k, v in state["base_params"].items()}
+        # admission fields: absent from checkpoints written before admission existed
+        self.admitted = {k: AdmissionRecord(**v) for k, v in state.get("admitted", {}).items()}
+        self.token_peers = dict(state.get("token_peers", {}))
+        self.revoked = {k: float(v) for k, v in state.get("revoked", {}).items()}
 
 
 # ---------------------------------------------------------------------------------------- events
@@ -220,7 +256,23 @@ class PeerLeft:
     peer: str
 
 
-Event = Union[SpeedReport, RequestWork, SubmitUpdate, Tick, PeerLeft]
+@dataclass(frozen=True)
+class Admit:
+    """A token whose signature the daemon verified, presented by ``peer`` (the authenticated peer id)."""
+
+    peer: str
+    token_id: str
+    name: str
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Revoke:
+    token_id: str
+    revoked_at: float
+
+
+Event = Union[SpeedReport, RequestWork, SubmitUpdate, Tick, PeerLeft, Admit, Revoke]
 
 
 # --------------------------------------------------------------------------------------- actions
@@ -277,7 +329,33 @@ class Expired:
     reason: str
 
 
-Action = Union[Assign, Hold, Applied, Duplicate, Rejected, Expired]
+@dataclass(frozen=True)
+class Admitted:
+    peer: str
+    token_id: str
+    name: str
+    new: bool  # False: this peer was already admitted by this token (nothing changed)
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An admission refused, or an unadmitted peer's request turned away."""
+
+    peer: str
+    token_id: str  # the token presented, "" for a request without one
+    reason: str
+    lease_id: str = ""  # the submission turned away, if it was one
+
+
+@dataclass(frozen=True)
+class Revoked:
+    token_id: str
+    peer: str | None  # the peer the token was bound to, if any
+    reason: str
+
+
+Action = Union[Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked]
 
 
 # ------------------------------------------------------------------------------------- decisions
@@ -285,6 +363,13 @@ Action = Union[Assign, Hold, Applied, Duplicate, Rejected, Expired]
 
 def handle(state: CoordinatorState, event: Event, now: float) -> tuple[CoordinatorState, list[Action]]:
     """Decide what ``event`` at time ``now`` does. Mutates and returns ``state``."""
+    if isinstance(event, (SpeedReport, RequestWork, SubmitUpdate)) and not is_admitted(state, event.peer, now):
+        # admission gate: an unadmitted peer gets nothing and has no say in DyLU
+        return state, _turn_away(state, event, now)
+    if isinstance(event, Admit):
+        return state, _on_admit(state, event, now) + _release_held(state, now)
+    if isinstance(event, Revoke):
+        return state, _on_revoke(state, event, now) + _release_held(state, now)
     if isinstance(event, SpeedReport):
         actions = _on_speed(state, event, now)
     elif isinstance(event, RequestWork):
@@ -489,6 +574,81 @@ def _on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[
     for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
         if lease.peer == event.peer:
             actions += _give_back(state, lease, "peer left")
+    return actions
+
+
+# ------------------------------------------------------------------------------------ admission
+
+
+def is_admitted(state: CoordinatorState, peer: str, now: float) -> bool:
+    """May ``peer`` (an authenticated libp2p peer id) take part at ``now``? Always True in ``open`` mode."""
+    mode = state.policy.admission
+    if mode == "open":
+        return True
+    if mode == "allowlist":
+        return peer in state.policy.allowlist
+    record = state.admitted.get(peer)
+    return record is not None and now < record.expires_at and record.token_id not in state.revoked
+
+
+def _admission_problem(state: CoordinatorState, peer: str, now: float) -> str:
+    mode = state.policy.admission
+    if mode == "allowlist":
+        return "this peer id is not in the run's runtime.allowlist; send it to the organiser"
+    record = state.admitted.get(peer)
+    if record is None:
+        return "this run admits peers by token: join with --token (the organiser issues one with `asyncloco coordinator token`)"
+    if record.token_id in state.revoked:
+        return f"the token {record.token_id} admitting this peer was revoked"
+    return f"the token {record.token_id} admitting this peer expired at {record.expires_at:.0f}; ask the organiser for a new one"
+
+
+def _turn_away(state: CoordinatorState, event: SpeedReport | RequestWork | SubmitUpdate, now: float) -> list[Action]:
+    if isinstance(event, SpeedReport):
+        return []  # no effect on DyLU, and no journal line per DHT read
+    lease_id = event.lease_id if isinstance(event, SubmitUpdate) else ""
+    return [Refused(event.peer, "", _admission_problem(state, event.peer, now), lease_id)]
+
+
+def _on_admit(state: CoordinatorState, event: Admit, now: float) -> list[Action]:
+    peer, token_id = event.peer, event.token_id
+    if state.policy.admission != "token":
+        return [Refused(peer, token_id, f"this run does not admit by token (runtime.admission: {state.policy.admission})")]
+    if token_id in state.revoked:
+        return [Refused(peer, token_id, f"token {token_id} ({event.name}) was revoked")]
+    if now >= event.expires_at:
+        return [Refused(peer, token_id, f"token {token_id} ({event.name}) expired at {event.expires_at:.0f}; ask the organiser for a new one")]
+    bound = state.token_peers.get(token_id)
+    if bound is not None and bound != peer:
+        return [
+            Refused(
+                peer,
+                token_id,
+                f"token {token_id} ({event.name}) is bound to another peer id ({bound}); a token admits the one "
+                "identity that first used it: rejoin with that identity (--identity) or ask for a new token",
+            )
+        ]
+    record = state.admitted.get(peer)
+    if record is not None and record.token_id == token_id:
+        return [Admitted(peer, token_id, event.name, False, "already admitted by this token")]
+    if record is not None:
+        state.token_peers.pop(record.token_id, None)  # a renewed token replaces the old binding
+    state.admitted[peer] = AdmissionRecord(token_id, event.name, float(event.expires_at), now)
+    state.token_peers[token_id] = peer
+    return [Admitted(peer, token_id, event.name, True, f"token {token_id} ({event.name}) bound to this peer id until {event.expires_at:.0f}")]
+
+
+def _on_revoke(state: CoordinatorState, event: Revoke, now: float) -> list[Action]:
+    if event.token_id in state.revoked:
+        return []
+    state.revoked[event.token_id] = float(event.revoked_at)
+    peer = state.token_peers.get(event.token_id)
+    actions: list[Action] = [Revoked(event.token_id, peer, "revoked by the organiser")]
+    if peer is not None:
+        record = state.admitted.get(peer)
+        if record is not None and record.token_id == event.token_id:
+            # the peer loses its leases and its say in DyLU, exactly as if it had left
+            actions += _on_peer_left(state, PeerLeft(peer), now)
     return actions
 
 
