@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -42,6 +43,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from asyncloco.config import load_config
     from asyncloco.coordinator.daemon import CoordinatorDaemon
 
+    if args.config is None:
+        raise ValueError("asyncloco coordinator needs --config (a YAML path or a shipped config's name, e.g. demo)")
     _limit_threads(args.threads)
     overrides: dict[str, Any] = {}
     if args.port is not None:
@@ -114,6 +117,70 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- admission tokens (asyncloco/coordinator/admission.py) ----
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from asyncloco.coordinator.admission import issue_token, parse_duration
+
+    if args.checkpoint_dir is None:
+        raise ValueError("give --checkpoint-dir DIR: the run's runtime.checkpoint_dir, which holds its signing key")
+    if args.peer_name is None:
+        raise ValueError("give --peer-name NAME (a label for the volunteer this token admits, e.g. alice)")
+    token, claims = issue_token(args.checkpoint_dir, args.peer_name, parse_duration(args.expires))
+    print(
+        f"token {claims.token_id} for {claims.name!r}, valid until "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(claims.expires_at))}; the volunteer joins with "
+        f"`asyncloco peer join ... --token TOKEN --identity peer.key`; revoke it with "
+        f"`asyncloco coordinator token revoke --checkpoint-dir {args.checkpoint_dir} {claims.token_id}`",
+        file=sys.stderr,
+    )
+    print(token, flush=True)
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    from asyncloco.coordinator.admission import revoke_token
+
+    if revoke_token(args.checkpoint_dir, args.token_id):
+        print(f"revoked {args.token_id}; a running coordinator applies it within a few seconds")
+    else:
+        print(f"{args.token_id} was already revoked")
+    return 0
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    from asyncloco.coordinator.admission import list_issued, read_revoked
+
+    revoked = read_revoked(args.checkpoint_dir)
+    now = time.time()
+    print(f"{'token id':32s} {'name':16s} {'expires (UTC)':19s} state")
+    for item in list_issued(args.checkpoint_dir):
+        state = "revoked" if item["token_id"] in revoked else ("expired" if item["expires_at"] <= now else "valid")
+        expires = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(item["expires_at"]))
+        print(f"{item['token_id']:32s} {item['name']:16s} {expires:19s} {state}")
+    return 0
+
+
+def _add_token_commands(coordinator: argparse.ArgumentParser) -> None:
+    commands = coordinator.add_subparsers(dest="coordinator_command", required=False)
+    token = commands.add_parser(
+        "token", help="issue an admission token (runtime.admission: token); `token revoke`, `token list`"
+    )
+    token.add_argument("--checkpoint-dir", help="the run's runtime.checkpoint_dir (holds its signing key)")
+    token.add_argument("--peer-name", help="label of the volunteer this token admits, e.g. alice")
+    token.add_argument("--expires", default="7d", help="validity: 7d, 12h, 30m, 3600s (default 7d)")
+    token.set_defaults(func=cmd_token)
+    token_commands = token.add_subparsers(dest="token_command", required=False)
+    revoke = token_commands.add_parser("revoke", help="revoke a token (a running coordinator picks it up in seconds)")
+    revoke.add_argument("--checkpoint-dir", required=True, help="the run's runtime.checkpoint_dir")
+    revoke.add_argument("token_id", help="the token's id (see `token list`)")
+    revoke.set_defaults(func=cmd_token_revoke)
+    listing = token_commands.add_parser("list", help="tokens issued in this run: id, name, expiry, state")
+    listing.add_argument("--checkpoint-dir", required=True, help="the run's runtime.checkpoint_dir")
+    listing.set_defaults(func=cmd_token_list)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from asyncloco.demo import DemoOptions, run_demo
 
@@ -129,7 +196,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     coordinator = sub.add_parser("coordinator", help="run a coordinator daemon (holds θ, applies updates)")
-    coordinator.add_argument("--config", required=True, help="run config: a YAML path or a shipped config's name, e.g. demo")
+    coordinator.add_argument("--config", help="run config: a YAML path or a shipped config's name, e.g. demo")
     coordinator.add_argument("--resume", action="store_true", help="continue the run in runtime.checkpoint_dir")
     coordinator.add_argument("--checkpoint-dir", help="override runtime.checkpoint_dir")
     coordinator.add_argument("--host", help="override runtime.host (address to listen on)")
@@ -137,6 +204,7 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     coordinator.add_argument("--initial-peers", nargs="*", help="other DHT nodes to join (optional)")
     coordinator.add_argument("--threads", type=int, help="torch CPU threads")
     coordinator.set_defaults(func=cmd_coordinator)
+    _add_token_commands(coordinator)
 
     peer = sub.add_parser("peer", help="volunteer commands")
     peer_sub = peer.add_subparsers(dest="peer_command", required=True)
