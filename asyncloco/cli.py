@@ -100,6 +100,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print a run's status (``--json``: the whole status document) from its checkpoint dir or dashboard."""
+    import json
+
+    from asyncloco.coordinator.status import format_status, read_status
+
+    document = read_status(checkpoint_dir=args.checkpoint_dir, url=args.url)
+    print(json.dumps(document, indent=1) if args.json else format_status(document))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncloco", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -124,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint-dir", required=True, help="the coordinator's runtime.checkpoint_dir")
     export.add_argument("--out", required=True, help="directory to write (config, weights, tokenizer)")
     export.set_defaults(func=cmd_export)
+
+    # --- asyncloco status (coordinator/status.py) ---
+    status = sub.add_parser("status", help="a run's version, updates/s, perplexity and peers (from status.json or a dashboard)")
+    where = status.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint-dir", help="the coordinator's runtime.checkpoint_dir (reads its status.json)")
+    where.add_argument("--url", help="a live coordinator's dashboard, e.g. http://127.0.0.1:8080")
+    status.add_argument("--json", action="store_true", help="print the status document as JSON")
+    status.set_defaults(func=cmd_status)
 
     _add_runtime_commands(sub)
     return parser
