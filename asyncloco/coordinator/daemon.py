@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+import typing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,7 +34,15 @@ import torch
 
 from asyncloco import __version__
 from asyncloco.config import RunConfig
-from asyncloco.coordinator.checkpoint import load_snapshot, remove_partial_snapshots, save_snapshot
+from asyncloco.coordinator.checkpoint import (
+    child_pids,
+    load_snapshot,
+    reap_stale_children,
+    record_children,
+    remove_partial_snapshots,
+    save_snapshot,
+    snapshot_wal_seq,
+)
 from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import (
     Action,
@@ -55,6 +64,7 @@ from asyncloco.coordinator.logic import (
     new_state,
 )
 from asyncloco.coordinator.methods import build_method, coordinator_policy
+from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, decode_event, open_log, read_records
 from asyncloco.workloads import build_workload
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
 
@@ -67,6 +77,8 @@ IDENTITY_FILE = "identity.key"
 STATUS_FILE = "status.json"
 JOURNAL_FILE = "events.jsonl"
 RESUME_GRACE_S = 10.0  # after --resume, peers known from the checkpoint get this long to call again
+# Events of the logic the write-ahead log can hold, by class name (every member of the Event union).
+EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Event)}
 
 
 async def _ping_peers(peer_ids: list[str], _dht: Any, node: Any) -> int:
@@ -157,8 +169,24 @@ class CoordinatorDaemon:
         )
         self.stats = _Stats()
         self.model_snapshots: dict[int, torch.Tensor] = {}
+        # --- durability (write-ahead log + background snapshots; see _decide and coordinator/wal.py)
+        self.replayed = 0  # log records replayed at --resume
+        self.snapshot_bytes = 0  # bytes of snapshots written by this process (benchmarks)
+        self.snapshots_written = 0
+        self._snapshot_task: Optional[asyncio.Task[None]] = None
+        self._snapshot_seq = 0  # the log record the newest durable snapshot covers
+        self._updates_since_snapshot = 0
+        self._changed_since_snapshot = False
+        self._last_snapshot_at = time.monotonic()
         if resume:
             self._load()
+        else:
+            if self.dir.is_dir() and any((self.dir / WAL_DIR).glob("*.wal")):
+                raise ValueError(
+                    f"{self.dir} holds a write-ahead log ({WAL_DIR}/) but no snapshot: continue it with --resume if "
+                    "it has a state.pt elsewhere, or choose a new runtime.checkpoint_dir"
+                )
+            self.wal = open_log(self.dir, 0)
         self.journal = Journal(self.dir / JOURNAL_FILE)
         self.lock = asyncio.Lock()
         self.waiters: dict[str, _Waiter] = {}
@@ -172,8 +200,64 @@ class CoordinatorDaemon:
     # ----------------------------------------------------------------------------- persistence
 
     def _load(self) -> None:
+        """--resume: the newest snapshot, then every later record of the write-ahead log replayed through
+        ``handle`` and the same bookkeeping (nobody is answered), then a ``Resumed`` mark."""
         snapshot = load_snapshot(self.dir)
         self.state.load_state_dict(snapshot["coordinator"])
+        self.model_snapshots = {int(k): v for k, v in snapshot.get("model_snapshots", {}).items()}
+        known = set(PeerStats.__dataclass_fields__)
+        for name, values in snapshot.get("peer_stats", {}).items():
+            self.stats.peers[name] = PeerStats(**{k: v for k, v in values.items() if k in known})
+        self.stats.evals = list(snapshot.get("evals", []))
+        self._snapshot_seq = snapshot_wal_seq(snapshot)
+        self.wal = open_log(self.dir, self._snapshot_seq)
+        self.replayed = self.replay(read_records(self.dir / WAL_DIR, self._snapshot_seq))
+        now = time.time()
+        self.wal.append("mark", "Resumed", now, {})
+        self.wal.sync()
+        self._after_restart(now)
+        self._changed_since_snapshot = self.replayed > 0
+        logger.info(
+            "resumed from %s: snapshot at log record %d + %d replayed: version %d, %d local updates, %d active leases",
+            self.dir,
+            self._snapshot_seq,
+            self.replayed,
+            self.state.version,
+            self.state.local_updates,
+            len(self.state.leases),
+        )
+
+    def replay(self, records: typing.Iterable[WalRecord]) -> int:
+        """Feed logged records through ``handle`` and the daemon's bookkeeping, answering nobody."""
+        from asyncloco.transport.codecs import EncodedTensor, decode
+
+        def decode_blob(codec: str, numel: int, data: memoryview) -> torch.Tensor:
+            return decode(EncodedTensor.from_bytes(codec, numel, data), self.numel)
+
+        journal = getattr(self, "journal", None)
+        self.journal = Journal(self.dir / JOURNAL_FILE)
+        self.journal.close()  # replayed decisions are in the journal already
+        count = 0
+        try:
+            for record in records:
+                if record.kind == "event":
+                    event = decode_event(record, EVENT_TYPES, decode_blob)
+                    _, actions = handle(self.state, event, record.now)
+                    self._bookkeep(actions)
+                elif record.type == "Resumed":
+                    self._after_restart(record.now)
+                elif record.type == "HoldDropped":
+                    self.state.held.pop(str(record.fields["peer"]), None)
+                else:
+                    raise ValueError(f"log record {record.seq}: unknown mark {record.type!r}")
+                count += 1
+        finally:
+            if journal is not None:
+                self.journal = journal
+        return count
+
+    def _after_restart(self, now: float) -> None:
+        """What a restart does to the state (logged as a ``Resumed`` mark, so a later replay does it too)."""
         # Requests held before the restart died with their RPCs; their peers will ask again.
         self.state.held.clear()
         self.state.window_end = None
@@ -181,30 +265,88 @@ class CoordinatorDaemon:
         # (before any report reached the new DHT node) declared every peer gone and gave back every lease
         # in flight, so the peers' resends were rejected and their work lost. They get the usual 3 report
         # periods, counted from RESUME_GRACE_S from now (a peer's resend backoff grows to 10 s).
-        now = time.time() + RESUME_GRACE_S
         for info in self.state.peers.values():
-            info.last_seen = max(info.last_seen, now)
-        self.model_snapshots = {int(k): v for k, v in snapshot.get("model_snapshots", {}).items()}
-        for name, values in snapshot.get("peer_stats", {}).items():
-            self.stats.peers[name] = PeerStats(**values)
-        self.stats.evals = list(snapshot.get("evals", []))
-        logger.info(
-            "resumed from %s: version %d, %d local updates, %d active leases",
-            self.dir,
-            self.state.version,
-            self.state.local_updates,
-            len(self.state.leases),
-        )
+            info.last_seen = max(info.last_seen, now + RESUME_GRACE_S)
 
-    async def _save(self) -> None:
-        payload = {
-            "coordinator": self.state.state_dict(),
+    def _drop_held(self, peer: str) -> None:
+        """A held request that timed out (the peer will ask again); logged, so a replay drops it too."""
+        self.wal.append("mark", "HoldDropped", time.time(), {"peer": peer})
+        self.state.held.pop(peer, None)
+
+    def _snapshot_payload(self, copy: bool) -> dict[str, Any]:
+        """Everything a snapshot holds. ``copy``: θ and the optimizer's tensors cloned (they change in place);
+        the θ kept per base version (``model_snapshots``, ``base_params``) never changes, so it is shared."""
+
+        def clone(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value.clone()
+            if isinstance(value, dict):
+                return {k: clone(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [clone(v) for v in value]
+            if isinstance(value, tuple):
+                return tuple(clone(v) for v in value)
+            return value
+
+        coordinator = self.state.state_dict()
+        if copy:
+            coordinator = {k: (v if k == "base_params" else clone(v)) for k, v in coordinator.items()}
+        return {
+            "coordinator": coordinator,
             "model_snapshots": dict(self.model_snapshots),
             "peer_stats": {name: dict(stats.__dict__) for name, stats in self.stats.peers.items()},
             "evals": list(self.stats.evals),
             "config": self.cfg.model_dump(mode="json"),
+            "wal_seq": self.wal.last_seq,
         }
-        await asyncio.to_thread(save_snapshot, self.dir, payload)
+
+    def _write_snapshot(self, payload: dict[str, Any]) -> None:
+        """In a worker thread: write the snapshot durably, then delete the log segments it covers."""
+        path = save_snapshot(self.dir, payload)
+        self.snapshot_bytes += path.stat().st_size
+        self.snapshots_written += 1
+        self._snapshot_seq = int(payload["wal_seq"])
+        self.wal.drop_covered(self._snapshot_seq)
+
+    async def _save(self) -> None:
+        """A snapshot now, waited for (start-up, shutdown). Call with ``self.lock`` held or before serving."""
+        await self._wait_for_snapshot()
+        self.wal.rotate()
+        await asyncio.to_thread(self._write_snapshot, self._snapshot_payload(copy=False))
+        self._reset_snapshot_counters()
+
+    def _reset_snapshot_counters(self) -> None:
+        self._updates_since_snapshot = 0
+        self._changed_since_snapshot = False
+        self._last_snapshot_at = time.monotonic()
+
+    async def _wait_for_snapshot(self) -> None:
+        task = self._snapshot_task
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _maybe_snapshot(self) -> None:
+        """Start a background snapshot when ``runtime.snapshot_every`` updates or ``snapshot_every_s`` seconds
+        have passed. The copy is taken here, under the lock (consistent); writing it never blocks decisions."""
+        if self._snapshot_task is not None and not self._snapshot_task.done():
+            return
+        due = self._updates_since_snapshot >= self.cfg.runtime.snapshot_every or (
+            self._changed_since_snapshot and time.monotonic() - self._last_snapshot_at >= self.cfg.runtime.snapshot_every_s
+        )
+        if not due:
+            return
+        payload = self._snapshot_payload(copy=True)
+        self.wal.rotate()  # the segments up to here are exactly what this snapshot covers
+        self._reset_snapshot_counters()
+
+        async def write() -> None:
+            try:
+                await asyncio.to_thread(self._write_snapshot, payload)
+            except OSError as error:  # the log still holds everything; the next snapshot retries
+                logger.error("background snapshot to %s failed (%r); the write-ahead log keeps every event", self.dir, error)
+                self._changed_since_snapshot = True
+
+        self._snapshot_task = asyncio.get_running_loop().create_task(write())
 
     def _write_status(self) -> None:
         status = {
@@ -226,30 +368,41 @@ class CoordinatorDaemon:
 
     # ------------------------------------------------------------------------------- decisions
 
-    async def _decide(self, event: Event) -> list[Action]:
-        """Run one event through the logic and carry out its actions. Call with ``self.lock`` held."""
-        _, actions = handle(self.state, event, time.time())
-        changed = False
-        for action in actions:
-            changed |= self._record(action)
+    async def _decide(self, event: Event, wire: Any = None) -> list[Action]:
+        """Run one event through the logic and carry out its actions. Call with ``self.lock`` held.
+
+        Order (durability): handle in memory → append the event (with ``now``, and for a submission its
+        encoded bytes ``wire`` exactly as received) to the write-ahead log → ``fsync`` → only then carry out
+        the actions. Events that produce no action and answer no RPC are appended without an ``fsync`` (the
+        next ``fsync`` covers them; losing them in a crash loses nothing anyone was told)."""
+        now = time.time()
+        _, actions = handle(self.state, event, now)
+        attachments = None
+        if wire is not None:
+            attachments = {"pseudo_gradient": (wire.codec, wire.numel, [wire.meta, wire.payload])}
+        try:
+            self.wal.append_event(event, now, attachments)
+            if actions or isinstance(event, (RequestWork, SubmitUpdate)):
+                await asyncio.to_thread(self.wal.sync)
+        except OSError as error:
+            # Fail-stop: the decision is in memory but not durable, so nobody may be told about it.
+            # The caller's RPC fails (the peer keeps its update and resends after a restart, which
+            # continues from the last durable log record) and the daemon stops accepting work.
+            logger.critical(
+                "could not write the write-ahead log in %s (%r); stopping without acknowledging. Fix the disk, "
+                "then restart with --resume",
+                self.dir,
+                error,
+            )
+            self._stopping = True
+            if self._stop_event is not None:
+                self._stop_event.set()
+            raise
+        changed = self._bookkeep(actions)
         if changed:
-            self._prune_snapshots()
-            try:
-                await self._save()
-            except OSError as error:
-                # Fail-stop: the decision is in memory but not durable, so nobody may be told about it.
-                # The caller's RPC fails (the peer keeps its update and resends after a restart, which
-                # continues from the last durable snapshot) and the daemon stops accepting work.
-                logger.critical(
-                    "could not write the checkpoint to %s (%r); stopping without acknowledging. Fix the disk, "
-                    "then restart with --resume",
-                    self.dir,
-                    error,
-                )
-                self._stopping = True
-                if self._stop_event is not None:
-                    self._stop_event.set()
-                raise
+            self._changed_since_snapshot = True
+            self._updates_since_snapshot += sum(isinstance(a, Applied) for a in actions)
+        self._maybe_snapshot()
         for action in actions:
             if isinstance(action, Assign):
                 waiter = self.waiters.pop(action.peer, None)
@@ -312,6 +465,16 @@ class CoordinatorDaemon:
             # a dropped-by-policy update consumed its lease: durable state changed
             return action.lease_id in self.state.applied
         raise AssertionError(f"unhandled action {action!r}")
+
+    def _bookkeep(self, actions: list[Action]) -> bool:
+        """The daemon's own state for these actions (journal, per-peer stats, θ per base version); live and
+        in replay alike. True when durable state changed."""
+        changed = False
+        for action in actions:
+            changed |= self._record(action)
+        if changed:
+            self._prune_snapshots()
+        return changed
 
     def _prune_snapshots(self) -> None:
         in_use = {lease.base_version for lease in self.state.leases.values()}
@@ -382,7 +545,7 @@ class CoordinatorDaemon:
             async with self.lock:
                 if self.waiters.get(peer_id) is waiter:
                     del self.waiters[peer_id]
-                self.state.held.pop(peer_id, None)
+                self._drop_held(peer_id)
             return {"lease": None, "reason": "held too long; ask again"}
         except asyncio.CancelledError:
             return {"lease": None, "reason": "superseded by a newer request"}
@@ -415,7 +578,7 @@ class CoordinatorDaemon:
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
         async with self.lock:
             self._refuse_if_stopping()
-            actions = await self._decide(SubmitUpdate(peer_id, lease_id, base_version, update))
+            actions = await self._decide(SubmitUpdate(peer_id, lease_id, base_version, update), wire=pseudo_gradient)
         for action in actions:
             if isinstance(action, Applied) and action.lease_id == lease_id:
                 return {"accepted": True, "version": action.version, "reason": action.reason, "duplicate": False}
@@ -514,6 +677,9 @@ class CoordinatorDaemon:
         from asyncloco.transport.rpc import CoordinatorService, TrafficCounters
 
         self.dir.mkdir(parents=True, exist_ok=True)
+        # a previous coordinator of this directory killed alone (OOM killer, SIGKILL of its main process) left
+        # its DHT process and p2pd holding the port: end them before starting new ones
+        await asyncio.to_thread(reap_stale_children, self.dir)
         port = self._endpoint_port()
         dht = start_dht(
             initial_peers=list(self.initial_peers),
@@ -523,6 +689,8 @@ class CoordinatorDaemon:
         p2p = None
         service = None
         try:
+            if dht.pid is not None:
+                record_children(self.dir, [dht.pid, *child_pids(dht.pid)])  # reaped by the next start if orphaned
             records = RunRecords(dht, self.cfg.runtime.run_id)
             self.peer_id = dht.peer_id.to_base58()
             self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -541,6 +709,8 @@ class CoordinatorDaemon:
             await service.add_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
             if not self.resume:
                 await self._save()
+            elif self.replayed:
+                self._updates_since_snapshot = self.cfg.runtime.snapshot_every  # snapshot the replayed state soon
             self.journal.write(
                 "start",
                 peer_id=self.peer_id,
@@ -589,4 +759,5 @@ class CoordinatorDaemon:
             if p2p is not None:
                 await p2p.shutdown()
             stop_dht(dht)
+            self.wal.close()
             self.journal.close()
