@@ -83,15 +83,19 @@ def test_shard_probabilities_hand_case() -> None:
     assert shard_probabilities([5, 3, 2], [1, 1, 8]) == pytest.approx([2 / 3, 1 / 3, 0.0], abs=1e-12)
 
 
-def test_no_progress_is_uniform_over_all_shards() -> None:
-    assert shard_probabilities([10, 20, 30], [0, 0, 0]) == pytest.approx([1 / 3] * 3, abs=1e-12)
+def test_no_progress_targets_the_size_share() -> None:
+    """Σn = 0: the formula's limit p_i = |D_i|/Σ|D| (the paper's target share), not uniform."""
+    assert shard_probabilities([10, 20, 30], [0, 0, 0]) == pytest.approx([1 / 6, 1 / 3, 1 / 2], abs=1e-12)
+    assert shard_probabilities([7, 7], [0, 0]) == pytest.approx([0.5, 0.5], abs=1e-12)
+    # inverse CDF over (1/6, 1/3, 1/2): boundaries at 1/6 and 1/2
+    assert [sample_shard([10, 20, 30], [0, 0, 0], u) for u in (0.0, 0.16, 0.17, 0.49, 0.5, 0.99)] == [0, 0, 1, 1, 2, 2]
 
 
-def test_perfect_balance_falls_back_to_least_visited_relative_to_size() -> None:
-    # progress exactly proportional to size: every p_i = 0 and every ratio n/|D| is equal → uniform
-    assert shard_probabilities([10, 20, 30], [1, 2, 3]) == pytest.approx([1 / 3] * 3, abs=1e-12)
-    # Σn = 0 with an empty shard: uniform over the non-empty shards (the empty one is never least visited)
-    assert shard_probabilities([10, 0, 30], [0, 0, 0]) == pytest.approx([0.5, 0.0, 0.5], abs=1e-12)
+def test_perfect_balance_targets_the_size_share() -> None:
+    # progress exactly proportional to size: every p_i = 0 → the size share again
+    assert shard_probabilities([10, 20, 30], [1, 2, 3]) == pytest.approx([1 / 6, 1 / 3, 1 / 2], abs=1e-12)
+    # Σn = 0 with an empty shard: the empty one gets nothing
+    assert shard_probabilities([10, 0, 30], [0, 0, 0]) == pytest.approx([0.25, 0.0, 0.75], abs=1e-12)
 
 
 def test_zero_size_shard_is_never_sampled() -> None:

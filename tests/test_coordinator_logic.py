@@ -161,12 +161,12 @@ def test_departed_fastest_peer_no_longer_sets_the_max() -> None:
 
 
 def test_shard_sampling_follows_eq2_and_the_seed() -> None:
-    state = make_state(shard_sizes=(100, 100))
+    state = make_state(policy(shard_progress="assigned"), shard_sizes=(100, 100))  # default "learned": test_eq2_progress.py
     for peer in "ab":
         join(state, peer, 1.0)
     first = lease_of(do(state, RequestWork("a"), 0.0)[0])
     second = lease_of(do(state, RequestWork("b"), 0.0)[0])
-    assert {first.shard, second.shard} == {0, 1}  # the less-visited shard has all the probability
+    assert {first.shard, second.shard} == {0, 1}  # the less-assigned shard has all the probability
     assert [s.assigned for s in state.shards] == [10, 10]
     shards = []
     for seed in (0, 0, 1, 2, 3, 4, 5, 6, 7):

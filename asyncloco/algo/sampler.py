@@ -1,11 +1,13 @@
-"""Shard sampling, paper Eq. 2.
+"""Shard sampling, paper Eq. 2 (docs/algorithm.md §4).
 
-p_i ∝ max(|D_i|/Σ|D_j| − n_i/Σn_j, 0), with n_i the local updates already *assigned* on shard i.
+p_i ∝ max(|D_i|/Σ|D_j| − n_i/Σn_j, 0), with n_i the local updates counted on shard i — *learned*
+(applied) updates by default, as the paper counts them; the coordinator can count updates
+*assigned* instead (``CoordinatorPolicy.shard_progress``).
 
 Edge cases the paper leaves open, decided here (and pinned by tests):
 
-* Σn_j = 0 (nothing assigned yet) or every p_i = 0 (progress exactly proportional to size):
-  uniform over the least-visited shards, relative to size (argmin of n_i/|D_i|).
+* Σn_j = 0 (no progress yet): p_i ∝ |D_i|, the formula's natural limit (treat n_i/Σn_j as 0).
+* Every p_i = 0 (progress exactly proportional to size, up to 1e-12): p_i ∝ |D_i| again.
 * Shards of size 0 are never sampled; at least one shard must be non-empty.
 * Randomness is received, never drawn: the caller passes ``u`` uniform in [0, 1), so the
   coordinator's choice is a pure function of (sizes, progress, u).
@@ -37,10 +39,7 @@ def shard_probabilities(sizes: Sequence[int], progress: Sequence[int]) -> list[f
         ]
     norm = sum(weights)
     if norm <= 1e-12:
-        ratios = [n / size if size > 0 else float("inf") for size, n in zip(sizes, progress)]
-        least = min(ratios)
-        weights = [1.0 if r == least else 0.0 for r in ratios]
-        norm = sum(weights)
+        return [size / total_size for size in sizes]
     return [w / norm for w in weights]
 
 

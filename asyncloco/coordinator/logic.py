@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Literal, Sequence, Union
 
 import numpy as np
 import torch
@@ -128,6 +128,9 @@ class CoordinatorPolicy:
     lease_slack: float = 30.0
     max_staleness: int | None = None
     max_update_norm: float | None = None
+    # Eq. 2's n_i (docs/algorithm.md §4): "learned" = applied local updates (the paper), "assigned" =
+    # also counting leases in flight (concurrent leases spread over shards)
+    shard_progress: Literal["learned", "assigned"] = "learned"
     # --- admission (coordinator/admission.py): "open" admits everyone (demos, the simulator)
     admission: str = "open"  # "open" | "token" | "allowlist"
     allowlist: frozenset[str] = frozenset()  # libp2p peer ids admitted in "allowlist" mode
@@ -501,6 +504,10 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
         why_steps = f"{steps} steps (fixed H)"
     sizes = [s.size for s in state.shards]
     progress = [s.assigned for s in state.shards]
+    if policy.shard_progress == "learned":
+        # Eq. 2 as the paper counts it: data points learned, i.e. without the steps still in flight
+        for active in state.leases.values():
+            progress[active.shard] -= active.steps
     shard_index = sample_shard(sizes, progress, _next_uniform(state))
     shard = state.shards[shard_index]
     lr_offset = shard.assigned
