@@ -1,8 +1,10 @@
-"""The daemon's durability rules, in-process (no network): fail-stop on a broken disk, crash leftovers."""
+"""The daemon's durability rules, in-process (no network): fail-stop on a broken disk (the write-ahead log),
+crash leftovers."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +12,7 @@ import pytest
 import torch
 
 from asyncloco.config import RunConfig
-from asyncloco.coordinator import daemon as daemon_module
-from asyncloco.coordinator.checkpoint import load_snapshot, remove_partial_snapshots
+from asyncloco.coordinator.checkpoint import remove_partial_snapshots
 from asyncloco.coordinator.daemon import CoordinatorDaemon
 from asyncloco.transport.codecs import encode
 
@@ -26,31 +27,42 @@ def small_config() -> RunConfig:
     )
 
 
+def durable_state(checkpoint_dir: Path, tmp_path: Path) -> Any:
+    """What ``--resume`` would continue from (snapshot + write-ahead log replayed), read from a copy."""
+    copy = tmp_path / f"resume-copy-{len(list(tmp_path.glob('resume-copy-*')))}"
+    shutil.copytree(checkpoint_dir, copy)
+    resumed = CoordinatorDaemon(small_config(), checkpoint_dir=copy, resume=True)
+    resumed.journal.close()
+    resumed.wal.close()
+    return resumed.state
+
+
 @pytest.mark.timeout(60)
-def test_failed_snapshot_is_never_acknowledged_and_stops_the_daemon(
+def test_failed_log_write_is_never_acknowledged_and_stops_the_daemon(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    daemon = CoordinatorDaemon(small_config(), checkpoint_dir=tmp_path)
+    run_dir = tmp_path / "run"
+    daemon = CoordinatorDaemon(small_config(), checkpoint_dir=run_dir)
 
     async def scenario() -> None:
         daemon._stop_event = asyncio.Event()
         await daemon._save()  # what run() writes at start
         reply = await daemon.assign({"tokens_per_s": 100.0}, "peer-a")
         lease = reply["lease"]
-        assert lease is not None and load_snapshot(tmp_path)["coordinator"]["leases"].keys() == {lease["lease_id"]}
+        assert lease is not None and durable_state(run_dir, tmp_path).leases.keys() == {lease["lease_id"]}
         theta_before = daemon.state.params.clone()
 
         def broken_disk(*args: Any, **kwargs: Any) -> None:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(daemon_module, "save_snapshot", broken_disk)
-        update = encode("none", torch.full_like(theta_before, 0.01))
+        monkeypatch.setattr(daemon.wal, "append", broken_disk)
+        update = encode("none", torch.full_like(theta_before, 1e-4))
         with pytest.raises(OSError):
             await daemon.submit(lease["lease_id"], lease["base_version"], update, "peer-a")
         # not acknowledged, not durable, and the daemon stops taking work
         assert daemon._stop_event.is_set()
-        durable = load_snapshot(tmp_path)["coordinator"]
-        assert durable["version"] == 0 and torch.equal(durable["params"], theta_before)
+        durable = durable_state(run_dir, tmp_path)
+        assert durable.version == 0 and torch.equal(durable.params, theta_before)
         with pytest.raises(ConnectionAbortedError):
             await daemon.submit(lease["lease_id"], lease["base_version"], update, "peer-a")
 
