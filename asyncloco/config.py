@@ -201,6 +201,7 @@ class RuntimeConfig(StrictModel):
     speed_report_period: float = Field(10.0, gt=0)
     max_update_norm: float | None = Field(None, gt=0, description="reject pseudo-gradients with a larger L2 norm")
     eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="torch device of the coordinator's evaluation")
+    eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="torch device of the coordinator's evaluation")
     # --- watching a run (coordinator/status.py, dashboard.py, sinks.py)
     dashboard_port: int | None = Field(None, ge=0, le=65535, description="serve the web dashboard here (0: any port)")
     dashboard_host: str = Field("127.0.0.1", description="dashboard address; a public one only on purpose")

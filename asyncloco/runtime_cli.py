@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -16,14 +17,22 @@ __all__ = ["add_commands"]
 logger = logging.getLogger("asyncloco")
 
 
-def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[Any]]) -> Any:
-    """Run ``main(stop)`` on a fresh loop; SIGINT/SIGTERM set ``stop`` (a second one aborts)."""
+def _run_until_signal(
+    main: Callable[[asyncio.Event], Awaitable[Any]], on_again: Callable[[], None] | None = None
+) -> Any:
+    """Run ``main(stop)`` on a fresh loop; SIGINT/SIGTERM set ``stop``; a second one calls ``on_again``."""
 
     async def runner() -> Any:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set() and on_again is not None:
+                on_again()
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         return await main(stop)
 
     return asyncio.run(runner())
@@ -76,6 +85,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_peer_join(args: argparse.Namespace) -> int:
     from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 
+    # --- device check and torch.distributed group (peer/distributed.py) ---
+    from asyncloco.peer import distributed
+
+    distributed.validate_device(args.device, args.nproc_per_node)  # before anything slow
+    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        return distributed.launch_torchrun(args.nproc_per_node, sys.argv[1:], args.threads)
+    group = distributed.init_group(args.device)
+    if group is not None and not group.is_leader:
+        _limit_threads(args.threads)
+        return distributed.follow(group, args.device)
+    if group is not None:
+        distributed.write_leader_pidfile()
+    # --- end device check and group ---
     _limit_threads(args.threads)
     options = PeerOptions(
         initial_peers=list(args.initial_peers),
@@ -88,9 +110,10 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         summary_path=Path(args.summary) if args.summary else None,
         progress=not args.no_progress and sys.stderr.isatty(),
         connect_timeout=args.connect_timeout,
+        prefetch=not args.no_prefetch,
     )
     try:
-        runner = PeerRunner(options)
+        runner = PeerRunner(options, group=group)
     except PeerError as error:
         raise ValueError(str(error)) from None
 
@@ -99,14 +122,18 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
-            logger.info("stopping: finishing the current step and leaving the run")
+            logger.info("stopping: finishing the current lease and submitting it (Ctrl+C again to leave at once)")
             runner.stop()
         else:
             stopper.cancel()
         return await task
 
+    def leave_now() -> None:
+        logger.info("leaving at once")
+        runner.abort()
+
     try:
-        summary = _run_until_signal(main)
+        summary = _run_until_signal(main, on_again=leave_now)
     except PeerError as error:
         raise ValueError(str(error)) from None
     print(
@@ -220,6 +247,9 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     join.add_argument("--no-progress", action="store_true", help="no progress bar")
     join.add_argument("--threads", type=int, help="torch CPU threads")
     join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator")
+    join.add_argument("--nproc-per-node", type=int, default=1,
+                      help="train as a torch.distributed group of this many ranks (launches torchrun; one GPU per rank on cuda)")
+    join.add_argument("--no-prefetch", action="store_true", help="do not download the newest θ while asking for a lease")
     join.set_defaults(func=cmd_peer_join)
 
     demo = sub.add_parser("demo", help="coordinator + heterogeneous peers on this machine, then a summary")

@@ -3,26 +3,47 @@
 Start from θ(v0) exactly as received, run ``steps`` inner AdamW steps on the lease's batches with the
 shard's learning-rate schedule, and return the pseudo-gradient g = θ_start − θ_end. The inner
 optimizer state persists across rounds on the same trainer and is never sent (paper §10.1).
+
+On a GPU: ``precision="bf16"`` runs forward and loss under ``torch.autocast`` (bf16; weights, gradients
+and the optimizer stay fp32), θ goes host → device and the pseudo-gradient device → host through
+pinned buffers, and the per-step loss stays on the device (no synchronisation per step). With a
+:class:`~asyncloco.peer.distributed.GroupContext` the trainer is one rank of a peer's torch.distributed
+group: the model is wrapped in DDP, θ comes from rank 0, each step trains this rank's block of the
+global batch and the pseudo-gradient is reduced to rank 0 (:mod:`asyncloco.peer.distributed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
+import torch.distributed as dist
 
 from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params
 
 if TYPE_CHECKING:
     from asyncloco.config import RunConfig
+    from asyncloco.peer.distributed import GroupContext
 
-__all__ = ["InnerTrainer", "RoundResult", "build_inner_optimizer"]
+__all__ = ["InnerTrainer", "RoundResult", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "bf16")
 
 logger = logging.getLogger(__name__)
+
+
+class LeaseAborted(RuntimeError):
+    """Training stopped before the lease's last step because ``should_stop`` said so."""
+
+    def __init__(self, steps_done: int, steps: int) -> None:
+        super().__init__(f"stopped after {steps_done} of {steps} steps")
+        self.steps_done = steps_done
+        self.steps = steps
 
 
 @dataclass(frozen=True)
@@ -47,7 +68,7 @@ def build_inner_optimizer(
 
 
 class InnerTrainer:
-    """One worker's model replica plus its persistent inner optimizer."""
+    """One worker's model replica plus its persistent inner optimizer (one rank of a group, with ``group``)."""
 
     def __init__(
         self,
@@ -59,19 +80,43 @@ class InnerTrainer:
         weight_decay: float = 0.0,
         grad_clip: float | None = None,
         device: str | torch.device = "cpu",
+        precision: str = "fp32",
+        group: Optional["GroupContext"] = None,
     ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown inner.precision {precision!r}; use one of {list(PRECISIONS)}")
         self.workload = workload
         self.schedule = schedule
         self.device = torch.device(device)
+        self.precision = precision
+        self.group = group
         self.model = workload.build_model(seed).to(self.device)
         self.grad_clip = grad_clip
         self.optimizer = build_inner_optimizer(
             optimizer, list(self.model.parameters()), schedule.peak_lr, betas, weight_decay
         )
+        self.forward_model: torch.nn.Module = self.model
+        if group is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # params are loaded from θ before every round, buffers are deterministic: nothing to re-broadcast
+            self.forward_model = DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
+                gradient_as_bucket_view=True,
+            )
+        self._pinned: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_config(cls, cfg: "RunConfig", workload: Workload, device: str | torch.device = "cpu") -> "InnerTrainer":
-        """The trainer a run config describes (inner optimizer, schedule, clipping, model seed)."""
+    def from_config(
+        cls,
+        cfg: "RunConfig",
+        workload: Workload,
+        device: str | torch.device = "cpu",
+        group: Optional["GroupContext"] = None,
+    ) -> "InnerTrainer":
+        """The trainer a run config describes (inner optimizer, schedule, clipping, precision, model seed)."""
         return cls(
             workload,
             cfg.inner.schedule(),
@@ -81,45 +126,163 @@ class InnerTrainer:
             weight_decay=cfg.inner.weight_decay,
             grad_clip=cfg.inner.grad_clip,
             device=device,
+            precision=cfg.inner.precision,
+            group=group,
         )
 
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    # --------------------------------------------------------------------------------- helpers
+
+    def _autocast(self) -> ContextManager[Any]:
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, batch: Any) -> Any:
+        if self.device.type == "cpu":
+            return batch
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(self._to_device(part) for part in batch)
+        return batch
+
+    def _theta_to_device(self, theta: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return theta
+        if self._pinned is None or self._pinned.numel() != theta.numel():
+            self._pinned = torch.empty(theta.numel(), dtype=torch.float32, pin_memory=True)
+        self._pinned.copy_(theta)
+        return self._pinned.to(self.device, non_blocking=True)
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.numel(), dtype=torch.float32, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return host
+
+    def _stop_requested(self, should_stop: Callable[[], bool] | None) -> bool:
+        """Every rank agrees: the leader's answer is broadcast (one tiny collective per step in a group)."""
+        wanted = bool(should_stop()) if should_stop is not None else False
+        if self.group is None:
+            return wanted
+        flag = torch.tensor([int(wanted)], dtype=torch.int64, device=self._collective_device())
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.group is not None and self.group.backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------ run
+
     def run(
         self,
-        params: torch.Tensor,
+        params: Optional[torch.Tensor],
         shard: int,
         start_offset: int,
         steps: int,
         lr_offset: int,
         on_step: Callable[[float], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> RoundResult:
         """Train ``steps`` steps from θ = ``params`` and return θ_start − θ_end (fp32, on CPU).
 
         ``on_step(seconds)`` is called after every step with that step's duration (progress bars,
-        emulated slow devices)."""
+        emulated slow devices). ``should_stop()`` is asked after every step but the last; when it says
+        yes the round ends with :class:`LeaseAborted`. In a group, followers pass ``params=None`` (θ comes
+        from the leader), every rank gets the leader's ``should_stop`` answer, and only the leader's
+        result is meaningful (the pseudo-gradient is reduced to it)."""
         if steps < 1:
             raise ValueError(f"a round needs at least one step, got {steps}")
-        theta_start = params.detach().to(torch.float32).cpu()
-        load_flat_params(self.model, theta_start.to(self.device))
+        if self.group is None:
+            return self._run(params, shard, start_offset, steps, lr_offset, on_step, should_stop)
+        from asyncloco.peer.distributed import GroupFailed
+
+        try:
+            return self._run(params, shard, start_offset, steps, lr_offset, on_step, should_stop)
+        except (LeaseAborted, ValueError, TypeError):
+            raise
+        except (RuntimeError, dist.DistBackendError) as error:  # a collective failed: a rank is gone
+            raise GroupFailed(f"training on the peer's group failed: {error}") from error
+
+    def _run(
+        self,
+        params: Optional[torch.Tensor],
+        shard: int,
+        start_offset: int,
+        steps: int,
+        lr_offset: int,
+        on_step: Callable[[float], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> RoundResult:
+        group = self.group
+        if params is None:
+            if group is None or group.is_leader:
+                raise ValueError("params (θ) are required, except on a follower rank of a group")
+            theta_start = torch.empty(self.numel, dtype=torch.float32, device=self._collective_device())
+        else:
+            theta_start = self._theta_to_device(params.detach().to(torch.float32).cpu())
+        if group is not None:
+            theta_start = theta_start.to(self._collective_device())
+            dist.broadcast(theta_start, src=0)
+            theta_start = theta_start.to(self.device)
+        load_flat_params(self.model, theta_start)
         self.model.train()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # as a Python float sum would
         for j in range(steps):
             step_started = time.perf_counter()
             lr = self.schedule.lr(lr_offset + j)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"] = lr
             batch = self.workload.batch(shard, start_offset + j)
-            loss = self.workload.loss(self.model, batch)
+            if group is not None:
+                from asyncloco.peer.distributed import split_batch
+
+                batch = split_batch(batch, group.rank, group.world_size)
+            batch = self._to_device(batch)
+            with self._autocast():
+                loss = self.workload.loss(self.forward_model, batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if self.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
-            total += float(loss.detach())
+            total += loss.detach().double()
             if on_step is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # honest per-step timing
                 on_step(time.perf_counter() - step_started)
-        theta_end = flatten_params(self.model).cpu()
-        return RoundResult(theta_start - theta_end, steps, total / steps)
+            if j + 1 < steps and self._stop_requested(should_stop):
+                raise LeaseAborted(j + 1, steps)
+        pseudo_gradient = theta_start - flatten_params(self.model)
+        if group is not None:
+            # replicas are identical under DDP; the mean over ranks is the pseudo-gradient, reduced to the leader
+            reduced = pseudo_gradient.to(self._collective_device())
+            dist.reduce(reduced, dst=0, op=dist.ReduceOp.SUM)
+            pseudo_gradient = reduced.to(self.device) / group.world_size
+            losses = total.reshape(1).to(self._collective_device())
+            dist.reduce(losses, dst=0, op=dist.ReduceOp.SUM)
+            total = losses[0] / group.world_size
+        return RoundResult(self._to_host(pseudo_gradient), steps, float(total) / steps)
+
+
+def probe_speed(
+    cfg: "RunConfig",
+    workload: Workload,
+    device: str | torch.device,
+    group: Optional["GroupContext"] = None,
+    steps: int = 3,
+) -> float:
+    """Throughput (tokens or samples per second of the global batch) from a few real steps of a throwaway
+    replica, so the real inner optimizer state is untouched. In a group every rank calls it together."""
+    probe = InnerTrainer.from_config(cfg, workload, device=device, group=group)
+    theta = flatten_params(probe.model).cpu() if group is None or group.is_leader else None
+    probe.run(theta, 0, 0, 1, 0)  # warm-up (allocations, kernels)
+    started = time.perf_counter()
+    probe.run(theta, 0, 0, steps, 0)
+    return steps * workload.units_per_step / (time.perf_counter() - started)

@@ -23,23 +23,67 @@ lets caches go cold between steps, which on a CPU makes every step itself 1.3-1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import inspect
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional, TypeVar
 
 import torch
 
 from asyncloco import __version__
 from asyncloco.algo.dylu import ema
 from asyncloco.config import RunConfig
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.peer.distributed import (
+    OP_MEASURE,
+    OP_STOP,
+    OP_TRAIN,
+    Command,
+    GroupContext,
+    GroupFailed,
+    broadcast_command,
+    broadcast_json,
+)
+from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
 
 __all__ = ["PeerOptions", "PeerRunner", "PeerError"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Aborted(Exception):
+    """A wait ended because the volunteer asked to leave."""
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    """A wire message as a map: RPC replies are maps or (typed transport messages) dataclasses."""
+    if message is None:
+        return {}
+    if isinstance(message, dict):
+        return message
+    if dataclasses.is_dataclass(message):
+        return {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    raise TypeError(f"unexpected reply {message!r}")
+
+
+async def _ask_for_lease(client: Any, tokens_per_s: float, token: Optional[str] = None) -> Any:
+    """``assign`` with this peer's speed (the client takes a request map, or the speed itself) and its
+    admission token, if it has one."""
+    first = next(iter(inspect.signature(client.assign).parameters))
+    if first == "tokens_per_s":
+        return await client.assign(tokens_per_s, token=token) if token is not None else await client.assign(tokens_per_s)
+    return await client.assign({"tokens_per_s": tokens_per_s, **({"token": token} if token is not None else {})})
+
+
+def _refused_admission(error: Exception) -> bool:
+    """The coordinator refused this peer (admission): retrying cannot help; the message says what to do."""
+    return "not admitted:" in str(error)
 
 
 class PeerError(RuntimeError):
@@ -59,6 +103,8 @@ class PeerOptions:
     progress: bool = True
     identity_path: Optional[str] = None
     connect_timeout: float = 30.0
+    token: Optional[str] = None  # admission token from the organiser (runtime.admission: token)
+    prefetch: bool = True  # download the newest θ while asking for the next lease
 
 
 @dataclass
@@ -73,6 +119,14 @@ class PeerSummary:
     tokens_per_s: float = 0.0
     slowdown: float = 1.0
     traffic: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1  # ranks of this peer's torch.distributed group
+    units_per_step: int = 0  # tokens (samples) of the global batch
+    # wall seconds from the first lease request on, split by what the peer waited for; idle = 1 - train / wall
+    timing: dict[str, float] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+    idle_fraction: float = 0.0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
 
 
 def coordinator_id_from(multiaddr: str) -> str:
@@ -85,7 +139,9 @@ def coordinator_id_from(multiaddr: str) -> str:
 
 
 class PeerRunner:
-    def __init__(self, options: PeerOptions) -> None:
+    def __init__(self, options: PeerOptions, group: Optional[GroupContext] = None) -> None:
+        if group is not None and not group.is_leader:
+            raise PeerError("internal: only rank 0 of a group runs the peer (the others run distributed.follow)")
         if not options.initial_peers:
             raise PeerError("give at least one --initial-peers address (the coordinator prints it when it starts)")
         if options.slowdown < 1.0:
@@ -94,10 +150,23 @@ class PeerRunner:
         self.coordinator_id = options.coordinator_id or coordinator_id_from(options.initial_peers[0])
         self.summary = PeerSummary(slowdown=options.slowdown)
         self.speed: Optional[float] = None
-        self._stop = asyncio.Event()
+        self.group = group
+        self.summary.world_size = group.world_size if group is not None else 1
+        self._stop = asyncio.Event()  # first Ctrl+C: finish and submit the current lease, then leave
+        self._abort = asyncio.Event()  # second Ctrl+C: leave at once
+        self._abort_flag = threading.Event()  # the same, for the training thread
+        self._closing = asyncio.Event()
+        self._loop_started: Optional[float] = None
 
     def stop(self) -> None:
+        """Finish the current lease (train it, submit it), then leave."""
         self._stop.set()
+
+    def abort(self) -> None:
+        """Leave at once: stop training after the current step; what is dropped is logged."""
+        self._stop.set()
+        self._abort.set()
+        self._abort_flag.set()
 
     # ---------------------------------------------------------------------------------- setup
 
@@ -117,17 +186,68 @@ class PeerRunner:
                 "reachable from this machine"
             ) from error
 
+    async def _check_run_id(self, p2p: Any, namespace: str, deadline: float) -> None:
+        """Ask the coordinator which run it serves (asyncloco/transport/discovery.py): a wrong ``--run-id``
+        fails at once, naming the right one, instead of waiting out the connect timeout."""
+        from asyncloco.transport.discovery import ask_run_info
+        from asyncloco.transport.errors import TransportError
+
+        while True:
+            try:
+                info = await ask_run_info(p2p, self.coordinator_id, timeout=10.0)
+                break
+            except TransportError as error:
+                if "protocols not supported" in str(error):
+                    return  # a coordinator without run info (older version): the config request will tell
+                if time.monotonic() > deadline:
+                    raise PeerError(
+                        f"the coordinator {self.coordinator_id} did not answer within {self.options.connect_timeout:.0f}s "
+                        f"({error}); is it running, is its address the one it printed, and is its port reachable?"
+                    ) from error
+                await asyncio.sleep(1.0)
+        if info.run_id != namespace:
+            raise PeerError(
+                f"the coordinator {self.coordinator_id} serves run {info.run_id!r}, not {namespace!r}: "
+                f"join with --run-id {info.run_id}"
+            )
+
+    async def _check_fingerprint(self, p2p: Any, cfg: RunConfig, workload: Any, model: Any) -> None:
+        """Send this peer's model/tokenizer/data/codec fingerprint (asyncloco/fingerprint.py); the coordinator
+        compares it with its own and refuses a peer whose updates would not fit its model."""
+        from asyncloco.fingerprint import run_fingerprint
+        from asyncloco.transport.discovery import ask_run_info
+        from asyncloco.transport.errors import TransportError
+
+        fingerprint = await asyncio.to_thread(run_fingerprint, cfg, workload, model)
+        try:
+            info = await ask_run_info(
+                p2p, self.coordinator_id, timeout=30.0, fingerprint=fingerprint, software_version=__version__
+            )
+        except TransportError as error:
+            if "protocols not supported" in str(error):
+                return  # an older coordinator: it does not check fingerprints
+            raise PeerError(f"the coordinator did not answer the compatibility check: {error}") from error
+        if info.refused:
+            raise PeerError(f"the coordinator refused this peer: {info.refused}")
+
     async def _fetch_config(self, p2p: Any, namespace: str) -> tuple[RunConfig, dict[str, Any]]:
         from asyncloco.transport.errors import TransportError
         from asyncloco.transport.rpc import CoordinatorClient
 
         probe = CoordinatorClient(p2p, self.coordinator_id, 1, namespace=namespace)
         deadline = time.monotonic() + self.options.connect_timeout
+        await self._check_run_id(p2p, namespace, deadline)
         while True:
             try:
-                reply = await probe.assign({"kind": "config"}, timeout=10.0)
+                if hasattr(probe, "hello"):
+                    reply = _as_dict(await probe.hello(token=self.options.token, timeout=10.0))
+                else:
+                    token = {"token": self.options.token} if self.options.token is not None else {}
+                    reply = await probe.assign({"kind": "config", **token}, timeout=10.0)
                 break
             except TransportError as error:
+                if _refused_admission(error):
+                    raise PeerError(f"the coordinator refused this peer: {error}") from error
                 if time.monotonic() > deadline:
                     raise PeerError(
                         f"the coordinator {self.coordinator_id} did not answer within {self.options.connect_timeout:.0f}s "
@@ -145,8 +265,9 @@ class PeerRunner:
     def _train(
         self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], bar: Any
     ) -> tuple[torch.Tensor, float, list[float]]:
-        """Train the lease; returns (pseudo-gradient, seconds of training, each step's seconds), all without
-        the emulated slowdown."""
+        """Train the lease (on the whole group: the leader broadcasts it first); returns (pseudo-gradient,
+        seconds of training, each step's seconds), all without the emulated slowdown. Raises
+        :class:`LeaseAborted` after a second Ctrl+C, :class:`GroupFailed` when a rank is gone."""
         started = time.perf_counter()
         step_seconds: list[float] = []
 
@@ -155,37 +276,34 @@ class PeerRunner:
             if bar is not None:
                 bar.update(1)
 
-        result = trainer.run(
-            theta,
-            int(lease["shard"]),
-            int(lease["start_offset"]),
-            int(lease["steps"]),
-            int(lease["lr_offset"]),
-            on_step=on_step,
-        )
+        shard, start, steps, lr_offset = (int(lease[k]) for k in ("shard", "start_offset", "steps", "lr_offset"))
+        if self.group is not None:
+            broadcast_command(self.group, Command(OP_TRAIN, shard, start, steps, lr_offset))
+        result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
 
     async def _submit_with_retry(self, client: Any, lease: dict[str, Any], encoded: Any) -> Optional[dict[str, Any]]:
+        """Send the same encoded bytes until acknowledged or the lease's deadline passes. A first Ctrl+C
+        does not stop this (the lease is being finished); a second one does (None)."""
         from asyncloco.transport.errors import TransportError
 
         delay = 0.5
-        attempt = 0
         deadline = float(lease["deadline"])
-        while not self._stop.is_set():
-            attempt += 1
+        while not self._abort.is_set():
             try:
-                return await client.submit(lease["lease_id"], int(lease["base_version"]), encoded)
+                return await self._unless_aborted(client.submit(lease["lease_id"], int(lease["base_version"]), encoded))
+            except _Aborted:
+                break
             except TransportError as error:
                 if time.time() > deadline:
                     logger.warning("giving up on lease %s: deadline passed (%s)", lease["lease_id"], error)
                     return None
                 self.summary.resends += 1
                 logger.warning("submit of %s failed (%s); resending in %.1fs", lease["lease_id"], error, delay)
-                try:
-                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
-                except asyncio.TimeoutError:
-                    pass
+                await self._pause(delay)
                 delay = min(delay * 2, 10.0)
+        logger.warning("leaving at once: the trained pseudo-gradient of lease %s (%s steps) is dropped, unsent",
+                       lease["lease_id"], lease["steps"])
         return None
 
     def _observed_speed(self, step_seconds: list[float], units_per_step: int) -> Optional[float]:
@@ -193,7 +311,9 @@ class PeerRunner:
 
         The first step is left out (module doc). A 1-step round has only that cold step: it is used only
         when it is faster than the current estimate — it then proves the estimate too low (a peer measured
-        during a busy start-up must be able to climb out of 1-step leases), and it can never drag it down."""
+        during a busy start-up must be able to climb out of 1-step leases), and it can never drag it down.
+        In a group ``units_per_step`` is the global batch's and the step times are the leader's (they
+        include DDP's all-reduce): the group reports one combined speed."""
         warm = step_seconds[1:]
         if warm and sum(warm) > 0:
             return len(warm) * units_per_step / (sum(warm) * self.options.slowdown)
@@ -207,7 +327,7 @@ class PeerRunner:
         from asyncloco.transport.records import SpeedReport
         from hivemind.utils import get_dht_time
 
-        while not self._stop.is_set():
+        while not self._closing.is_set():
             if self.speed is not None:
                 report = SpeedReport(
                     peer_id=self.summary.peer_id,
@@ -221,21 +341,70 @@ class PeerRunner:
                 except Exception as error:  # retried next period
                     logger.warning("could not publish the speed report: %r", error)
             try:
-                await asyncio.wait_for(self._stop.wait(), timeout=period)
+                await asyncio.wait_for(self._closing.wait(), timeout=period)
             except asyncio.TimeoutError:
                 pass
 
-    def _measure(self, cfg: RunConfig, workload: Any, steps: int = 3) -> float:
-        """Initial throughput from a few real steps of a throwaway replica (tokens or samples per second).
-
-        A separate trainer keeps the real inner optimizer state untouched by the probe."""
-        probe = InnerTrainer.from_config(cfg, workload, device=self.options.device)
-        theta = torch.cat([p.detach().reshape(-1) for p in probe.model.parameters()]).cpu()
-        probe.run(theta, 0, 0, 1, 0)  # warm-up (allocations, kernels)
-        started = time.perf_counter()
-        probe.run(theta, 0, 0, steps, 0)
+    def _measure(self, cfg: RunConfig, workload: Any) -> float:
+        """Initial throughput from a few real steps of a throwaway replica (tokens or samples per second of
+        the global batch; the whole group measures together)."""
+        if self.group is not None:
+            broadcast_command(self.group, Command(OP_MEASURE))
+        device = self.group.device if self.group is not None else self.options.device
         # an emulated slower device takes `slowdown` times as long for the same steps (see run())
-        return steps * workload.units_per_step / ((time.perf_counter() - started) * self.options.slowdown)
+        return probe_speed(cfg, workload, device, group=self.group) / self.options.slowdown
+
+    async def _unless_stopped(self, call: Awaitable[T]) -> T:
+        """Await ``call`` unless a Ctrl+C comes first (then cancel it and raise :class:`_Aborted`)."""
+        return await self._race(call, self._stop)
+
+    async def _unless_aborted(self, call: Awaitable[T]) -> T:
+        return await self._race(call, self._abort)
+
+    @staticmethod
+    async def _race(call: Awaitable[T], event: asyncio.Event) -> T:
+        task = asyncio.ensure_future(call)
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise _Aborted()
+        finally:
+            for pending in (task, waiter):
+                if not pending.done():
+                    pending.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await pending
+
+    async def _download(self, client: Any, lease: dict[str, Any], prefetch: Optional["asyncio.Task[Any]"]) -> torch.Tensor:
+        """θ of the lease's base version: the prefetched latest θ when it is that version, else a download."""
+        base = int(lease["base_version"])
+        if prefetch is not None:
+            try:
+                version, theta = await self._unless_aborted(prefetch)
+            except _Aborted:
+                raise
+            except Exception as error:  # only a hint; the download below is the real thing
+                logger.debug("θ prefetch failed: %r", error)
+            else:
+                if version == base:
+                    self.summary.prefetch_hits += 1
+                    return theta
+            self.summary.prefetch_misses += 1
+        _, theta = await self._unless_aborted(client.get_model(base))
+        return theta
+
+    def _update_timing(self, key: str, seconds: float) -> None:
+        self.summary.timing[key] = self.summary.timing.get(key, 0.0) + seconds
+
+    def _update_idle(self) -> None:
+        if self._loop_started is None:
+            return
+        wall = time.monotonic() - self._loop_started
+        busy = self.summary.timing.get("train", 0.0)
+        self.summary.wall_seconds = wall
+        self.summary.idle_fraction = max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
 
     async def run(self) -> PeerSummary:
         from asyncloco.transport.codecs import encode
@@ -244,10 +413,13 @@ class PeerRunner:
         from asyncloco.transport.records import RunRecords
         from asyncloco.transport.rpc import CoordinatorClient, TrafficCounters
 
-        dht = self._start_dht()
+        group_phase = "config"  # what the followers wait for: the config, then commands
+        dht = None
         p2p = None
         publisher: Optional[asyncio.Task[None]] = None
+        prefetch: Optional[asyncio.Task[Any]] = None
         try:
+            dht = self._start_dht()
             self.summary.peer_id = dht.peer_id.to_base58()
             p2p = await dht.replicate_p2p()
             namespace = self.options.run_id
@@ -258,65 +430,110 @@ class PeerRunner:
                 raise PeerError(f"the coordinator serves run {hello.get('run_id')!r}, not {namespace!r}; check --run-id")
             from asyncloco.workloads import build_workload
 
+            if self.group is not None:
+                await asyncio.to_thread(broadcast_json, self.group, cfg.model_dump(mode="json"))
+                group_phase = "commands"
             workload = build_workload(cfg)
-            trainer = InnerTrainer.from_config(cfg, workload, device=self.options.device)
+            device = self.group.device if self.group is not None else self.options.device
+            trainer = InnerTrainer.from_config(cfg, workload, device=device, group=self.group)
             numel = int(hello["model_numel"])
             if trainer.numel != numel:
                 raise PeerError(
                     f"this peer builds a {trainer.numel}-parameter model but the coordinator serves {numel}; "
                     f"upgrade asyncloco (coordinator runs {hello.get('software_version')}, this is {__version__})"
                 )
+            await self._check_fingerprint(p2p, cfg, workload, trainer.model)
             codec = str(hello["codec"])
             counters = TrafficCounters()
             hold = 630.0 if cfg.schedule.method == "sync_diloco" else cfg.schedule.grace_period + 60.0
-            client = CoordinatorClient(
+            client: Any = CoordinatorClient(
                 p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold, counters=counters
             )
             records = RunRecords(dht, namespace)
             self.speed = await asyncio.to_thread(self._measure, cfg, workload)
             self.summary.tokens_per_s = self.speed
-            logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g)", namespace, self.summary.peer_id, self.speed, self.options.slowdown)
+            self.summary.units_per_step = workload.units_per_step
+            logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g%s)", namespace, self.summary.peer_id, self.speed,
+                        self.options.slowdown, f", {self.group.world_size} ranks" if self.group is not None else "")
             self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
             publisher = asyncio.create_task(self._publish_loop(records, cfg.runtime.speed_report_period))
+            self._loop_started = time.monotonic()
             while not self._stop.is_set():
                 if self.options.max_rounds is not None and self.summary.rounds >= self.options.max_rounds:
                     break
+                asked = time.monotonic()
                 try:
-                    reply = await client.assign({"tokens_per_s": float(self.speed)})
+                    reply = _as_dict(await self._unless_stopped(_ask_for_lease(client, float(self.speed), self.options.token)))
+                except _Aborted:
+                    break  # asked to leave while waiting for work: nothing held yet
                 except TransportError as error:
+                    if _refused_admission(error):
+                        raise PeerError(f"the coordinator refused this peer: {error}") from error
                     logger.warning("could not get a lease (%s); retrying", error)
                     await self._pause(2.0)
                     continue
-                lease = reply.get("lease")
-                if lease is None:
+                finally:
+                    self._update_timing("assign", time.monotonic() - asked)
+                if reply.get("lease") is None:
                     logger.info("no lease: %s", reply.get("reason"))
                     await self._pause(1.0)
                     continue
+                lease = _as_dict(reply["lease"])
+                downloading = time.monotonic()
                 try:
-                    version, theta = await client.get_model(int(lease["base_version"]))
+                    theta = await self._download(client, lease, prefetch)
+                except _Aborted:
+                    logger.warning("leaving at once: lease %s dropped before training (the coordinator gives its "
+                                   "%s steps back)", lease["lease_id"], lease["steps"])
+                    break
                 except TransportError as error:
                     logger.warning("could not download θ for %s (%s); asking for a new lease", lease["lease_id"], error)
                     await self._pause(1.0)
                     continue
+                finally:
+                    prefetch = None
+                    self._update_timing("download", time.monotonic() - downloading)
                 bar = self._progress_bar(lease)
+                training = time.monotonic()
                 try:
                     pseudo_gradient, seconds, step_seconds = await asyncio.to_thread(self._train, trainer, theta, lease, bar)
                     if self.options.slowdown > 1.0:
                         # emulate a slower device: one pause after the steps, so that they ran warm (module doc)
                         await self._pause(seconds * (self.options.slowdown - 1.0))
+                except LeaseAborted as aborted:
+                    logger.warning("leaving at once: lease %s dropped after %d of %d steps (the coordinator gives its "
+                                   "steps back)", lease["lease_id"], aborted.steps_done, aborted.steps)
+                    break
+                except GroupFailed as error:
+                    raise PeerError(
+                        f"{error}. Lease {lease['lease_id']} is dropped (the coordinator gives its steps back at its "
+                        "deadline or when it sees this peer gone); restart the group to rejoin"
+                    ) from error
                 finally:
+                    self._update_timing("train", time.monotonic() - training)
                     if bar is not None:
                         bar.close()
+                if self._abort.is_set():
+                    logger.warning("leaving at once: the trained pseudo-gradient of lease %s is dropped, unsent",
+                                   lease["lease_id"])
+                    break
                 observed = self._observed_speed(step_seconds, workload.units_per_step)
                 if observed is not None:
                     self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
                 self.summary.tokens_per_s = self.speed
+                uploading = time.monotonic()
                 encoded = await asyncio.to_thread(encode, codec, pseudo_gradient)
-                ack = await self._submit_with_retry(client, lease, encoded)
+                if self._stop.is_set():
+                    logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease["lease_id"])
+                ack = _as_dict(await self._submit_with_retry(client, lease, encoded))
+                self._update_timing("upload", time.monotonic() - uploading)
                 self.summary.rounds += 1
                 self.summary.steps += int(lease["steps"])
-                if ack is None:
+                if not ack:
                     continue
+                if self.options.prefetch and not self._stop.is_set():
+                    # the next lease most likely starts from the newest θ: fetch it while asking for the lease
+                    prefetch = asyncio.ensure_future(client.get_model(None))
                 if ack["accepted"]:
                     self.summary.accepted += 1
                     self.summary.duplicates += int(bool(ack["duplicate"]))
@@ -325,21 +542,46 @@ class PeerRunner:
                     self.summary.rejected += 1
                     logger.warning("lease %s rejected: %s", lease["lease_id"], ack["reason"])
                 self.summary.traffic = counters.as_dict()
+                self._update_idle()
                 self._write_summary()
             self.summary.traffic = counters.as_dict()
             return self.summary
         finally:
             self._stop.set()
+            self._closing.set()
+            if prefetch is not None:
+                prefetch.cancel()
+                await asyncio.gather(prefetch, return_exceptions=True)
             if publisher is not None:
                 await asyncio.gather(publisher, return_exceptions=True)
+            self._update_idle()
             self._write_summary()
             if p2p is not None:
                 await p2p.shutdown()
-            stop_dht(dht)
+            if dht is not None:
+                stop_dht(dht)
+            if self.group is not None:
+                await asyncio.to_thread(self._release_group, group_phase)
+
+    def _release_group(self, phase: str) -> None:
+        """Tell the followers to stop (unless the group is broken), then leave it."""
+        import torch.distributed as dist
+
+        assert self.group is not None
+        try:
+            if phase == "config":
+                broadcast_json(self.group, None)
+            else:
+                broadcast_command(self.group, Command(OP_STOP))
+        except GroupFailed as error:
+            logger.warning("the group is broken (%s); followers exit on their own", error)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     async def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` (emulated device time, backoff) unless asked to leave at once."""
         try:
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+            await asyncio.wait_for(self._abort.wait(), timeout=seconds)
         except asyncio.TimeoutError:
             pass
 

@@ -1,0 +1,241 @@
+"""A peer as a torch.distributed group (asyncloco/peer/distributed.py): 2 gloo ranks on CPU.
+
+The ranks are real processes (torch.multiprocessing, spawn) in a real gloo group, as torchrun would
+start them; the group-level integration with a coordinator is in test_peer_distributed_cluster below.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from asyncloco.config import RunConfig
+from asyncloco.models.workload import flatten_params
+from asyncloco.peer.distributed import (
+    OP_STOP,
+    OP_TRAIN,
+    Command,
+    GroupContext,
+    GroupFailed,
+    broadcast_command,
+    broadcast_json,
+    split_batch,
+    torchrun_command,
+    validate_device,
+)
+from asyncloco.peer.inner import InnerTrainer, LeaseAborted
+
+ROUNDS = [(0, 0, 4, 0), (1, 3, 3, 4)]  # (shard, start_offset, steps, lr_offset): two leases, optimizer state kept
+
+
+def _config(cache_dir: str, batch_size: int = 8) -> RunConfig:
+    return RunConfig.model_validate({
+        "seed": 3,
+        "task": {"kind": "lm", "model": "tiny", "seq_len": 32, "batch_size": batch_size, "num_shards": 2,
+                 "max_train_sequences": 2 * batch_size * 12, "val_sequences": 16, "cache_dir": cache_dir},
+        "inner": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "total_steps_per_shard": 100,
+                  "weight_decay": 0.1, "grad_clip": 1.0},
+    })
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _join(rank: int, world: int, port: int) -> GroupContext:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    return GroupContext(rank, world, rank, "gloo", torch.device("cpu"))
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str) -> None:
+    """Every rank: the group protocol of a real peer (config broadcast, commands, θ from the leader)."""
+    from asyncloco.workloads import build_workload
+
+    group = _join(rank, world, port)
+    try:
+        raw = broadcast_json(group, _config(cache_dir).model_dump(mode="json") if rank == 0 else None)
+        cfg = RunConfig.model_validate(raw)
+        workload = build_workload(cfg)
+        trainer = InnerTrainer.from_config(cfg, workload, group=group)
+        theta = flatten_params(workload.build_model(cfg.seed)) if rank == 0 else None
+        results = []
+        for shard, start, steps, lr_offset in ROUNDS:
+            command = broadcast_command(group, Command(OP_TRAIN, shard, start, steps, lr_offset) if rank == 0 else None)
+            result = trainer.run(theta, command.shard, command.start_offset, command.steps, command.lr_offset)
+            results.append((result.pseudo_gradient, result.mean_loss))
+            if rank == 0:
+                theta = theta - result.pseudo_gradient  # as if the coordinator applied it alone
+        assert broadcast_command(group, Command(OP_STOP) if rank == 0 else None).op == OP_STOP
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        _leave()
+
+
+def _single_process(cache_dir: str) -> list[tuple[torch.Tensor, float]]:
+    from asyncloco.workloads import build_workload
+
+    cfg = _config(cache_dir)
+    workload = build_workload(cfg)
+    trainer = InnerTrainer.from_config(cfg, workload)
+    theta = flatten_params(workload.build_model(cfg.seed))
+    results = []
+    for shard, start, steps, lr_offset in ROUNDS:
+        result = trainer.run(theta, shard, start, steps, lr_offset)
+        results.append((result.pseudo_gradient, result.mean_loss))
+        theta = theta - result.pseudo_gradient
+    return results
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(240)
+def test_two_rank_group_pseudo_gradient_equals_single_process(tmp_path: Path) -> None:
+    cache = str(tmp_path / "cache")
+    single = _single_process(cache)  # also fills the token cache the ranks read
+    out = tmp_path / "group.pt"
+    mp.spawn(_rank_trains, args=(2, _free_port(), cache, str(out)), nprocs=2, join=True)
+    group = torch.load(out)
+    assert len(group) == len(single) == 2
+    for (g_group, loss_group), (g_single, loss_single) in zip(group, single):
+        assert g_group.shape == g_single.shape and g_group.dtype == torch.float32
+        assert float(g_single.abs().max()) > 1e-3  # the rounds really moved θ
+        # Same global batch, same math: DDP averages the gradients of two 4-row halves where the single
+        # process takes the mean over 8 rows; only the float summation order differs (~1e-7 relative in
+        # the gradient). AdamW normalises each step to ~lr = 3e-3 per value, so after 7 steps those
+        # rounding differences stay far below 1e-5 in θ (measured max |Δ| ≈ 1e-7).
+        torch.testing.assert_close(g_group, g_single, rtol=0, atol=1e-5)
+        assert loss_group == pytest.approx(loss_single, rel=1e-5)
+
+
+def _rank_aborts(rank: int, world: int, port: int, cache_dir: str, out: str) -> None:
+    from asyncloco.workloads import build_workload
+
+    group = _join(rank, world, port)
+    try:
+        cfg = _config(cache_dir)
+        workload = build_workload(cfg)
+        trainer = InnerTrainer.from_config(cfg, workload, group=group)
+        theta = flatten_params(workload.build_model(cfg.seed)) if rank == 0 else None
+        calls = []
+
+        def leader_says() -> bool:  # only the leader's answer counts; followers say "go on"
+            calls.append(1)
+            return rank == 0 and len(calls) >= 2
+
+        try:
+            trainer.run(theta, 0, 0, 6, 0, should_stop=leader_says)
+        except LeaseAborted as aborted:
+            Path(f"{out}.{rank}").write_text(f"{aborted.steps_done}/{aborted.steps}")
+    finally:
+        _leave()
+
+
+@pytest.mark.timeout(240)
+def test_leave_at_once_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    cache = str(tmp_path / "cache")
+    _single_process(cache)
+    out = str(tmp_path / "aborted")
+    mp.spawn(_rank_aborts, args=(2, _free_port(), cache, out), nprocs=2, join=True)
+    assert Path(f"{out}.0").read_text() == "2/6"
+    assert Path(f"{out}.1").read_text() == "2/6"  # the follower stopped with the leader, no collective left hanging
+
+
+def _rank_dies(rank: int, world: int, port: int, cache_dir: str, out: str) -> None:
+    from asyncloco.workloads import build_workload
+
+    group = _join(rank, world, port)
+    cfg = _config(cache_dir)
+    workload = build_workload(cfg)
+    trainer = InnerTrainer.from_config(cfg, workload, group=group)
+    theta = flatten_params(workload.build_model(cfg.seed)) if rank == 0 else None
+    command = broadcast_command(group, Command(OP_TRAIN, 0, 0, 50, 0) if rank == 0 else None)
+    if rank == 1:
+        os._exit(17)  # a rank crashes mid-lease
+    started = time.monotonic()
+    try:
+        trainer.run(theta, command.shard, command.start_offset, command.steps, command.lr_offset)
+        Path(out).write_text("trained")
+    except GroupFailed as error:
+        Path(out).write_text(f"failed after {time.monotonic() - started:.1f}s: {error}")
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_rank_fails_the_group_cleanly(tmp_path: Path) -> None:
+    cache = str(tmp_path / "cache")
+    _single_process(cache)
+    out = tmp_path / "leader.txt"
+    context = mp.start_processes(_rank_dies, args=(2, _free_port(), cache, str(out)), nprocs=2, join=False,
+                                 start_method="spawn")
+    try:
+        for process in context.processes:  # the leader must come back on its own: GroupFailed, not a hang
+            process.join(timeout=180)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=30)
+    assert context.processes[1].exitcode == 17
+    text = out.read_text()
+    assert text.startswith("failed after"), text  # GroupFailed, not a hang and not "trained"
+
+
+def test_split_batch_takes_equal_row_blocks() -> None:
+    rows = torch.arange(24).reshape(8, 3)
+    assert torch.equal(split_batch(rows, 1, 2), rows[4:])
+    x, y = split_batch((rows, torch.arange(8)), 3, 4)
+    assert torch.equal(x, rows[6:]) and torch.equal(y, torch.tensor([6, 7]))
+    with pytest.raises(ValueError, match="cannot be split evenly over 3 ranks"):
+        split_batch(rows, 0, 3)
+
+
+def test_command_round_trips_through_a_tensor() -> None:
+    command = Command(OP_TRAIN, shard=3, start_offset=1234567, steps=20, lr_offset=99)
+    assert Command.from_tensor(command.to_tensor()) == command
+
+
+def test_device_is_validated_up_front() -> None:
+    assert validate_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="is not a torch device"):
+        validate_device("gpu0")
+    with pytest.raises(ValueError, match="--nproc-per-node must be >= 1"):
+        validate_device("cpu", 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device is visible.*use --device cpu"):
+            validate_device("cuda")
+
+
+def test_torchrun_command_drops_the_launcher_option() -> None:
+    argv = ["-v", "peer", "join", "--initial-peers", "/ip4/1/tcp/2/p2p/Qm", "--nproc-per-node", "2", "--max-rounds", "3"]
+    command = torchrun_command(2, argv)
+    assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "asyncloco",
+                           "-v", "peer", "join", "--initial-peers", "/ip4/1/tcp/2/p2p/Qm", "--max-rounds", "3"]
+    assert torchrun_command(4, ["peer", "join", "--nproc-per-node=4"])[-2:] == ["peer", "join"]
