@@ -61,12 +61,14 @@ def test_rate_meter_counts_the_window_or_the_run_so_far() -> None:
 def test_history_keeps_one_sample_per_interval_and_thins_out_when_full() -> None:
     history = History(interval=1.0, capacity=4)
     added = [history.add({"time": t}) for t in (0.0, 0.5, 1.0, 2.0, 3.0)]
-    assert added == [True, False, True, True, True]
+    assert added == [True, True, False, True, True]  # 1.0 replaced 0.5: the newest sample is always current
     assert [s["time"] for s in history.samples] == [0.0, 1.0, 2.0, 3.0]
     assert history.add({"time": 4.0})  # 5 samples > capacity 4: every other one kept, newest included
     assert [s["time"] for s in history.samples] == [0.0, 2.0, 4.0] and history.interval == 2.0
-    assert not history.add({"time": 5.0}) and history.add({"time": 6.0})
+    assert history.add({"time": 5.0}) and not history.add({"time": 6.0})
     assert [s["time"] for s in history.samples] == [0.0, 2.0, 4.0, 6.0]
+    assert history.add({"time": 7.0}) and [s["time"] for s in history.samples] == [0.0, 4.0, 7.0]
+    assert history.interval == 4.0
 
 
 def test_peer_row_derives_means_and_keeps_raw_counters() -> None:

@@ -6,8 +6,8 @@ holds the pieces of that document that are not the daemon's decisions:
 
 * :class:`RateMeter` — applied updates per second over a sliding window (the "updates/s" figure);
 * :class:`History` — a bounded time series of (time, version, local updates, updates/s) for the
-  dashboard's charts (when full, every other sample is dropped and the sampling interval doubles, so
-  a run of any length fits in :data:`MAX_HISTORY` points);
+  dashboard's charts, its newest point always current (when full, every other sample is dropped and
+  the sampling interval doubles, so a run of any length fits in :data:`MAX_HISTORY` points);
 * :func:`peer_row` — the per-peer record (raw counters plus derived means);
 * :func:`summary_line` — the periodic INFO line; :func:`format_status` — the ``asyncloco status`` table;
 * :func:`read_status` — a status document from a checkpoint directory or a live dashboard URL.
@@ -82,8 +82,12 @@ class History:
         self.samples: list[dict[str, float]] = []
 
     def add(self, sample: dict[str, float]) -> bool:
-        """Record ``sample`` (which must have a ``time``) unless the last one is younger than the interval."""
-        if self.samples and sample["time"] - self.samples[-1]["time"] < self.interval:
+        """Record ``sample`` (which must have a ``time``); True when appended, False when it replaced the newest.
+
+        The newest sample is always the current state; the ones before it are at least ``interval`` apart.
+        """
+        if len(self.samples) >= 2 and self.samples[-1]["time"] - self.samples[-2]["time"] < self.interval:
+            self.samples[-1] = sample
             return False
         self.samples.append(sample)
         if len(self.samples) > self.capacity:
