@@ -88,7 +88,7 @@ def format_table(results: Sequence[SimResult]) -> str:
         ratio = (f"{value / ref:8.4f}" if value / ref < 1e3 else f"{value / ref:8.1e}") if ref else f"{'':8s}"
         reach = r.time_to_reach(target) if target is not None else None
         reach_s = f"{reach:9.0f}" if reach is not None else f"{'never':>9s}"
-        frac = f"{reach / sync.sim_time:7.2f}" if reach is not None and sync is not None else f"{'-':>7s}"
+        frac = f"{reach / sync.final['time']:7.2f}" if reach is not None and sync is not None else f"{'-':>7s}"
         stale = sum(r.staleness) / len(r.staleness) if r.staleness else 0.0
         lines.append(
             f"{r.label + ' [' + r.method + ']':44s} {_fixed(value, 11)} {ratio} {final['time']:9.0f} {reach_s} {frac} {stale:6.2f}"

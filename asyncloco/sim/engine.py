@@ -13,6 +13,11 @@ so the grace window predicts completions perfectly and the run is Algorithm 2 ex
 
 The run stops once the applied updates sum to ``sim.total_local_updates``. Same seed and config →
 bit-identical JSON-lines trace.
+
+Scoring (docs/algorithm.md §8): a method's *final* metrics are those of θ after the last update that
+moved θ within the budget — never more local updates than the budget (an update that would cross it
+is left out of the score, though the run goes on), and never a sync round half buffered: evaluations
+only ever look at θ right after it moved, and report the local updates θ actually contains.
 """
 
 from __future__ import annotations
@@ -98,11 +103,12 @@ class SimResult:
 
     @property
     def final(self) -> dict[str, float]:
-        """Metrics at equal total local updates (the budget), the paper's comparison point."""
+        """Metrics of θ after the last update within the budget, the paper's comparison point."""
         return self.at_budget or self.evals[-1]
 
     def time_to_reach(self, loss: float) -> float | None:
-        """Simulated time of the first evaluation at or below ``loss`` (None if never)."""
+        """Simulated time of the first evaluation at or below ``loss`` (None if never). Inclusive, so a
+        method identical to sync DiLoCo reaches sync's final loss exactly when sync does."""
         for record in self.evals:
             if record["loss"] <= loss:
                 return record["time"]
@@ -116,6 +122,7 @@ class _Worker:
     trainer: InnerTrainer
     lease_id: str | None = None
     base_version: int = 0
+    steps: int = 0
     result: RoundResult | None = None
 
 
@@ -160,6 +167,7 @@ class Simulation:
         self._queue: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._next_eval = cfg.sim.eval_every
+        self._moved_at = (0, 0.0)  # (local updates θ contains, time) after the last update that moved θ
         self.result = SimResult(method, self.spec.label)
         self._trace: TextIO | None = None
 
@@ -170,9 +178,13 @@ class Simulation:
             self._trace.write(json.dumps(record, sort_keys=True) + "\n")
 
     def _evaluate(self, now: float) -> None:
+        """Evaluate θ as it stands: it contains the local updates up to the last update that moved it."""
+        if self.result.evals and self.result.evals[-1]["local_updates"] == self._moved_at[0] and self.result.evals[-1]["time"] == self._moved_at[1]:
+            return  # this θ is already evaluated
         load_flat_params(self.eval_model, self.state.params)
         metrics = self.workload.evaluate(self.eval_model)
-        record = {"time": now, "local_updates": self.state.local_updates, "version": self.state.version, **metrics}
+        local_updates, time = self._moved_at
+        record = {"time": time, "local_updates": local_updates, "version": self.state.version, **metrics}
         self.result.evals.append(record)
         self._emit({"type": "eval", "method": self.result.method, **record})
 
@@ -189,7 +201,7 @@ class Simulation:
                     continue  # the run ends with this event: don't train a lease that can never finish
                 lease = action.lease
                 worker = self.workers[action.peer]
-                worker.lease_id, worker.base_version = lease.lease_id, lease.base_version
+                worker.lease_id, worker.base_version, worker.steps = lease.lease_id, lease.base_version, lease.steps
                 worker.result = worker.trainer.run(
                     self.state.params, lease.shard, lease.start_offset, lease.steps, lease.lr_offset
                 )
@@ -217,6 +229,8 @@ class Simulation:
             elif isinstance(action, Applied):
                 self.result.applied += 1
                 self.result.staleness.append(action.staleness)
+                if action.moved:
+                    self._moved_at = (self.state.local_updates, now)
                 self._emit(
                     {
                         "type": "applied",
@@ -230,7 +244,7 @@ class Simulation:
                         "local_updates": self.state.local_updates,
                     }
                 )
-                if self.state.local_updates >= self._next_eval:
+                if action.moved and self.state.local_updates >= self._next_eval:
                     self._evaluate(now)
                     while self._next_eval <= self.state.local_updates:
                         self._next_eval += self.cfg.sim.eval_every
@@ -241,13 +255,16 @@ class Simulation:
         limit = self.cfg.sim.total_local_updates if self.target_loss is None else self.update_limit
         return self.state.local_updates >= limit
 
+    def _score_at_budget(self, now: float) -> None:
+        """Fix the final metrics: θ after the last update that moved it within the budget."""
+        if not self.result.at_budget:
+            self._evaluate(now)
+            self.result.at_budget = dict(self.result.evals[-1])
+
     def _finished(self, now: float) -> bool:
         if self.state.local_updates < self.cfg.sim.total_local_updates:
             return False
-        if not self.result.at_budget:
-            if self.result.evals[-1]["local_updates"] != self.state.local_updates:
-                self._evaluate(now)
-            self.result.at_budget = dict(self.result.evals[-1])
+        self._score_at_budget(now)
         if self.target_loss is None or now >= self.time_limit or self.state.local_updates >= self.update_limit:
             return True
         return any(record["loss"] <= self.target_loss for record in self.result.evals)
@@ -271,6 +288,8 @@ class Simulation:
                 worker = self.workers[name]
                 assert worker.result is not None and worker.lease_id is not None
                 submit = SubmitUpdate(name, worker.lease_id, worker.base_version, worker.result.pseudo_gradient)
+                if self.state.local_updates + worker.steps > self.cfg.sim.total_local_updates:
+                    self._score_at_budget(now)  # this update would cross the budget: score θ before it
                 worker.result, worker.lease_id = None, None
                 self._dispatch(handle(self.state, submit, now)[1], now)
                 if self._finished(now):
