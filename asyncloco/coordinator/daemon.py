@@ -499,8 +499,9 @@ class CoordinatorDaemon:
 
     async def _evaluate(self, version: int, local_updates: int, theta: torch.Tensor) -> None:
         def run() -> dict[str, float]:
-            load_flat_params(self.model, theta)
-            return self.workload.evaluate(self.model)
+            model = self._model_for_eval()  # runtime.eval_device (issue 12)
+            load_flat_params(model, theta.to(next(model.parameters()).device))
+            return self.workload.evaluate(model)
 
         metrics = await asyncio.to_thread(run)
         record = {"time": time.time(), "version": version, "local_updates": local_updates, **metrics}
@@ -508,6 +509,21 @@ class CoordinatorDaemon:
         self.journal.write("eval", **record)
         logger.info("eval at version %d: %s", version, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         self._write_status()
+
+    def _model_for_eval(self) -> torch.nn.Module:
+        """The model evaluation runs on: ``self.model`` on CPU, else a copy kept on ``runtime.eval_device``."""
+        device = torch.device(self.cfg.runtime.eval_device)
+        if device.type == "cpu":
+            return self.model
+        cached: Optional[torch.nn.Module] = self.__dict__.get("_eval_model")
+        if cached is None:
+            if not torch.cuda.is_available():
+                raise ValueError(f"runtime.eval_device is {device} but torch sees no CUDA device; set it to cpu")
+            import copy
+
+            cached = copy.deepcopy(self.model).to(device)
+            self.__dict__["_eval_model"] = cached
+        return cached
 
     # --------------------------------------------------------------------------- RPC handlers
 
