@@ -62,6 +62,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         overrides["runtime.host"] = args.host
     if args.checkpoint_dir is not None:
         overrides["runtime.checkpoint_dir"] = args.checkpoint_dir
+    # --- dashboard (coordinator/dashboard.py) ---
+    if args.dashboard_port is not None:
+        overrides["runtime.dashboard_port"] = args.dashboard_port
+    if args.dashboard_host is not None:
+        overrides["runtime.dashboard_host"] = args.dashboard_host
     cfg = load_config(_resolve_config(args.config), overrides)
     daemon = CoordinatorDaemon(cfg, resume=args.resume, initial_peers=tuple(args.initial_peers or ()))
 
@@ -74,6 +79,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             address = daemon.multiaddrs[0] if daemon.multiaddrs else "?"
             print(f"Coordinator of run '{cfg.runtime.run_id}' is up. Peer id: {daemon.peer_id}", flush=True)
             print(f"Join it from another terminal with:\n  asyncloco peer join --initial-peers {address} --run-id {cfg.runtime.run_id}", flush=True)
+            if daemon.stats.dashboard_url:
+                print(f"Dashboard: {daemon.stats.dashboard_url}  (or: asyncloco status --url {daemon.stats.dashboard_url})", flush=True)
         else:
             ready_wait.cancel()
         await task
@@ -230,6 +237,8 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     coordinator.add_argument("--port", type=int, help="override runtime.port (0: chosen by the OS)")
     coordinator.add_argument("--initial-peers", nargs="*", help="other DHT nodes to join (optional)")
     coordinator.add_argument("--threads", type=int, help="torch CPU threads")
+    coordinator.add_argument("--dashboard-port", type=int, help="serve the live web dashboard on this port (0: any free port)")
+    coordinator.add_argument("--dashboard-host", help="dashboard address (default 127.0.0.1; a public one only on purpose)")
     coordinator.set_defaults(func=cmd_coordinator)
     _add_token_commands(coordinator)
 

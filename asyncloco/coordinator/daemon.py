@@ -64,6 +64,9 @@ from asyncloco.coordinator.logic import (
     new_state,
 )
 from asyncloco.coordinator.methods import build_method, coordinator_policy
+from asyncloco.coordinator.dashboard import DashboardServer
+from asyncloco.coordinator.sinks import MetricsSink, build_sinks
+from asyncloco.coordinator.status import History, RateMeter, peer_row, summary_line
 from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, decode_event, open_log, read_records
 from asyncloco.workloads import build_workload
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
@@ -104,6 +107,12 @@ class PeerStats:
     expired: int = 0
     rejected: int = 0
     duplicates: int = 0
+    # --- for `asyncloco status` and the dashboard (see asyncloco/coordinator/status.py) ---
+    name: str = ""  # the name the peer gave at join (empty until the peer sends one)
+    device: str = ""  # the peer's training device, as it reported it
+    last_seen: float = 0.0  # wall time of the last lease, submission or verdict involving this peer
+    last_steps: int = 0  # DyLU steps of the peer's latest lease
+    last_inner_loss: Optional[float] = None  # mean inner training loss of the latest applied submission
 
 
 @dataclass
@@ -116,6 +125,15 @@ class _Waiter:
 class _Stats:
     peers: dict[str, PeerStats] = field(default_factory=dict)
     evals: list[dict[str, float]] = field(default_factory=list)
+    # --- monitoring (status.json, dashboard, summary line, metrics sinks); not checkpointed ---
+    updates: RateMeter = field(default_factory=lambda: RateMeter(time.time()))
+    history: History = field(default_factory=History)
+    evals_logged: int = 0  # evaluations already sent to the metrics sinks
+    dashboard_url: str = ""
+    document: dict[str, Any] = field(default_factory=dict)  # the latest status document
+    document_json: bytes = b"{}"  # the same, as written to status.json (the dashboard serves these bytes)
+    sinks: list[MetricsSink] = field(default_factory=list)
+    dashboard: Optional[DashboardServer] = None
 
     def peer(self, name: str) -> PeerStats:
         return self.peers.setdefault(name, PeerStats())
@@ -348,23 +366,55 @@ class CoordinatorDaemon:
 
         self._snapshot_task = asyncio.get_running_loop().create_task(write())
 
-    def _write_status(self) -> None:
-        status = {
+    def _status_document(self, now: float) -> dict[str, Any]:
+        """Everything ``asyncloco status`` and the dashboard show (field meanings: coordinator/status.py)."""
+        peers: dict[str, Any] = {}
+        for peer_id, stats in self.stats.peers.items():
+            info = self.state.peers.get(peer_id)
+            row = dict(stats.__dict__)
+            if info is not None:
+                row["speed"] = info.speed
+            seen = max(stats.last_seen, min(info.last_seen, now)) if info is not None else stats.last_seen
+            peers[peer_id] = peer_row(row, alive=info is not None and info.alive, last_seen=seen)
+        updates_per_s = self.stats.updates.rate(now)
+        self.stats.history.add(
+            {"time": now, "version": self.state.version, "local_updates": self.state.local_updates, "updates_per_s": updates_per_s}
+        )
+        return {
             "run_id": self.cfg.runtime.run_id,
+            "software_version": __version__,
             "peer_id": self.peer_id,
             "multiaddrs": self.multiaddrs,
             "method": self.spec.name,
+            "speed_unit": "tok/s" if self.cfg.task.kind == "lm" else "samples/s",
             "version": self.state.version,
             "local_updates": self.state.local_updates,
             "active_leases": len(self.state.leases),
-            "peers": {name: dict(stats.__dict__) for name, stats in self.stats.peers.items()},
-            "evals": self.stats.evals,
+            "updates_per_s": updates_per_s,
+            "rejections": sum(stats.rejected for stats in self.stats.peers.values()),
+            "started": self.stats.updates.started,  # when this coordinator process started
+            "dashboard": self.stats.dashboard_url or None,
+            "peers": peers,
+            "evals": list(self.stats.evals),
+            "history": list(self.stats.history.samples),
             "traffic": self.counters.as_dict() if hasattr(self, "counters") else {},
-            "updated": time.time(),
+            "updated": now,
         }
+
+    def _write_status(self) -> None:
+        now = time.time()
+        status = self._status_document(now)
+        text = json.dumps(status, indent=1)
+        self.stats.document = status
+        self.stats.document_json = text.encode("utf-8")  # what the dashboard serves, byte for byte
         tmp = self.dir / (STATUS_FILE + ".tmp")
-        tmp.write_text(json.dumps(status, indent=1))
+        tmp.write_text(text)
         os.replace(tmp, self.dir / STATUS_FILE)
+        new_evals = self.stats.evals[self.stats.evals_logged :]
+        self.stats.evals_logged = len(self.stats.evals)
+        for sink in self.stats.sinks:
+            for record in new_evals:
+                sink.log_eval(record)
 
     # ------------------------------------------------------------------------------- decisions
 
@@ -423,10 +473,12 @@ class CoordinatorDaemon:
             stats.steps_assigned += lease.steps
             info = self.state.peers.get(action.peer)
             stats.speed = info.speed if info is not None else 0.0
+            stats.last_steps = lease.steps
+            stats.last_seen = time.time()
             if lease.base_version not in self.model_snapshots:
                 self.model_snapshots[lease.base_version] = self.state.params.clone()
             self.journal.write("assign", reason=action.reason, **lease.to_dict())
-            logger.info("lease %s → %s: %d steps on shard %d (%s)", lease.lease_id, action.peer[-8:], lease.steps, lease.shard, action.reason)
+            logger.debug("lease %s → %s: %d steps on shard %d (%s)", lease.lease_id, action.peer[-8:], lease.steps, lease.shard, action.reason)
             return True
         if isinstance(action, Hold):
             self.journal.write("hold", peer=action.peer, until=action.until, waiting_for=list(action.waiting_for), reason=action.reason)
@@ -436,6 +488,8 @@ class CoordinatorDaemon:
             stats.applied += 1
             stats.steps_applied += action.steps
             stats.staleness_sum += action.staleness
+            stats.last_seen = time.time()
+            self.stats.updates.note(stats.last_seen)
             self.journal.write(
                 "applied",
                 peer=action.peer,
@@ -447,7 +501,7 @@ class CoordinatorDaemon:
                 local_updates=self.state.local_updates,
                 reason=action.reason,
             )
-            logger.info("applied %s from %s: version %d, staleness %d", action.lease_id, action.peer[-8:], action.version, action.staleness)
+            logger.debug("applied %s from %s: version %d, staleness %d", action.lease_id, action.peer[-8:], action.version, action.staleness)
             return True
         if isinstance(action, Expired):
             self.stats.peer(action.peer).expired += 1
@@ -456,10 +510,12 @@ class CoordinatorDaemon:
             return True
         if isinstance(action, Duplicate):
             self.stats.peer(action.peer).duplicates += 1
+            self.stats.peer(action.peer).last_seen = time.time()
             self.journal.write("duplicate", peer=action.peer, lease_id=action.lease_id, version=action.version, reason=action.reason)
             return False
         if isinstance(action, Rejected):
             self.stats.peer(action.peer).rejected += 1
+            self.stats.peer(action.peer).last_seen = time.time()
             self.journal.write("rejected", peer=action.peer, lease_id=action.lease_id, reason=action.reason)
             logger.warning("rejected %s from %s: %s", action.lease_id or "request", action.peer[-8:], action.reason)
             # a dropped-by-policy update consumed its lease: durable state changed
@@ -686,6 +742,65 @@ class CoordinatorDaemon:
                 logger.warning("unreadable %s; choosing a new port", endpoint)
         return 0
 
+    # ------------------------------------------------------------------- watching (status.py)
+
+    def _start_monitoring(self) -> None:
+        """Metrics sinks and the dashboard, as ``runtime.log_to`` / ``runtime.dashboard_port`` ask."""
+        runtime = self.cfg.runtime
+        self.stats.sinks = build_sinks(runtime.log_to, self.dir, runtime.run_id, self.cfg.model_dump(mode="json"))
+        self.stats.evals_logged = len(self.stats.evals)  # a resumed run logged its earlier evaluations already
+        if runtime.dashboard_port is not None:
+            self.stats.dashboard = DashboardServer(lambda: self.stats.document_json, runtime.dashboard_host, runtime.dashboard_port)
+            self.stats.dashboard_url = self.stats.dashboard.start()
+
+    def _stop_monitoring(self) -> None:
+        if self.stats.dashboard is not None:
+            self.stats.dashboard.stop()
+            self.stats.dashboard = None
+        for sink in self.stats.sinks:
+            try:
+                sink.close()
+            except Exception as error:  # a sink's own trouble must not mask the shutdown
+                logger.warning("closing a metrics sink failed: %r", error)
+        self.stats.sinks = []
+
+    async def _monitor_loop(self, stop: asyncio.Event) -> None:
+        """Refresh status.json every 2 s (the dashboard polls it); a summary line every runtime.summary_every s."""
+        next_summary = time.monotonic() + self.cfg.runtime.summary_every
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=2.0)
+            except asyncio.TimeoutError:
+                pass
+            self._write_status()
+            if time.monotonic() >= next_summary:
+                next_summary += self.cfg.runtime.summary_every
+                status = self.stats.document
+                logger.info("%s", summary_line(status))
+                scalars = {
+                    "updates_per_s": float(status["updates_per_s"]),
+                    "peers_alive": float(sum(1 for row in status["peers"].values() if row["alive"])),
+                    "active_leases": float(status["active_leases"]),
+                    "rejections": float(status["rejections"]),
+                    "local_updates": float(status["local_updates"]),
+                }
+                for sink in self.stats.sinks:
+                    sink.log_run(scalars, step=int(status["version"]), wall_time=float(status["updated"]))
+
+    async def _check_fingerprint(self, peer_id: str, fingerprint: dict[str, str], software_version: str) -> Optional[str]:
+        """The reason to refuse a peer whose model/tokenizer/data/codec differ from this run's (None: it fits).
+        A refused peer's lease requests are refused too (see :meth:`assign`)."""
+        reason = mismatch_reason(self.fingerprint, fingerprint, __version__, software_version[:64])
+        if reason is None:
+            self._fingerprint_refusals.pop(peer_id, None)
+            return None
+        differing = [name for name in self.fingerprint if self.fingerprint[name] != fingerprint.get(name)]
+        if peer_id not in self._fingerprint_refusals:
+            self.journal.write("incompatible", peer=peer_id, differing=differing, peer_version=software_version[:64], reason=reason)
+            logger.warning("refused %s: %s differ (peer runs asyncloco %s)", peer_id[-8:], ", ".join(differing), software_version[:64])
+        self._fingerprint_refusals[peer_id] = reason
+        return reason
+
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
         self._stop_event = stop
         from asyncloco.transport.dht import start_dht, stop_dht
@@ -727,6 +842,7 @@ class CoordinatorDaemon:
                 await self._save()
             elif self.replayed:
                 self._updates_since_snapshot = self.cfg.runtime.snapshot_every  # snapshot the replayed state soon
+            self._start_monitoring()  # sinks + dashboard (status.py); stopped in the finally below
             self.journal.write(
                 "start",
                 peer_id=self.peer_id,
@@ -747,6 +863,7 @@ class CoordinatorDaemon:
                 asyncio.create_task(self._tick_loop(stop)),
                 asyncio.create_task(self._speed_loop(records, stop, dht)),
                 asyncio.create_task(self._announce_loop(records, stop)),
+                asyncio.create_task(self._monitor_loop(stop)),
             ]
             await stop.wait()
             async with self.lock:
@@ -767,6 +884,7 @@ class CoordinatorDaemon:
                     logger.critical("final checkpoint failed (%r); --resume continues from the last good one", error)
             self.journal.write("stop", version=self.state.version, local_updates=self.state.local_updates)
         finally:
+            self._stop_monitoring()
             if service is not None and p2p is not None:
                 try:
                     await service.remove_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
