@@ -46,11 +46,13 @@ __all__ = [
     "encode_fields",
     "decode_event",
     "WAL_DIR",
+    "ARCHIVE_DIR",
 ]
 
 logger = logging.getLogger(__name__)
 
 WAL_DIR = "wal"
+ARCHIVE_DIR = "archive"
 MAGIC = b"ALWR"
 _PREFIX = struct.Struct("<4sIQI")  # magic, header length, blob length, crc32
 SEGMENT_SUFFIX = ".wal"
@@ -227,7 +229,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _repair(directory: Path) -> list[tuple[int, int, Path]]:
-    """Check every segment, drop a torn tail, return [(first seq, last seq, path)] of non-empty segments."""
+    """Check every segment, drop a torn tail, return [(first seq, last seq, path)]. Only the newest segment may
+    be empty (last seq = first - 1): it marks where the log continues after a snapshot covered the rest."""
     out: list[tuple[int, int, Path]] = []
     segments = _segments(directory)
     expected: Optional[int] = None
@@ -240,11 +243,12 @@ def _repair(directory: Path) -> list[tuple[int, int, Path]]:
                 fh.flush()
                 os.fsync(fh.fileno())
         if not records:
-            if last_segment:
-                path.unlink()
-                _fsync_dir(directory)
-                continue
-            raise WalError(f"{path} holds no record but newer segments follow: the log is damaged")
+            if not last_segment:
+                raise WalError(f"{path} holds no record but newer segments follow: the log is damaged")
+            if expected is not None and first != expected:
+                raise WalError(f"{path} starts at record {first}, the previous segment ended at {expected - 1}: a segment is missing")
+            out.append((first, first - 1, path))
+            continue
         seqs = [seq for seq, _, _ in records]
         if seqs[0] != first or seqs != list(range(first, first + len(seqs))):
             raise WalError(f"{path}: record numbers {seqs[0]}..{seqs[-1]} are not contiguous from {first}")
@@ -296,8 +300,11 @@ class WriteAheadLog:
         next_seq: int,
         segments: Sequence[tuple[int, int, Path]] = (),
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        archive: bool = False,
     ) -> None:
         self.directory = directory
+        # archive: covered segments are moved to <wal>/archive/ instead of deleted (audits, replay tests)
+        self.archive_dir: Optional[Path] = directory / ARCHIVE_DIR if archive else None
         self.next_seq = next_seq
         self.segment_bytes = segment_bytes
         self._closed_segments: list[tuple[int, int, Path]] = list(segments)  # (first, last, path), all synced
@@ -305,6 +312,11 @@ class WriteAheadLog:
         self._fd: Optional[int] = None
         self._current: Optional[tuple[int, Path]] = None
         self._current_bytes = 0
+        if self._closed_segments:  # append to the newest segment
+            first, _, path = self._closed_segments.pop()
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            self._current = (first, path)
+            self._current_bytes = path.stat().st_size
         self._dirty = False
         self._dir_dirty = False
         self.bytes_written = 0
@@ -382,17 +394,30 @@ class WriteAheadLog:
         self._current = None
 
     def rotate(self) -> None:
-        """Close the current segment (synced); the next append starts a new one. Called when a snapshot is
-        taken, so the segments it covers can be deleted whole once it is durable."""
-        self._close_current()
+        """Close the current segment (synced) and start a new, empty one at the next record number. Called
+        when a snapshot is taken, so the segments it covers can be deleted whole once it is durable; the empty
+        segment's name records where the log continues (so an older snapshot is recognised even then)."""
+        if self._fd is not None and self._current is not None and self._current_bytes == 0:
+            if self._current[0] == self.next_seq:
+                return
+            os.close(self._fd)  # an empty marker from before a newer snapshot: replace it
+            self._current[1].unlink()
+            self._fd, self._current = None, None
+        self._start_segment(self.next_seq)
+        self.sync()
 
     def drop_covered(self, seq: int) -> int:
         """Delete closed segments whose every record has ``seq`` or lower (a durable snapshot covers them)."""
         with self._mutex:
             covered = [s for s in self._closed_segments if s[1] <= seq]
             self._closed_segments = [s for s in self._closed_segments if s[1] > seq]
+        if covered and self.archive_dir is not None:
+            self.archive_dir.mkdir(exist_ok=True)
         for _, _, path in covered:
-            path.unlink(missing_ok=True)
+            if self.archive_dir is not None:
+                os.replace(path, self.archive_dir / path.name)
+            else:
+                path.unlink(missing_ok=True)
         if covered:
             _fsync_dir(self.directory)
             logger.debug("deleted %d log segment(s) covered by the snapshot at record %d", len(covered), seq)
@@ -419,13 +444,16 @@ def _write_all(fd: int, buffers: list[Any]) -> None:
                 written = 0
 
 
-def open_log(checkpoint_dir: Path, snapshot_seq: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> WriteAheadLog:
+def open_log(
+    checkpoint_dir: Path, snapshot_seq: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES, archive: bool = False
+) -> WriteAheadLog:
     """Repair a torn tail, check that the snapshot covering records ``1..snapshot_seq`` connects to the log,
     and return a log that appends after its last record."""
     directory = checkpoint_dir / WAL_DIR
     directory.mkdir(parents=True, exist_ok=True)
     segments = _repair(directory)
-    live = [s for s in segments if s[1] > snapshot_seq]
+    # the log starts at the first segment not wholly covered by the snapshot (the newest one always counts)
+    live = [s for i, s in enumerate(segments) if s[1] > snapshot_seq or i == len(segments) - 1]
     if live and live[0][0] > snapshot_seq + 1:
         raise WalError(
             f"the snapshot in {checkpoint_dir} covers the log up to record {snapshot_seq} but the log in {directory} "
@@ -433,6 +461,9 @@ def open_log(checkpoint_dir: Path, snapshot_seq: int, segment_bytes: int = DEFAU
             "snapshot was written. This snapshot is older than the log: put back the newest state.pt of this run "
             "(or start a new run in an empty --checkpoint-dir)"
         )
-    wal = WriteAheadLog(directory, max(snapshot_seq, segments[-1][1] if segments else 0) + 1, segments, segment_bytes)
+    log_end = segments[-1][1] if segments else 0
+    wal = WriteAheadLog(directory, max(snapshot_seq, log_end) + 1, segments, segment_bytes, archive)
+    if wal._fd is None or snapshot_seq >= log_end:
+        wal.rotate()  # a fresh log, or a snapshot covering the whole log: continue in a new segment
     wal.drop_covered(snapshot_seq)
     return wal
