@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import time
 import typing
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ ENDPOINT_FILE = "endpoint.json"
 IDENTITY_FILE = "identity.key"
 STATUS_FILE = "status.json"
 JOURNAL_FILE = "events.jsonl"
+INITIAL_SNAPSHOT = "initial-state.pt"  # in wal/archive/ when runtime.wal_archive is on
 RESUME_GRACE_S = 10.0  # after --resume, peers known from the checkpoint get this long to call again
 # Events of the logic the write-ahead log can hold, by class name (every member of the Event union).
 EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Event)}
@@ -204,7 +206,7 @@ class CoordinatorDaemon:
                     f"{self.dir} holds a write-ahead log ({WAL_DIR}/) but no snapshot: continue it with --resume if "
                     "it has a state.pt elsewhere, or choose a new runtime.checkpoint_dir"
                 )
-            self.wal = open_log(self.dir, 0)
+            self.wal = open_log(self.dir, 0, archive=cfg.runtime.wal_archive)
         self.journal = Journal(self.dir / JOURNAL_FILE)
         self.lock = asyncio.Lock()
         self.waiters: dict[str, _Waiter] = {}
@@ -228,7 +230,7 @@ class CoordinatorDaemon:
             self.stats.peers[name] = PeerStats(**{k: v for k, v in values.items() if k in known})
         self.stats.evals = list(snapshot.get("evals", []))
         self._snapshot_seq = snapshot_wal_seq(snapshot)
-        self.wal = open_log(self.dir, self._snapshot_seq)
+        self.wal = open_log(self.dir, self._snapshot_seq, archive=self.cfg.runtime.wal_archive)
         self.replayed = self.replay(read_records(self.dir / WAL_DIR, self._snapshot_seq))
         now = time.time()
         self.wal.append("mark", "Resumed", now, {})
@@ -322,6 +324,10 @@ class CoordinatorDaemon:
         """In a worker thread: write the snapshot durably, then delete the log segments it covers."""
         path = save_snapshot(self.dir, payload)
         self.snapshot_bytes += path.stat().st_size
+        if self.wal.archive_dir is not None and int(payload["wal_seq"]) == 0:
+            # with wal_archive, the initial snapshot + every segment replay the whole run (tests, audits)
+            self.wal.archive_dir.mkdir(exist_ok=True)
+            shutil.copyfile(path, self.wal.archive_dir / INITIAL_SNAPSHOT)
         self.snapshots_written += 1
         self._snapshot_seq = int(payload["wal_seq"])
         self.wal.drop_covered(self._snapshot_seq)
