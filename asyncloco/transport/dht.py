@@ -5,13 +5,21 @@
 nothing — so hivemind's own fallback (``terminate()`` after a slow shutdown) is silently ignored
 and the owner hangs at exit joining the child. :func:`start_dht` forks with default dispositions
 for SIGTERM/SIGINT; :func:`stop_dht` escalates to SIGKILL if the graceful shutdown stalls.
+
+When the owner is killed outright (SIGKILL, the OOM killer), the DHT process gets SIGKILL too: it sets
+``PR_SET_PDEATHSIG`` (Linux) when started from the main thread (the signal follows the *thread* that forked
+it). Its p2pd, a grandchild, is reaped by the next coordinator start (coordinator/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import signal
+import sys
+import threading
 from typing import Any, Iterator
 
 import hivemind
@@ -35,11 +43,40 @@ def _default_signals() -> Iterator[None]:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+_PR_SET_PDEATHSIG = 1
+_owner_pid: int | None = None  # set before the fork; the child compares it with its parent after prctl
+
+
+def _die_with_owner() -> None:
+    """In the DHT process: SIGKILL when the owner dies; exit now if it already did (a race with the fork)."""
+    if _owner_pid is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+            return
+    except (OSError, AttributeError) as error:
+        logger.warning("cannot tie the DHT process to its owner: %r", error)
+        return
+    if os.getppid() != _owner_pid:
+        os._exit(1)
+
+
+class _OwnedDHT(hivemind.DHT):
+    def run(self) -> None:
+        _die_with_owner()
+        super().run()
+
+
 def start_dht(**kwargs: Any) -> hivemind.DHT:
-    """``hivemind.DHT(start=True, **kwargs)`` whose background process obeys SIGTERM."""
+    """``hivemind.DHT(start=True, **kwargs)`` whose background process obeys SIGTERM and, when started from
+    the main thread, dies with its owner."""
+    global _owner_pid
     kwargs.setdefault("shutdown_timeout", 10.0)
+    _owner_pid = os.getpid() if threading.current_thread() is threading.main_thread() else None
     with _default_signals():
-        return hivemind.DHT(start=True, **kwargs)
+        return _OwnedDHT(start=True, **kwargs)
 
 
 def stop_dht(dht: hivemind.DHT, timeout: float = 10.0) -> None:
