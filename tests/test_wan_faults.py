@@ -220,3 +220,37 @@ def test_bad_shapes_are_refused_with_the_reason() -> None:
         LinkShape(bandwidth_bps=0)
     with pytest.raises(ValueError, match="latency_s must be >= 0"):
         LinkShape(latency_s=-1)
+
+
+# ------------------------------------------------------------------- timeouts from link speed (item 4)
+
+
+def test_link_speed_timeouts_follow_the_measured_bandwidth() -> None:
+    from asyncloco.transport.linkspeed import LinkSpeed
+
+    link = LinkSpeed(factor=3.0, floor_s=30.0, ceiling_s=3600.0, backoff=2.0, smoothing=0.5, min_bytes=1000)
+    theta = 600_000_000  # 600 MB
+    # before any measurement: the assumed 1 Mbit/s
+    assert link.timeout("down", theta) == 3600.0  # 3 x 4800 s, capped
+    assert link.timeout("down", 1000) == 30.0  # the floor
+    # 10 Mbit/s measured down: 600 MB take 480 s -> 3 x 480 s
+    assert link.observe("down", 12_500_000, 10.0)
+    assert link.bytes_per_s("down") == 1_250_000
+    assert link.expected_s("down", theta) == 480.0
+    assert link.timeout("down", theta) == 1440.0
+    assert link.timeout("down", theta, attempt=1) == 2880.0  # backoff after a failed attempt
+    assert link.timeout("down", theta, attempt=2) == 3600.0  # ceiling
+    # a second sample at 50 Mbit/s moves the average halfway: (1.25e6 + 6.25e6) / 2
+    assert link.observe("down", 62_500_000, 10.0)
+    assert link.bytes_per_s("down") == 3_750_000
+    assert link.timeout("down", theta) == 3 * theta / 3_750_000
+    # latency-bound calls and nonsense durations are not samples; directions are separate
+    assert not link.observe("up", 999, 0.001)
+    assert not link.observe("up", 10_000, 0.0)
+    assert link.samples == {"up": 0, "down": 2}
+    assert link.observe("up", 1_250_000, 2.0)  # 5 Mbit/s up
+    assert link.transfer_s(down_bytes=3_750_000, up_bytes=625_000) == 1.0 + 1.0
+    with pytest.raises(ValueError, match="direction must be 'up' or 'down'"):
+        link.timeout("sideways", 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="factor must be >= 1"):
+        LinkSpeed(factor=0.5)
