@@ -118,6 +118,8 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         progress=not args.no_progress and sys.stderr.isatty(),
         connect_timeout=args.connect_timeout,
         prefetch=not args.no_prefetch,
+        token=_read_token(args.token),  # admission
+        identity_path=args.identity,  # admission: a token binds to this identity
     )
     try:
         runner = PeerRunner(options, group=group)
@@ -152,6 +154,17 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
 
 
 # ---- admission tokens (asyncloco/coordinator/admission.py) ----
+
+
+def _read_token(value: str | None) -> str | None:
+    """``--token TOKEN`` or ``--token @FILE`` (keeps the token out of the shell history and ``ps``)."""
+    if value is None or not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    if not path.is_file():
+        raise ValueError(f"--token {value}: {path} does not exist; pass the token itself or @FILE of a file holding it")
+    return path.read_text().strip()
+
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -259,6 +272,11 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     join.add_argument("--nproc-per-node", type=int, default=1,
                       help="train as a torch.distributed group of this many ranks (launches torchrun; one GPU per rank on cuda)")
     join.add_argument("--no-prefetch", action="store_true", help="do not download the newest θ while asking for a lease")
+    # --- admission (coordinator/admission.py)
+    join.add_argument("--token", help="admission token from the organiser (or @FILE to read it from a file)")
+    join.add_argument(
+        "--identity", help="file holding this peer's libp2p key (created if missing); reuse it to rejoin with the same token"
+    )
     join.set_defaults(func=cmd_peer_join)
 
     demo = sub.add_parser("demo", help="coordinator + heterogeneous peers on this machine, then a summary")

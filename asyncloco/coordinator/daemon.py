@@ -20,6 +20,7 @@ What it does, in one place:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -44,8 +45,16 @@ from asyncloco.coordinator.checkpoint import (
     save_snapshot,
     snapshot_wal_seq,
 )
+from asyncloco.coordinator.admission import REVOKED_FILE, AdmissionError, load_or_create_key, read_revoked, verify_token
 from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import (
+    Admit,
+    Admitted,
+    Refused,
+    Revoke,
+    Revoked,
+    admission_problem,
+    is_admitted,
     Action,
     Applied,
     Assign,
@@ -117,6 +126,53 @@ class PeerStats:
     last_inner_loss: Optional[float] = None  # mean inner training loss of the latest applied submission
 
 
+class _RefusalLog:
+    """Bounded record of admission refusals: journal lines at most ``burst`` per ``window`` seconds (then
+    one line counting the suppressed ones), and a short per-peer cache of the last refusal so a peer that
+    keeps retrying a bad token is answered without verifying or logging it again."""
+
+    def __init__(self, burst: int = 20, window: float = 10.0, cache_s: float = 5.0, max_cached: int = 4096) -> None:
+        self.burst, self.window, self.cache_s, self.max_cached = burst, window, cache_s, max_cached
+        self._window_start = 0.0
+        self._in_window = 0
+        self.suppressed = 0
+        self.total = 0
+        self._cache: dict[str, tuple[Any, str, float]] = {}
+
+    def note(self, journal: Journal, peer: str, reason: str, token_id: str = "", lease_id: str = "", now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.total += 1
+        if now - self._window_start >= self.window:
+            if self.suppressed:
+                journal.write("refused_suppressed", count=self.suppressed, window_s=self.window)
+                logger.warning("%d more admission refusals in the last %.0fs not logged", self.suppressed, self.window)
+            self._window_start, self._in_window, self.suppressed = now, 0, 0
+        if self._in_window >= self.burst:
+            self.suppressed += 1
+            return
+        self._in_window += 1
+        journal.write("refused", peer=peer, token_id=token_id, lease_id=lease_id, reason=reason)
+        logger.warning("refused %s: %s", peer[-8:], reason)
+
+    def refuse(self, journal: Journal, peer: str, reason: str, now: float, token: Any = None) -> str:
+        self.note(journal, peer, reason, now=now)
+        if token is not None:
+            self.remember(peer, token, reason, now)
+        return reason
+
+    def remember(self, peer: str, token: Any, reason: str, now: float) -> None:
+        if len(self._cache) >= self.max_cached:
+            self._cache.clear()
+        self._cache[peer] = (token, reason, now + self.cache_s)
+
+    def cached(self, peer: str, token: Any, now: float) -> str | None:
+        hit = self._cache.get(peer)
+        if hit is None or hit[0] != token or hit[2] < now:
+            return None
+        self.total += 1
+        return hit[1]
+
+
 @dataclass
 class _Waiter:
     future: "asyncio.Future[Lease]"
@@ -184,6 +240,11 @@ class CoordinatorDaemon:
         workers = cfg.outer.buffer_size or cfg.sim.workers
         self.spec, optimizer, transforms = build_method(cfg.schedule.method, cfg.outer, workers, param_groups(self.model))
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=False)
+        # --- admission (coordinator/admission.py): the mode and allowlist go to the logic's policy
+        policy = dataclasses.replace(policy, admission=cfg.runtime.admission, allowlist=frozenset(cfg.runtime.allowlist))
+        self._admission_key = load_or_create_key(self.dir).public_key() if cfg.runtime.admission == "token" else None
+        self._refusals = _RefusalLog()
+        # The lease-id secret is part of the state (snapshots, and so --resume) — fresh for a new run.
         self.state: CoordinatorState = new_state(
             theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.seed
         )
@@ -526,6 +587,19 @@ class CoordinatorDaemon:
             logger.warning("rejected %s from %s: %s", action.lease_id or "request", action.peer[-8:], action.reason)
             # a dropped-by-policy update consumed its lease: durable state changed
             return action.lease_id in self.state.applied
+        # --- admission (coordinator/admission.py)
+        if isinstance(action, Admitted):
+            if action.new:
+                self.journal.write("admitted", peer=action.peer, token_id=action.token_id, name=action.name, reason=action.reason)
+                logger.info("admitted %s as %r (token %s)", action.peer[-8:], action.name, action.token_id)
+            return action.new
+        if isinstance(action, Refused):
+            self._refusals.note(self.journal, action.peer, action.reason, action.token_id, action.lease_id)
+            return False
+        if isinstance(action, Revoked):
+            self.journal.write("revoked", token_id=action.token_id, peer=action.peer, reason=action.reason)
+            logger.warning("token %s revoked%s", action.token_id, f" (peer {action.peer[-8:]})" if action.peer else "")
+            return True
         raise AssertionError(f"unhandled action {action!r}")
 
     def _bookkeep(self, actions: list[Action]) -> bool:
@@ -589,7 +663,39 @@ class CoordinatorDaemon:
 
     # --------------------------------------------------------------------------- RPC handlers
 
+    # --- admission (coordinator/admission.py): nothing is served to a peer the logic does not admit
+
+    async def check_admitted(self, peer_id: str, token: Any = None) -> None:
+        """Raise :class:`PermissionError` ("not admitted: ...") unless ``peer_id`` may be served now.
+
+        A token (``runtime.admission: token``) is verified here (signature, format: crypto, not the
+        logic's business) and becomes an :class:`Admit` event; the logic decides (expiry, revocation,
+        binding to the first peer id that used it). Refusals are journaled at a bounded rate and a
+        refused peer's further attempts within a few seconds are answered from a cache, so a flood of
+        unadmitted calls writes neither the write-ahead log nor unbounded log lines."""
+        now = time.time()
+        if is_admitted(self.state, peer_id, now):
+            return
+        if self._admission_key is None or token is None:
+            raise PermissionError("not admitted: " + self._refusals.refuse(self.journal, peer_id, admission_problem(self.state, peer_id, now), now))
+        cached = self._refusals.cached(peer_id, token, now)
+        if cached is not None:
+            raise PermissionError("not admitted: " + cached)
+        try:
+            claims = verify_token(self._admission_key, token)
+        except AdmissionError as error:
+            raise PermissionError("not admitted: " + self._refusals.refuse(self.journal, peer_id, str(error), now, token)) from None
+        async with self.lock:
+            self._refuse_if_stopping()
+            actions = await self._decide(Admit(peer_id, claims.token_id, claims.name, claims.expires_at))
+        if is_admitted(self.state, peer_id, time.time()):
+            return
+        reason = next((a.reason for a in actions if isinstance(a, Refused)), admission_problem(self.state, peer_id, now))
+        self._refusals.remember(peer_id, token, reason, now)
+        raise PermissionError("not admitted: " + reason)
+
     async def assign(self, request: dict[str, Any], peer_id: str) -> dict[str, Any]:
+        await self.check_admitted(peer_id, request.get("token") if isinstance(request, dict) else getattr(request, "token", None))
         if request.get("kind") == "config":
             return {
                 "config": json.dumps(self.cfg.model_dump(mode="json")),
@@ -641,7 +747,9 @@ class CoordinatorDaemon:
             return 600.0
         return self.cfg.schedule.grace_period + 30.0
 
-    async def get_model(self, version: Optional[int]) -> tuple[int, torch.Tensor]:
+    async def get_model(self, version: Optional[int], peer_id: Optional[str] = None) -> tuple[int, torch.Tensor]:
+        if peer_id is not None:
+            await self.check_admitted(peer_id)
         async with self.lock:
             if version is None or version == self.state.version:
                 return self.state.version, self.state.params.clone()
@@ -653,6 +761,7 @@ class CoordinatorDaemon:
     async def submit(self, lease_id: str, base_version: int, pseudo_gradient: Any, peer_id: str) -> dict[str, Any]:
         from asyncloco.transport.codecs import decode
 
+        await self.check_admitted(peer_id)  # before decoding anything an outsider sent
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
         async with self.lock:
             self._refuse_if_stopping()
@@ -667,6 +776,32 @@ class CoordinatorDaemon:
         raise AssertionError(f"submit of {lease_id} produced no verdict: {actions}")
 
     # -------------------------------------------------------------------------------- main loop
+
+    async def _revocation_loop(self, stop: asyncio.Event, period: float = 1.0) -> None:
+        """Feed revocations written by ``asyncloco coordinator token revoke`` (revoked.json) to the logic."""
+        seen_mtime = -1.0
+        while not stop.is_set():
+            try:
+                mtime = (self.dir / REVOKED_FILE).stat().st_mtime
+            except FileNotFoundError:
+                mtime = -1.0
+            if mtime != seen_mtime:
+                try:
+                    revoked = read_revoked(self.dir)
+                    seen_mtime = mtime
+                except ValueError as error:  # a half-edited file: try again next period
+                    logger.warning("%s", error)
+                    revoked = {}
+                fresh = sorted((t, when) for t, when in revoked.items() if t not in self.state.revoked)
+                if fresh:
+                    async with self.lock:
+                        if not self._stopping:
+                            for token_id, when in fresh:
+                                await self._decide(Revoke(token_id, when))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=period)
+            except asyncio.TimeoutError:
+                pass
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -869,6 +1004,7 @@ class CoordinatorDaemon:
                 asyncio.create_task(self._tick_loop(stop)),
                 asyncio.create_task(self._speed_loop(records, stop, dht)),
                 asyncio.create_task(self._announce_loop(records, stop)),
+                asyncio.create_task(self._revocation_loop(stop)),  # admission
                 asyncio.create_task(self._monitor_loop(stop)),
             ]
             await stop.wait()

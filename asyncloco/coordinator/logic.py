@@ -75,6 +75,7 @@ __all__ = [
     "Action",
     "handle",
     "is_admitted",
+    "admission_problem",
 ]
 
 
@@ -598,7 +599,7 @@ def is_admitted(state: CoordinatorState, peer: str, now: float) -> bool:
     return record is not None and now < record.expires_at and record.token_id not in state.revoked
 
 
-def _admission_problem(state: CoordinatorState, peer: str, now: float) -> str:
+def admission_problem(state: CoordinatorState, peer: str, now: float) -> str:
     mode = state.policy.admission
     if mode == "allowlist":
         return "this peer id is not in the run's runtime.allowlist; send it to the organiser"
@@ -614,7 +615,7 @@ def _turn_away(state: CoordinatorState, event: SpeedReport | RequestWork | Submi
     if isinstance(event, SpeedReport):
         return []  # no effect on DyLU, and no journal line per DHT read
     lease_id = event.lease_id if isinstance(event, SubmitUpdate) else ""
-    return [Refused(event.peer, "", _admission_problem(state, event.peer, now), lease_id)]
+    return [Refused(event.peer, "", admission_problem(state, event.peer, now), lease_id)]
 
 
 def _on_admit(state: CoordinatorState, event: Admit, now: float) -> list[Action]:
