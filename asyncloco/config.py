@@ -188,6 +188,8 @@ class RuntimeConfig(StrictModel):
 
     run_id: str = Field("asyncloco-demo", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     codec: Literal["none", "fp16", "bf16", "int8", "int4"] = "none"
+    # --- θ downloads (transport, docs/transport.md): none = fp32; int8 ≈ 0.25 × fp32; no body when the peer holds the version
+    download_codec: Literal["none", "bf16", "int8"] = Field("none", description="codec of θ downloads (none = fp32)")
     lease_timeout_factor: float = Field(3.0, gt=1, description="lease deadline = expected duration × this + slack")
     lease_slack: float = Field(30.0, ge=0, description="seconds added to every lease deadline")
     checkpoint_dir: str = "runs/coordinator"

@@ -30,6 +30,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
 from asyncloco.transport.framing import CHUNK_BYTES
 from asyncloco.transport.rpc import CoordinatorClient, CoordinatorService
+from asyncloco.transport.wire import Ack, AssignRequest, LeaseReply, SubmitHeader
 
 logger = logging.getLogger("bench_transport")
 
@@ -56,14 +57,14 @@ class BenchHandler:
     def __init__(self) -> None:
         self.theta = torch.zeros(1)
 
-    async def assign(self, request: Dict[str, Any], peer_id: str) -> Dict[str, Any]:
-        return {}
+    async def assign(self, request: AssignRequest, peer_id: str) -> LeaseReply:
+        return LeaseReply(None, "benchmark")
 
-    async def get_model(self, version: Optional[int]) -> Tuple[int, torch.Tensor]:
+    async def get_model(self, version: Optional[int], peer_id: str) -> Tuple[int, torch.Tensor]:
         return 0, self.theta
 
-    async def submit(self, lease_id: str, base_version: int, pseudo_gradient: EncodedTensor, peer_id: str) -> Dict[str, Any]:
-        return {"accepted": True, "version": 0, "reason": "", "duplicate": False}
+    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str) -> Ack:
+        return Ack(True, 0, "", False)
 
 
 async def _raw_upload_handler(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -108,6 +109,13 @@ async def raw_download(client: P2P, server: P2P, nbytes: int) -> None:
             received += len(await P2P.receive_raw_data(reader))
     finally:
         writer.close()
+
+
+async def fresh_download(service: CoordinatorService, client: CoordinatorClient, codec: str) -> None:
+    """A full download as a peer without θ sees it: no held version, no cached encoding."""
+    client.held = None
+    service._model_cache.clear()
+    await client.get_model(codec=codec)
 
 
 async def best_of(repeats: int, make: Callable[[], Awaitable[Any]]) -> float:
@@ -158,7 +166,7 @@ async def run(sizes: List[int], repeats: int) -> List[Row]:
                 raw_upload_s = await best_of(repeats, lambda: raw_upload(client_p2p, server, nbytes))
                 download_s = raw_download_s = None
                 if codec in MODEL_CODECS:
-                    download_s = await best_of(repeats, lambda: client.get_model(codec=codec))
+                    download_s = await best_of(repeats, lambda: fresh_download(service, client, codec))
                     raw_download_s = await best_of(repeats, lambda: raw_download(client_p2p, server, nbytes))
                 row = Row(numel, codec, nbytes / 1e6, encode_s, decode_s, upload_s, raw_upload_s, download_s, raw_download_s)
                 logger.info("%s", row)

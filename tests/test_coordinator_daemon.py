@@ -15,6 +15,7 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator.checkpoint import remove_partial_snapshots
 from asyncloco.coordinator.daemon import CoordinatorDaemon
 from asyncloco.transport.codecs import encode
+from asyncloco.transport.wire import AssignRequest, SubmitHeader
 
 
 def small_config() -> RunConfig:
@@ -47,8 +48,8 @@ def test_failed_log_write_is_never_acknowledged_and_stops_the_daemon(
     async def scenario() -> None:
         daemon._stop_event = asyncio.Event()
         await daemon._save()  # what run() writes at start
-        reply = await daemon.assign({"tokens_per_s": 100.0}, "peer-a")
-        lease = reply["lease"]
+        reply = await daemon.assign(AssignRequest("lease", tokens_per_s=100.0), "peer-a")
+        lease = reply.to_wire().get("lease")
         assert lease is not None and durable_state(run_dir, tmp_path).leases.keys() == {lease["lease_id"]}
         theta_before = daemon.state.params.clone()
 
@@ -58,13 +59,13 @@ def test_failed_log_write_is_never_acknowledged_and_stops_the_daemon(
         monkeypatch.setattr(daemon.wal, "append", broken_disk)
         update = encode("none", torch.full_like(theta_before, 1e-4))
         with pytest.raises(OSError):
-            await daemon.submit(lease["lease_id"], lease["base_version"], update, "peer-a")
+            await daemon.submit(SubmitHeader(lease["lease_id"], lease["base_version"], "none", update.numel), update, "peer-a")
         # not acknowledged, not durable, and the daemon stops taking work
         assert daemon._stop_event.is_set()
         durable = durable_state(run_dir, tmp_path)
         assert durable.version == 0 and torch.equal(durable.params, theta_before)
         with pytest.raises(ConnectionAbortedError):
-            await daemon.submit(lease["lease_id"], lease["base_version"], update, "peer-a")
+            await daemon.submit(SubmitHeader(lease["lease_id"], lease["base_version"], "none", update.numel), update, "peer-a")
 
     asyncio.run(scenario())
     daemon.journal.close()

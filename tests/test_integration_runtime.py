@@ -630,17 +630,17 @@ def test_resent_submission_is_applied_once(harness: Harness, tmp_path: Path) -> 
             try:
                 p2p = await dht.replicate_p2p()
                 probe = CoordinatorClient(p2p, coordinator_id, 1, namespace=run_id)
-                hello = await probe.assign({"kind": "config"}, timeout=30.0)
-                numel, codec = int(hello["model_numel"]), hello["codec"]
+                hello = await probe.hello(timeout=30.0)
+                numel, codec = hello.model_numel, hello.codec
                 client = CoordinatorClient(p2p, coordinator_id, numel, namespace=run_id, counters=counters)
-                reply = await client.assign({"tokens_per_s": 1000.0}, timeout=60.0)
-                lease = reply["lease"]
+                reply = await client.assign(1000.0, timeout=60.0)
+                lease = reply.to_wire().get("lease")
                 assert lease is not None, reply
                 version, theta = await client.get_model(lease["base_version"])
                 pseudo_gradient = 1e-3 * torch.randn(numel, generator=torch.Generator().manual_seed(0))
                 encoded = encode(codec, pseudo_gradient)
-                first = await client.submit(lease["lease_id"], lease["base_version"], encoded, timeout=60.0)
-                second = await client.submit(lease["lease_id"], lease["base_version"], encoded, timeout=60.0)
+                first = (await client.submit(lease["lease_id"], lease["base_version"], encoded, timeout=60.0)).to_wire()
+                second = (await client.submit(lease["lease_id"], lease["base_version"], encoded, timeout=60.0)).to_wire()
                 latest, theta_after = await client.get_model(None)
                 return {
                     "numel": numel, "codec": codec, "lease": lease, "version": version, "theta": theta,

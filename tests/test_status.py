@@ -140,21 +140,23 @@ def drive_daemon(tmp_path: Path, **runtime: Any) -> Any:
     """A daemon in-process: two peers, one lease each, one applied submission, one evaluation."""
     from asyncloco.coordinator.daemon import CoordinatorDaemon
     from asyncloco.transport.codecs import encode
+    from asyncloco.transport.wire import AssignRequest, SubmitHeader
 
     daemon = CoordinatorDaemon(small_config(**runtime), checkpoint_dir=tmp_path)
 
     async def scenario() -> dict[str, Any]:
         daemon._stop_event = asyncio.Event()
-        lease_a = (await daemon.assign({"tokens_per_s": 300.0}, "peer-a"))["lease"]
-        lease_b = (await daemon.assign({"tokens_per_s": 100.0}, "peer-b"))["lease"]
+        lease_a = (await daemon.assign(AssignRequest("lease", tokens_per_s=300.0), "peer-a")).to_wire().get("lease")
+        lease_b = (await daemon.assign(AssignRequest("lease", tokens_per_s=100.0), "peer-b")).to_wire().get("lease")
         assert lease_a is not None and lease_b is not None
         # what the peer's join and submission carry (wired in by the peer protocol)
         daemon.stats.peer("peer-a").name = "alice"
         daemon.stats.peer("peer-a").device = "cpu"
         daemon.stats.peer("peer-a").last_inner_loss = 2.5
         update = encode("none", torch.full_like(daemon.state.params, 0.01))
-        verdict = await daemon.submit(lease_a["lease_id"], lease_a["base_version"], update, "peer-a")
-        assert verdict["accepted"] and verdict["version"] == 1
+        header = SubmitHeader(lease_a["lease_id"], lease_a["base_version"], "none", update.numel)
+        verdict = await daemon.submit(header, update, "peer-a")
+        assert verdict.accepted and verdict.version == 1
         await daemon._evaluate(daemon.state.version, daemon.state.local_updates, daemon.state.params.clone())
         return {"a": lease_a, "b": lease_b}
 

@@ -694,17 +694,22 @@ class CoordinatorDaemon:
         self._refusals.remember(peer_id, token, reason, now)
         raise PermissionError("not admitted: " + reason)
 
-    async def assign(self, request: dict[str, Any], peer_id: str) -> dict[str, Any]:
+    async def assign(self, request: Any, peer_id: str) -> Any:
+        """The ``assign`` RPC: ``request`` is a transport.wire.AssignRequest; returns a HelloReply (kind
+        "config") or a LeaseReply."""
+        from asyncloco.transport.wire import HelloReply, Lease, LeaseReply
+
         await self.check_admitted(peer_id, request.get("token") if isinstance(request, dict) else getattr(request, "token", None))
-        if request.get("kind") == "config":
-            return {
-                "config": json.dumps(self.cfg.model_dump(mode="json")),
-                "model_numel": self.numel,
-                "codec": self.cfg.runtime.codec,
-                "run_id": self.cfg.runtime.run_id,
-                "software_version": __version__,
-            }
-        reported = request.get("tokens_per_s")
+        if request.kind == "config":
+            return HelloReply(
+                config=json.dumps(self.cfg.model_dump(mode="json")),
+                model_numel=self.numel,
+                codec=self.cfg.runtime.codec,
+                download_codec=self.cfg.runtime.download_codec,
+                run_id=self.cfg.runtime.run_id,
+                software_version=__version__,
+            )
+        reported = request.tokens_per_s  # a finite float ≥ 0 or None (checked by the transport)
         async with self.lock:
             self._refuse_if_stopping()
             if peer_id not in self.state.peers or not self.state.peers[peer_id].alive:
@@ -722,7 +727,7 @@ class CoordinatorDaemon:
             for action in actions:
                 if isinstance(action, Rejected) and action.peer == peer_id:
                     self.waiters.pop(peer_id, None)
-                    return {"lease": None, "reason": action.reason}
+                    return LeaseReply(None, action.reason)
         try:
             lease = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=self._hold_limit())
         except asyncio.TimeoutError:
@@ -730,10 +735,10 @@ class CoordinatorDaemon:
                 if self.waiters.get(peer_id) is waiter:
                     del self.waiters[peer_id]
                 self._drop_held(peer_id)
-            return {"lease": None, "reason": "held too long; ask again"}
+            return LeaseReply(None, "held too long; ask again")
         except asyncio.CancelledError:
-            return {"lease": None, "reason": "superseded by a newer request"}
-        return {"lease": lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))}
+            return LeaseReply(None, "superseded by a newer request")
+        return LeaseReply(Lease.from_wire(lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))))
 
     def _refuse_if_stopping(self) -> None:
         # Without this, a submit that was still decoding when SIGTERM came could be applied *after* the
@@ -758,9 +763,13 @@ class CoordinatorDaemon:
                 raise ValueError(f"version {version} is no longer served (current {self.state.version}); ask for a new lease")
             return version, snapshot
 
-    async def submit(self, lease_id: str, base_version: int, pseudo_gradient: Any, peer_id: str) -> dict[str, Any]:
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+        """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
+        optional ``inner_loss``); returns a transport.wire.Ack."""
         from asyncloco.transport.codecs import decode
+        from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
 
+        lease_id, base_version = header.lease_id, header.base_version
         await self.check_admitted(peer_id)  # before decoding anything an outsider sent
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
         async with self.lock:
@@ -768,11 +777,11 @@ class CoordinatorDaemon:
             actions = await self._decide(SubmitUpdate(peer_id, lease_id, base_version, update), wire=pseudo_gradient)
         for action in actions:
             if isinstance(action, Applied) and action.lease_id == lease_id:
-                return {"accepted": True, "version": action.version, "reason": action.reason, "duplicate": False}
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False)
             if isinstance(action, Duplicate) and action.lease_id == lease_id:
-                return {"accepted": True, "version": action.version, "reason": action.reason, "duplicate": True}
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], True)
             if isinstance(action, Rejected) and action.lease_id == lease_id:
-                return {"accepted": False, "version": self.state.version, "reason": action.reason, "duplicate": False}
+                return Ack(False, self.state.version, action.reason[:MAX_REASON_CHARS], False)
         raise AssertionError(f"submit of {lease_id} produced no verdict: {actions}")
 
     # -------------------------------------------------------------------------------- main loop
@@ -976,7 +985,11 @@ class CoordinatorDaemon:
                 self,
                 self.numel,
                 submit_codecs=(self.cfg.runtime.codec,),
+                model_codecs=tuple(dict.fromkeys(("none", self.cfg.runtime.download_codec))),
                 counters=self.counters,
+                # transport-level rejections (malformed or oversized frames, timeouts, over the call limits),
+                # at the transport's bounded rate (ServiceLimits.error_log_*)
+                on_protocol_error=lambda peer, reason: self.journal.write("protocol_error", peer=peer, reason=reason),
             )
             await service.add_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
             if not self.resume:

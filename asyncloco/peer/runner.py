@@ -28,6 +28,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -155,6 +156,7 @@ class PeerRunner:
         self._stop = asyncio.Event()  # first Ctrl+C: finish and submit the current lease, then leave
         self._abort = asyncio.Event()  # second Ctrl+C: leave at once
         self._abort_flag = threading.Event()  # the same, for the training thread
+        self._inner_loss: Optional[float] = None  # mean inner loss of the latest round (sent with its update)
         self._closing = asyncio.Event()
         self._loop_started: Optional[float] = None
 
@@ -239,11 +241,7 @@ class PeerRunner:
         await self._check_run_id(p2p, namespace, deadline)
         while True:
             try:
-                if hasattr(probe, "hello"):
-                    reply = _as_dict(await probe.hello(token=self.options.token, timeout=10.0))
-                else:
-                    token = {"token": self.options.token} if self.options.token is not None else {}
-                    reply = await probe.assign({"kind": "config", **token}, timeout=10.0)
+                reply = _as_dict(await probe.hello(token=self.options.token, timeout=10.0))
                 break
             except TransportError as error:
                 if _refused_admission(error):
@@ -280,6 +278,8 @@ class PeerRunner:
         if self.group is not None:
             broadcast_command(self.group, Command(OP_TRAIN, shard, start, steps, lr_offset))
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
+        loss = float(result.mean_loss)
+        self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
 
     async def _submit_with_retry(self, client: Any, lease: dict[str, Any], encoded: Any) -> Optional[dict[str, Any]]:
@@ -291,7 +291,7 @@ class PeerRunner:
         deadline = float(lease["deadline"])
         while not self._abort.is_set():
             try:
-                return await self._unless_aborted(client.submit(lease["lease_id"], int(lease["base_version"]), encoded))
+                return await self._unless_aborted(client.submit(lease["lease_id"], int(lease["base_version"]), encoded, inner_loss=self._inner_loss))
             except _Aborted:
                 break
             except TransportError as error:
@@ -409,7 +409,7 @@ class PeerRunner:
     async def run(self) -> PeerSummary:
         from asyncloco.transport.codecs import encode
         from asyncloco.transport.dht import stop_dht
-        from asyncloco.transport.errors import TransportError
+        from asyncloco.transport.errors import CodecError, TransportError
         from asyncloco.transport.records import RunRecords
         from asyncloco.transport.rpc import CoordinatorClient, TrafficCounters
 
@@ -447,7 +447,8 @@ class PeerRunner:
             counters = TrafficCounters()
             hold = 630.0 if cfg.schedule.method == "sync_diloco" else cfg.schedule.grace_period + 60.0
             client: Any = CoordinatorClient(
-                p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold, counters=counters
+                p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold, counters=counters,
+                download_codec=str(hello.get("download_codec", "none")),
             )
             records = RunRecords(dht, namespace)
             self.speed = await asyncio.to_thread(self._measure, cfg, workload)
@@ -522,7 +523,11 @@ class PeerRunner:
                     self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
                 self.summary.tokens_per_s = self.speed
                 uploading = time.monotonic()
-                encoded = await asyncio.to_thread(encode, codec, pseudo_gradient)
+                try:
+                    encoded = await asyncio.to_thread(encode, codec, pseudo_gradient)
+                except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
+                    logger.warning("lease %s not submitted: %s", lease["lease_id"], error)
+                    continue
                 if self._stop.is_set():
                     logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease["lease_id"])
                 ack = _as_dict(await self._submit_with_retry(client, lease, encoded))

@@ -4,7 +4,9 @@
 TransportError                      base of everything raised by asyncloco.transport
 ├── CodecError (also ValueError)    bad codec name, wrong numel, wrong payload length, bad tensor
 ├── ProtocolError                   the remote side sent something malformed (bad header, size mismatch,
-│                                   too many bytes, missing fields); retrying the same call will not help
+│   │                               too many bytes, missing fields); retrying the same call will not help
+│   └── MessageError (also ValueError)  a wire message field is missing, unknown, mistyped or out of
+│                                   bounds (raised on receipt, and when building a message locally)
 ├── RemoteError                     the remote handler refused or failed; ``message`` carries its reason
 ├── RpcTimeout (also TimeoutError)  no complete answer within the per-call timeout; safe to retry
 └── PeerUnreachable                 could not open a stream to the peer (daemon error, connection reset)
@@ -22,6 +24,7 @@ __all__ = [
     "TransportError",
     "CodecError",
     "ProtocolError",
+    "MessageError",
     "RemoteError",
     "RpcTimeout",
     "PeerUnreachable",
@@ -38,6 +41,10 @@ class CodecError(TransportError, ValueError):
 
 class ProtocolError(TransportError):
     """The remote side violated the wire protocol (malformed or oversized message)."""
+
+
+class MessageError(ProtocolError, ValueError):
+    """A wire message (asyncloco.transport.wire) has a missing, unknown, mistyped or out-of-bounds field."""
 
 
 class RemoteError(TransportError):

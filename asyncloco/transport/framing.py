@@ -1,81 +1,66 @@
-"""Message framing of the coordinator RPCs: msgpack headers, chunked bodies, exact byte accounting.
+"""Framing of the coordinator RPCs on raw libp2p streams: bounded frames, deadlines, exact byte accounting.
 
-Every RPC uses hivemind's ``runtime_pb2.ExpertRequest`` / ``ExpertResponse`` protobufs, never pickle:
+Every RPC runs on one raw stream (``P2P.add_binary_stream_handler`` / ``call_binary_stream_handler``);
+nothing of hivemind's protobuf framing is used, so no message is read before its size is checked.
+A frame is::
 
-- a *header* message carries a msgpack map in ``metadata`` (at most :data:`MAX_HEADER_BYTES`);
-- a *chunk* message carries one ``Tensor`` whose ``buffer`` holds up to ``chunk_bytes`` of the body
-  (the codec's ``meta || payload``, see :meth:`EncodedTensor.to_bytes`); no other field is set.
+    kind (1 byte) | length (4 bytes, big-endian) | length bytes
 
-Bytes on a hivemind stream per message = 1 (marker) + 8 (length) + protobuf size, so for a body of
-``B`` bytes cut into chunks of ``c_i`` bytes after a header of ``h`` msgpack bytes:
+- ``HEADER`` (1): a msgpack map (one :mod:`asyncloco.transport.wire` message), ≤ :data:`MAX_HEADER_BYTES`;
+- ``CHUNK`` (2): raw body bytes (the codec's ``meta || payload``), ≤ :data:`MAX_CHUNK_BYTES` and never
+  more than the bytes of the body still expected;
+- ``ERROR`` (3): a UTF-8 message from the service (refusal or failure), ≤ :data:`MAX_HEADER_BYTES`.
 
-    stream_bytes = (9 + 1 + varint(h) + h) + Σ_i (9 + 2 + varint(c_i) + varint(1 + varint(c_i) + c_i) + c_i)
-
-which is ``B + 17`` per full 1 MiB chunk (:func:`stream_bytes`). ``submit``'s ``ready`` and ack messages
-are stream frames too (9 + protobuf size each). A streaming *request* is followed by hivemind's own 9-byte
-end-of-stream frame, not counted here. Unary messages (``assign`` both ways, the ``get_model`` request)
-are counted as their protobuf size; p2pd's persistent connection adds its own small envelope. libp2p's
-yamux/noise framing below all of this is not counted.
+:class:`FrameReader` reads the 5-byte prefix, checks the kind against the ones the protocol allows at
+that point and the length against that kind's maximum, and only then reads the frame; every read has
+an idle deadline (no progress for ``idle_timeout`` seconds) and the whole exchange a total deadline.
+Bytes on the stream per frame = 5 + length, so a body of ``B`` bytes in chunks of ``c`` after a header
+of ``h`` bytes costs exactly :func:`stream_bytes` ``= 5 + h + Σ (5 + c_i)`` (libp2p's yamux/noise framing
+below is not counted).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator
+import asyncio
+import math
+import time
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import msgpack
-from hivemind.p2p import P2P
-from hivemind.proto import runtime_pb2
-from google.protobuf.message import Message
 
-from asyncloco.transport.errors import ProtocolError
+from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RemoteError, RpcTimeout
 
 __all__ = [
+    "HEADER",
+    "CHUNK",
+    "ERROR",
     "CHUNK_BYTES",
     "MAX_CHUNK_BYTES",
     "MAX_HEADER_BYTES",
     "FRAME_BYTES",
     "pack_header",
     "unpack_header",
-    "chunk_messages",
-    "chunk_buffer",
-    "framed_size",
     "stream_bytes",
-    "varint_size",
+    "FrameReader",
+    "FrameWriter",
     "BodyAssembler",
 ]
 
-CHUNK_BYTES = 1 << 20  # 1 MiB: 17 B framing per chunk (0.002 %); small enough to interleave streams
-MAX_CHUNK_BYTES = 4 << 20  # a receiver refuses bigger chunks (hivemind has already read them, see docs)
+HEADER, CHUNK, ERROR = 1, 2, 3
+KIND_NAMES = {HEADER: "header", CHUNK: "chunk", ERROR: "error"}
+CHUNK_BYTES = 1 << 20  # 1 MiB sent per chunk: 5 B framing (0.0005 %); small enough to interleave streams
+MAX_CHUNK_BYTES = 4 << 20  # a receiver refuses a bigger declared chunk before reading it
 MAX_HEADER_BYTES = 64 << 10
-FRAME_BYTES: int = 1 + int(P2P.HEADER_LEN)  # hivemind's message marker + big-endian length
-
-
-def varint_size(value: int) -> int:
-    """Bytes of a protobuf varint."""
-    size = 1
-    while value >= 0x80:
-        value >>= 7
-        size += 1
-    return size
-
-
-def framed_size(message: Message) -> int:
-    """Bytes hivemind writes on a stream for ``message``."""
-    return FRAME_BYTES + int(message.ByteSize())
+FRAME_BYTES = 5  # kind + 32-bit big-endian length
 
 
 def stream_bytes(header_len: int, body_len: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Exact framed bytes of one header of ``header_len`` msgpack bytes plus a body cut into chunks."""
-    total = FRAME_BYTES + 1 + varint_size(header_len) + header_len
-    for offset in range(0, body_len, chunk_bytes):
-        chunk = min(chunk_bytes, body_len - offset)
-        tensor = 1 + varint_size(chunk) + chunk
-        total += FRAME_BYTES + 1 + varint_size(tensor) + tensor
-    return total
+    """Exact bytes of one header frame of ``header_len`` msgpack bytes plus a body cut into chunks."""
+    return FRAME_BYTES + header_len + body_len + FRAME_BYTES * math.ceil(body_len / chunk_bytes)
 
 
-def pack_header(fields: Dict[str, Any]) -> bytes:
-    data: bytes = msgpack.packb(fields, use_bin_type=True)
+def pack_header(fields: Mapping[str, Any]) -> bytes:
+    data: bytes = msgpack.packb(dict(fields), use_bin_type=True)
     if len(data) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     return data
@@ -101,33 +86,139 @@ def unpack_header(data: bytes) -> Dict[str, Any]:
     return value
 
 
-def chunk_buffer(message: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) -> bytes:
-    """The body bytes of a chunk message, refusing anything that is not exactly one bounded buffer."""
-    if len(message.tensors) != 1 or message.metadata:
-        raise ProtocolError("expected a chunk message (one tensor buffer, no metadata)")
-    buffer: bytes = message.tensors[0].buffer
-    if len(buffer) > MAX_CHUNK_BYTES:
-        raise ProtocolError(f"chunk of {len(buffer)} bytes exceeds {MAX_CHUNK_BYTES}")
-    return buffer
+class FrameReader:
+    """Reads bounded frames from a stream under an idle and a total deadline.
+
+    :param idle_timeout: seconds a single read may go without completing (``None``: no idle limit).
+    :param deadline: ``time.monotonic()`` value after which every read fails (``None``: none); see
+        :meth:`extend`.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, *, idle_timeout: Optional[float], deadline: Optional[float] = None) -> None:
+        self.reader, self.idle_timeout, self.deadline = reader, idle_timeout, deadline
+        self.bytes_read = 0
+
+    def extend(self, seconds: float) -> None:
+        """Set the total deadline to ``seconds`` from now."""
+        self.deadline = time.monotonic() + seconds
+
+    async def _read(self, count: int, what: str) -> bytes:
+        limit = self.idle_timeout
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise RpcTimeout(f"deadline passed before {what}")
+            limit = left if limit is None else min(limit, left)
+        try:
+            data = await asyncio.wait_for(self.reader.readexactly(count), timeout=limit)
+        except asyncio.TimeoutError:
+            raise RpcTimeout(f"no complete {what} within {limit:.1f} s") from None
+        except asyncio.IncompleteReadError as error:
+            raise PeerUnreachable(f"stream closed after {len(error.partial)} of {count} bytes of {what}") from None
+        except (ConnectionError, OSError) as error:
+            raise PeerUnreachable(f"stream broke while reading {what}: {error!r}") from None
+        self.bytes_read += count
+        return data
+
+    async def read_frame(self, limits: Mapping[int, int]) -> Tuple[int, bytes]:
+        """One frame whose kind is a key of ``limits`` and whose length is at most ``limits[kind]``.
+        An ``ERROR`` frame, when allowed, is raised as :class:`RemoteError`."""
+        prefix = await self._read(FRAME_BYTES, "frame prefix")
+        kind, length = prefix[0], int.from_bytes(prefix[1:], "big")
+        if kind not in limits:
+            expected = "/".join(KIND_NAMES.get(k, str(k)) for k in limits)
+            raise ProtocolError(f"unexpected frame kind {kind} ({KIND_NAMES.get(kind, 'unknown')}); expected {expected}")
+        if length > limits[kind]:
+            raise ProtocolError(f"{KIND_NAMES[kind]} frame declares {length} bytes, more than the {limits[kind]} allowed here")
+        data = await self._read(length, f"{KIND_NAMES[kind]} of {length} bytes")
+        if kind == ERROR:
+            raise RemoteError(data.decode("utf-8", errors="replace"))
+        return kind, data
+
+    async def read_header(self, *, allow_error: bool = False) -> Dict[str, Any]:
+        limits = {HEADER: MAX_HEADER_BYTES}
+        if allow_error:
+            limits[ERROR] = MAX_HEADER_BYTES
+        _, data = await self.read_frame(limits)
+        return unpack_header(data)
+
+    async def read_body(self, expected: int, *, allow_error: bool = False) -> bytearray:
+        """Exactly ``expected`` body bytes in chunk frames, each checked against what is still missing."""
+        assembler = BodyAssembler(expected)
+        while assembler.missing:
+            limits = {CHUNK: min(MAX_CHUNK_BYTES, assembler.missing)}
+            if allow_error:
+                limits[ERROR] = MAX_HEADER_BYTES
+            _, data = await self.read_frame(limits)
+            if not data:
+                raise ProtocolError("empty chunk frame")
+            assembler.add(data)
+        return assembler.finish()
+
+    async def expect_end(self) -> None:
+        """The peer sends nothing more: the next read must hit the end of the stream (or a deadline)."""
+        try:
+            extra = await self._read(1, "end of stream")
+        except PeerUnreachable:
+            return
+        raise ProtocolError(f"unexpected data after the last frame (kind {extra[0]})")
 
 
-def chunk_messages(body: bytes, message_type: type, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
-    """Cut ``body`` into chunk messages of ``message_type`` (ExpertRequest or ExpertResponse)."""
-    if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-    view = memoryview(body)
-    for offset in range(0, len(view), chunk_bytes):
-        yield message_type(tensors=[runtime_pb2.Tensor(buffer=bytes(view[offset : offset + chunk_bytes]))])
+class FrameWriter:
+    """Writes frames; every ``drain`` has the idle deadline (a reader that stops reading is dropped)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, *, idle_timeout: Optional[float]) -> None:
+        self.writer, self.idle_timeout = writer, idle_timeout
+        self.bytes_written = 0
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.wait_for(self.writer.drain(), timeout=self.idle_timeout)
+        except asyncio.TimeoutError:
+            raise RpcTimeout(f"the other side read nothing for {self.idle_timeout:.1f} s") from None
+        except (ConnectionError, OSError) as error:
+            raise PeerUnreachable(f"stream broke while writing: {error!r}") from None
+
+    def _put(self, kind: int, data: Any, length: int) -> None:
+        self.writer.write(bytes((kind,)) + length.to_bytes(4, "big"))
+        self.writer.write(data)
+        self.bytes_written += FRAME_BYTES + length
+
+    async def header(self, fields: Mapping[str, Any]) -> int:
+        """Send a header frame; returns its msgpack length."""
+        data = pack_header(fields)
+        self._put(HEADER, data, len(data))
+        await self._drain()
+        return len(data)
+
+    async def error(self, message: str) -> None:
+        data = message.encode("utf-8")[: MAX_HEADER_BYTES]
+        self._put(ERROR, data, len(data))
+        await self._drain()
+
+    async def body(self, body: Any, chunk_bytes: int = CHUNK_BYTES) -> None:
+        """Send ``body`` (bytes-like, e.g. a memoryview of a tensor's storage) in chunk frames."""
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        view = memoryview(body).cast("B")
+        for offset in range(0, len(view), chunk_bytes):
+            piece = view[offset : offset + chunk_bytes]
+            self._put(CHUNK, piece, len(piece))
+            await self._drain()
 
 
 class BodyAssembler:
-    """Receives chunk messages into a buffer of exactly ``expected`` bytes, allocated up front only
-    after the caller has checked the header (so ``expected`` is derived from the local model size)."""
+    """Receives chunks into a buffer of exactly ``expected`` bytes, allocated up front only after the
+    caller has checked the header (so ``expected`` is derived from the local model size)."""
 
     def __init__(self, expected: int) -> None:
         self.expected = expected
         self.buffer = bytearray(expected)
         self.received = 0
+
+    @property
+    def missing(self) -> int:
+        return self.expected - self.received
 
     def add(self, chunk: bytes) -> None:
         end = self.received + len(chunk)

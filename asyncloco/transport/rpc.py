@@ -1,22 +1,27 @@
-"""Coordinator RPCs over hivemind P2P: ``assign``, ``get_model`` (streamed θ), ``submit`` (streamed update).
+"""Coordinator RPCs on raw libp2p streams: ``assign``, ``get_model`` (θ download), ``submit`` (update upload).
 
-Server side: :class:`CoordinatorService` (a hivemind ``ServicerBase``, ``rpc_*`` convention) wraps an
-injected :class:`CoordinatorHandler` that owns all business logic. Client side: :class:`CoordinatorClient`.
+Server side: :class:`CoordinatorService` wraps an injected :class:`CoordinatorHandler` that owns all
+business logic. Client side: :class:`CoordinatorClient`. Messages: :mod:`asyncloco.transport.wire`;
+frames, deadlines and byte accounting: :mod:`asyncloco.transport.framing`; errors:
+:mod:`asyncloco.transport.errors`. Protocol and limits: docs/transport.md.
 
-- ``assign`` (unary): msgpack map in, lease map out. The caller's peer id comes from the authenticated
-  libp2p stream (``context.remote_id``), never from the payload.
-- ``get_model`` (unary request, streamed response): request ``{"version": int | None, "codec": str}``;
-  response header ``{"version", "codec", "numel"}`` then the body in chunks. Codec negotiable among the
-  service's ``model_codecs`` (default ``("none", "bf16")``).
-- ``submit`` (bidirectional stream): the client sends the header ``{"lease_id", "base_version", "codec",
-  "numel"}``; the service checks it and answers ``{"ready": true}`` (or fails the call); only then the
-  client sends the body in chunks; the service answers with the ack
-  ``{"accepted": bool, "version": int, "reason": str, "duplicate": bool, ...}``. The extra round trip
-  makes a refused header (wrong model size, codec) a clean :class:`RemoteError` instead of a reset.
+Each call is one stream (handle ``{namespace}::asyncloco.{rpc}``):
 
-Both receivers check the header's ``numel`` against the locally known model size and the codec against
-the allowed set *before* allocating exactly ``wire_bytes(codec, numel)`` bytes, and refuse extra bytes.
-Framing and byte accounting: :mod:`asyncloco.transport.framing`. Errors: :mod:`asyncloco.transport.errors`.
+- ``assign``: client → :class:`~asyncloco.transport.wire.AssignRequest`; service →
+  :class:`~asyncloco.transport.wire.HelloReply` (kind "config") or
+  :class:`~asyncloco.transport.wire.LeaseReply` (kind "lease"), or an ERROR frame.
+- ``get_model``: client → :class:`~asyncloco.transport.wire.ModelRequest`; service →
+  :class:`~asyncloco.transport.wire.ModelHeader` then exactly ``wire_bytes(codec, numel)`` body bytes in
+  chunks, or no body when ``unchanged`` (the client already holds that version).
+- ``submit``: client → :class:`~asyncloco.transport.wire.SubmitHeader`; service → ``Ready`` (or ERROR);
+  client → body chunks; service → :class:`~asyncloco.transport.wire.Ack` (or ERROR).
+
+Bounds (:class:`ServiceLimits`): every frame's declared length is checked before it is read; per-peer and
+global limits on calls in flight; a global cap on submit bodies and downloads in flight (memory ≤ cap ×
+body); an idle deadline per read and write and a total deadline scaled to the body size. Input that
+breaks the protocol is counted per peer, logged at a bounded rate (one line, no traceback) and reported
+to ``on_protocol_error(peer_id, reason)`` at the same bounded rate. The caller's peer id always comes from
+the authenticated libp2p stream, never from a payload.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Dict, Optional, Protocol, Sequence, Tuple, TypeVar, Union
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Awaitable, Callable, Dict, Optional, Protocol, Sequence, Tuple, TypeVar, Union
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
-from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
 from asyncloco.transport.errors import (
@@ -41,14 +47,16 @@ from asyncloco.transport.errors import (
     RpcTimeout,
     TransportError,
 )
-from asyncloco.transport.framing import (
-    CHUNK_BYTES,
-    BodyAssembler,
-    chunk_buffer,
-    chunk_messages,
-    framed_size,
-    pack_header,
-    unpack_header,
+from asyncloco.transport.framing import CHUNK_BYTES, FrameReader, FrameWriter
+from asyncloco.transport.wire import (
+    Ack,
+    AssignRequest,
+    HelloReply,
+    LeaseReply,
+    ModelHeader,
+    ModelRequest,
+    Ready,
+    SubmitHeader,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,43 +65,89 @@ __all__ = [
     "CoordinatorHandler",
     "CoordinatorService",
     "CoordinatorClient",
+    "ServiceLimits",
     "RpcTraffic",
     "TrafficCounters",
-    "ACK_FIELDS",
+    "RPC_NAMES",
 ]
 
-ACK_FIELDS: Dict[str, type] = {"accepted": bool, "version": int, "reason": str, "duplicate": bool}
-MAX_LEASE_ID_CHARS = 128
-READY = pack_header({"ready": True})  # the service's answer to an acceptable submit header
+RPC_NAMES = ("assign", "get_model", "submit")
 T = TypeVar("T")
 
 
+def handle_name(namespace: Optional[str], rpc: str) -> str:
+    return f"{namespace}::asyncloco.{rpc}" if namespace else f"asyncloco.{rpc}"
+
+
 class CoordinatorHandler(Protocol):
-    """The coordinator's business logic, injected into :class:`CoordinatorService`."""
+    """The coordinator's business logic, injected into :class:`CoordinatorService`. ``peer_id`` is the
+    authenticated libp2p id of the caller. An exception refuses the call: the caller gets a
+    :class:`RemoteError` with its text (a :class:`TransportError`, e.g. a :class:`CodecError` from decoding,
+    also counts as a protocol error of that peer)."""
 
-    async def assign(self, request: Dict[str, Any], peer_id: str) -> Dict[str, Any]:
-        """Return a lease map (msgpack-able: lease_id, base_version, shard, steps, lr offset, deadline...).
-        May wait (e.g. a grace period); clients should set their assign timeout above that wait."""
+    async def assign(self, request: AssignRequest, peer_id: str) -> Union[HelloReply, LeaseReply]:
+        """``request.kind == "config"`` → :class:`HelloReply`; ``"lease"`` → :class:`LeaseReply`. May wait
+        (a grace period); clients set their assign timeout above that wait."""
         ...
 
-    async def get_model(self, version: Optional[int]) -> Tuple[int, torch.Tensor]:
-        """Return ``(version, θ)``; θ flat fp32 CPU of the model's numel, not mutated while being sent
-        (return a snapshot). ``version=None`` means the latest; raise to refuse an unknown version."""
+    async def get_model(self, version: Optional[int], peer_id: str) -> Tuple[int, torch.Tensor]:
+        """Return ``(version, θ)``: θ flat fp32 CPU of the model's numel, never mutated afterwards (a
+        snapshot; the service may cache its encoding by version). ``None``: the latest; raise to refuse."""
         ...
 
-    async def submit(
-        self, lease_id: str, base_version: int, pseudo_gradient: EncodedTensor, peer_id: str
-    ) -> Dict[str, Any]:
-        """Validate and apply (or refuse) an update; return an ack with at least :data:`ACK_FIELDS`.
-        ``pseudo_gradient`` has been checked for codec and exact sizes; ``decode(pg, numel)`` cannot fail
-        on size, finiteness and norm are the handler's checks. Must be idempotent by ``lease_id``."""
+    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str) -> Ack:
+        """Validate and apply (or refuse) an update. ``pseudo_gradient`` matches the header's codec and
+        the model's numel exactly (so ``decode`` cannot fail on size; it refuses NaN/Inf). Must be
+        idempotent by ``header.lease_id``."""
         ...
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Bounds of :class:`CoordinatorService` (see docs/transport.md, "Limits").
+
+    :param idle_timeout: a read or write that makes no progress for this long ends the call.
+    :param header_timeout: total time for a request header to arrive after the stream opens.
+    :param transfer_base_s, transfer_min_bytes_per_s: a body transfer must complete within
+        ``transfer_base_s + bytes / transfer_min_bytes_per_s``.
+    :param max_calls_per_peer: calls in flight per peer id (a peer runner has at most two: a held
+        ``assign`` beside a θ prefetch; the third allows a retry while an abandoned call is torn down).
+    :param max_streams: calls in flight in total (each holds at most one 64 KiB header before admission
+        to a body slot).
+    :param max_submit_bodies: submit bodies in flight: memory ≤ this × ``wire_bytes(codec, numel)``.
+    :param max_downloads: downloads in flight.
+    :param queue_timeout: how long a call waits for a body slot before it is refused as busy.
+    :param error_log_interval, error_log_burst: at most ``burst`` protocol-error lines (and callbacks)
+        per interval; the rest are counted and summarised in the next line.
+    :param model_cache: encoded θ bodies kept by (version, codec) for concurrent and repeated downloads.
+    """
+
+    idle_timeout: float = 30.0
+    header_timeout: float = 30.0
+    transfer_base_s: float = 60.0
+    transfer_min_bytes_per_s: float = 256 << 10
+    max_calls_per_peer: int = 3
+    max_streams: int = 256
+    max_submit_bodies: int = 4
+    max_downloads: int = 4
+    queue_timeout: float = 60.0
+    error_log_interval: float = 10.0
+    error_log_burst: int = 5
+    model_cache: int = 2
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0:
+                raise ValueError(f"ServiceLimits.{name} must be positive, got {value!r}")
+
+    def transfer_timeout(self, nbytes: int) -> float:
+        return self.transfer_base_s + nbytes / self.transfer_min_bytes_per_s
 
 
 @dataclass
 class RpcTraffic:
-    """Counters of one RPC on one side. ``bytes_*``: framed protobuf bytes (see framing); ``payload_*``:
-    codec bytes of tensor bodies alone (equal to ``wire_bytes(codec, numel)`` per transfer)."""
+    """Counters of one RPC on one side. ``bytes_*``: framed bytes on the stream (see framing);
+    ``payload_*``: codec bytes of tensor bodies alone (``wire_bytes(codec, numel)`` per transfer)."""
 
     calls: int = 0
     failures: int = 0
@@ -112,34 +166,68 @@ class TrafficCounters:
     submit: RpcTraffic = field(default_factory=RpcTraffic)
 
     def as_dict(self) -> Dict[str, Dict[str, int]]:
-        return {name: asdict(getattr(self, name)) for name in ("assign", "get_model", "submit")}
+        return {name: asdict(getattr(self, name)) for name in RPC_NAMES}
 
 
-def _require(header: Dict[str, Any], name: str, kind: Union[type, Tuple[type, ...]]) -> Any:
-    value = header.get(name)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise ProtocolError(f"header field {name!r} must be {kind}, got {value!r}")
-    return value
+class _RateLimitedReport:
+    """Counts events per peer; logs (and calls back) at most ``burst`` times per ``interval`` seconds."""
+
+    MAX_PEERS = 4096  # beyond this many distinct ids, counts go to "<other>" (bounded memory)
+
+    def __init__(self, what: str, level: int, interval: float, burst: int,
+                 callback: Optional[Callable[[str, str], None]] = None) -> None:
+        self.what, self.level, self.interval, self.burst, self.callback = what, level, interval, burst, callback
+        self.per_peer: Dict[str, int] = {}
+        self.total = 0
+        self.lines = 0
+        self._window_start = -float("inf")
+        self._used = 0
+        self._suppressed = 0
+
+    def __call__(self, peer_id: str, rpc: str, reason: str) -> None:
+        self.total += 1
+        key = peer_id if peer_id in self.per_peer or len(self.per_peer) < self.MAX_PEERS else "<other>"
+        self.per_peer[key] = self.per_peer.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._window_start >= self.interval:
+            self._window_start, self._used = now, 0
+        if self._used >= self.burst:
+            self._suppressed += 1
+            return
+        self._used += 1
+        self.lines += 1
+        suppressed, self._suppressed = self._suppressed, 0
+        reason = reason if len(reason) <= 300 else reason[:300] + "..."
+        logger.log(self.level, "%s %s from %s: %s (%d from this peer, %d in all%s)", self.what, rpc, peer_id, reason,
+                   self.per_peer[key], self.total, f"; {suppressed} not logged since the last line" if suppressed else "")
+        if self.callback is not None:
+            try:
+                self.callback(peer_id, f"{rpc}: {reason}")
+            except Exception as error:  # the callback must never break the service
+                logger.debug("on_protocol_error callback failed: %r", error)
 
 
-def _check_ack(ack: Any) -> Dict[str, Any]:
-    if not isinstance(ack, dict):
-        raise ProtocolError(f"ack must be a map, got {type(ack).__name__}")
-    for name, kind in ACK_FIELDS.items():
-        _require(ack, name, kind)
-    return ack
+class _Busy(Exception):
+    """A call refused for load (not the caller's fault): the caller may retry."""
 
 
-class CoordinatorService(ServicerBase):
-    """Serves a :class:`CoordinatorHandler` on a P2P instance.
+class _Refused(Exception):
+    """The handler raised: the call is refused with its message."""
+
+
+class CoordinatorService:
+    """Serves a :class:`CoordinatorHandler` on a P2P instance with bounded memory and time per call.
 
     :param model_numel: number of elements of θ; every body is checked against it before allocation.
     :param submit_codecs: codecs accepted for pseudo-gradients (usually just the run's codec).
     :param model_codecs: codecs offered for θ downloads.
-    :param max_concurrent_submits: bounds memory: each submit in flight holds one encoded body.
+    :param on_protocol_error: ``(peer_id, reason)``, called at the bounded rate of the log lines for input
+        that breaks the protocol (e.g. to journal transport-level rejections).
+    :param max_concurrent_submits: shorthand for ``limits.max_submit_bodies``.
 
     Usage: ``await service.add_p2p_handlers(p2p, namespace=run_id)``; remove with
     ``await service.remove_p2p_handlers(p2p, namespace=run_id)`` before ``p2p.shutdown()``.
+    ``protocol_errors`` maps peer ids to their count of protocol errors.
     """
 
     def __init__(
@@ -148,111 +236,187 @@ class CoordinatorService(ServicerBase):
         model_numel: int,
         *,
         submit_codecs: Sequence[str] = CODECS,
-        model_codecs: Sequence[str] = ("none", "bf16"),
+        model_codecs: Sequence[str] = ("none", "bf16", "int8"),
         chunk_bytes: int = CHUNK_BYTES,
-        max_concurrent_submits: int = 4,
+        limits: Optional[ServiceLimits] = None,
+        max_concurrent_submits: Optional[int] = None,
         counters: Optional[TrafficCounters] = None,
+        on_protocol_error: Optional[Callable[[str, str], None]] = None,
     ) -> None:
         for codec in (*submit_codecs, *model_codecs):
             wire_bytes(codec, model_numel)  # raises CodecError on an unknown codec or bad numel
-        self.handler, self.model_numel = handler, model_numel
+        limits = limits if limits is not None else ServiceLimits()
+        if max_concurrent_submits is not None:
+            limits = replace(limits, max_submit_bodies=max_concurrent_submits)
+        self.handler, self.model_numel, self.limits = handler, model_numel, limits
         self.submit_codecs, self.model_codecs = tuple(submit_codecs), tuple(model_codecs)
         self.chunk_bytes = chunk_bytes
         self.counters = counters if counters is not None else TrafficCounters()
-        self._submit_slots = asyncio.Semaphore(max_concurrent_submits)
+        self._protocol_errors = _RateLimitedReport(
+            "refused", logging.WARNING, limits.error_log_interval, limits.error_log_burst, on_protocol_error
+        )
+        self._refusals = _RateLimitedReport("handler refused", logging.INFO, limits.error_log_interval, limits.error_log_burst)
+        self._submit_slots = asyncio.Semaphore(limits.max_submit_bodies)
+        self._download_slots = asyncio.Semaphore(limits.max_downloads)
+        self._active: Dict[str, int] = {}
+        self._streams = 0
+        self._model_cache: OrderedDict[Tuple[int, str], Any] = OrderedDict()
 
-    async def rpc_assign(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        traffic = self.counters.assign
+    @property
+    def protocol_errors(self) -> Dict[str, int]:
+        return dict(self._protocol_errors.per_peer)
+
+    @property
+    def active_calls(self) -> int:
+        return self._streams
+
+    async def add_p2p_handlers(self, p2p: P2P, *, namespace: Optional[str] = None) -> None:
+        for rpc in RPC_NAMES:
+            await p2p.add_binary_stream_handler(handle_name(namespace, rpc), self._make_stream_handler(rpc))
+
+    async def remove_p2p_handlers(self, p2p: P2P, *, namespace: Optional[str] = None) -> None:
+        for rpc in RPC_NAMES:
+            await p2p.remove_binary_stream_handler(handle_name(namespace, rpc))
+
+    def _make_stream_handler(self, rpc: str) -> Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+        async def handle(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(rpc, info.peer_id.to_base58(), reader, writer)
+
+        return handle
+
+    async def _serve(self, rpc: str, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        limits = self.limits
+        traffic: RpcTraffic = getattr(self.counters, rpc)
         traffic.calls += 1
-        traffic.bytes_received += request.ByteSize()
-        peer_id = context.remote_id.to_base58()
+        frames_in = FrameReader(reader, idle_timeout=limits.idle_timeout, deadline=time.monotonic() + limits.header_timeout)
+        frames_out = FrameWriter(writer, idle_timeout=limits.idle_timeout)
+        admitted = self._streams < limits.max_streams and self._active.get(peer_id, 0) < limits.max_calls_per_peer
+        if admitted:
+            self._streams += 1
+            self._active[peer_id] = self._active.get(peer_id, 0) + 1
         try:
-            lease = await self.handler.assign(unpack_header(request.metadata), peer_id)
-            response = runtime_pb2.ExpertResponse(metadata=pack_header(lease))
-        except BaseException:
+            if not admitted:
+                raise _Busy(
+                    f"too many calls in flight ({self._active.get(peer_id, 0)} from this peer, at most "
+                    f"{limits.max_calls_per_peer}; {self._streams} in all, at most {limits.max_streams}); retry later"
+                )
+            await getattr(self, f"_serve_{rpc}")(peer_id, frames_in, frames_out, traffic)
+        except asyncio.CancelledError:
             traffic.failures += 1
             raise
-        traffic.bytes_sent += response.ByteSize()
-        return response
+        except (TransportError, _Busy) as error:  # the caller's input or behaviour, or load
+            traffic.failures += 1
+            self._protocol_errors(peer_id, rpc, f"{type(error).__name__}: {error}")
+            if not isinstance(error, (RpcTimeout, PeerUnreachable)):  # nobody is listening after those
+                await self._send_error(frames_out, str(error))
+        except _Refused as error:
+            traffic.failures += 1
+            self._refusals(peer_id, rpc, str(error))
+            await self._send_error(frames_out, str(error))
+        except Exception as error:  # a bug here or in the handler: one line, traceback at DEBUG
+            traffic.failures += 1
+            logger.error("%s from %s failed: %r", rpc, peer_id, error)
+            logger.debug("%s failure", rpc, exc_info=True)
+            await self._send_error(frames_out, f"internal error: {type(error).__name__}")
+        finally:
+            if admitted:
+                self._streams -= 1
+                left = self._active[peer_id] - 1
+                if left:
+                    self._active[peer_id] = left
+                else:
+                    del self._active[peer_id]
+            traffic.bytes_received += frames_in.bytes_read
+            traffic.bytes_sent += frames_out.bytes_written
+            writer.close()
 
-    async def rpc_get_model(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        traffic = self.counters.get_model
-        traffic.calls += 1
-        traffic.bytes_received += request.ByteSize()
+    @staticmethod
+    async def _send_error(frames_out: FrameWriter, message: str) -> None:
+        with contextlib.suppress(Exception):
+            await frames_out.error(message)
+
+    async def _call_handler(self, call: Awaitable[T]) -> T:
         try:
-            asked = unpack_header(request.metadata)
-            codec = _require(asked, "codec", str)
-            version = asked.get("version")
-            if codec not in self.model_codecs:
-                raise ProtocolError(f"codec {codec!r} not offered for the model; choose one of {self.model_codecs}")
-            if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
-                raise ProtocolError(f"version must be a non-negative int or None, got {version!r}")
-            served_version, theta = await self.handler.get_model(version)
+            return await call
+        except (asyncio.CancelledError, TransportError):
+            raise
+        except Exception as error:
+            raise _Refused(f"{type(error).__name__}: {error}") from error
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, slots: asyncio.Semaphore, what: str) -> Any:
+        try:
+            await asyncio.wait_for(slots.acquire(), timeout=self.limits.queue_timeout)
+        except asyncio.TimeoutError:
+            raise _Busy(f"all {what} slots stayed busy for {self.limits.queue_timeout:.0f} s; retry later") from None
+        try:
+            yield
+        finally:
+            slots.release()
+
+    async def _serve_assign(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter, traffic: RpcTraffic) -> None:
+        request = AssignRequest.from_wire(await frames_in.read_header())
+        reply = await self._call_handler(self.handler.assign(request, peer_id))
+        expected = HelloReply if request.kind == "config" else LeaseReply
+        if not isinstance(reply, expected):
+            raise TypeError(f"handler answered a {request.kind!r} request with {type(reply).__name__}, not {expected.__name__}")
+        await frames_out.header(reply.to_wire())
+
+    async def _serve_get_model(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter, traffic: RpcTraffic) -> None:
+        request = ModelRequest.from_wire(await frames_in.read_header())
+        if request.codec not in self.model_codecs:
+            raise ProtocolError(f"codec {request.codec!r} not offered for the model; choose one of {self.model_codecs}")
+        async with self._slot(self._download_slots, "download"):
+            version, theta = await self._call_handler(self.handler.get_model(request.version, peer_id))
             if theta.numel() != self.model_numel:
                 raise ValueError(f"handler returned {theta.numel()} elements, the service expects {self.model_numel}")
-            encoded = await asyncio.to_thread(encode, codec, theta)
-            body = encoded.to_bytes()
-            header = runtime_pb2.ExpertResponse(
-                metadata=pack_header({"version": served_version, "codec": codec, "numel": self.model_numel})
-            )
-            traffic.bytes_sent += framed_size(header)
-            yield header
-            for message in chunk_messages(body, runtime_pb2.ExpertResponse, self.chunk_bytes):
-                traffic.bytes_sent += framed_size(message)
-                yield message
-            traffic.payload_bytes_sent += len(body)
-            logger.debug("get_model: sent v%s (%s, %d B) to %s", served_version, codec, len(body), context.remote_id)
-        except BaseException:
-            traffic.failures += 1
-            raise
+            if request.have_version == version:
+                await frames_out.header(ModelHeader(version, request.codec, self.model_numel, unchanged=True).to_wire())
+                logger.debug("get_model: %s already holds v%d; no body", peer_id, version)
+                return
+            body = await self._encoded_model(version, request.codec, theta)
+            await frames_out.header(ModelHeader(version, request.codec, self.model_numel).to_wire())
+            nbytes = wire_bytes(request.codec, self.model_numel)
+            try:
+                await asyncio.wait_for(frames_out.body(body, self.chunk_bytes), timeout=self.limits.transfer_timeout(nbytes))
+            except asyncio.TimeoutError:
+                raise RpcTimeout(f"sending {nbytes} B took longer than {self.limits.transfer_timeout(nbytes):.0f} s") from None
+            traffic.payload_bytes_sent += nbytes
+            logger.debug("get_model: sent v%s (%s, %d B) to %s", version, request.codec, nbytes, peer_id)
 
-    async def rpc_submit(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        traffic = self.counters.submit
-        traffic.calls += 1
-        peer_id = context.remote_id.to_base58()
-        try:
-            first = await anext(requests, None)
-            if first is None:
-                raise ProtocolError("submit stream ended before its header")
-            traffic.bytes_received += framed_size(first)
-            lease_id, base_version, codec, numel = self._check_submit_header(unpack_header(first.metadata))
-            # Answer the header before the body is sent: a refusal here reaches the client cleanly
-            # instead of resetting a stream it is still writing to.
-            ready = runtime_pb2.ExpertResponse(metadata=READY)
-            traffic.bytes_sent += framed_size(ready)
-            yield ready
-            async with self._submit_slots:
-                assembler = BodyAssembler(wire_bytes(codec, numel))
-                async for message in requests:
-                    traffic.bytes_received += framed_size(message)
-                    assembler.add(chunk_buffer(message))
-                body = assembler.finish()
-                traffic.payload_bytes_received += len(body)
-                pseudo_gradient = EncodedTensor.from_bytes(codec, numel, body)
-                ack = _check_ack(await self.handler.submit(lease_id, base_version, pseudo_gradient, peer_id))
-            response = runtime_pb2.ExpertResponse(metadata=pack_header(ack))
-            traffic.bytes_sent += framed_size(response)
-            yield response
-        except BaseException:
-            traffic.failures += 1
-            raise
+    async def _encoded_model(self, version: int, codec: str, theta: torch.Tensor) -> Any:
+        key = (version, codec)
+        cached = self._model_cache.get(key)
+        if cached is not None:
+            self._model_cache.move_to_end(key)
+            return cached
+        if codec == "none":  # the snapshot's own memory, no copy
+            body: Any = theta.detach().contiguous().numpy().view("u1").data  # a memoryview of the snapshot
+        else:
+            body = (await asyncio.to_thread(encode, codec, theta)).to_bytes()
+        self._model_cache[key] = body
+        while len(self._model_cache) > self.limits.model_cache:
+            self._model_cache.popitem(last=False)
+        return body
 
-    def _check_submit_header(self, header: Dict[str, Any]) -> Tuple[str, int, str, int]:
-        lease_id = _require(header, "lease_id", str)
-        base_version = _require(header, "base_version", int)
-        codec = _require(header, "codec", str)
-        numel = _require(header, "numel", int)
-        if len(lease_id) > MAX_LEASE_ID_CHARS or base_version < 0:
-            raise ProtocolError("lease_id too long or negative base_version")
-        if codec not in self.submit_codecs:
-            raise ProtocolError(f"codec {codec!r} not accepted; this run accepts {self.submit_codecs}")
-        if numel != self.model_numel:
-            raise ProtocolError(f"pseudo-gradient declares numel={numel}, the model has {self.model_numel}")
-        return lease_id, base_version, codec, numel
+    async def _serve_submit(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter, traffic: RpcTraffic) -> None:
+        header = SubmitHeader.from_wire(await frames_in.read_header())
+        if header.codec not in self.submit_codecs:
+            raise ProtocolError(f"codec {header.codec!r} not accepted; this run accepts {self.submit_codecs}")
+        if header.numel != self.model_numel:
+            raise ProtocolError(f"pseudo-gradient declares numel={header.numel}, the model has {self.model_numel}")
+        nbytes = wire_bytes(header.codec, header.numel)
+        async with self._slot(self._submit_slots, "submit"):
+            # Answer the header before the body is sent: a refusal reaches the client cleanly.
+            frames_in.extend(self.limits.transfer_timeout(nbytes))
+            await frames_out.header(Ready().to_wire())
+            body = await frames_in.read_body(nbytes)
+            traffic.payload_bytes_received += nbytes
+            pseudo_gradient = EncodedTensor.from_bytes(header.codec, header.numel, body)
+            ack = await self._call_handler(self.handler.submit(header, pseudo_gradient, peer_id))
+            if not isinstance(ack, Ack):
+                raise TypeError(f"handler answered submit with {type(ack).__name__}, not Ack")
+        await frames_out.header(ack.to_wire())
 
 
 class CoordinatorClient:
@@ -260,14 +424,19 @@ class CoordinatorClient:
 
     :param p2p: this peer's ``hivemind.P2P`` (e.g. ``await dht.replicate_p2p()``).
     :param coordinator_peer_id: the pinned coordinator; libp2p authenticates it on connect.
-    :param model_numel: the model size from the run config / announcement; bodies are checked against it.
+    :param model_numel: the model size from the run config / hello; bodies are checked against it.
     :param timeouts: defaults per call in seconds. ``assign`` must exceed the coordinator's grace hold;
         ``get_model``/``submit`` about 3x the transfer time at your slowest expected bandwidth.
+    :param idle_timeout: a read that makes no progress for this long (other than waiting for an
+        ``assign`` reply, which may be held) fails the call.
+    :param download_codec: the default codec of ``get_model`` (the run's ``runtime.download_codec``).
     :param liveness_period: while a call runs, check this often that the connection to the coordinator is
-        still open, and fail the call (:class:`PeerUnreachable`) once it is gone. hivemind's p2pd does not
-        end a stream whose connection died (a SIGKILLed or crashed coordinator): without this check a peer
-        waiting for the submit READY/ack or a held lease sat out the whole timeout (10 min for submit),
-        by which time its lease had expired and its work was lost.
+        still open, and fail the call (:class:`PeerUnreachable`) once it is gone. p2pd does not end a
+        stream whose connection died (a SIGKILLed coordinator): without this a peer waiting for an ack
+        sat out the whole timeout.
+
+    The client keeps the θ it last downloaded (:attr:`held`): ``get_model`` tells the coordinator which
+    version it holds and gets no body when that is the version served. Do not modify a returned θ.
     """
 
     def __init__(
@@ -281,37 +450,54 @@ class CoordinatorClient:
         assign_timeout: float = 120.0,
         get_model_timeout: float = 600.0,
         submit_timeout: float = 600.0,
+        idle_timeout: float = 60.0,
         counters: Optional[TrafficCounters] = None,
         liveness_period: float = 1.0,
+        download_codec: str = "none",
     ) -> None:
         if isinstance(coordinator_peer_id, str):
             coordinator_peer_id = PeerID.from_base58(coordinator_peer_id)
         wire_bytes("none", model_numel)  # validates model_numel
         self.p2p, self.coordinator_peer_id, self.model_numel = p2p, coordinator_peer_id, model_numel
+        self.namespace = namespace
         self.chunk_bytes = chunk_bytes
         self.timeouts = {"assign": assign_timeout, "get_model": get_model_timeout, "submit": submit_timeout}
+        self.idle_timeout = idle_timeout
+        wire_bytes(download_codec, 1)  # validates the codec name
+        self.download_codec = download_codec
         self.liveness_period = liveness_period
         self.counters = counters if counters is not None else TrafficCounters()
-        self._stub: Any = CoordinatorService.get_stub(p2p, coordinator_peer_id, namespace=namespace)
+        self.held: Optional[Tuple[int, str, torch.Tensor]] = None  # (version, codec it came in, θ)
 
-    async def _call(self, name: str, call: Awaitable[T], timeout: Optional[float]) -> T:
+    async def _call(self, name: str, call: Callable[[FrameReader, FrameWriter], Awaitable[T]], timeout: Optional[float]) -> T:
         traffic: RpcTraffic = getattr(self.counters, name)
         traffic.calls += 1
         limit = self.timeouts[name] if timeout is None else timeout
         try:
-            return await asyncio.wait_for(self._while_connected(name, call), timeout=limit)
+            return await asyncio.wait_for(self._while_connected(name, self._on_stream(name, call)), timeout=limit)
         except asyncio.TimeoutError:
             traffic.failures += 1
             raise RpcTimeout(f"{name} to {self.coordinator_peer_id} timed out after {limit:.1f} s") from None
-        except P2PHandlerError as error:
-            traffic.failures += 1
-            raise RemoteError(str(error)) from None
         except (P2PDaemonError, ConnectionError, asyncio.IncompleteReadError, OSError) as error:
             traffic.failures += 1
             raise PeerUnreachable(f"{name} to {self.coordinator_peer_id}: {error!r}") from error
         except TransportError:
             traffic.failures += 1
             raise
+
+    async def _on_stream(self, name: str, call: Callable[[FrameReader, FrameWriter], Awaitable[T]]) -> T:
+        traffic: RpcTraffic = getattr(self.counters, name)
+        _, reader, writer = await self.p2p.call_binary_stream_handler(
+            self.coordinator_peer_id, handle_name(self.namespace, name)
+        )
+        frames_in = FrameReader(reader, idle_timeout=self.idle_timeout)
+        frames_out = FrameWriter(writer, idle_timeout=self.idle_timeout)
+        try:
+            return await call(frames_in, frames_out)
+        finally:
+            traffic.bytes_sent += frames_out.bytes_written
+            traffic.bytes_received += frames_in.bytes_read
+            writer.close()
 
     async def _connected(self) -> bool:
         return any(info.peer_id == self.coordinator_peer_id for info in await self.p2p.list_peers())
@@ -336,45 +522,71 @@ class CoordinatorClient:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    async def assign(self, request: Dict[str, Any], *, timeout: Optional[float] = None) -> Dict[str, Any]:
-        """Ask for a lease. ``request`` is a msgpack-able map (e.g. ``{"tokens_per_s": 1e4}``)."""
-        return await self._call("assign", self._assign(request), timeout)
+    async def hello(
+        self, *, name: Optional[str] = None, token: Optional[str] = None, timeout: Optional[float] = None
+    ) -> HelloReply:
+        """The run's description (config, model size, codecs). ``token``: the admission token, if the run
+        needs one (coordinator/admission.py)."""
+        reply = await self._request("assign", AssignRequest("config", name=name, token=token), HelloReply, timeout, hold=False)
+        assert isinstance(reply, HelloReply)
+        return reply
 
-    async def _assign(self, request: Dict[str, Any]) -> Dict[str, Any]:
-        message = runtime_pb2.ExpertRequest(metadata=pack_header(request))
-        self.counters.assign.bytes_sent += message.ByteSize()
-        response = await self._stub.rpc_assign(message)
-        self.counters.assign.bytes_received += response.ByteSize()
-        return unpack_header(response.metadata)
+    async def assign(
+        self,
+        tokens_per_s: Optional[float] = None,
+        *,
+        name: Optional[str] = None,
+        token: Optional[str] = None,
+        signer: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> LeaseReply:
+        """Ask for a lease (the coordinator may hold the answer for a grace period)."""
+        request = AssignRequest(
+            "lease", tokens_per_s=None if tokens_per_s is None else float(tokens_per_s), name=name, token=token,
+            signer=signer,
+        )
+        reply = await self._request("assign", request, LeaseReply, timeout, hold=True)
+        assert isinstance(reply, LeaseReply)
+        return reply
+
+    async def _request(self, name: str, request: AssignRequest, reply_type: Any, timeout: Optional[float], hold: bool) -> Any:
+        async def call(frames_in: FrameReader, frames_out: FrameWriter) -> Any:
+            await frames_out.header(request.to_wire())
+            if hold:  # the coordinator may hold a lease request: only the call timeout applies
+                frames_in.idle_timeout = None
+            return reply_type.from_wire(await frames_in.read_header(allow_error=True))
+
+        return await self._call(name, call, timeout)
 
     async def get_model(
-        self, version: Optional[int] = None, *, codec: str = "none", timeout: Optional[float] = None
+        self, version: Optional[int] = None, *, codec: Optional[str] = None, timeout: Optional[float] = None
     ) -> Tuple[int, torch.Tensor]:
-        """Download θ (``version=None``: the latest) as ``(version, flat fp32 tensor)``."""
-        return await self._call("get_model", self._get_model(version, codec), timeout)
+        """θ at ``version`` (``None``: the latest) as ``(version, flat fp32 tensor)`` in ``codec`` (default:
+        the client's ``download_codec``). When this client already holds that version (in the same codec),
+        no body is sent and the held tensor is returned."""
+        chosen = self.download_codec if codec is None else codec
+        return await self._call("get_model", lambda r, w: self._get_model(r, w, version, chosen), timeout)
 
-    async def _get_model(self, version: Optional[int], codec: str) -> Tuple[int, torch.Tensor]:
-        traffic = self.counters.get_model
-        request = runtime_pb2.ExpertRequest(metadata=pack_header({"version": version, "codec": codec}))
-        traffic.bytes_sent += request.ByteSize()
-        stream = await self._stub.rpc_get_model(request)
-        async with contextlib.aclosing(stream):
-            first = await anext(stream, None)
-            if first is None:
-                raise ProtocolError("get_model stream ended before its header")
-            traffic.bytes_received += framed_size(first)
-            header = unpack_header(first.metadata)
-            served_version = _require(header, "version", int)
-            if _require(header, "codec", str) != codec or _require(header, "numel", int) != self.model_numel:
-                raise ProtocolError(f"get_model header {header} does not match codec={codec!r} numel={self.model_numel}")
-            assembler = BodyAssembler(wire_bytes(codec, self.model_numel))
-            async for message in stream:
-                traffic.bytes_received += framed_size(message)
-                assembler.add(chunk_buffer(message))
-            body = assembler.finish()
-        traffic.payload_bytes_received += len(body)
-        encoded = EncodedTensor.from_bytes(codec, self.model_numel, body)
-        return served_version, await asyncio.to_thread(decode, encoded, self.model_numel)
+    async def _get_model(
+        self, frames_in: FrameReader, frames_out: FrameWriter, version: Optional[int], codec: str
+    ) -> Tuple[int, torch.Tensor]:
+        held = self.held if self.held is not None and self.held[1] == codec else None
+        await frames_out.header(ModelRequest(codec, version, None if held is None else held[0]).to_wire())
+        header = ModelHeader.from_wire(await frames_in.read_header(allow_error=True))
+        if header.codec != codec or header.numel != self.model_numel or (version is not None and header.version != version):
+            raise ProtocolError(
+                f"get_model header {header} does not match version={version} codec={codec!r} numel={self.model_numel}"
+            )
+        if header.unchanged:
+            if held is None or held[0] != header.version:
+                raise ProtocolError(f"the coordinator says v{header.version} is unchanged, but this peer holds {held and held[0]}")
+            return header.version, held[2]
+        nbytes = wire_bytes(codec, self.model_numel)
+        body = await frames_in.read_body(nbytes, allow_error=True)
+        self.counters.get_model.payload_bytes_received += nbytes
+        theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(codec, self.model_numel, body), self.model_numel)
+        self.held = (header.version, codec, theta)
+        return header.version, theta
 
     async def submit(
         self,
@@ -383,10 +595,11 @@ class CoordinatorClient:
         pseudo_gradient: Union[torch.Tensor, EncodedTensor],
         *,
         codec: Optional[str] = None,
+        inner_loss: Optional[float] = None,
         timeout: Optional[float] = None,
-    ) -> Dict[str, Any]:
-        """Upload a pseudo-gradient; returns the coordinator's ack (:data:`ACK_FIELDS`). Pass a tensor and
-        ``codec``, or an :class:`EncodedTensor` (keep it to resend the exact bytes after a failure)."""
+    ) -> Ack:
+        """Upload a pseudo-gradient; returns the coordinator's :class:`Ack`. Pass a tensor and ``codec``,
+        or an :class:`EncodedTensor` (keep it to resend the exact bytes after a failure)."""
         if isinstance(pseudo_gradient, torch.Tensor):
             if codec is None:
                 raise ValueError("submit(tensor) needs codec=...; or pass an EncodedTensor")
@@ -395,33 +608,17 @@ class CoordinatorClient:
             raise ValueError(f"codec={codec!r} contradicts the EncodedTensor's {pseudo_gradient.codec!r}")
         if pseudo_gradient.numel != self.model_numel:
             raise CodecError(f"pseudo-gradient has {pseudo_gradient.numel} elements, the model {self.model_numel}")
-        return await self._call("submit", self._submit(lease_id, base_version, pseudo_gradient), timeout)
+        header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
+                              None if inner_loss is None else float(inner_loss))
+        encoded = pseudo_gradient
+        return await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), timeout)
 
-    async def _submit(self, lease_id: str, base_version: int, encoded: EncodedTensor) -> Dict[str, Any]:
-        traffic = self.counters.submit
-        header = {"lease_id": lease_id, "base_version": base_version, "codec": encoded.codec, "numel": encoded.numel}
+    async def _submit(self, frames_in: FrameReader, frames_out: FrameWriter, header: SubmitHeader, encoded: EncodedTensor) -> Ack:
+        await frames_out.header(header.to_wire())
+        frames_in.idle_timeout = None  # the service may queue for a body slot; the call timeout applies
+        Ready.from_wire(await frames_in.read_header(allow_error=True))
         body = encoded.to_bytes()
-        ready = asyncio.Event()
-
-        async def messages() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            first = runtime_pb2.ExpertRequest(metadata=pack_header(header))
-            traffic.bytes_sent += framed_size(first)
-            yield first
-            await ready.wait()  # the service accepted the header (or refused it: then we are cancelled)
-            for message in chunk_messages(body, runtime_pb2.ExpertRequest, self.chunk_bytes):
-                traffic.bytes_sent += framed_size(message)
-                yield message
-            traffic.payload_bytes_sent += len(body)
-
-        stream = await self._stub.rpc_submit(messages())
-        async with contextlib.aclosing(stream):
-            go = await anext(stream, None)
-            if go is None or go.metadata != READY:
-                raise ProtocolError("submit: the service did not acknowledge the header")
-            traffic.bytes_received += framed_size(go)
-            ready.set()
-            response = await anext(stream, None)
-            if response is None:
-                raise ProtocolError("submit: stream ended without an ack")
-            traffic.bytes_received += framed_size(response)
-        return _check_ack(unpack_header(response.metadata))
+        await frames_out.body(body, self.chunk_bytes)
+        self.counters.submit.payload_bytes_sent += len(body)
+        # the coordinator decodes, validates, applies and makes the update durable before it acks
+        return Ack.from_wire(await frames_in.read_header(allow_error=True))

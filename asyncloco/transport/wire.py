@@ -1,0 +1,312 @@
+"""One typed definition per coordinator wire message, used by both ends.
+
+Every message is a frozen dataclass that validates itself on construction (types and bounds of every
+field) and converts to and from the msgpack map that travels in a header frame (see
+:mod:`asyncloco.transport.framing`): ``to_wire()`` gives the map (optional fields that are ``None`` are
+left out), ``from_wire(map)`` refuses a non-map, a missing required field, an unknown field, a value of
+the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of bounds, each with a
+:class:`~asyncloco.transport.errors.MessageError` (a ProtocolError and a ValueError) that names the field.
+
+| message | RPC, direction | fields |
+|---|---|---|
+| :class:`AssignRequest` | assign, peer → coordinator | ``kind`` ("config" or "lease"), ``tokens_per_s``?, ``name``?, ``token``?, ``signer``? |
+| :class:`HelloReply` | assign (kind "config"), reply | ``config`` (JSON), ``model_numel``, ``codec``, ``download_codec``, ``run_id``, ``software_version`` |
+| :class:`Lease` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline`` |
+| :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`Lease` map), ``reason`` |
+| :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``? |
+| :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged`` |
+| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``? |
+| :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
+| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate`` |
+
+(``?``: optional, may be absent.) Names (:data:`NAME_PATTERN`) are at most 64 characters of
+``[A-Za-z0-9_.-]``; ids at most :data:`MAX_ID_CHARS`; reasons at most :data:`MAX_REASON_CHARS`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Dict, Mapping, Optional, Type, TypeVar
+
+from asyncloco.transport.codecs import CODECS, MAX_NUMEL
+from asyncloco.transport.errors import MessageError
+
+__all__ = [
+    "AssignRequest",
+    "HelloReply",
+    "Lease",
+    "LeaseReply",
+    "ModelRequest",
+    "ModelHeader",
+    "SubmitHeader",
+    "Ready",
+    "Ack",
+    "NAME_PATTERN",
+    "MAX_ID_CHARS",
+    "MAX_REASON_CHARS",
+    "MAX_CONFIG_CHARS",
+    "MAX_INNER_LOSS",
+]
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_ID_CHARS = 128
+MAX_REASON_CHARS = 4096
+MAX_CONFIG_CHARS = 60_000  # the whole hello reply must fit one 64 KiB header frame
+MAX_INNER_LOSS = 1e6
+MAX_TOKEN_CHARS = 1024  # admission tokens (coordinator/admission.py) are ~250 characters
+MAX_VERSION = 2**62
+MAX_COUNT = 2**62
+MAX_TOKENS_PER_S = 1e15
+MAX_TIME = 1e11  # seconds since the epoch (year ~5138): any real timestamp, no inf
+
+M = TypeVar("M", bound="_Message")
+
+
+def _fail(message: str, name: str, detail: str) -> MessageError:
+    return MessageError(f"{message}.{name}: {detail}")
+
+
+class _Message:
+    """Base of the wire messages: strict ``from_wire`` / ``to_wire`` over the dataclass fields."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+
+    def to_wire(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            out[f.name] = value.to_wire() if isinstance(value, _Message) else value
+        return out
+
+    @classmethod
+    def from_wire(cls: Type[M], data: Any) -> M:
+        if not isinstance(data, Mapping):
+            raise MessageError(f"{cls.__name__} must be a map, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(str(key) for key in data if key not in known)
+        if unknown:
+            raise MessageError(f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(known)}")
+        missing = [name for name in cls.REQUIRED if name not in data]
+        if missing:
+            raise MessageError(f"{cls.__name__}: missing field(s) {missing}")
+        return cls(**cls._convert(dict(data)))
+
+    @classmethod
+    def _convert(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        return data
+
+    # ---- field checks (raise MessageError naming the message and field)
+
+    def _int(self, name: str, low: int, high: int, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(type(self).__name__, name, f"must be an int, got {type(value).__name__}")
+        if not low <= value <= high:
+            raise _fail(type(self).__name__, name, f"{value} is outside [{low}, {high}]")
+
+    def _float(self, name: str, low: float, high: float, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        if not isinstance(value, float):
+            raise _fail(type(self).__name__, name, f"must be a float, got {type(value).__name__}")
+        if not math.isfinite(value) or not low <= value <= high:
+            raise _fail(type(self).__name__, name, f"{value!r} is not a finite value in [{low:g}, {high:g}]")
+
+    def _str(self, name: str, max_chars: int, *, pattern: Optional[re.Pattern[str]] = None,
+             choices: Optional[tuple[str, ...]] = None, optional: bool = False, empty: bool = True) -> None:
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        if not isinstance(value, str):
+            raise _fail(type(self).__name__, name, f"must be a str, got {type(value).__name__}")
+        if len(value) > max_chars or (not empty and not value):
+            raise _fail(type(self).__name__, name, f"length {len(value)} is outside [{0 if empty else 1}, {max_chars}]")
+        if pattern is not None and not pattern.fullmatch(value):
+            raise _fail(type(self).__name__, name, f"{value[:80]!r} must match {pattern.pattern}")
+        if choices is not None and value not in choices:
+            raise _fail(type(self).__name__, name, f"{value[:80]!r} is not one of {choices}")
+
+    def _bool(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise _fail(type(self).__name__, name, f"must be a bool, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class AssignRequest(_Message):
+    """``assign``: ``kind="config"`` asks for the run's :class:`HelloReply`, ``kind="lease"`` for work.
+    ``name`` is the volunteer's display name (optional, ≤ 64 chars of ``[A-Za-z0-9_.-]``)."""
+
+    kind: str
+    tokens_per_s: Optional[float] = None
+    name: Optional[str] = None
+    token: Optional[str] = None  # admission token (runtime.admission: token; see coordinator/admission.py)
+    signer: Optional[str] = None  # the peer's DHT signing key id, bound to its peer id by the coordinator
+    REQUIRED: ClassVar[tuple[str, ...]] = ("kind",)
+
+    def __post_init__(self) -> None:
+        self._str("kind", 16, choices=("config", "lease"))
+        self._float("tokens_per_s", 0.0, MAX_TOKENS_PER_S, optional=True)
+        self._str("name", 64, pattern=NAME_PATTERN, optional=True)
+        self._str("token", MAX_TOKEN_CHARS, optional=True)  # admission: format and signature checked by the coordinator
+        self._str("signer", MAX_TOKEN_CHARS, optional=True)
+
+
+@dataclass(frozen=True)
+class HelloReply(_Message):
+    """The run's description for a joining peer."""
+
+    config: str
+    model_numel: int
+    codec: str
+    download_codec: str
+    run_id: str
+    software_version: str
+    REQUIRED: ClassVar[tuple[str, ...]] = ("config", "model_numel", "codec", "download_codec", "run_id", "software_version")
+
+    def __post_init__(self) -> None:
+        self._str("config", MAX_CONFIG_CHARS, empty=False)
+        self._int("model_numel", 1, MAX_NUMEL)
+        self._str("codec", 8, choices=CODECS)
+        self._str("download_codec", 8, choices=CODECS)
+        self._str("run_id", MAX_ID_CHARS, empty=False)
+        self._str("software_version", MAX_ID_CHARS)
+
+
+@dataclass(frozen=True)
+class Lease(_Message):
+    """A unit of work: train ``steps`` steps on ``shard`` from θ at ``base_version``."""
+
+    lease_id: str
+    base_version: int
+    shard: int
+    start_offset: int
+    steps: int
+    lr_offset: int
+    batch_size: int
+    issued_at: float
+    deadline: float
+    REQUIRED: ClassVar[tuple[str, ...]] = (
+        "lease_id", "base_version", "shard", "start_offset", "steps", "lr_offset", "batch_size", "issued_at", "deadline",
+    )
+
+    def __post_init__(self) -> None:
+        self._str("lease_id", MAX_ID_CHARS, empty=False)
+        self._int("base_version", 0, MAX_VERSION)
+        self._int("shard", 0, MAX_COUNT)
+        self._int("start_offset", 0, MAX_COUNT)
+        self._int("steps", 1, MAX_COUNT)
+        self._int("lr_offset", 0, MAX_COUNT)
+        self._int("batch_size", 1, MAX_COUNT)
+        self._float("issued_at", 0.0, MAX_TIME)
+        self._float("deadline", 0.0, MAX_TIME)
+
+
+@dataclass(frozen=True)
+class LeaseReply(_Message):
+    """``lease`` or, when there is none, the ``reason``."""
+
+    lease: Optional[Lease]
+    reason: str = ""
+    REQUIRED: ClassVar[tuple[str, ...]] = ("reason",)
+
+    def __post_init__(self) -> None:
+        if self.lease is not None and not isinstance(self.lease, Lease):
+            raise _fail("LeaseReply", "lease", f"must be a Lease, got {type(self.lease).__name__}")
+        self._str("reason", MAX_REASON_CHARS)
+
+    @classmethod
+    def _convert(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        lease = data.get("lease")
+        data["lease"] = None if lease is None else Lease.from_wire(lease)
+        return data
+
+
+@dataclass(frozen=True)
+class ModelRequest(_Message):
+    """``get_model``: θ at ``version`` (``None``: the latest) in ``codec``. ``have_version``: the version the
+    peer already holds; when it is the one served, the reply carries no body."""
+
+    codec: str
+    version: Optional[int] = None
+    have_version: Optional[int] = None
+    REQUIRED: ClassVar[tuple[str, ...]] = ("codec",)
+
+    def __post_init__(self) -> None:
+        self._str("codec", 8, choices=CODECS)
+        self._int("version", 0, MAX_VERSION, optional=True)
+        self._int("have_version", 0, MAX_VERSION, optional=True)
+
+
+@dataclass(frozen=True)
+class ModelHeader(_Message):
+    """``get_model`` reply header; ``unchanged=True``: no body follows (the peer holds ``version``),
+    else exactly ``wire_bytes(codec, numel)`` body bytes follow."""
+
+    version: int
+    codec: str
+    numel: int
+    unchanged: bool = False
+    REQUIRED: ClassVar[tuple[str, ...]] = ("version", "codec", "numel", "unchanged")
+
+    def __post_init__(self) -> None:
+        self._int("version", 0, MAX_VERSION)
+        self._str("codec", 8, choices=CODECS)
+        self._int("numel", 1, MAX_NUMEL)
+        self._bool("unchanged")
+
+
+@dataclass(frozen=True)
+class SubmitHeader(_Message):
+    """``submit`` header, followed (after :class:`Ready`) by exactly ``wire_bytes(codec, numel)`` bytes.
+    ``inner_loss``: the peer's mean inner training loss over the lease (optional, finite, in [0, 1e6])."""
+
+    lease_id: str
+    base_version: int
+    codec: str
+    numel: int
+    inner_loss: Optional[float] = None
+    REQUIRED: ClassVar[tuple[str, ...]] = ("lease_id", "base_version", "codec", "numel")
+
+    def __post_init__(self) -> None:
+        self._str("lease_id", MAX_ID_CHARS, empty=False)
+        self._int("base_version", 0, MAX_VERSION)
+        self._str("codec", 8, choices=CODECS)
+        self._int("numel", 1, MAX_NUMEL)
+        self._float("inner_loss", 0.0, MAX_INNER_LOSS, optional=True)
+
+
+@dataclass(frozen=True)
+class Ready(_Message):
+    """The service accepts a submit header; the client may send the body."""
+
+    ready: bool = True
+    REQUIRED: ClassVar[tuple[str, ...]] = ("ready",)
+
+    def __post_init__(self) -> None:
+        if self.ready is not True:
+            raise _fail("Ready", "ready", f"must be true, got {self.ready!r}")
+
+
+@dataclass(frozen=True)
+class Ack(_Message):
+    """The coordinator's verdict on a submission (``duplicate``: an already applied lease, resent)."""
+
+    accepted: bool
+    version: int
+    reason: str
+    duplicate: bool = False
+    REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "version", "reason", "duplicate")
+
+    def __post_init__(self) -> None:
+        self._bool("accepted")
+        self._int("version", 0, MAX_VERSION)
+        self._str("reason", MAX_REASON_CHARS)
+        self._bool("duplicate")
