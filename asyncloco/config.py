@@ -268,12 +268,28 @@ def _format_errors(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _yaml_error_line(path: Path, error: yaml.YAMLError) -> str:
+    """One line, ``file:line:column: what`` (1-based, like compilers), for a YAML syntax error."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    context_mark = getattr(error, "context_mark", None)
+    if context and context_mark is not None and mark is not None and context_mark.line != mark.line:
+        context = f"{context} that starts at line {context_mark.line + 1}"
+    detail = f"{problem} ({context})" if context else problem
+    return f"{where}: YAML syntax error: {detail}; fix the file at that line (indentation, a missing ':' or quote)"
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Load and validate a YAML run config; raises ``ValueError`` naming every bad key."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist; see the configs/ directory for examples")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(_yaml_error_line(path, error)) from None
     if not isinstance(raw, dict):
         raise ValueError(f"config {path} must be a YAML mapping at the top level")
     for dotted, value in (overrides or {}).items():
