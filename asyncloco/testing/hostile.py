@@ -1,0 +1,490 @@
+"""A hostile volunteer: a real hivemind peer that joins a run and misbehaves in one chosen way.
+
+For the attack tests (tests/test_attacks.py) and the benchmark (scripts/bench_attacks.py)::
+
+    python -m asyncloco.testing.hostile --initial-peers ADDR --run-id RUN --attack signflip --summary out.json
+
+It speaks the real protocol with the real client (:class:`~asyncloco.transport.rpc.CoordinatorClient`)
+and, for the update attacks, trains its leases honestly first, so what it sends has the shape, the
+codec and (where the attack says so) the norm of an honest update:
+
+| attack           | what it sends |
+|------------------|---------------|
+| ``honest``       | its honest pseudo-gradient (a control) |
+| ``huge``         | its first update × ``--scale`` (default 1e30), then honest work |
+| ``nan``          | honest updates whose first value is NaN (for block codecs: a NaN block scale on the wire) |
+| ``signflip``     | −``--scale`` × its honest update (default 1000) |
+| ``signflip-honest`` | −1 × its honest update: same norm, opposite direction |
+| ``random``       | a random direction at the norm of its honest update |
+| ``replay``       | honest work, and after each round its first (applied) lease again with −1000 × the update |
+| ``other-lease``  | −1000 × its update under another peer's lease id (read from ``--spy-journal``, the coordinator's |
+|                  | events.jsonl: an insider who knows ids; without it, sequential ids are guessed) |
+| ``ghost``        | nothing but a DHT speed record claiming ``--claim`` tokens/s (default 1e12) |
+| ``ghost-forge``  | DHT speed records claiming to be each honest peer (ids from ``--spy-journal``), ``last_seen`` in the future |
+| ``flood``        | ``--count`` malformed messages on the raw RPC streams (garbage, oversized or bad frames, bad |
+|                  | headers, wrong sizes, truncated bodies, half-open streams), a few at a time |
+| ``probe``        | as an outsider: hello, lease request, θ download and a submission, each once; records the answers |
+
+``--token`` (and ``--identity``) make it an admitted insider in ``runtime.admission: token`` runs. The
+summary (``--summary``) records every call and the coordinator's answer, for assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["ATTACKS", "HostileOptions", "run_hostile", "main"]
+
+logger = logging.getLogger(__name__)
+
+ATTACKS = (
+    "honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
+    "ghost", "ghost-forge", "flood", "probe",
+)
+UPDATE_ATTACKS = ("honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease")
+DEFAULT_SCALE = {"huge": 1e30, "signflip": 1000.0}
+
+
+class HostileOptions(argparse.Namespace):
+    initial_peers: list[str]
+    run_id: str
+    attack: str
+    token: Optional[str]
+    identity: Optional[str]
+    config: Optional[str]
+    scale: Optional[float]
+    claim: float
+    count: int
+    rounds: Optional[int]
+    duration: Optional[float]
+    spy_journal: Optional[str]
+    summary: Optional[str]
+    seed: int
+    threads: int
+
+
+def _coordinator_id(multiaddr: str) -> str:
+    return multiaddr.rsplit("/p2p/", 1)[1].split("/")[0]
+
+
+class Hostile:
+    def __init__(self, options: HostileOptions) -> None:
+        self.sequence = [a.strip() for a in options.attack.split(",") if a.strip()]
+        unknown = [a for a in self.sequence if a not in ATTACKS]
+        if unknown or not self.sequence:
+            raise ValueError(f"unknown attack(s) {unknown or options.attack!r}; choose from {ATTACKS}")
+        if len(self.sequence) > 1 and any(a not in UPDATE_ATTACKS for a in self.sequence):
+            raise ValueError(f"only update attacks {UPDATE_ATTACKS} can be combined, got {options.attack!r}")
+        self.o = options
+        self.coordinator_id = _coordinator_id(options.initial_peers[0])
+        self.rng = random.Random(options.seed)
+        self.summary: dict[str, Any] = {"attack": options.attack, "peer_id": "", "calls": [], "rounds": 0}
+        self.deadline = time.monotonic() + options.duration if options.duration else None
+
+    # ------------------------------------------------------------------------------ bookkeeping
+
+    def _note(self, call: str, ok: bool, **details: Any) -> None:
+        entry = {"call": call, "ok": ok, "time": time.time(), **details}
+        self.summary["calls"].append(entry)
+        self._write()
+
+    def _write(self) -> None:
+        if self.o.summary:
+            path = Path(self.o.summary)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.summary, indent=1, default=str))
+            tmp.replace(path)
+
+    def _time_left(self) -> bool:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return False
+        return self.o.rounds is None or self.summary["rounds"] < self.o.rounds
+
+    # ------------------------------------------------------------------------------------- run
+
+    async def run(self) -> dict[str, Any]:
+        from asyncloco.transport.dht import start_dht, stop_dht
+
+        dht = start_dht(
+            initial_peers=self.o.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=self.o.identity
+        )
+        p2p = None
+        try:
+            self.summary["peer_id"] = dht.peer_id.to_base58()
+            self._write()
+            p2p = await dht.replicate_p2p()
+            attack = self.sequence[0]
+            if attack in ("ghost", "ghost-forge"):
+                await self._ghost(dht)
+            elif attack == "flood":
+                await self._flood(p2p)
+            elif attack == "probe":
+                await self._probe(p2p)
+            else:
+                await self._updates(p2p)
+            self.summary["finished"] = True
+            self._write()
+            return self.summary
+        finally:
+            if p2p is not None:
+                await p2p.shutdown()
+            stop_dht(dht)
+
+    def _client(self, p2p: Any, numel: int, codec: str = "none") -> Any:
+        from asyncloco.transport.rpc import CoordinatorClient
+
+        return CoordinatorClient(p2p, self.coordinator_id, numel, namespace=self.o.run_id, assign_timeout=120.0,
+                                 get_model_timeout=120.0, submit_timeout=120.0, download_codec="none")
+
+    async def _hello(self, p2p: Any) -> Optional[Any]:
+        from asyncloco.transport.errors import TransportError
+
+        probe = self._client(p2p, 1)
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                hello = await probe.hello(token=self.o.token, timeout=10.0)
+                self._note("hello", True, model_numel=hello.model_numel, codec=hello.codec)
+                return hello
+            except TransportError as error:
+                if "not admitted" in str(error) or time.monotonic() > deadline:
+                    self._note("hello", False, error=str(error))
+                    return None
+                await asyncio.sleep(0.5)
+
+    # ----------------------------------------------------------------------- update attacks
+
+    def _round_attack(self, round_index: int) -> str:
+        """A single attack runs every round (``huge``: its first round only); a list ``a,b,...`` runs each
+        in turn with an honest round after each (so the peer stays a contributor)."""
+        if len(self.sequence) == 1:
+            attack = self.sequence[0]
+            return "honest" if attack == "huge" and round_index > 0 else attack
+        return (self.sequence[round_index // 2 % len(self.sequence)]) if round_index % 2 == 0 else "honest"
+
+    def _tamper(self, attack: str, honest: torch.Tensor, round_index: int) -> torch.Tensor:
+        scale = self.o.scale if self.o.scale is not None and len(self.sequence) == 1 else DEFAULT_SCALE.get(attack, 1000.0)
+        if attack == "huge":
+            return honest * scale
+        if attack == "nan":
+            bad = honest.clone()
+            bad[0] = float("nan")
+            return bad
+        if attack == "signflip":
+            return -scale * honest
+        if attack == "signflip-honest":
+            return -honest
+        if attack == "random":
+            generator = torch.Generator().manual_seed(self.o.seed * 1000 + round_index)
+            direction = torch.randn(honest.numel(), generator=generator)
+            return direction * (torch.linalg.vector_norm(honest) / torch.linalg.vector_norm(direction))
+        return honest  # honest, replay, other-lease: the tampering is in which lease it claims
+
+    def _encode(self, codec: str, update: torch.Tensor, attack: str) -> Any:
+        from asyncloco.transport.codecs import EncodedTensor, encode
+
+        if attack != "nan" or codec in ("none", "fp16", "bf16"):
+            return encode(codec, update)
+        # block codecs: put NaN where a NaN-tolerant codec would hide it, in a block's scale
+        clean = update.clone()
+        clean[0] = 0.0
+        encoded = encode(codec, clean)
+        meta = bytearray(bytes(encoded.meta))
+        meta[0:4] = struct.pack("<f", float("nan"))
+        return EncodedTensor(encoded.codec, encoded.numel, bytes(encoded.payload), bytes(meta))
+
+    def _spied_leases(self, own: set[str]) -> list[dict[str, Any]]:
+        """Leases of other peers that are assigned and not yet applied, newest first (from the journal)."""
+        if not self.o.spy_journal or not os.path.isfile(self.o.spy_journal):
+            return []
+        assigned: dict[str, dict[str, Any]] = {}
+        done: set[str] = set()
+        for line in Path(self.o.spy_journal).read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            lease_id = record.get("lease_id")
+            if record.get("event") == "assign" and lease_id and record.get("peer") != self.summary["peer_id"]:
+                assigned[lease_id] = record
+            elif record.get("event") in ("applied", "expired", "rejected", "duplicate") and lease_id:
+                done.add(lease_id)
+        return [r for lid, r in reversed(list(assigned.items())) if lid not in done and lid not in own]
+
+    async def _updates(self, p2p: Any) -> None:
+        from asyncloco.config import RunConfig
+        from asyncloco.peer.inner import InnerTrainer
+        from asyncloco.transport.errors import TransportError
+        from asyncloco.workloads import build_workload
+
+        hello = await self._hello(p2p)
+        if hello is None:
+            return
+        cfg = RunConfig.model_validate(json.loads(hello.config))
+        workload = build_workload(cfg)
+        trainer = InnerTrainer.from_config(cfg, workload)
+        client = self._client(p2p, hello.model_numel)
+        speed = 1e4
+        first_lease: Optional[dict[str, Any]] = None
+        own: set[str] = set()
+        while self._time_left():
+            try:
+                reply = await client.assign(speed, token=self.o.token)
+            except TransportError as error:
+                self._note("assign", False, error=str(error))
+                if "not admitted" in str(error):
+                    return
+                await asyncio.sleep(1.0)
+                continue
+            if reply.lease is None:
+                self._note("assign", False, reason=reply.reason)
+                await asyncio.sleep(0.5)
+                continue
+            lease = reply.lease
+            own.add(lease.lease_id)
+            try:
+                version, theta = await client.get_model(lease.base_version)
+            except TransportError as error:
+                self._note("get_model", False, error=str(error))
+                continue
+            started = time.perf_counter()
+            result = await asyncio.to_thread(trainer.run, theta, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+            seconds = time.perf_counter() - started
+            speed = lease.steps * workload.units_per_step / max(seconds, 1e-6)
+            honest = result.pseudo_gradient
+            round_index = int(self.summary["rounds"])
+            attack = self._round_attack(round_index)
+            update = self._tamper(attack, honest, round_index)
+            lease_id, base_version = lease.lease_id, lease.base_version
+            if attack == "other-lease":
+                victims = self._spied_leases(own)
+                if victims:
+                    lease_id, base_version = victims[0]["lease_id"], int(victims[0]["base_version"])
+                else:  # no insider knowledge: guess a neighbouring sequential id
+                    digits = "".join(ch for ch in lease.lease_id if ch.isdigit())
+                    lease_id = f"L{int(digits or 0) + 1:08d}" if digits else lease.lease_id + "x"
+                update = -1000.0 * honest
+            own_submit = "honest" if attack in ("replay", "other-lease") else attack
+            if lease_id != lease.lease_id:
+                await self._submit(client, hello.codec, lease_id, base_version, update, honest, "other-lease", victim=True)
+                await self._submit(client, hello.codec, lease.lease_id, lease.base_version, honest, honest, "honest")
+            else:
+                ack = await self._submit(client, hello.codec, lease_id, base_version, update, honest, own_submit)
+                if first_lease is None and ack is not None and ack.accepted and not ack.duplicate:
+                    first_lease = {"lease_id": lease.lease_id, "base_version": lease.base_version, "version": ack.version}
+            if attack == "replay" and first_lease is not None and first_lease["lease_id"] != lease.lease_id:
+                await self._submit(client, hello.codec, first_lease["lease_id"], first_lease["base_version"],
+                                   -1000.0 * honest, honest, "replay", first_version=first_lease["version"])
+            self.summary["rounds"] = round_index + 1
+            self._write()
+
+    async def _submit(self, client: Any, codec: str, lease_id: str, base_version: int, update: torch.Tensor,
+                      honest: torch.Tensor, attack: str, **details: Any) -> Any:
+        from asyncloco.transport.errors import TransportError
+
+        encoded = await asyncio.to_thread(self._encode, codec, update, attack)
+        details["attack"] = attack
+        norms = {"norm_sent": float(torch.linalg.vector_norm(torch.nan_to_num(update))),
+                 "norm_honest": float(torch.linalg.vector_norm(honest))}
+        try:
+            ack = await client.submit(lease_id, base_version, encoded)
+            self._note("submit", True, lease_id=lease_id, accepted=ack.accepted, duplicate=ack.duplicate,
+                       version=ack.version, reason=ack.reason, **norms, **details)
+            return ack
+        except TransportError as error:
+            self._note("submit", False, lease_id=lease_id, error=str(error), **norms, **details)
+            return None
+
+    # ------------------------------------------------------------------------------ ghosts
+
+    async def _ghost(self, dht: Any) -> None:
+        from hivemind.utils import get_dht_time
+
+        from asyncloco import __version__
+        from asyncloco.transport.records import RunRecords, SpeedReport
+
+        records = RunRecords(dht, self.o.run_id)
+        while self._time_left():
+            claims = [self.summary["peer_id"]]
+            future = 0.0
+            if self.sequence[0] == "ghost-forge":
+                claims = sorted({r["peer"] for r in self._journal_records() if r.get("event") == "assign"}) or claims
+                future = 3600.0
+            for peer_id in claims:
+                report = SpeedReport(peer_id=peer_id, tokens_per_s=float(self.o.claim), device="cuda",
+                                     software_version=__version__, last_seen=get_dht_time() + future)
+                try:
+                    stored = await asyncio.to_thread(records.publish_speed, report, 30.0)
+                    self._note("publish_speed", bool(stored), claimed_peer=peer_id, tokens_per_s=self.o.claim)
+                except Exception as error:  # a refused store is an answer too
+                    self._note("publish_speed", False, claimed_peer=peer_id, error=repr(error))
+            self.summary["rounds"] += 1
+            await asyncio.sleep(1.0)
+
+    def _journal_records(self) -> list[dict[str, Any]]:
+        if not self.o.spy_journal or not os.path.isfile(self.o.spy_journal):
+            return []
+        out = []
+        for line in Path(self.o.spy_journal).read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    # ------------------------------------------------------------------------------ outsider
+
+    async def _probe(self, p2p: Any) -> None:
+        """An outsider's four calls, once each; every answer is recorded (nothing should be served)."""
+        from asyncloco.transport.errors import TransportError
+
+        numel, codec = 1, "none"
+        if self.o.config:
+            from asyncloco.config import load_config
+            from asyncloco.models.workload import flatten_params
+            from asyncloco.workloads import build_workload
+
+            cfg = load_config(self.o.config)
+            numel, codec = flatten_params(build_workload(cfg).build_model(cfg.seed)).numel(), cfg.runtime.codec
+        hello = await self._hello(p2p)
+        client = self._client(p2p, numel)
+        try:
+            reply = await client.assign(1e12, token=self.o.token, timeout=30.0)
+            self._note("assign", True, lease=None if reply.lease is None else reply.lease.to_wire(), reason=reply.reason)
+        except TransportError as error:
+            self._note("assign", False, error=str(error))
+        try:
+            version, theta = await client.get_model(None, timeout=30.0)
+            self._note("get_model", True, version=version, numel=theta.numel())
+        except TransportError as error:
+            self._note("get_model", False, error=str(error))
+        try:
+            ack = await client.submit("L00000001", 0, torch.full((numel,), 1e3), codec=codec, timeout=30.0)
+            self._note("submit", True, accepted=ack.accepted, reason=ack.reason, version=ack.version)
+        except TransportError as error:
+            self._note("submit", False, error=str(error))
+        del hello
+
+    # --------------------------------------------------------------------------------- flood
+
+    async def _flood(self, p2p: Any) -> None:
+        """``--count`` malformed calls on the raw RPC streams, 4 at a time; each kind's outcome is counted."""
+        from hivemind.p2p import PeerID
+
+        from asyncloco.transport.framing import HEADER, CHUNK, pack_header
+        from asyncloco.transport.rpc import handle_name
+
+        coordinator = PeerID.from_base58(self.coordinator_id)
+        frame = lambda kind, data: struct.pack(">BI", kind, len(data)) + data  # noqa: E731
+        kinds: list[tuple[str, str, bytes]] = [
+            ("garbage", "assign", os.urandom(64)),
+            ("garbage", "submit", os.urandom(300)),
+            ("oversized-header", "assign", struct.pack(">BI", HEADER, 1 << 30) + b"\x00" * 16),
+            ("oversized-chunk", "submit", frame(HEADER, pack_header({"lease_id": "L1", "base_version": 0, "codec": "none",
+                                                                      "numel": 8})) + struct.pack(">BI", CHUNK, 1 << 31)),
+            ("bad-msgpack", "assign", frame(HEADER, b"\xc1\xc1\xc1 not msgpack")),
+            ("unknown-field", "assign", frame(HEADER, pack_header({"kind": "lease", "evil": "x" * 100}))),
+            ("wrong-type", "get_model", frame(HEADER, pack_header({"codec": 7, "version": "latest"}))),
+            ("bad-codec", "get_model", frame(HEADER, pack_header({"codec": "pickle", "version": None}))),
+            ("wrong-numel", "submit", frame(HEADER, pack_header({"lease_id": "L1", "base_version": 0, "codec": "none",
+                                                                 "numel": 10**9}))),
+            ("truncated-body", "submit", frame(HEADER, pack_header({"lease_id": "L1", "base_version": 0, "codec": "none",
+                                                                    "numel": 8})) + frame(CHUNK, b"\x00" * 7)),
+            ("wrong-kind", "assign", frame(CHUNK, b"\x00" * 32)),
+            ("half-open", "assign", b""),
+        ]
+        counts: dict[str, dict[str, int]] = {}
+
+        async def one(index: int) -> None:
+            name, rpc, payload = kinds[index % len(kinds)]
+            outcome = "no-answer"
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    p2p.call_binary_stream_handler(coordinator, handle_name(self.o.run_id, rpc)), timeout=10.0
+                )
+                try:
+                    if payload:
+                        writer.write(payload)
+                        await asyncio.wait_for(writer.drain(), timeout=5.0)
+                    if name != "half-open":
+                        answer = await asyncio.wait_for(reader.read(5), timeout=2.0)
+                        outcome = "error-frame" if answer[:1] == b"\x03" else ("closed" if not answer else "answered")
+                finally:
+                    writer.close()
+            except asyncio.TimeoutError:
+                outcome = "timeout"
+            except Exception as error:  # the coordinator may reset the stream: that is an answer too
+                outcome = type(error).__name__
+            bucket = counts.setdefault(name, {})
+            bucket[outcome] = bucket.get(outcome, 0) + 1
+
+        sent = 0
+        started = time.monotonic()
+        while sent < self.o.count and (self.deadline is None or time.monotonic() < self.deadline):
+            batch = min(4, self.o.count - sent)
+            await asyncio.gather(*(one(sent + i) for i in range(batch)))
+            sent += batch
+            if sent % 200 < batch:
+                self.summary["flood"] = {"sent": sent, "seconds": time.monotonic() - started, "outcomes": counts}
+                self._write()
+        self.summary["flood"] = {"sent": sent, "seconds": time.monotonic() - started, "outcomes": counts}
+        self.summary["rounds"] = sent
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m asyncloco.testing.hostile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--initial-peers", nargs="+", required=True, help="the coordinator's multiaddr (with /p2p/...)")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--attack", required=True, help=f"one of {ATTACKS}, or a comma-separated list of update attacks")
+    parser.add_argument("--token", help="admission token (an insider)")
+    parser.add_argument("--identity", help="libp2p identity file")
+    parser.add_argument("--config", help="the run's config (probe: to know the model size without a hello)")
+    parser.add_argument("--scale", type=float, help="factor of huge / signflip (defaults 1e30 / 1000)")
+    parser.add_argument("--claim", type=float, default=1e12, help="tokens/s a ghost claims")
+    parser.add_argument("--count", type=int, default=2000, help="malformed messages to send (flood)")
+    parser.add_argument("--rounds", type=int, help="stop after this many rounds")
+    parser.add_argument("--duration", type=float, help="stop after this many seconds")
+    parser.add_argument("--spy-journal", help="the coordinator's events.jsonl (an insider's knowledge of lease ids)")
+    parser.add_argument("--summary", help="write what was sent and answered here (JSON)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    options = _parser().parse_args(argv, namespace=HostileOptions())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s hostile %(levelname)s %(message)s")
+    torch.set_num_threads(options.threads)
+    hostile = Hostile(options)
+
+    async def runner() -> None:
+        import signal
+
+        task = asyncio.create_task(hostile.run())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            hostile.summary["cancelled"] = True
+            hostile._write()
+
+    asyncio.run(runner())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
