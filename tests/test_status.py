@@ -25,6 +25,7 @@ from asyncloco.coordinator.sinks import TensorBoardSink, WandbSink, build_sinks
 from asyncloco.coordinator.status import (
     History,
     RateMeter,
+    fixed,
     format_status,
     peer_row,
     read_status,
@@ -113,6 +114,16 @@ FIXTURE: dict[str, Any] = {
 }
 
 
+def test_fixed_rounds_like_javascript_to_fixed() -> None:
+    # the exact binary value decides; a true tie goes up (Python's own format would give "1234" and "0.12")
+    assert [fixed(1234.5, 0), fixed(0.125, 2), fixed(2.675, 2), fixed(0.6666, 2), fixed(10.0, 1)] == [
+        "1235", "0.13", "2.67", "0.67", "10.0",
+    ]
+    assert [fixed(None, 2), fixed(float("nan"), 2), fixed(float("inf"), 1), fixed(-0.001, 2), fixed(-0.0, 2)] == [
+        "-", "-", "-", "-0.00", "0.00",  # as (-0.001).toFixed(2) and (-0).toFixed(2) in JavaScript
+    ]
+
+
 def test_summary_line_and_status_table_of_a_fixture() -> None:
     assert summary_line(FIXTURE) == (
         "version 7, 0.12 updates/s, val ppl 148.41, 1/2 peers alive, 2 leases in flight, 1 rejections"
@@ -127,7 +138,7 @@ def test_summary_line_and_status_table_of_a_fixture() -> None:
     ]
     # unnamed peers first (sorted by name, then id), values in the table's formats
     assert lines[6].split() == ["-", "BBBBBBBob2", "-", "10", "1", "1", "0", "0.00", "never", "-"]
-    assert lines[7].split() == ["alice", "AAAAAlice1", "cuda:0", "1234", "12", "4", "3", "0.67", "5s", "ago", "3.1416"]
+    assert lines[7].split() == ["alice", "AAAAAlice1", "cuda:0", "1235", "12", "4", "3", "0.67", "5s", "ago", "3.1416"]
     toy = {**FIXTURE, "evals": [{"time": 1.0, "version": 3, "loss": 0.5}], "peers": {}}
     assert "val loss 0.5000" in summary_line(toy)
     assert format_status(toy, now=1100.0).splitlines()[-1] == "(no peer has joined yet)"
@@ -153,7 +164,7 @@ def drive_daemon(tmp_path: Path, **runtime: Any) -> Any:
         daemon.stats.peer("peer-a").name = "alice"
         daemon.stats.peer("peer-a").device = "cpu"
         daemon.stats.peer("peer-a").last_inner_loss = 2.5
-        update = encode("none", torch.full_like(daemon.state.params, 0.01))
+        update = encode("none", torch.full_like(daemon.state.params, 1e-4))  # within the update gate's norm bound
         header = SubmitHeader(lease_a["lease_id"], lease_a["base_version"], "none", update.numel)
         verdict = await daemon.submit(header, update, "peer-a")
         assert verdict.accepted and verdict.version == 1

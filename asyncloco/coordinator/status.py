@@ -25,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,6 +34,7 @@ __all__ = [
     "MAX_HISTORY",
     "RateMeter",
     "STATUS_FILE",
+    "fixed",
     "format_status",
     "last_metric",
     "peer_row",
@@ -117,12 +119,21 @@ def last_metric(status: dict[str, Any], key: str) -> Optional[float]:
     return None
 
 
+def fixed(value: Optional[float], digits: int) -> str:
+    """``value`` with ``digits`` decimals, rounded as the dashboard's JavaScript ``toFixed`` does (the exact
+    binary value, ties away from zero), so the table and the page show the same figures; "-" for none."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    exact = Decimal(value) if value != 0 else Decimal(0)  # JS prints -0 as "0.00", but -0.001 as "-0.00"
+    return str(exact.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 def _fmt_metric(status: dict[str, Any]) -> str:
     perplexity = last_metric(status, "perplexity")
     if perplexity is not None:
-        return f"val ppl {perplexity:.2f}"
+        return f"val ppl {fixed(perplexity, 2)}"
     loss = last_metric(status, "loss")
-    return f"val loss {loss:.4f}" if loss is not None else "val ppl -"
+    return f"val loss {fixed(loss, 4)}" if loss is not None else "val ppl -"
 
 
 def summary_line(status: dict[str, Any]) -> str:
@@ -130,7 +141,7 @@ def summary_line(status: dict[str, Any]) -> str:
     peers = status.get("peers", {})
     alive = sum(1 for row in peers.values() if row.get("alive"))
     return (
-        f"version {status.get('version', 0)}, {status.get('updates_per_s', 0.0):.2f} updates/s, {_fmt_metric(status)}, "
+        f"version {status.get('version', 0)}, {fixed(status.get('updates_per_s', 0.0), 2)} updates/s, {_fmt_metric(status)}, "
         f"{alive}/{len(peers)} peers alive, {status.get('active_leases', 0)} leases in flight, "
         f"{status.get('rejections', 0)} rejections"
     )
@@ -147,12 +158,6 @@ def _ago(now: float, then: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def _loss(value: Any) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return f"{float(value):.4f}"
-
-
 def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     """The human-readable ``asyncloco status`` output: a header and one table row per peer."""
     now = time.time() if now is None else now
@@ -161,12 +166,12 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     loss = last_metric(status, "loss")
     evals = status.get("evals") or []
     at = f" (at version {evals[-1].get('version')})" if evals else ""
-    metric = f"{perplexity:.2f}" if perplexity is not None else (f"loss {loss:.4f}" if loss is not None else "-")
+    metric = fixed(perplexity, 2) if perplexity is not None else (f"loss {fixed(loss, 4)}" if loss is not None else "-")
     lines = [
         f"run {status.get('run_id', '?')} ({status.get('method', '?')}), asyncloco {status.get('software_version', '?')}, "
         f"status written {_ago(now, float(status.get('updated', 0)))}",
         f"version {status.get('version', 0)}  local updates {status.get('local_updates', 0)}  "
-        f"updates/s {status.get('updates_per_s', 0.0):.2f}  validation perplexity {metric}{at}",
+        f"updates/s {fixed(status.get('updates_per_s', 0.0), 2)}  validation perplexity {metric}{at}",
         f"peers alive {sum(1 for r in status.get('peers', {}).values() if r.get('alive'))}/{len(status.get('peers', {}))}  "
         f"leases in flight {status.get('active_leases', 0)}  rejections {status.get('rejections', 0)}",
     ]
@@ -181,9 +186,9 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     for peer_id, row in rows:
         lines.append(
             f"{(row.get('name') or '-')[:12]:12s} {peer_id[-10:]:10s} {(row.get('device') or '-')[:8]:8s} "
-            f"{float(row.get('speed', 0.0)):16.0f} {int(row.get('last_steps', 0)):10d} {int(row.get('leases', 0)):6d} "
-            f"{int(row.get('applied', 0)):7d} {float(row.get('mean_staleness', 0.0)):10.2f} "
-            f"{_ago(now, float(row.get('last_seen', 0.0))):>10s} {_loss(row.get('last_inner_loss')):>10s}"
+            f"{fixed(row.get('speed', 0.0), 0):>16s} {int(row.get('last_steps', 0)):10d} {int(row.get('leases', 0)):6d} "
+            f"{int(row.get('applied', 0)):7d} {fixed(row.get('mean_staleness', 0.0), 2):>10s} "
+            f"{_ago(now, float(row.get('last_seen', 0.0))):>10s} {fixed(row.get('last_inner_loss'), 4):>10s}"
         )
     if not rows:
         lines.append("(no peer has joined yet)")
