@@ -35,7 +35,7 @@ from asyncloco.transport.wire import Ack, AssignRequest, LeaseReply, SubmitHeade
 logger = logging.getLogger("bench_transport")
 
 RAW_UPLOAD, RAW_DOWNLOAD = "bench.raw_upload", "bench.raw_download"
-MODEL_CODECS = ("none", "bf16")
+MODEL_CODECS = ("none", "bf16", "int8")
 
 
 @dataclass
