@@ -69,14 +69,17 @@ class LocalCluster:
         self.spawned.append(process)
         return process
 
-    def start_coordinator(self, resume: bool = False, timeout: float = 120.0) -> str:
-        """Start (or ``resume``) the coordinator and return the multiaddr peers join through."""
+    def start_coordinator(self, resume: bool = False, timeout: float = 120.0, extra: Sequence[str] = ()) -> str:
+        """Start (or ``resume``) the coordinator and return the multiaddr peers join through.
+
+        ``extra``: more ``asyncloco coordinator`` arguments, e.g. ``("--dashboard-port", "0")``."""
         if self.coordinator is not None and self.coordinator.poll() is None:
             raise ClusterError("the coordinator is already running")
         launched = time.time()
         args = ["coordinator", "--config", self.config, "--checkpoint-dir", str(self.checkpoint_dir), "--threads", str(self.threads)]
         if resume:
             args.append("--resume")
+        args.extend(extra)
         self.coordinator = self._spawn("coordinator", args)
 
         def up() -> bool:

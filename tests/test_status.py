@@ -10,6 +10,7 @@ import asyncio
 import http.client
 import json
 import logging
+import re
 import socket
 import urllib.request
 from pathlib import Path
@@ -386,3 +387,67 @@ def test_monitor_loop_logs_a_summary_line_and_feeds_the_sinks(tmp_path: Path, ca
     assert tags[:2] == ["eval/local_updates", "eval/loss"] and [s[2] for s in writer.scalars[:2]] == [1, 1]
     run = {s[0]: s[1] for s in writer.scalars if s[0].startswith("run/")}
     assert run["run/peers_alive"] == 2.0 and run["run/active_leases"] == 1.0 and run["run/rejections"] == 0.0
+
+
+# ------------------------------------------------------------------ a real coordinator process
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_live_coordinator_serves_its_dashboard_and_logs_summaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``asyncloco coordinator --dashboard-port 0`` with one peer: the dashboard serves exactly status.json,
+    ``asyncloco status --url`` reads it, the log has summary lines (no INFO line per event), and the port
+    closes at shutdown. No process outlives the test (the integration harness checks)."""
+    from test_integration_runtime import TAG_VAR, Harness, _process_table, leftovers, write_config
+    import time
+    import uuid
+
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_VAR, tag)
+    before = set(_process_table())
+    harness = Harness(tmp_path, tag)
+    try:
+        cluster = harness.cluster(write_config(tmp_path, codec="none", summary_every=1.0))
+        cluster.start_coordinator(extra=("--dashboard-port", "0"))
+        url = cluster.status()["dashboard"]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/")
+        cluster.start_peer("p0")
+        cluster.wait_for(lambda: read_status(url=url)["version"] >= 1, 180, "an applied update, seen through the dashboard")
+
+        def same_document() -> Any:  # a status.json not rewritten while the dashboard was read
+            first = (cluster.checkpoint_dir / "status.json").read_bytes()
+            served = read_status(url=url)
+            return served if (cluster.checkpoint_dir / "status.json").read_bytes() == first else None
+
+        served = cluster.wait_for(same_document, 60, "a status.json stable across one dashboard read", poll=0.05)
+        assert served == json.loads((cluster.checkpoint_dir / "status.json").read_text())
+        (peer_id, row), = served["peers"].items()
+        assert row["alive"] and row["leases"] >= 1 and row["applied"] >= 1 and row["last_steps"] >= 1
+        assert served["updates_per_s"] > 0 and served["speed_unit"] == "tok/s"
+        assert main(["status", "--url", url]) == 0
+        out = capsys.readouterr().out
+        assert f"{peer_id[-10:]}" in out and "validation perplexity" in out
+
+        log = (cluster.workdir / "coordinator.log").read_text()
+        assert f"Dashboard: {url}" in log
+        cluster.wait_for(
+            lambda: re.search(r"INFO \[asyncloco\.coordinator\.daemon\] version \d+, [0-9.]+ updates/s, ",
+                              (cluster.workdir / "coordinator.log").read_text()),
+            60, "a summary line in the coordinator's log",
+        )
+        for name, process in cluster.peers.items():
+            assert cluster.stop(process, timeout=60.0) == 0, name
+        assert cluster.stop_coordinator(timeout=60.0) == 0
+        log = (cluster.workdir / "coordinator.log").read_text()
+        assert not re.search(r"INFO \[asyncloco\.coordinator\.daemon\] (applied|lease) ", log)
+        with pytest.raises(ValueError, match="could not read"):
+            read_status(url=url, timeout=5)
+    finally:
+        for cluster in harness.clusters:
+            cluster.close()
+    deadline = time.monotonic() + 15.0
+    while (left := leftovers(before, harness.sessions(), tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # p2pd of a cleanly stopped process exits within a second or two
+    assert not left, f"processes left behind by the test: {left}"
