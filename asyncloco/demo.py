@@ -99,9 +99,13 @@ def run_demo(options: DemoOptions) -> int:
     slowdowns = dict(zip(names, options.slowdowns))
     with LocalCluster(config, options.out) as cluster:
         print(f"starting the coordinator ({config.name}) ...", flush=True)
-        address = cluster.start_coordinator()
+        # the live dashboard, on 127.0.0.1 only, at a port the OS picks (coordinator/dashboard.py)
+        address = cluster.start_coordinator(extra=("--dashboard-port", "0"))
         started = time.time()
         print(f"coordinator at {address}", flush=True)
+        dashboard = cluster.status().get("dashboard")
+        if dashboard:
+            print(f"live dashboard: {dashboard}  (or: asyncloco status --url {dashboard})", flush=True)
         for name in names:
             cluster.start_peer(name, slowdown=slowdowns[name])
             print(f"started {name} (slowdown ×{slowdowns[name]:g})", flush=True)
