@@ -199,6 +199,10 @@ class RuntimeConfig(StrictModel):
     wal_archive: bool = Field(False, description="keep log segments a snapshot covers in wal/archive/ (audits, replay tests)")
     eval_every: int = Field(10, ge=1, description="applied updates between validation evaluations")
     host: str = "127.0.0.1"
+    announce_addr: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9.:-]{1,253}$",
+        description="public IP or DNS name peers dial (coordinator); the join line uses it (transport/reach.py)",
+    )
     port: int = Field(0, ge=0, le=65535)
     speed_report_period: float = Field(10.0, gt=0)
     max_update_norm: float | None = Field(None, gt=0, description="reject pseudo-gradients with a larger L2 norm")
