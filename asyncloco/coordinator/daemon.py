@@ -47,6 +47,7 @@ from asyncloco.coordinator.checkpoint import (
 )
 from asyncloco.coordinator.admission import REVOKED_FILE, AdmissionError, load_or_create_key, read_revoked, verify_token
 from asyncloco.coordinator.journal import Journal
+from asyncloco.fingerprint import mismatch_reason, run_fingerprint
 from asyncloco.coordinator.logic import (
     Admit,
     Admitted,
@@ -277,6 +278,9 @@ class CoordinatorDaemon:
         self._last_eval_version = -1
         self._stopping = False  # set under the lock at shutdown: no RPC changes state after that
         self._stop_event: Optional[asyncio.Event] = None
+        self._fingerprint_refusals: dict[str, str] = {}  # peer id → why its fingerprint was refused
+        self.reach_problem: Optional[str] = None  # what the start-up reachability check found (_check_reach)
+        self.fingerprint: dict[str, str] = {}  # this run's (asyncloco/fingerprint.py), computed at start-up
 
     # ----------------------------------------------------------------------------- persistence
 
@@ -699,6 +703,8 @@ class CoordinatorDaemon:
         "config") or a LeaseReply."""
         from asyncloco.transport.wire import HelloReply, Lease, LeaseReply
 
+        if peer_id in self._fingerprint_refusals:  # failed the compatibility check (_check_fingerprint)
+            raise PermissionError(f"not admitted: {self._fingerprint_refusals[peer_id]}")
         await self.check_admitted(peer_id, request.get("token") if isinstance(request, dict) else getattr(request, "token", None))
         if request.kind == "config":
             return HelloReply(
@@ -951,9 +957,31 @@ class CoordinatorDaemon:
         self._fingerprint_refusals[peer_id] = reason
         return reason
 
+    async def _check_reach(self, port: int) -> None:
+        """Start-up reachability check of the announced address (transport/reach.py); the problem, if any, is
+        logged, journaled and kept in ``self.reach_problem`` for the CLI to print under the join line."""
+        from asyncloco.transport.reach import reachability_problem
+
+        announce, host = self.cfg.runtime.announce_addr, self.cfg.runtime.host
+        if announce is None:
+            if host in ("0.0.0.0", "::"):
+                self.reach_problem = (
+                    f"listening on all interfaces but announcing this machine's own addresses ({', '.join(self.multiaddrs)}); "
+                    "if volunteers dial a public IP or DNS name, pass it with --announce-addr so the join line carries it"
+                )
+                logger.warning("%s", self.reach_problem)
+            return
+        self.reach_problem = await reachability_problem(announce, port, self.peer_id, host)
+        self.journal.write("reachability", address=announce, port=port, reachable=self.reach_problem is None, problem=self.reach_problem or "")
+        if self.reach_problem is None:
+            logger.info("reachable at %s:%d (checked with a libp2p dial from this machine)", announce, port)
+        else:
+            logger.warning("%s", self.reach_problem)
+
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
         self._stop_event = stop
         from asyncloco.transport.dht import start_dht, stop_dht
+        from asyncloco.transport.discovery import RunInfo, serve_run_info
         from asyncloco.transport.records import RunRecords
         from asyncloco.transport.rpc import CoordinatorService, TrafficCounters
 
@@ -962,10 +990,20 @@ class CoordinatorDaemon:
         # its DHT process and p2pd holding the port: end them before starting new ones
         await asyncio.to_thread(reap_stale_children, self.dir)
         port = self._endpoint_port()
+        # --- reach (transport/reach.py): the address volunteers dial, when it is not one this host listens on
+        announce = self.cfg.runtime.announce_addr
+        reach: dict[str, Any] = {}
+        if announce is not None:
+            from asyncloco.transport.reach import announce_multiaddr, free_port
+
+            if port == 0:
+                port = free_port(self.cfg.runtime.host)  # p2pd needs the announced port before it binds it
+            reach["announce_maddrs"] = [announce_multiaddr(announce, port)]
         dht = start_dht(
             initial_peers=list(self.initial_peers),
             host_maddrs=[f"/ip4/{self.cfg.runtime.host}/tcp/{port}"],
             identity_path=str(self.dir / IDENTITY_FILE),
+            **reach,
         )
         p2p = None
         service = None
@@ -992,6 +1030,10 @@ class CoordinatorDaemon:
                 on_protocol_error=lambda peer, reason: self.journal.write("protocol_error", peer=peer, reason=reason),
             )
             await service.add_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
+            # --- which run this is, and the peers' compatibility check (transport/discovery.py, fingerprint.py)
+            self.fingerprint = await asyncio.to_thread(run_fingerprint, self.cfg, self.workload, self.model)
+            await serve_run_info(p2p, RunInfo(self.cfg.runtime.run_id, __version__), self._check_fingerprint)
+            await self._check_reach(bound)
             if not self.resume:
                 await self._save()
             elif self.replayed:
