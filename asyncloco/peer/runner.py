@@ -29,6 +29,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ __all__ = ["PeerOptions", "PeerRunner", "PeerError"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+PEER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the wire's AssignRequest.name (transport/wire.py)
 
 
 class _Aborted(Exception):
@@ -73,12 +75,13 @@ def _as_dict(message: Any) -> dict[str, Any]:
     raise TypeError(f"unexpected reply {message!r}")
 
 
-async def _ask_for_lease(client: Any, tokens_per_s: float, token: Optional[str] = None) -> Any:
-    """``assign`` with this peer's speed (the client takes a request map, or the speed itself) and its
-    admission token, if it has one."""
+async def _ask_for_lease(client: Any, tokens_per_s: float, token: Optional[str] = None, name: Optional[str] = None) -> Any:
+    """``assign`` with this peer's speed (the client takes a request map, or the speed itself), its
+    admission token, if it has one, and its ``--name``, if it has one."""
     first = next(iter(inspect.signature(client.assign).parameters))
     if first == "tokens_per_s":
-        return await client.assign(tokens_per_s, token=token) if token is not None else await client.assign(tokens_per_s)
+        extra = {key: value for key, value in (("token", token), ("name", name)) if value is not None}
+        return await client.assign(tokens_per_s, **extra)
     return await client.assign({"tokens_per_s": tokens_per_s, **({"token": token} if token is not None else {})})
 
 
@@ -106,6 +109,9 @@ class PeerOptions:
     connect_timeout: float = 30.0
     token: Optional[str] = None  # admission token from the organiser (runtime.admission: token)
     prefetch: bool = True  # download the newest θ while asking for the next lease
+    # --- reach (README "Behind a NAT"): outbound connections only unless asked; a name for the status table
+    dht_server: bool = False  # serve the DHT (needs inbound connections); default: a DHT client
+    name: Optional[str] = None  # shown in `asyncloco status`; 1-64 of [A-Za-z0-9_.-]
 
 
 @dataclass
@@ -147,6 +153,10 @@ class PeerRunner:
             raise PeerError("give at least one --initial-peers address (the coordinator prints it when it starts)")
         if options.slowdown < 1.0:
             raise PeerError(f"--slowdown must be >= 1 (a factor by which to slow down), got {options.slowdown}")
+        if options.name is not None and not PEER_NAME.fullmatch(options.name):
+            raise PeerError(
+                f"--name {options.name!r} must be 1 to 64 letters, digits, '_', '.' or '-' (it is shown to the organiser)"
+            )
         self.options = options
         self.coordinator_id = options.coordinator_id or coordinator_id_from(options.initial_peers[0])
         self.summary = PeerSummary(slowdown=options.slowdown)
@@ -176,10 +186,18 @@ class PeerRunner:
         from asyncloco.transport.dht import start_dht
 
         try:
+            if self.options.identity_path is not None:  # hivemind creates the key file, not its folder
+                Path(self.options.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            # A DHT client by default: it dials out only and answers no DHT requests, so a volunteer behind a
+            # home NAT or firewall takes part (its stores and lookups go through DHT servers such as the
+            # coordinator). Relays on: should someone have to dial this peer, libp2p can go through a relay.
             return start_dht(
                 initial_peers=self.options.initial_peers,
                 host_maddrs=[f"/ip4/{self.options.host}/tcp/0"],
                 identity_path=self.options.identity_path,
+                client_mode=not self.options.dht_server,
+                use_relay=True,
+                use_auto_relay=not self.options.dht_server,
             )
         except Exception as error:  # hivemind raises several types when bootstrap fails
             raise PeerError(
@@ -241,7 +259,7 @@ class PeerRunner:
         await self._check_run_id(p2p, namespace, deadline)
         while True:
             try:
-                reply = _as_dict(await probe.hello(token=self.options.token, timeout=10.0))
+                reply = _as_dict(await probe.hello(name=self.options.name, token=self.options.token, timeout=10.0))
                 break
             except TransportError as error:
                 if _refused_admission(error):
@@ -464,7 +482,7 @@ class PeerRunner:
                     break
                 asked = time.monotonic()
                 try:
-                    reply = _as_dict(await self._unless_stopped(_ask_for_lease(client, float(self.speed), self.options.token)))
+                    reply = _as_dict(await self._unless_stopped(_ask_for_lease(client, float(self.speed), self.options.token, self.options.name)))
                 except _Aborted:
                     break  # asked to leave while waiting for work: nothing held yet
                 except TransportError as error:
