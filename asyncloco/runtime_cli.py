@@ -67,6 +67,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         overrides["runtime.dashboard_port"] = args.dashboard_port
     if args.dashboard_host is not None:
         overrides["runtime.dashboard_host"] = args.dashboard_host
+    # --- reach (transport/reach.py) ---
+    if args.announce_addr is not None:
+        from asyncloco.transport.reach import validate_announce_addr
+
+        overrides["runtime.announce_addr"] = validate_announce_addr(args.announce_addr)
     cfg = load_config(_resolve_config(args.config), overrides)
     daemon = CoordinatorDaemon(cfg, resume=args.resume, initial_peers=tuple(args.initial_peers or ()))
 
@@ -79,6 +84,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             address = daemon.multiaddrs[0] if daemon.multiaddrs else "?"
             print(f"Coordinator of run '{cfg.runtime.run_id}' is up. Peer id: {daemon.peer_id}", flush=True)
             print(f"Join it from another terminal with:\n  asyncloco peer join --initial-peers {address} --run-id {cfg.runtime.run_id}", flush=True)
+            if daemon.reach_problem:
+                print(f"WARNING: {daemon.reach_problem}", flush=True)
             if daemon.stats.dashboard_url:
                 print(f"Dashboard: {daemon.stats.dashboard_url}  (or: asyncloco status --url {daemon.stats.dashboard_url})", flush=True)
         else:
@@ -120,6 +127,8 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         prefetch=not args.no_prefetch,
         token=_read_token(args.token),  # admission
         identity_path=args.identity,  # admission: a token binds to this identity
+        dht_server=args.dht_server,  # reach
+        name=args.name,
     )
     try:
         runner = PeerRunner(options, group=group)
@@ -249,6 +258,11 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     coordinator.add_argument("--host", help="override runtime.host (address to listen on)")
     coordinator.add_argument("--port", type=int, help="override runtime.port (0: chosen by the OS)")
     coordinator.add_argument("--initial-peers", nargs="*", help="other DHT nodes to join (optional)")
+    coordinator.add_argument(
+        "--announce-addr",
+        help="public IP or DNS name volunteers dial (sets runtime.announce_addr); the join line uses it and a "
+        "start-up check says whether it is reachable and which port to open",
+    )
     coordinator.add_argument("--threads", type=int, help="torch CPU threads")
     coordinator.add_argument("--dashboard-port", type=int, help="serve the live web dashboard on this port (0: any free port)")
     coordinator.add_argument("--dashboard-host", help="dashboard address (default 127.0.0.1; a public one only on purpose)")
@@ -275,8 +289,16 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     # --- admission (coordinator/admission.py)
     join.add_argument("--token", help="admission token from the organiser (or @FILE to read it from a file)")
     join.add_argument(
-        "--identity", help="file holding this peer's libp2p key (created if missing); reuse it to rejoin with the same token"
+        "--identity", help="file holding this peer's libp2p key (created if missing): the same peer id, statistics and token binding "
+        "across restarts"
     )
+    # --- reach (transport/reach.py; README "Behind a NAT")
+    join.add_argument(
+        "--dht-server", action="store_true",
+        help="also serve the DHT (needs inbound connections); default: a DHT client that only dials out, "
+        "which works behind a home NAT",
+    )
+    join.add_argument("--name", help="a name for this peer in the organiser's status table (1-64 of A-Z a-z 0-9 _ . -)")
     join.set_defaults(func=cmd_peer_join)
 
     demo = sub.add_parser("demo", help="coordinator + heterogeneous peers on this machine, then a summary")
