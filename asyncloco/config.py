@@ -183,6 +183,30 @@ class SimConfig(StrictModel):
         return self
 
 
+class GateConfig(StrictModel):
+    """The robust update gate (coordinator/gate.py, docs/threat-model.md): on by default in real runs."""
+
+    enabled: bool = True
+    clip_factor: float = Field(4.0, ge=1, description="clip per-step norms above this × the recent median")
+    reject_factor: float = Field(20.0, ge=1, description="reject per-step norms above this × the recent median")
+    cosine_mads: float = Field(6.0, gt=0, description="reject directions this many MADs below the recent cosines")
+    cosine_cap: float = Field(0.5, le=1, description="never demand a higher cosine with the consensus than this")
+    window: int = Field(32, ge=3, description="accepted updates the statistics look back over")
+    warmup: int = Field(6, ge=1, description="accepted updates before the direction and clip checks start")
+    probation_updates: int = Field(3, ge=0, description="a new peer's first accepted updates are judged more strictly")
+    quarantine_after: int = Field(3, ge=1, description="rejections among the last quarantine_window that quarantine a peer")
+    quarantine_window: int = Field(6, ge=1)
+    quarantine_s: float = Field(600.0, gt=0, description="first quarantine's length; doubles each time")
+
+    @model_validator(mode="after")
+    def _check(self) -> "GateConfig":
+        if self.clip_factor > self.reject_factor:
+            raise ValueError("runtime.gate.clip_factor must be <= runtime.gate.reject_factor")
+        if self.quarantine_window < self.quarantine_after:
+            raise ValueError("runtime.gate.quarantine_window must be >= runtime.gate.quarantine_after")
+        return self
+
+
 class RuntimeConfig(StrictModel):
     """The networked coordinator and peers."""
 
@@ -206,7 +230,11 @@ class RuntimeConfig(StrictModel):
     port: int = Field(0, ge=0, le=65535)
     speed_report_period: float = Field(10.0, gt=0)
     max_update_norm: float | None = Field(None, gt=0, description="reject pseudo-gradients with a larger L2 norm")
-    eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="torch device of the coordinator's evaluation")
+    gate: GateConfig = Field(default_factory=GateConfig)
+    max_lease_s: float = Field(3600.0, gt=0, description="cap on any lease's deadline (a 'slow' peer cannot hold one for years)")
+    transfer_allowance_s: float = Field(
+        60.0, ge=0, description="added to a lease's deadline for θ down + Δ up until the peer's transfer time is measured"
+    )
     eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="torch device of the coordinator's evaluation")
     # --- watching a run (coordinator/status.py, dashboard.py, sinks.py)
     dashboard_port: int | None = Field(None, ge=0, le=65535, description="serve the web dashboard here (0: any port)")

@@ -131,12 +131,18 @@ def test_min_steps_and_fixed_h_without_dylu() -> None:
     assert lease_of(do(fixed, RequestWork("slow"), 0.0)[0]).steps == 20
 
 
-def test_speed_reports_are_smoothed() -> None:
+def test_speed_reports_replace_and_a_reread_record_is_no_new_sample() -> None:
+    # The peer smooths its own measurements: the coordinator takes each new report as it is (no second
+    # smoothing), and a DHT record read again with the same timestamp changes nothing.
     state = make_state(policy(max_local_steps=100, speed_ema=0.5))
-    join(state, "a", 4.0)
-    join(state, "a", 2.0, now=1.0)
-    assert state.peers["a"].speed == 3.0 and state.peers["a"].last_seen == 1.0
-    join(state, "b", 1.5)
+    do(state, SpeedReport("a", 4.0, reported_at=0.0), 0.0)
+    do(state, SpeedReport("a", 2.0, reported_at=1.0), 1.0)
+    assert state.peers["a"].speed == 2.0 and state.peers["a"].last_seen == 1.0
+    do(state, SpeedReport("a", 8.0, reported_at=1.0), 2.0)  # the same record again (forged value, same stamp)
+    assert state.peers["a"].speed == 2.0 and state.peers["a"].last_seen == 1.0
+    do(state, SpeedReport("a", 8.0, reported_at=0.5), 2.0)  # older than the one taken
+    assert state.peers["a"].speed == 2.0
+    join(state, "b", 1.0)
     assert lease_of(do(state, RequestWork("b"), 2.0)[0]).steps == 50
 
 
@@ -272,11 +278,12 @@ def test_delay_compensation_uses_theta_at_the_lease_base_version() -> None:
     theta0 = state.params.clone()
     lease_a = lease_of(do(state, RequestWork("a"), 0.0)[0])
     lease_b = lease_of(do(state, RequestWork("b"), 0.0)[0])
-    assert set(state.base_params) == {0}
+    assert state.base_params == {}  # copy-on-write: θ(0) is the live θ until an update changes it
     g_a, g_b = torch.tensor([1.0, -2.0, 0.5, 0.0]), torch.tensor([2.0, 1.0, -1.0, 3.0])
     submit(state, lease_a, g_a, 1.0)
     theta1 = theta0 - g_a
     assert torch.equal(state.params, theta1)
+    assert set(state.base_params) == {0} and torch.equal(state.base_params[0], theta0)  # b's base, kept
     submit(state, lease_b, g_b, 1.0)
     compensated = g_b + 0.5 * g_b * g_b * (theta1 - theta0)
     assert torch.allclose(state.params, theta1 - compensated, rtol=1e-6, atol=1e-7)

@@ -65,20 +65,27 @@ from asyncloco.coordinator.logic import (
     Expired,
     Hold,
     Lease,
+    Fetched,
+    Hello,
+    Left,
+    Notice,
     PeerLeft,
+    Quarantined,
+    Released,
     Rejected,
     RequestWork,
     SpeedReport,
     SubmitUpdate,
     Tick,
     handle,
+    base_theta,
     new_state,
 )
 from asyncloco.coordinator.methods import build_method, coordinator_policy
+from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, decode_event, open_log, read_records
 from asyncloco.coordinator.dashboard import DashboardServer
 from asyncloco.coordinator.sinks import MetricsSink, build_sinks
 from asyncloco.coordinator.status import History, RateMeter, peer_row, summary_line
-from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, decode_event, open_log, read_records
 from asyncloco.workloads import build_workload
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
 
@@ -125,6 +132,7 @@ class PeerStats:
     last_seen: float = 0.0  # wall time of the last lease, submission or verdict involving this peer
     last_steps: int = 0  # DyLU steps of the peer's latest lease
     last_inner_loss: Optional[float] = None  # mean inner training loss of the latest applied submission
+    quarantined_until: float = 0.0  # the update gate quarantined the peer until then (wall time)
 
 
 class _RefusalLog:
@@ -176,7 +184,7 @@ class _RefusalLog:
 
 @dataclass
 class _Waiter:
-    future: "asyncio.Future[Lease]"
+    future: "asyncio.Future[Optional[Lease]]"  # None: released without a lease (ask again)
     since: float
 
 
@@ -240,14 +248,14 @@ class CoordinatorDaemon:
         self.numel = theta.numel()
         workers = cfg.outer.buffer_size or cfg.sim.workers
         self.spec, optimizer, transforms = build_method(cfg.schedule.method, cfg.outer, workers, param_groups(self.model))
-        policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=False)
+        policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=False, numel=self.numel)
         # --- admission (coordinator/admission.py): the mode and allowlist go to the logic's policy
         policy = dataclasses.replace(policy, admission=cfg.runtime.admission, allowlist=frozenset(cfg.runtime.allowlist))
         self._admission_key = load_or_create_key(self.dir).public_key() if cfg.runtime.admission == "token" else None
         self._refusals = _RefusalLog()
         # The lease-id secret is part of the state (snapshots, and so --resume) — fresh for a new run.
         self.state: CoordinatorState = new_state(
-            theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.seed
+            theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.seed, lease_secret=os.urandom(32)
         )
         self.stats = _Stats()
         self.model_snapshots: dict[int, torch.Tensor] = {}
@@ -546,8 +554,6 @@ class CoordinatorDaemon:
             stats.speed = info.speed if info is not None else 0.0
             stats.last_steps = lease.steps
             stats.last_seen = time.time()
-            if lease.base_version not in self.model_snapshots:
-                self.model_snapshots[lease.base_version] = self.state.params.clone()
             self.journal.write("assign", reason=action.reason, **lease.to_dict())
             logger.debug("lease %s → %s: %d steps on shard %d (%s)", lease.lease_id, action.peer[-8:], lease.steps, lease.shard, action.reason)
             return True
@@ -604,6 +610,25 @@ class CoordinatorDaemon:
             self.journal.write("revoked", token_id=action.token_id, peer=action.peer, reason=action.reason)
             logger.warning("token %s revoked%s", action.token_id, f" (peer {action.peer[-8:]})" if action.peer else "")
             return True
+        if isinstance(action, Quarantined):
+            self.stats.peer(action.peer).quarantined_until = action.until
+            self.journal.write("quarantined", peer=action.peer, until=action.until, reason=action.reason)
+            logger.warning("peer %s quarantined until %.0f: %s", action.peer[-8:], action.until, action.reason)
+            return True
+        if isinstance(action, Released):
+            waiter = self.waiters.pop(action.peer, None)
+            if waiter is not None and not waiter.future.done():
+                waiter.future.set_result(None)
+            self.journal.write("released", peer=action.peer, reason=action.reason)
+            return True
+        if isinstance(action, Left):
+            self.journal.write("peer_left", peer=action.peer, reason=action.reason)
+            logger.warning("peer %s left: %s", action.peer[-8:], action.reason)
+            return True
+        if isinstance(action, Notice):
+            self.journal.write("notice", reason=action.reason)
+            logger.warning("%s", action.reason)
+            return False
         raise AssertionError(f"unhandled action {action!r}")
 
     def _bookkeep(self, actions: list[Action]) -> bool:
@@ -617,10 +642,8 @@ class CoordinatorDaemon:
         return changed
 
     def _prune_snapshots(self) -> None:
-        in_use = {lease.base_version for lease in self.state.leases.values()}
-        for version in list(self.model_snapshots):
-            if version not in in_use:
-                del self.model_snapshots[version]
+        """θ per base version lives in the logic's state (``base_theta``); nothing is kept here any more."""
+        self.model_snapshots.clear()
 
     # ------------------------------------------------------------------------------ evaluation
 
@@ -715,14 +738,16 @@ class CoordinatorDaemon:
                 run_id=self.cfg.runtime.run_id,
                 software_version=__version__,
             )
-        reported = request.tokens_per_s  # a finite float ≥ 0 or None (checked by the transport)
+        speed = request.tokens_per_s  # a finite float ≥ 0 or None (checked by the transport)
+        signer = request.signer if request.signer is not None and 0 < len(request.signer) <= 64 else None
+        name = request.name or ""
         async with self.lock:
             self._refuse_if_stopping()
-            if peer_id not in self.state.peers or not self.state.peers[peer_id].alive:
-                if isinstance(reported, (int, float)) and not isinstance(reported, bool):
-                    # First contact before the DHT read loop saw its record: take the speed from the
-                    # authenticated request so the peer is not turned away.
-                    await self._decide(SpeedReport(peer_id, float(reported)))
+            info = self.state.peers.get(peer_id)
+            if info is None or not info.alive or (signer is not None and info.signer != signer) or (name and info.name != name):
+                # The authenticated hello: registers the peer with the speed from its request (before the
+                # DHT read loop saw its record) and binds its DHT signing key and name to this peer id.
+                await self._decide(Hello(peer_id, signer, name[:64], speed))
             previous = self.waiters.pop(peer_id, None)
             if previous is not None and not previous.future.done():
                 previous.future.cancel()
@@ -736,6 +761,8 @@ class CoordinatorDaemon:
                     return LeaseReply(None, action.reason)
         try:
             lease = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=self._hold_limit())
+            if lease is None:  # the logic released the held request (hold limit)
+                return LeaseReply(None, "held too long; ask again")
         except asyncio.TimeoutError:
             async with self.lock:
                 if self.waiters.get(peer_id) is waiter:
@@ -754,20 +781,23 @@ class CoordinatorDaemon:
             raise ConnectionAbortedError("the coordinator is shutting down; resend after it restarts")
 
     def _hold_limit(self) -> float:
-        if self.spec.barrier:
-            return 600.0
-        return self.cfg.schedule.grace_period + 30.0
+        """How long an RPC waits on a held request: a little past the logic's hold limit, which answers it."""
+        return self.state.policy.hold_limit + 5.0
 
     async def get_model(self, version: Optional[int], peer_id: Optional[str] = None) -> tuple[int, torch.Tensor]:
         if peer_id is not None:
             await self.check_admitted(peer_id)
         async with self.lock:
-            if version is None or version == self.state.version:
-                return self.state.version, self.state.params.clone()
-            snapshot = self.model_snapshots.get(version)
-            if snapshot is None:
+            if version is None:
+                version = self.state.version
+            theta = base_theta(self.state, version)
+            if theta is None:
                 raise ValueError(f"version {version} is no longer served (current {self.state.version}); ask for a new lease")
-            return version, snapshot
+            theta = theta.clone() if version == self.state.version else theta  # older versions never change
+            if peer_id is not None and not self._stopping:
+                # θ at this version is on its way to the peer: the logic may stop retaining it
+                await self._decide(Fetched(peer_id, version))
+        return version, theta
 
     async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
         """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
@@ -776,6 +806,7 @@ class CoordinatorDaemon:
         from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
 
         lease_id, base_version = header.lease_id, header.base_version
+
         await self.check_admitted(peer_id)  # before decoding anything an outsider sent
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
         async with self.lock:
@@ -833,32 +864,27 @@ class CoordinatorDaemon:
         period = self.cfg.runtime.speed_report_period
         while not stop.is_set():
             try:
-                reports = await asyncio.to_thread(records.read_speeds)
+                signed = await asyncio.to_thread(records.read_signed_speeds)
             except Exception as error:  # a DHT hiccup must not stop the coordinator; it retries next period
                 logger.warning("could not read speed reports from the DHT: %r", error)
-                reports = {}
+                signed = []
             now_dht = get_dht_time()
-            unseen = sorted(
-                peer for peer, info in self.state.peers.items()
-                if info.alive and (peer not in reports or now_dht - reports[peer].last_seen > 3 * period)
-            )
+            fresh = {report.peer_id for _, report in signed if now_dht - report.last_seen <= 3 * period}
+            unseen = sorted(peer for peer, info in self.state.peers.items() if info.alive and peer not in fresh)
             if unseen and dht is not None:
                 try:
                     await asyncio.wait_for(asyncio.to_thread(dht.run_coroutine, partial(_ping_peers, unseen)), timeout=period * 2)
                 except Exception as error:  # best effort; the peer may really be gone
                     logger.debug("pinging %d silent peer(s) failed: %r", len(unseen), error)
             async with self.lock:
-                for peer, report in sorted(reports.items()):
-                    if now_dht - report.last_seen <= 3 * period:
-                        await self._decide(SpeedReport(peer, report.tokens_per_s))
-                for peer, info in sorted(self.state.peers.items()):
-                    report = reports.get(peer)
-                    stale = report is None or now_dht - report.last_seen > 3 * period
-                    if info.alive and stale and time.time() - info.last_seen > 3 * period:
-                        age = "none in the DHT" if report is None else f"last {now_dht - report.last_seen:.1f}s ago"
-                        logger.warning("peer %s stopped reporting (%s); giving its leases back", peer[-8:], age)
-                        self.journal.write("peer_left", peer=peer, reason="no speed report or request for 3 periods")
-                        await self._decide(PeerLeft(peer))
+                # The logic takes a record only when it is signed by the key its claimed peer bound over its
+                # authenticated hello, new (not a re-read), and not from the future; silence is judged on
+                # Tick (policy.peer_timeout).
+                for signer, report in sorted(signed, key=lambda item: (item[1].peer_id, item[0])):
+                    info = self.state.peers.get(report.peer_id)
+                    if info is None or info.signer != signer or (info.reported_at or -1.0) >= report.last_seen:
+                        continue  # nothing for the logic to take: skip the log record
+                    await self._decide(SpeedReport(report.peer_id, report.tokens_per_s, report.last_seen, signer))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=max(0.5, period / 2))
             except asyncio.TimeoutError:

@@ -35,6 +35,8 @@ closes by time: everyone waits for every lease of the round.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence, Union
@@ -47,6 +49,8 @@ from asyncloco.algo.grace import hold_decision
 from asyncloco.algo.outer import OuterOptimizer
 from asyncloco.algo.sampler import sample_shard
 from asyncloco.algo.staleness import StalenessTransform, apply_transforms
+from asyncloco.coordinator import gate as update_gate
+from asyncloco.coordinator.gate import GatePolicy, GateState
 
 __all__ = [
     "Lease",
@@ -94,6 +98,7 @@ class Lease:
     issued_at: float
     expected_finish: float
     deadline: float
+    fetched: bool = False  # the peer downloaded θ(base_version): the coordinator may stop retaining it
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -109,9 +114,14 @@ class ShardState:
 
 @dataclass
 class PeerInfo:
-    speed: float  # smoothed units (tokens or samples) per second
+    speed: float  # the peer's own (already smoothed) claim, units (tokens or samples) per second
     last_seen: float
     alive: bool = True
+    reported_at: float | None = None  # timestamp of the newest report taken: a re-read record is no new sample
+    observed: float | None = None  # throughput the coordinator measured on this peer's applied leases (smoothed)
+    signer: str | None = None  # DHT signing key bound to this peer id over its authenticated hello
+    transfer_s: float | None = None  # seconds its last upload took, as the coordinator measured it
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,18 @@ class CoordinatorPolicy:
     # Eq. 2's n_i (docs/algorithm.md §4): "learned" = applied local updates (the paper), "assigned" =
     # also counting leases in flight (concurrent leases spread over shards)
     shard_progress: Literal["learned", "assigned"] = "learned"
+    # --- public runs (all off in the simulator, see methods.coordinator_policy)
+    gate: GatePolicy | None = None  # the robust update gate (coordinator/gate.py)
+    norm_bound_per_step: float | None = None  # absolute ceiling on ‖Δ‖/steps (gate.adamw_norm_bound)
+    trust_speeds: bool = True  # False: speeds count only when bound to the peer and capped by what it delivers
+    speed_cap_factor: float = 1.5  # a claim counts up to this × the throughput observed on its applied leases
+    max_clock_skew: float = 5.0  # a speed report stamped further in the future than this is refused
+    peer_timeout: float = math.inf  # a peer without lease that is silent this long has left
+    hold_limit: float = math.inf  # a request held longer than this is answered "ask again"
+    max_lease_s: float = math.inf  # cap on a lease's deadline: a peer claiming to be slow holds nothing for years
+    transfer_allowance_s: float = 0.0  # added to a lease's deadline for θ down + Δ up, until measured per peer
+    max_retained_versions: int = 8  # θ copies kept for leases whose θ was not downloaded yet
+    buffer_size: int | None = None  # N of the outer optimizer (DN / buffer), to warn when the live peers differ
     # --- admission (coordinator/admission.py): "open" admits everyone (demos, the simulator)
     admission: str = "open"  # "open" | "token" | "allowlist"
     allowlist: frozenset[str] = frozenset()  # libp2p peer ids admitted in "allowlist" mode
@@ -163,7 +185,10 @@ class CoordinatorState:
     applied: dict[str, int] = field(default_factory=dict)  # lease_id -> version after applying it
     held: dict[str, float] = field(default_factory=dict)  # peer -> time of its held request (insertion order)
     window_end: float | None = None  # open grace window closes at this time
-    base_params: dict[int, torch.Tensor] = field(default_factory=dict)  # θ(v) kept for delay compensation
+    base_params: dict[int, torch.Tensor] = field(default_factory=dict)  # θ(v) of older versions still needed
+    lease_secret: bytes = b""  # lease ids are HMAC(secret, counter): unguessable, yet replayable from the state
+    gate: GateState = field(default_factory=GateState)
+    noticed_peers: int = -1  # live-peer count at the last N-vs-peers notice
     # --- admission: peer id -> its token; token id -> the peer it is bound to; revoked token ids -> when
     admitted: dict[str, AdmissionRecord] = field(default_factory=dict)
     token_peers: dict[str, str] = field(default_factory=dict)
@@ -190,6 +215,9 @@ class CoordinatorState:
             "held": dict(self.held),
             "window_end": self.window_end,
             "base_params": dict(self.base_params),
+            "lease_secret": self.lease_secret.hex(),
+            "gate": self.gate.state_dict(),
+            "noticed_peers": self.noticed_peers,
             "admitted": {k: dict(v.__dict__) for k, v in self.admitted.items()},
             "token_peers": dict(self.token_peers),
             "revoked": dict(self.revoked),
@@ -222,6 +250,10 @@ class CoordinatorState:
         self.held = dict(state["held"])
         self.window_end = state["window_end"]
         self.base_params = {int(k): v.clone() for k, v in state["base_params"].items()}
+        self.lease_secret = bytes.fromhex(state.get("lease_secret", ""))
+        if "gate" in state:
+            self.gate = GateState.from_state_dict(state["gate"])
+        self.noticed_peers = int(state.get("noticed_peers", -1))
         # admission fields: absent from checkpoints written before admission existed
         self.admitted = {k: AdmissionRecord(**v) for k, v in state.get("admitted", {}).items()}
         self.token_peers = dict(state.get("token_peers", {}))
@@ -233,8 +265,24 @@ class CoordinatorState:
 
 @dataclass(frozen=True)
 class SpeedReport:
+    """A throughput claim. ``reported_at``: the record's own timestamp (None: take it as new);
+    ``signer``: fingerprint of the key that signed the DHT record (None: it came over the peer's own
+    authenticated RPC, or from the simulator)."""
+
     peer: str
     units_per_second: float
+    reported_at: float | None = None
+    signer: str | None = None
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A peer introduces itself over its authenticated RPC: binds its DHT signing key and name."""
+
+    peer: str
+    signer: str | None = None
+    name: str = ""
+    units_per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -243,11 +291,28 @@ class RequestWork:
 
 
 @dataclass(frozen=True)
+class Fetched:
+    """The peer downloaded θ at ``version`` (the daemon saw the transfer complete)."""
+
+    peer: str
+    version: int
+
+
+@dataclass(frozen=True)
 class SubmitUpdate:
     peer: str
     lease_id: str
     base_version: int
     pseudo_gradient: torch.Tensor
+    transfer_s: float = 0.0  # seconds the upload took, measured by the coordinator (not the peer's claim)
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """The coordinator restarted (``--resume``): held requests died with their RPCs, and the peers get
+    ``grace_s`` to call again before their silence counts."""
+
+    grace_s: float
 
 
 @dataclass(frozen=True)
@@ -276,7 +341,7 @@ class Revoke:
     revoked_at: float
 
 
-Event = Union[SpeedReport, RequestWork, SubmitUpdate, Tick, PeerLeft, Admit, Revoke]
+Event = Union[SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke]
 
 
 # --------------------------------------------------------------------------------------- actions
@@ -307,6 +372,7 @@ class Applied:
     shard: int
     moved: bool
     reason: str
+    gate: str = ""  # what the update gate did (e.g. "clipped ×0.25: ..."), empty when it is off
 
 
 @dataclass(frozen=True)
@@ -359,7 +425,39 @@ class Revoked:
     reason: str
 
 
-Action = Union[Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked]
+@dataclass(frozen=True)
+class Quarantined:
+    peer: str
+    until: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Released:
+    """A held request answered without a lease (held longer than the hold limit): the peer asks again."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Left:
+    """The logic decided a peer is gone (silent past ``peer_timeout``)."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the organiser should know (e.g. live peers ≠ the outer optimizer's N)."""
+
+    reason: str
+
+
+Action = Union[
+    Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked, Quarantined, Released, Left, Notice
+]
 
 
 # ------------------------------------------------------------------------------------- decisions
@@ -367,7 +465,7 @@ Action = Union[Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Re
 
 def handle(state: CoordinatorState, event: Event, now: float) -> tuple[CoordinatorState, list[Action]]:
     """Decide what ``event`` at time ``now`` does. Mutates and returns ``state``."""
-    if isinstance(event, (SpeedReport, RequestWork, SubmitUpdate)) and not is_admitted(state, event.peer, now):
+    if isinstance(event, (SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate)) and not is_admitted(state, event.peer, now):
         # admission gate: an unadmitted peer gets nothing and has no say in DyLU
         return state, _turn_away(state, event, now)
     if isinstance(event, Admit):
@@ -376,28 +474,93 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
         return state, _on_revoke(state, event, now) + _release_held(state, now)
     if isinstance(event, SpeedReport):
         actions = _on_speed(state, event, now)
+    elif isinstance(event, Hello):
+        actions = _on_hello(state, event, now)
     elif isinstance(event, RequestWork):
         actions = _on_request(state, event, now)
+    elif isinstance(event, Fetched):
+        actions = _on_fetched(state, event, now)
     elif isinstance(event, SubmitUpdate):
         actions = _on_submit(state, event, now)
     elif isinstance(event, Tick):
-        actions = _expire(state, now)
+        actions = _on_tick(state, now)
     elif isinstance(event, PeerLeft):
         actions = _on_peer_left(state, event, now)
+    elif isinstance(event, Restarted):
+        actions = _on_restarted(state, event, now)
     else:
         raise TypeError(f"unknown event {event!r}")
     actions += _release_held(state, now)
+    actions += _notice_peer_count(state)
     return state, actions
 
 
 def _on_speed(state: CoordinatorState, event: SpeedReport, now: float) -> list[Action]:
+    """Take a throughput claim. The peer smooths its own measurements, so a new report replaces the
+    old value (no second smoothing here); a record read again with the same timestamp is no new sample.
+    Unless ``trust_speeds`` (the simulator), a DHT record counts only for a peer that said hello over its
+    authenticated RPC and only when signed by the key it bound there, and never from the future."""
     speed = float(event.units_per_second)
     if not (math.isfinite(speed) and speed > 0):
         return []  # a bogus report never reaches DyLU; the peer keeps its previous speed
     info = state.peers.get(event.peer)
-    previous = info.speed if info is not None and info.alive else None
-    state.peers[event.peer] = PeerInfo(ema(previous, speed, state.policy.speed_ema), now, True)
+    if not state.policy.trust_speeds and event.signer is not None:
+        if info is None or info.signer is None or info.signer != event.signer:
+            return []  # about a peer that never said hello, or signed by a key that is not its own
+    if event.reported_at is not None:
+        if event.reported_at > now + state.policy.max_clock_skew:
+            return []
+        if info is not None and info.reported_at is not None and event.reported_at <= info.reported_at:
+            return []
+    if info is None or not info.alive:
+        keep = info if info is not None else PeerInfo(speed, now)
+        keep.speed, keep.last_seen, keep.alive, keep.reported_at = speed, now, True, event.reported_at
+        state.peers[event.peer] = keep
+        return []
+    info.speed, info.last_seen = speed, now
+    if event.reported_at is not None:
+        info.reported_at = event.reported_at
     return []
+
+
+def _on_hello(state: CoordinatorState, event: Hello, now: float) -> list[Action]:
+    info = state.peers.get(event.peer)
+    speed = event.units_per_second
+    if info is None:
+        if speed is None or not (math.isfinite(speed) and speed > 0):
+            return []  # registered once it reports a usable speed
+        info = state.peers[event.peer] = PeerInfo(float(speed), now)
+    elif speed is not None and math.isfinite(speed) and speed > 0:
+        info.speed = float(speed)
+    info.alive, info.last_seen = True, now
+    info.signer = event.signer  # the authenticated peer itself re-binds its key (a restart makes a new one)
+    info.name = event.name[:64]
+    return []
+
+
+def _effective_speed(state: CoordinatorState, info: PeerInfo) -> float:
+    """The claim as DyLU uses it: capped by what the peer delivered, unless speeds are trusted."""
+    if state.policy.trust_speeds or info.observed is None:
+        return info.speed
+    return min(info.speed, info.observed * state.policy.speed_cap_factor)
+
+
+def _dylu_reference(state: CoordinatorState, now: float) -> float:
+    """The fastest speed DyLU scales by. Trusted speeds: the max over alive peers. Otherwise the max over
+    peers that proved their speed by delivering (an unproven claim sets nobody's steps but its own); before
+    anyone delivered, claims count up to 4× their median, so one wild claim cannot shrink every lease."""
+    if state.policy.trust_speeds:
+        return max(_alive_speeds(state).values())
+    proven = [
+        _effective_speed(state, info)
+        for name, info in state.peers.items()
+        if info.alive and info.observed is not None and not update_gate.is_quarantined(state.gate, name, now)
+    ]
+    if proven:
+        return max(proven)
+    claims = sorted(info.speed for info in state.peers.values() if info.alive)
+    middle = claims[len(claims) // 2] if len(claims) % 2 else 0.5 * (claims[len(claims) // 2 - 1] + claims[len(claims) // 2])
+    return min(claims[-1], 4.0 * middle)
 
 
 def _alive_speeds(state: CoordinatorState) -> dict[str, float]:
@@ -410,6 +573,9 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
     if info is None or not info.alive:
         return [Rejected(peer, "", "no speed report from this peer yet; it must publish its throughput first")]
     info.last_seen = now
+    if update_gate.is_quarantined(state.gate, peer, now):
+        until = state.gate.quarantined_until[peer]
+        return [Rejected(peer, "", f"quarantined until {until:.0f} after repeated rejected updates")]
     for lease in state.leases.values():
         if lease.peer == peer:
             # A peer holds one lease at a time: asking again means it abandoned the old one.
@@ -496,10 +662,12 @@ def _next_uniform(state: CoordinatorState) -> float:
 
 def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     policy = state.policy
-    speeds = _alive_speeds(state)
+    info = state.peers[peer]
+    speed = _effective_speed(state, info)
     if policy.dylu:
-        steps = dylu_steps(speeds, peer, policy.max_local_steps, policy.min_steps)
-        why_steps = f"DyLU: {steps} steps at {speeds[peer]:.4g} units/s vs fastest {max(speeds.values()):.4g}"
+        fastest = max(_dylu_reference(state, now), speed)
+        steps = dylu_steps({peer: speed, "": fastest}, peer, policy.max_local_steps, policy.min_steps)
+        why_steps = f"DyLU: {steps} steps at {speed:.4g} units/s vs fastest {fastest:.4g}"
     else:
         steps = policy.max_local_steps
         why_steps = f"{steps} steps (fixed H)"
@@ -524,9 +692,10 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
         shard.cursor += steps
     shard.assigned += steps
     state.lease_counter += 1
-    duration = steps * policy.units_per_step / speeds[peer]
+    duration = steps * policy.units_per_step / speed
+    transfer = policy.transfer_allowance_s if info.transfer_s is None else 2.0 * info.transfer_s
     lease = Lease(
-        lease_id=f"L{state.lease_counter:08d}",
+        lease_id=_lease_id(state),
         peer=peer,
         shard=shard_index,
         start_offset=start,
@@ -535,12 +704,47 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
         base_version=state.version,
         issued_at=now,
         expected_finish=now + duration,
-        deadline=now + duration * policy.lease_timeout_factor + policy.lease_slack,
+        deadline=now + min(duration * policy.lease_timeout_factor + policy.lease_slack + transfer, policy.max_lease_s),
     )
     state.leases[lease.lease_id] = lease
-    if state.needs_base_params and state.version not in state.base_params:
-        state.base_params[state.version] = state.params.clone()
     return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
+
+
+def _lease_id(state: CoordinatorState) -> str:
+    """The id of lease number ``state.lease_counter``: sequential without a secret (the simulator), else an
+    HMAC of the counter — unguessable by other peers, and the same again when a log is replayed."""
+    if not state.lease_secret:
+        return f"L{state.lease_counter:08d}"
+    digest = hmac.new(state.lease_secret, state.lease_counter.to_bytes(8, "big"), hashlib.sha256).hexdigest()
+    return "L" + digest[:24]
+
+
+def base_theta(state: CoordinatorState, version: int) -> torch.Tensor | None:
+    """θ at ``version`` (the live tensor for the current version — clone before releasing the lock), or
+    None when it is no longer retained."""
+    if version == state.version:
+        return state.params
+    return state.base_params.get(version)
+
+
+def _retain_before_step(state: CoordinatorState) -> list[Action]:
+    """Copy-on-write of θ before the optimizer changes it: keep the current version when a lease still
+    needs it (θ not downloaded yet, or a staleness transform wants the base). At most
+    ``max_retained_versions`` older versions are kept: past that, the oldest not-yet-downloaded leases are
+    given back (their peers ask again and start from the newest θ)."""
+    needs_base = state.needs_base_params
+    if state.version not in state.base_params and any(
+        lease.base_version == state.version and (needs_base or not lease.fetched) for lease in state.leases.values()
+    ):
+        state.base_params[state.version] = state.params.clone()
+    actions: list[Action] = []
+    while len(state.base_params) > state.policy.max_retained_versions:
+        oldest = min(state.base_params)
+        for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+            if lease.base_version == oldest:
+                actions += _give_back(state, lease, f"θ of version {oldest} is no longer retained")
+        state.base_params.pop(oldest, None)
+    return actions
 
 
 def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
@@ -559,7 +763,8 @@ def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
 def _drop_unused_base_params(state: CoordinatorState) -> None:
     if not state.base_params:
         return
-    in_use = {lease.base_version for lease in state.leases.values()}
+    needs_base = state.needs_base_params
+    in_use = {lease.base_version for lease in state.leases.values() if needs_base or not lease.fetched}
     for version in list(state.base_params):
         if version not in in_use:
             del state.base_params[version]
@@ -571,6 +776,59 @@ def _expire(state: CoordinatorState, now: float) -> list[Action]:
         if now > lease.deadline:
             actions += _give_back(state, lease, f"lease deadline {lease.deadline:.1f} passed")
     return actions
+
+
+def _on_tick(state: CoordinatorState, now: float) -> list[Action]:
+    actions = _expire(state, now)
+    policy = state.policy
+    for peer, since in list(state.held.items()):
+        if now - since > policy.hold_limit:
+            del state.held[peer]
+            actions.append(Released(peer, f"held {now - since:.0f} s, longer than the hold limit {policy.hold_limit:g} s; ask again"))
+    if math.isfinite(policy.peer_timeout):
+        busy = {lease.peer for lease in state.leases.values()} | set(state.held)
+        for peer, info in sorted(state.peers.items()):
+            if info.alive and peer not in busy and now - info.last_seen > policy.peer_timeout:
+                actions += _on_peer_left(state, PeerLeft(peer), now)
+                actions.append(Left(peer, f"no report, request or submission for {now - info.last_seen:.0f} s (limit {policy.peer_timeout:g} s)"))
+    return actions
+
+
+def _on_fetched(state: CoordinatorState, event: Fetched, now: float) -> list[Action]:
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.last_seen = now
+    for lease in state.leases.values():
+        if lease.peer == event.peer and lease.base_version == event.version:
+            lease.fetched = True
+    _drop_unused_base_params(state)
+    return []
+
+
+def _on_restarted(state: CoordinatorState, event: Restarted, now: float) -> list[Action]:
+    state.held.clear()
+    state.window_end = None
+    for info in state.peers.values():
+        info.last_seen = max(info.last_seen, now + event.grace_s)
+    return []
+
+
+def _notice_peer_count(state: CoordinatorState) -> list[Action]:
+    """Tell the organiser when the live peers stop matching the outer optimizer's N. N stays as configured
+    (changing it mid-run would change the method); fewer peers than N make DN's momentum step rarer (every N
+    arrivals), more peers make it more frequent relative to each peer's rounds. docs/algorithm.md."""
+    n = state.policy.buffer_size
+    if n is None:
+        return []
+    live = sum(1 for info in state.peers.values() if info.alive)
+    if live == state.noticed_peers:
+        return []
+    previous, state.noticed_peers = state.noticed_peers, live
+    if live == n or live == 0 or (previous != n and previous > 0 and (previous < n) == (live < n)):
+        return []
+    relation = "fewer" if live < n else "more"
+    return [Notice(f"{live} live peer(s), {relation} than the outer optimizer's N = {n} (outer.buffer_size): "
+                   "the DN buffer steps every N arrivals; set outer.buffer_size to the number of peers you expect")]
 
 
 def _on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[Action]:
@@ -611,9 +869,11 @@ def admission_problem(state: CoordinatorState, peer: str, now: float) -> str:
     return f"the token {record.token_id} admitting this peer expired at {record.expires_at:.0f}; ask the organiser for a new one"
 
 
-def _turn_away(state: CoordinatorState, event: SpeedReport | RequestWork | SubmitUpdate, now: float) -> list[Action]:
-    if isinstance(event, SpeedReport):
-        return []  # no effect on DyLU, and no journal line per DHT read
+def _turn_away(
+    state: CoordinatorState, event: SpeedReport | Hello | RequestWork | Fetched | SubmitUpdate, now: float
+) -> list[Action]:
+    if isinstance(event, (SpeedReport, Hello, Fetched)):
+        return []  # no effect on DyLU, and no journal line per DHT read (the request that follows is refused)
     lease_id = event.lease_id if isinstance(event, SubmitUpdate) else ""
     return [Refused(event.peer, "", admission_problem(state, event.peer, now), lease_id)]
 
@@ -671,15 +931,18 @@ def validate_update(state: CoordinatorState, event: SubmitUpdate, lease: Lease) 
         return "pseudo-gradient must be a float32 tensor"
     if update.shape != state.params.shape:
         return f"pseudo-gradient has shape {tuple(update.shape)}, θ has {tuple(state.params.shape)}"
-    if not bool(torch.isfinite(update).all()):
-        return "pseudo-gradient contains NaN or Inf"
     staleness = state.version - lease.base_version
     if state.policy.max_staleness is not None and staleness > state.policy.max_staleness:
         return f"staleness {staleness} exceeds the bound {state.policy.max_staleness}"
-    if state.policy.max_update_norm is not None:
-        norm = float(torch.linalg.vector_norm(update))
-        if norm > state.policy.max_update_norm:
-            return f"pseudo-gradient norm {norm:.4g} exceeds the bound {state.policy.max_update_norm:g}"
+    if state.policy.gate is not None and state.policy.max_update_norm is None:
+        return None  # the gate's own pass over Δ finds NaN/Inf and judges the norm
+    # One pass: a NaN or Inf anywhere makes the sum of squares non-finite (so do values whose squares
+    # overflow float32 — far beyond any honest update).
+    squared = float(torch.dot(update, update))
+    if not math.isfinite(squared):
+        return "pseudo-gradient contains NaN or Inf, or its norm overflows float32"
+    if state.policy.max_update_norm is not None and math.sqrt(squared) > state.policy.max_update_norm:
+        return f"pseudo-gradient norm {math.sqrt(squared):.4g} exceeds the bound {state.policy.max_update_norm:g}"
     return None
 
 
@@ -697,20 +960,45 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     info = state.peers.get(event.peer)
     if info is not None:
         info.last_seen = now
-    base = state.base_params.get(lease.base_version)
-    adjusted = apply_transforms(state.transforms, event.pseudo_gradient, staleness, state.params, base)
+    update = event.pseudo_gradient
+    policy = state.policy
+    verdict = None
+    if policy.gate is not None:
+        verdict = update_gate.score(policy.gate, state.gate, update, lease.steps, event.peer, policy.norm_bound_per_step)
+        if verdict.action == "reject":
+            # The work is refused and its steps go back to the shard (its batches get trained by someone else).
+            quarantine = update_gate.record(policy.gate, state.gate, verdict, None, lease.steps, event.peer, now)
+            actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}")]
+            actions += _give_back(state, lease, "its update was rejected by the gate")
+            if quarantine is not None:
+                actions += _quarantine(state, event.peer, now, quarantine)
+            return actions
+        if verdict.action == "clip":
+            update.mul_(verdict.scale)
+    base = base_theta(state, lease.base_version) if state.needs_base_params else None
+    adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
     del state.leases[lease.lease_id]
+    if info is not None and not policy.trust_speeds:
+        busy = now - lease.issued_at - max(0.0, event.transfer_s)
+        if busy > 0:
+            info.observed = ema(info.observed, lease.steps * policy.units_per_step / busy, 0.5)
+        info.transfer_s = max(0.0, event.transfer_s)
     if adjusted.pseudo_gradient is None:
         # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
         state.applied[lease.lease_id] = state.version
         _drop_unused_base_params(state)
         return [Rejected(event.peer, lease.lease_id, adjusted.reason)]
+    retained = _retain_before_step(state)
     info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
     state.version += 1
     state.local_updates += lease.steps
     state.applied[lease.lease_id] = state.version
+    gate_note = ""
+    if verdict is not None and policy.gate is not None:
+        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, event.peer, now)
+        gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
     _drop_unused_base_params(state)
-    return [
+    return retained + [
         Applied(
             event.peer,
             lease.lease_id,
@@ -720,8 +1008,18 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
             lease.shard,
             info_step.moved,
             f"{info_step.reason}; {adjusted.reason}",
+            gate_note,
         )
     ]
+
+
+def _quarantine(state: CoordinatorState, peer: str, now: float, why: str) -> list[Action]:
+    actions: list[Action] = [Quarantined(peer, state.gate.quarantined_until[peer], why)]
+    state.held.pop(peer, None)
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if lease.peer == peer:
+            actions += _give_back(state, lease, "peer quarantined")
+    return actions
 
 
 def new_state(
@@ -731,6 +1029,7 @@ def new_state(
     policy: CoordinatorPolicy,
     shard_sizes: Sequence[int],
     seed: int,
+    lease_secret: bytes = b"",
 ) -> CoordinatorState:
     if params.dim() != 1 or params.dtype != torch.float32:
         raise ValueError("θ must be a flat float32 vector")
@@ -743,4 +1042,5 @@ def new_state(
         policy=policy,
         shards=[ShardState(int(size)) for size in shard_sizes],
         seed=seed,
+        lease_secret=lease_secret,
     )

@@ -30,6 +30,7 @@ from asyncloco.algo.staleness import (
     StalenessTransform,
 )
 
+from asyncloco.coordinator.gate import GatePolicy, adamw_norm_bound
 from asyncloco.coordinator.logic import CoordinatorPolicy
 
 if TYPE_CHECKING:
@@ -154,10 +155,43 @@ def build_method(
     return spec, spec.outer(cfg, workers), spec.transforms(cfg, groups)
 
 
-def coordinator_policy(cfg: "RunConfig", spec: MethodSpec, units_per_step: int, *, simulated: bool) -> CoordinatorPolicy:
-    """The decision knobs of a run. In the simulator (fake time, nobody crashes) leases never expire
-    and no update is refused for staleness or size, so every method sees the same updates."""
+def coordinator_policy(
+    cfg: "RunConfig", spec: MethodSpec, units_per_step: int, *, simulated: bool, numel: int | None = None
+) -> CoordinatorPolicy:
+    """The decision knobs of a run. In the simulator (fake time, nobody crashes, nobody lies) leases never
+    expire, no update is refused for staleness or size, speeds are taken as reported and the update gate is
+    off, so every method sees the same updates. A real run (``numel`` given) gets the gate, speeds bound to
+    the reporting peer and capped by what it delivers, liveness and hold limits, and capped lease deadlines."""
+    runtime = cfg.runtime
+    real = not simulated
+    gate = None
+    if real and runtime.gate.enabled:
+        knobs = runtime.gate
+        gate = GatePolicy(
+            clip_factor=knobs.clip_factor,
+            reject_factor=knobs.reject_factor,
+            cosine_mads=knobs.cosine_mads,
+            cosine_cap=knobs.cosine_cap,
+            window=knobs.window,
+            warmup=knobs.warmup,
+            probation_updates=knobs.probation_updates,
+            quarantine_after=knobs.quarantine_after,
+            quarantine_window=knobs.quarantine_window,
+            quarantine_s=knobs.quarantine_s,
+        )
+    bound = None
+    if gate is not None and numel is not None and cfg.inner.optimizer in ("adamw", "adamw8bit"):
+        bound = adamw_norm_bound(cfg.inner.lr, numel, cfg.inner.weight_decay, cfg.inner.betas)
+    hold_limit = 600.0 if spec.barrier else cfg.schedule.grace_period + 30.0
     return CoordinatorPolicy(
+        gate=gate,
+        norm_bound_per_step=bound,
+        trust_speeds=simulated,
+        peer_timeout=3 * runtime.speed_report_period if real else math.inf,
+        hold_limit=hold_limit if real else math.inf,
+        max_lease_s=runtime.max_lease_s if real else math.inf,
+        transfer_allowance_s=runtime.transfer_allowance_s if real else 0.0,
+        buffer_size=(cfg.outer.buffer_size or cfg.sim.workers) if real and spec.outer in (_dn, _buffer, _sync) else None,
         max_local_steps=cfg.schedule.max_local_steps,
         min_steps=cfg.schedule.min_steps,
         dylu=spec.dylu,

@@ -20,6 +20,7 @@ authenticated peer id of the RPC stream (``context.remote_id``), never these cla
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
@@ -35,7 +36,7 @@ from asyncloco.transport.codecs import CODECS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SpeedReport", "CoordinatorAnnouncement", "RunRecords"]
+__all__ = ["SpeedReport", "CoordinatorAnnouncement", "RunRecords", "key_fingerprint"]
 
 _PEER_ID = constr(strict=True, min_length=1, max_length=128)
 _SHORT_TEXT = constr(strict=True, max_length=128)
@@ -97,6 +98,11 @@ class CoordinatorAnnouncement:
     timestamp: float
 
 
+def key_fingerprint(public_key: bytes) -> str:
+    """A short, stable name of a DHT signing key (the subkey hivemind's signature validator stores under)."""
+    return hashlib.sha256(public_key).hexdigest()[:32]
+
+
 def _dht_value(model: type[BaseModel], fields: Dict[str, Any]) -> Dict[str, Any]:
     """Validate locally first so a bad value fails here with a readable error, not as a silent False."""
     return model.parse_obj(fields).dict()
@@ -132,6 +138,29 @@ class RunRecords:
                 self._speed_key, value, get_dht_time() + ttl_s, subkey=self.local_public_key
             )
         )
+
+    @property
+    def signer(self) -> str:
+        """This node's signing-key fingerprint (:func:`key_fingerprint`); a peer sends it to the coordinator
+        over its authenticated RPC, binding its DHT records to its libp2p identity."""
+        return key_fingerprint(self.local_public_key)
+
+    def read_signed_speeds(self) -> list[tuple[str, SpeedReport]]:
+        """Every unexpired speed report with the fingerprint of the key that signed it. The coordinator
+        counts a report only when that key is the one its claimed peer bound over an authenticated RPC."""
+        found = self.dht.get(self._speed_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        signed: list[tuple[str, SpeedReport]] = []
+        for owner_key, entry in found.value.items():
+            if entry.value is None or not isinstance(owner_key, bytes):
+                continue
+            try:
+                report = SpeedReport(**_SpeedValue.parse_obj(entry.value).dict())
+            except (ValidationError, TypeError):
+                continue
+            signed.append((key_fingerprint(owner_key), report))
+        return signed
 
     def read_speeds(self) -> Dict[str, SpeedReport]:
         """All unexpired speed reports of the run, by claimed peer id (see the trust note above)."""

@@ -1,0 +1,231 @@
+"""The robust update gate: every pseudo-gradient is scored before it touches θ.
+
+Pure and deterministic (no clock, no I/O, no global RNG): the coordinator logic calls :func:`score`
+for an update that passed the structural checks (its lease, shape, dtype), applies the verdict, and
+calls :func:`record` with what it did. The threat model — what the gate stops and what it cannot —
+is in ``docs/threat-model.md``.
+
+An update is judged against statistics of recently *accepted* updates, so no per-run tuning:
+
+* **norm** — the per-step norm ``‖Δ‖ / steps`` (DyLU gives peers different step counts) against the
+  median of the last ``window`` accepted ones: above ``clip_factor`` × median the update is scaled
+  down to that bound (clipped), above ``reject_factor`` × median it is rejected. A non-finite norm
+  (NaN, Inf, or values whose squares overflow float32) is always rejected.
+* **direction** — the cosine between Δ and a *reference direction*, an exponential moving average of
+  the unit vectors of accepted updates (the recent consensus of the honest peers). An update whose
+  cosine falls below ``min(cosine_cap, median − cosine_mads × MAD)`` of the recent accepted cosines
+  is rejected: a sign-flipped or random update points away from (or orthogonally to) where everyone
+  else is going, while honest updates of one run agree with each other.
+
+Until ``warmup`` updates have been accepted the relative checks have no statistics; the norm is then
+judged against the median of what was accepted so far, with ``reject_factor`` only (so the first
+update of a run is taken as it is, and one early hostile update cannot be far above its peers).
+
+Peers start on **probation**: for their first ``probation_updates`` accepted updates, the bounds are
+tightened by ``probation_tightening`` (the norm bounds shrink, the cosine threshold rises), and a
+rejection on probation counts twice. A peer with ``quarantine_after`` rejections among its last
+``quarantine_window`` verdicts is **quarantined** for ``quarantine_s`` seconds (doubling each time):
+the logic refuses it leases.
+
+Cost: two dot products over θ to score (‖Δ‖², Δ·r) and, for an accepted update, one fused
+``r ← d·r + (1−d)·Δ/‖Δ‖`` plus one norm to keep the reference — no θ-sized allocation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound"]
+
+
+def adamw_norm_bound(lr_max: float, numel: int, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+    """A ceiling on ``‖Δ‖`` per inner AdamW step of an honest peer: Adam's normalised step is at most
+    (1 − β1) / sqrt(1 − β2) per element in the worst case of bias correction (≈ 3.2 at the defaults) and
+    never much above 1 in practice; times η_max, times sqrt(numel); weight decay adds η·λ·|θ| (taken with
+    |θ| ≤ 10). Doubled for safety: no honest update comes near it, a scaled-up one does."""
+    per_element = max(1.0, (1.0 - betas[0]) / math.sqrt(1.0 - betas[1])) + 10.0 * weight_decay
+    return 2.0 * lr_max * per_element * math.sqrt(numel)
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    """Knobs of the gate (``runtime.gate`` in the run config). The defaults need no per-run tuning."""
+
+    clip_factor: float = 4.0
+    reject_factor: float = 20.0
+    cosine_mads: float = 6.0
+    cosine_cap: float = 0.5
+    window: int = 32
+    warmup: int = 6
+    reference_decay: float = 0.8
+    probation_updates: int = 3
+    probation_tightening: float = 0.5
+    quarantine_after: int = 3
+    quarantine_window: int = 6
+    quarantine_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.clip_factor <= self.reject_factor:
+            raise ValueError("gate: need 1 <= clip_factor <= reject_factor")
+        if not 0.0 <= self.reference_decay < 1.0:
+            raise ValueError("gate: reference_decay must be in [0, 1)")
+        if self.window < 3 or self.warmup < 1 or self.quarantine_after < 1 or self.quarantine_window < self.quarantine_after:
+            raise ValueError("gate: window >= 3, warmup >= 1, 1 <= quarantine_after <= quarantine_window")
+
+
+@dataclass
+class GateState:
+    norms: list[float] = field(default_factory=list)  # per-step norms of the last `window` accepted updates
+    cosines: list[float] = field(default_factory=list)  # their cosines with the reference at the time
+    reference: torch.Tensor | None = None  # EMA of unit accepted updates (flat fp32), None before the first
+    reference_norm: float = 0.0
+    accepted: int = 0
+    peer_accepted: dict[str, int] = field(default_factory=dict)
+    verdicts: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent: True = rejected
+    quarantined_until: dict[str, float] = field(default_factory=dict)
+    quarantines: dict[str, int] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "norms": list(self.norms),
+            "cosines": list(self.cosines),
+            "reference": self.reference,
+            "reference_norm": self.reference_norm,
+            "accepted": self.accepted,
+            "peer_accepted": dict(self.peer_accepted),
+            "verdicts": {k: list(v) for k, v in self.verdicts.items()},
+            "quarantined_until": dict(self.quarantined_until),
+            "quarantines": dict(self.quarantines),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "GateState":
+        reference = state["reference"]
+        return cls(
+            norms=[float(x) for x in state["norms"]],
+            cosines=[float(x) for x in state["cosines"]],
+            reference=None if reference is None else reference.clone(),
+            reference_norm=float(state["reference_norm"]),
+            accepted=int(state["accepted"]),
+            peer_accepted={k: int(v) for k, v in state["peer_accepted"].items()},
+            verdicts={k: [bool(x) for x in v] for k, v in state["verdicts"].items()},
+            quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
+            quarantines={k: int(v) for k, v in state["quarantines"].items()},
+        )
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    action: Literal["accept", "clip", "reject"]
+    scale: float  # multiply Δ by this before applying (1.0 unless clipped)
+    norm: float
+    cosine: float | None
+    reason: str
+
+
+def _mad(values: list[float], center: float) -> float:
+    return median(abs(v - center) for v in values)
+
+
+def is_quarantined(gate: GateState, peer: str, now: float) -> bool:
+    return gate.quarantined_until.get(peer, -math.inf) > now
+
+
+def score(
+    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None = None
+) -> GateVerdict:
+    """Judge ``update`` (flat fp32, not modified) from a lease of ``steps`` local steps.
+
+    ``bound_per_step``: an absolute ceiling on ``‖Δ‖ / steps`` that holds for any honest peer whatever the
+    statistics say (for inner AdamW: a few × η_max × sqrt(numel), see ``adamw_norm_bound``); it guards the
+    first updates of a run, before there is a median to compare with."""
+    squared = float(torch.dot(update, update))
+    if not math.isfinite(squared):
+        return GateVerdict("reject", 0.0, math.nan, None, "pseudo-gradient contains NaN or Inf, or its norm overflows float32")
+    norm = math.sqrt(squared)
+    per_step = norm / max(1, steps)
+    if bound_per_step is not None and per_step > bound_per_step:
+        return GateVerdict(
+            "reject", 0.0, norm, None,
+            f"per-step norm {per_step:.4g} exceeds what inner AdamW can move θ in one step ({bound_per_step:.4g})",
+        )
+    probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
+    tight = policy.probation_tightening if probation else 1.0
+    on = " (peer on probation)" if probation else ""
+    if not gate.norms:
+        return GateVerdict("accept", 1.0, norm, None, "first update of the run: no statistics yet")
+    typical = median(gate.norms)
+    if typical > 0:
+        ratio = per_step / typical
+        reject_at = max(policy.clip_factor, policy.reject_factor * tight)
+        if ratio > reject_at:
+            return GateVerdict(
+                "reject", 0.0, norm, None,
+                f"per-step norm {per_step:.4g} is {ratio:.3g}× the recent median {typical:.4g} (limit {reject_at:g}×){on}",
+            )
+    cosine = None
+    if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
+        cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
+    warm = gate.accepted >= policy.warmup
+    if warm and cosine is not None and len(gate.cosines) >= 3:
+        center = median(gate.cosines)
+        spread = max(_mad(gate.cosines, center), 1e-3)
+        # Adaptive: honest updates of one run agree (cosines 0.2-0.65 with the consensus in the demo), so a
+        # sign-flipped (≈ −median) or random (≈ 0) one falls far below; never demand more than cosine_cap.
+        threshold = min(policy.cosine_cap, center - policy.cosine_mads * tight * spread)
+        if cosine < threshold:
+            return GateVerdict(
+                "reject", 0.0, norm, cosine,
+                f"direction disagrees with the recent consensus: cosine {cosine:.3f} < {threshold:.3f} "
+                f"(median {center:.3f}, MAD {spread:.3f}){on}",
+            )
+    if warm and typical > 0:
+        clip_at = max(1.0, policy.clip_factor * tight)
+        if per_step > clip_at * typical:
+            scale = clip_at * typical / per_step
+            return GateVerdict(
+                "clip", scale, norm, cosine,
+                f"per-step norm {per_step:.4g} clipped to {clip_at:g}× the recent median {typical:.4g}{on}",
+            )
+    return GateVerdict("accept", 1.0, norm, cosine, "passed the gate")
+
+
+def record(
+    policy: GatePolicy, gate: GateState, verdict: GateVerdict, update: torch.Tensor | None, steps: int, peer: str, now: float
+) -> str | None:
+    """Book a verdict. ``update`` is the update as applied (after clipping), or None when it was rejected.
+    Returns the reason when this verdict put ``peer`` into quarantine."""
+    rejected = verdict.action == "reject"
+    history = gate.verdicts.setdefault(peer, [])
+    probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
+    history.extend([rejected, rejected] if (rejected and probation) else [rejected])
+    del history[: max(0, len(history) - policy.quarantine_window)]
+    if not rejected and update is not None:
+        norm = verdict.norm * verdict.scale
+        gate.norms.append(norm / max(1, steps))
+        if verdict.cosine is not None:
+            gate.cosines.append(verdict.cosine)
+        del gate.norms[: max(0, len(gate.norms) - policy.window)]
+        del gate.cosines[: max(0, len(gate.cosines) - policy.window)]
+        if norm > 0:
+            if gate.reference is None:
+                gate.reference = update / norm
+            else:
+                gate.reference.mul_(policy.reference_decay).add_(update, alpha=(1.0 - policy.reference_decay) / norm)
+            gate.reference_norm = float(torch.linalg.vector_norm(gate.reference))
+        gate.accepted += 1
+        gate.peer_accepted[peer] = gate.peer_accepted.get(peer, 0) + 1
+        return None
+    if sum(history) >= policy.quarantine_after:
+        count = gate.quarantines.get(peer, 0)
+        duration = policy.quarantine_s * (2**count)
+        gate.quarantines[peer] = count + 1
+        gate.quarantined_until[peer] = now + duration
+        history.clear()
+        return f"{policy.quarantine_after} rejected updates among its last {policy.quarantine_window}: quarantined for {duration:.0f} s"
+    return None
