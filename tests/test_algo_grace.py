@@ -1,4 +1,4 @@
-"""Grace-period decisions on explicit timelines (paper Algorithms 2 and 5, algorithm.md §6)."""
+"""Grace-period decisions on explicit timelines (paper Algorithms 2 and 5, docs/algorithm.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Outer optimizers against torch references and closed forms (algorithm.md §2, §7.1, §7.3)."""
+"""Outer optimizers against torch references and closed forms (docs/algorithm.md §2, §7.1, §7.3)."""
 
 from __future__ import annotations
 
@@ -272,7 +272,7 @@ def test_delayed_nesterov_does_not_reapply_the_buffer() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_dn_with_n_equal_k_is_one_nesterov_step_on_the_mean(k: int) -> None:
-    """algorithm.md §7.1 — over several rounds, so the momentum carried between rounds matters too."""
+    """docs/algorithm.md §7.1 — over several rounds, so the momentum carried between rounds matters too."""
     lr, beta, rounds = 0.7, 0.9, 3
     theta0 = _theta()
     dn = DelayedNesterov(lr, beta, buffer_size=k, activation=0.0)
@@ -292,7 +292,7 @@ def test_dn_with_n_equal_k_is_one_nesterov_step_on_the_mean(k: int) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("k", [1, 4, 6])
 def test_async_nesterov_k_identical_updates_match_paper_eq5(k: int) -> None:
-    """algorithm.md §7.3: θ_{t+k} = θ_t − ε[(Σ_{i=2}^{k+1} β^i)·m_t + (k + Σ_{i=1}^{k} (k−i+1)·β^i)·g]."""
+    """docs/algorithm.md §7.3: θ_{t+k} = θ_t − ε[(Σ_{i=2}^{k+1} β^i)·m_t + (k + Σ_{i=1}^{k} (k−i+1)·β^i)·g]."""
     lr, beta = 0.7, 0.9
     theta0 = _theta()
     m_t, g = _vectors(2, seed=30)

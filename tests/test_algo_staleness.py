@@ -1,4 +1,4 @@
-"""Staleness transforms (algorithm.md §2 baselines): exact formulas, composition, state round trips."""
+"""Staleness transforms (docs/algorithm.md §2 baselines): exact formulas, composition, state round trips."""
 
 from __future__ import annotations
 

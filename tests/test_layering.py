@@ -1,4 +1,4 @@
-"""The layering of design.md, enforced mechanically on the source (no imports executed)."""
+"""The layering of docs/algorithm.md §9, enforced mechanically on the source (no imports executed)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ hundreds of MB; copying it per arrival would dominate the coordinator's time) an
 :class:`OuterStepInfo` that says what happened and why. ``state_dict``/``load_state_dict``
 round-trip the full optimizer state so a coordinator checkpoint resumes the same trajectory.
 
-Conventions (see ``docs``/algorithm.md §2):
+Conventions (see docs/algorithm.md §2):
 
 * ``lr_scale`` multiplies the outer learning rate ε for this one step (used by ElasticDL's
   staleness-modulated lr and AsyncLM's async-aware regulator);

@@ -9,7 +9,7 @@ Events and what the coordinator decides:
 
 * :class:`SpeedReport` — a peer's measured throughput (tokens or samples per second), smoothed.
 * :class:`RequestWork` — a peer wants a lease: answer now (:class:`Assign`) or hold it for the
-  grace period (:class:`Hold`), paper Algorithm 2 / algorithm.md §6. A held request is answered
+  grace period (:class:`Hold`), paper Algorithm 2 / docs/algorithm.md §6. A held request is answered
   later by an :class:`Assign` emitted while handling another event.
 * :class:`SubmitUpdate` — a pseudo-gradient arrives for a lease: validate it, apply it with the
   method's outer optimizer (:class:`Applied`), acknowledge a resend without applying it twice

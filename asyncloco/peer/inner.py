@@ -1,4 +1,4 @@
-"""The inner loop of one round (algorithm.md §1), shared by simulated workers and real peers.
+"""The inner loop of one round (docs/algorithm.md §1), shared by simulated workers and real peers.
 
 Start from θ(v0) exactly as received, run ``steps`` inner AdamW steps on the lease's batches with the
 shard's learning-rate schedule, and return the pseudo-gradient g = θ_start − θ_end. The inner

@@ -1,6 +1,6 @@
 """A volunteer peer: join the DHT, publish its speed, and train leases from the coordinator.
 
-Round trip of one lease (algorithm.md §1):
+Round trip of one lease (docs/algorithm.md §1):
 
 1. ``assign`` → a lease (the coordinator may hold the answer for its grace period);
 2. ``get_model(base_version)`` → θ exactly as the lease's base version;
