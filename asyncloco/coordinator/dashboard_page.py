@@ -89,6 +89,7 @@ function el(tag, attrs, text) {
 }
 function short(v) {
   const a = Math.abs(v);
+  if (Number.isInteger(v) && a < 1e6) return String(v);
   return a >= 1e4 || (a > 0 && a < 1e-2) ? v.toExponential(1) : a >= 100 ? v.toFixed(0) : v.toPrecision(3);
 }
 function lineChart(svg, points, logY) {
