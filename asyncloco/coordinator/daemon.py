@@ -74,6 +74,7 @@ from asyncloco.coordinator.logic import (
     Released,
     Rejected,
     RequestWork,
+    Restarted,
     SpeedReport,
     SubmitUpdate,
     Tick,
@@ -305,10 +306,14 @@ class CoordinatorDaemon:
         self._snapshot_seq = snapshot_wal_seq(snapshot)
         self.wal = open_log(self.dir, self._snapshot_seq, archive=self.cfg.runtime.wal_archive)
         self.replayed = self.replay(read_records(self.dir / WAL_DIR, self._snapshot_seq))
+        # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
+        # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
         now = time.time()
-        self.wal.append("mark", "Resumed", now, {})
+        restarted = Restarted(RESUME_GRACE_S)
+        _, actions = handle(self.state, restarted, now)
+        self.wal.append_event(restarted, now)
         self.wal.sync()
-        self._after_restart(now)
+        self._bookkeep(actions)
         self._changed_since_snapshot = self.replayed > 0
         logger.info(
             "resumed from %s: snapshot at log record %d + %d replayed: version %d, %d local updates, %d active leases",
@@ -337,8 +342,6 @@ class CoordinatorDaemon:
                     event = decode_event(record, EVENT_TYPES, decode_blob)
                     _, actions = handle(self.state, event, record.now)
                     self._bookkeep(actions)
-                elif record.type == "Resumed":
-                    self._after_restart(record.now)
                 elif record.type == "HoldDropped":
                     self.state.held.pop(str(record.fields["peer"]), None)
                 else:
@@ -348,18 +351,6 @@ class CoordinatorDaemon:
             if journal is not None:
                 self.journal = journal
         return count
-
-    def _after_restart(self, now: float) -> None:
-        """What a restart does to the state (logged as a ``Resumed`` mark, so a later replay does it too)."""
-        # Requests held before the restart died with their RPCs; their peers will ask again.
-        self.state.held.clear()
-        self.state.window_end = None
-        # The downtime is not the peers' silence: without this, the first speed-loop pass after a restart
-        # (before any report reached the new DHT node) declared every peer gone and gave back every lease
-        # in flight, so the peers' resends were rejected and their work lost. They get the usual 3 report
-        # periods, counted from RESUME_GRACE_S from now (a peer's resend backoff grows to 10 s).
-        for info in self.state.peers.values():
-            info.last_seen = max(info.last_seen, now + RESUME_GRACE_S)
 
     def _drop_held(self, peer: str) -> None:
         """A held request that timed out (the peer will ask again); logged, so a replay drops it too."""
