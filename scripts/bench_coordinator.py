@@ -1,0 +1,381 @@
+"""What one coordinator costs per decision, per model size, in-process (no network) — issue 8, item 3.
+
+For each size the coordinator daemon is built around a θ of exactly the preset's parameter count (the
+paper's 32k vocabulary; the parameter tensors have the preset's shapes, values are random) and driven
+through its real durable path (``CoordinatorDaemon._decide``: ``handle`` → write-ahead log → fsync →
+actions), with int8 pseudo-gradients as peers send them. Each size runs in its own process (peak RSS per
+size). Every figure is a median over repeats, in seconds, measured side by side in the same process with
+the two yardsticks the targets are stated in:
+
+* ``memcpy_s``: copy of θ (fp32) into a preallocated tensor;
+* ``fsync_update_s``: write + fsync of one int8-encoded update's bytes to a new file in the checkpoint dir;
+* ``decode_s`` (int8 → fp32), ``validate_s`` (``logic.validate_update`` + the update gate's scoring, when a
+  gate is configured), ``apply_s`` (the outer optimizer's step), ``wal_append_s`` (append + fsync of a
+  submission record with its encoded bytes);
+* ``ack_latency_s``: decode + ``_decide(SubmitUpdate)`` (validate, apply, log, fsync, bookkeeping) — what a
+  peer waits for after its bytes arrived; ``ack_during_snapshot_s``: the same while a background snapshot
+  is being written;
+* ``lease_latency_s``: ``_decide(RequestWork)`` incl. its fsync; ``lease_bytes_written``: bytes the lease
+  wrote to storage (log record only: a lease writes no θ-sized data);
+* ``snapshot_copy_s`` (the consistent copy taken under the lock) and ``snapshot_s`` (writing it in the
+  background: temp file, fsync, rename);
+* ``updates_per_s``: sustained lease + submit cycles for ``--sustain`` seconds with background snapshots
+  every ``snapshot_every`` updates; ``storage_per_update_theta``: bytes written (log + snapshots) per applied
+  update, in units of θ's fp32 size; ``peers_at_60s_round``: peers one coordinator serves when each
+  submits once per 60 s round (updates_per_s × 60);
+* ``peak_rss_mb`` of the process.
+
+Targets (issue 8, at 150m): ack ≤ 1.5 × fsync_update + 4 × memcpy; lease ≤ 50 ms; validate ≤ 2 × memcpy.
+
+Usage: ``python scripts/bench_coordinator.py --sizes tiny,150m --json out.json`` (≈ 4 min on 2 cores;
+20m and 60m add ≈ 1 min each). Prints a table and the ratios; the README's capacity table comes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from asyncloco.config import load_config
+from asyncloco.coordinator import gate as update_gate
+from asyncloco.coordinator.daemon import CoordinatorDaemon
+from asyncloco.coordinator.logic import Applied, Assign, Lease, RequestWork, SpeedReport, SubmitUpdate, validate_update
+from asyncloco.models.workload import Workload
+from asyncloco.transport.codecs import decode, encode, wire_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = ("tiny", "20m", "60m", "150m")
+KEYS = (
+    "numel", "memcpy_s", "fsync_update_s", "decode_s", "validate_s", "apply_s", "wal_append_s", "ack_latency_s",
+    "ack_during_snapshot_s", "lease_latency_s", "lease_bytes_written", "snapshot_copy_s", "snapshot_s",
+    "updates_per_s", "storage_per_update_theta", "peers_at_60s_round", "peak_rss_mb",
+)
+
+
+# ------------------------------------------------------------------------------------ a θ of the size
+
+
+class _Params(nn.Module):
+    def __init__(self, shapes: list[torch.Size], seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.tensors = nn.ParameterList(
+            nn.Parameter(torch.randn(shape, generator=generator) * 0.02, requires_grad=False) for shape in shapes
+        )
+
+
+class SizedWorkload(Workload):
+    """The coordinator side of a model preset: only θ's layout matters to it (no data, no evaluation)."""
+
+    units_per_step = 8 * 64
+
+    def __init__(self, preset: str) -> None:
+        from transformers import LlamaForCausalLM
+
+        from asyncloco.models.presets import causal_lm_config
+
+        vocab = 4096 if preset == "tiny" else None  # tiny has no paper vocabulary: the project's tokenizer
+        with torch.device("meta"):
+            model = LlamaForCausalLM(causal_lm_config(preset, vocab))
+        self.shapes = [p.shape for p in model.parameters()]
+
+    def build_model(self, seed: int) -> nn.Module:
+        return _Params(self.shapes, seed)
+
+    def shard_sizes(self) -> list[int]:
+        return [10**6] * 4
+
+    def batch(self, shard: int, index: int) -> Any:
+        raise NotImplementedError("the coordinator benchmark trains nothing")
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        raise NotImplementedError("the coordinator benchmark trains nothing")
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {}
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def median_time(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None) -> float:
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fsync_bytes(directory: Path, parts: list[Any]) -> None:
+    path = directory / "fsync-probe.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    path.unlink()
+
+
+def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict[str, Any]:
+    overrides = {
+        "schedule.grace_period": 0.0,
+        "outer.buffer_size": 4,
+        "runtime.codec": "int8",
+        "runtime.eval_every": 10**9,
+        "runtime.snapshot_every": 10**9,
+        "runtime.snapshot_every_s": 1e9,
+    }
+    cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
+    daemon = CoordinatorDaemon(cfg, checkpoint_dir=workdir, workload=SizedWorkload(size))
+    numel = daemon.numel
+    theta_bytes = 4 * numel
+    state = daemon.state
+    lr = cfg.inner.lr
+    generator = torch.Generator().manual_seed(1)
+    out: dict[str, Any] = {"numel": numel}
+
+    def fresh_update(steps: int) -> torch.Tensor:
+        # a well-formed pseudo-gradient: what `steps` inner AdamW steps could move each value (|Δ| ≲ lr·steps)
+        return torch.randn(numel, generator=generator).mul_(0.05 * lr * steps)
+
+    peer = "bench-peer"
+    scratch = torch.empty_like(state.params)
+    out["memcpy_s"] = median_time(lambda: scratch.copy_(state.params), repeats)
+    del scratch
+    update = fresh_update(10)
+    wire = encode("int8", update)
+    assert wire.nbytes == wire_bytes("int8", numel)
+    out["fsync_update_s"] = median_time(lambda: fsync_bytes(workdir, [wire.meta, wire.payload]), repeats)
+    out["decode_s"] = median_time(lambda: decode(wire, numel), repeats)
+
+    async def scenario() -> None:
+        daemon._stop_event = asyncio.Event()
+        await daemon._save()
+
+        async def lease() -> Lease:
+            async with daemon.lock:
+                actions = await daemon._decide(RequestWork(peer))
+            (assign,) = [a for a in actions if isinstance(a, Assign)]
+            return assign.lease
+
+        async def submit(lease_: Lease, encoded: Any) -> Any:
+            tensor = await asyncio.to_thread(decode, encoded, numel)
+            async with daemon.lock:
+                actions = await daemon._decide(SubmitUpdate(peer, lease_.lease_id, lease_.base_version, tensor), wire=encoded)
+            verdict = [a for a in actions if getattr(a, "lease_id", None) == lease_.lease_id]
+            if not (verdict and isinstance(verdict[0], Applied)):
+                raise RuntimeError(f"the benchmark's update was not applied: {verdict}")
+            return verdict[0]
+
+        async with daemon.lock:
+            await daemon._decide(SpeedReport(peer, 10_000.0))
+        # validation and apply, on a live lease
+        current = await lease()
+        tensor = decode(wire, numel)
+        event = SubmitUpdate(peer, current.lease_id, current.base_version, tensor)
+
+        def validate() -> None:
+            problem = validate_update(state, event, current)
+            assert problem is None, problem
+            if state.policy.gate is not None:
+                update_gate.score(state.policy.gate, state.gate, tensor, current.steps, peer, state.policy.norm_bound_per_step)
+
+        out["validate_s"] = median_time(validate, repeats)
+        out["apply_s"] = median_time(lambda: state.optimizer.step(state.params, tensor, 1.0), repeats)
+        out["wal_append_s"] = median_time(
+            lambda: (daemon.wal.append_event(event, time.time(), {"pseudo_gradient": ("int8", numel, [wire.meta, wire.payload])}), daemon.wal.sync()),
+            repeats,
+        )
+        await submit(current, wire)
+
+        # ack and lease latency, through the daemon's durable path
+        acks, leases, lease_bytes = [], [], []
+        for _ in range(repeats):
+            before = daemon.wal.bytes_written + daemon.snapshot_bytes
+            start = time.perf_counter()
+            current = await lease()
+            leases.append(time.perf_counter() - start)
+            lease_bytes.append(daemon.wal.bytes_written + daemon.snapshot_bytes - before)
+            encoded = encode("int8", fresh_update(current.steps))
+            start = time.perf_counter()
+            await submit(current, encoded)
+            acks.append(time.perf_counter() - start)
+        out["ack_latency_s"] = statistics.median(acks)
+        out["lease_latency_s"] = statistics.median(leases)
+        out["lease_bytes_written"] = max(lease_bytes)
+
+        # a background snapshot: the copy under the lock, the write in a thread; acks go on meanwhile
+        async with daemon.lock:
+            start = time.perf_counter()
+            payload = daemon._snapshot_payload(copy=True)
+            daemon.wal.rotate()
+            out["snapshot_copy_s"] = time.perf_counter() - start
+        done = threading.Event()
+        written: dict[str, float] = {}
+
+        def write() -> None:
+            begin = time.perf_counter()
+            daemon._write_snapshot(payload)
+            written["s"] = time.perf_counter() - begin
+            done.set()
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        during = []
+        while not done.is_set() and len(during) < 3:
+            current = await lease()
+            encoded = encode("int8", fresh_update(current.steps))
+            start = time.perf_counter()
+            await submit(current, encoded)
+            during.append(time.perf_counter() - start)
+        await asyncio.to_thread(thread.join)
+        del payload
+        out["snapshot_s"] = written["s"]
+        out["ack_during_snapshot_s"] = statistics.median(during) if during else None
+
+        # sustained: lease + submit cycles, background snapshots every `snapshot_every` updates
+        snapshot_every = max(5, int(sustain_s * 0.5 / max(out["ack_latency_s"] + out["lease_latency_s"], 1e-3)))
+        daemon.cfg = daemon.cfg.model_copy(update={"runtime": daemon.cfg.runtime.model_copy(update={"snapshot_every": snapshot_every})})
+        updates_before = state.version
+        written_before = daemon.wal.bytes_written + daemon.snapshot_bytes
+        prepared = encode("int8", fresh_update(10))
+        start = time.perf_counter()
+        while time.perf_counter() - start < sustain_s or state.version - updates_before < 3:
+            current = await lease()
+            await submit(current, prepared)
+        await daemon._wait_for_snapshot()
+        elapsed = time.perf_counter() - start
+        updates = state.version - updates_before
+        out["updates_per_s"] = updates / elapsed
+        out["sustained_updates"] = updates
+        out["sustained_snapshot_every"] = snapshot_every
+        out["storage_per_update_theta"] = (daemon.wal.bytes_written + daemon.snapshot_bytes - written_before) / updates / theta_bytes
+        out["peers_at_60s_round"] = int(out["updates_per_s"] * 60)
+
+    asyncio.run(scenario())
+    daemon.journal.close()
+    daemon.wal.close()
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["ack_target_s"] = 1.5 * out["fsync_update_s"] + 4 * out["memcpy_s"]
+    return out
+
+
+# -------------------------------------------------------------------------------------------- main
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value >= 100:
+            return f"{value:.0f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def report(results: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    head = ["size", "θ (M)", "memcpy", "fsync(upd)", "decode", "validate", "apply", "WAL+fsync", "ack", "ack|snap", "lease", "snapshot", "upd/s", "peers@60s", "RSS MB"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for size, r in results.items():
+        row = [size, f"{r['numel'] / 1e6:.1f}"] + [
+            fmt(r[k]) for k in ("memcpy_s", "fsync_update_s", "decode_s", "validate_s", "apply_s", "wal_append_s", "ack_latency_s",
+                                "ack_during_snapshot_s", "lease_latency_s", "snapshot_s", "updates_per_s", "peers_at_60s_round", "peak_rss_mb")
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append("(seconds, medians; ack|snap: ack latency while a background snapshot is written)")
+    lines.append("")
+    for size, r in results.items():
+        lines.append(
+            f"{size}: ack {r['ack_latency_s']:.3g} s = {r['ack_latency_s'] / r['ack_target_s']:.2f} × target "
+            f"(1.5 × fsync {r['fsync_update_s']:.3g} + 4 × memcpy {r['memcpy_s']:.3g} = {r['ack_target_s']:.3g} s); "
+            f"validate = {r['validate_s'] / r['memcpy_s']:.2f} × memcpy (target ≤ 2); "
+            f"apply = {r['apply_s'] / r['memcpy_s']:.2f} × memcpy; decode = {r['decode_s'] / r['memcpy_s']:.2f} × memcpy; "
+            f"WAL append = {r['wal_append_s'] / r['fsync_update_s']:.2f} × fsync(update); "
+            f"lease {1000 * r['lease_latency_s']:.1f} ms writing {r['lease_bytes_written']} B (target ≤ 50 ms, no θ-sized data); "
+            f"storage per update {r['storage_per_update_theta']:.2f} × θ"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="tiny,150m", help=f"comma-separated, from {','.join(SIZES)}")
+    parser.add_argument("--repeats", type=int, default=0, help="repeats per figure (default: 7 tiny, 3 otherwise)")
+    parser.add_argument("--sustain", type=float, default=0.0, help="seconds of sustained updates (default: 5 tiny, 25 otherwise)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the coordinator's CLI default on this machine)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one size in this process
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help="where checkpoints are written (default: a temporary dir on the same disk as runs/)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    if args.one:
+        torch.set_num_threads(args.threads)
+        repeats = args.repeats or (7 if args.one == "tiny" else 3)
+        sustain = args.sustain or (5.0 if args.one == "tiny" else 25.0)
+        workdir = Path(tempfile.mkdtemp(prefix=f"bench-{args.one}-", dir=args.dir))
+        try:
+            result = bench_size(args.one, repeats, sustain, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        assert args.out is not None
+        args.out.write_text(json.dumps(result))
+        return 0
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown size(s) {unknown}; choose from {SIZES}")
+    base = args.dir or ROOT / "runs"
+    base.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    started = time.time()
+    for size in sizes:
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            command = [sys.executable, __file__, "--one", size, "--out", tmp.name, "--dir", str(base), "--threads", str(args.threads)]
+            if args.repeats:
+                command += ["--repeats", str(args.repeats)]
+            if args.sustain:
+                command += ["--sustain", str(args.sustain)]
+            t0 = time.time()
+            subprocess.run(command, check=True)
+            results[size] = json.loads(Path(tmp.name).read_text())
+            results[size]["wall_s"] = time.time() - t0
+        print(f"{size}: done in {results[size]['wall_s']:.0f} s", file=sys.stderr)
+    print(report(results))
+    print(f"\ntotal {time.time() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
