@@ -78,6 +78,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- asyncloco reproduce (sim/reproduce.py, issue 9) ---
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """The paper's Tables 1-4 in the simulator, written to docs/reproduction.md with a figure."""
+    from asyncloco.sim.reproduce import TABLES, parse_speeds, reproduce
+
+    tables = list(TABLES) if args.table == "all" else [args.table]
+    config = args.config or {"toy": "toy", "lm": "lm-tiny"}[args.task]
+    speeds = parse_speeds(args.speeds) if args.speeds else None
+    command = "asyncloco reproduce " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["reproduce"] else "asyncloco reproduce"
+    text = reproduce(
+        tables, _resolve_config(config), args.seeds, Path(args.out), Path(args.figure),
+        speeds=speeds, budget=args.total_local_updates, jobs=args.jobs, command=command,
+    )
+    print(text)
+    print(f"written to {args.out} and {args.figure}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Write the coordinator's current θ (from its checkpoint) as a transformers model directory."""
     from asyncloco.config import RunConfig
@@ -130,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile", choices=["none", "slight", "moderate", "very"], help="override sim.profile")
     sim.add_argument("--workers", type=int, help="override sim.workers")
     sim.set_defaults(func=cmd_simulate)
+
+    # --- asyncloco reproduce (sim/reproduce.py) ---
+    rep = sub.add_parser("reproduce", help="the paper's Tables 1-4 in the simulator (mean ± std over seeds) → docs/reproduction.md")
+    rep.add_argument("--table", default="all", choices=["1", "2", "3", "4", "all"], help="which table (default all)")
+    rep.add_argument("--task", default="toy", choices=["toy", "lm"], help="toy (configs/toy.yaml) or lm (configs/lm-tiny.yaml)")
+    rep.add_argument("--config", help="a run config instead of the task's default")
+    rep.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per cell (default 3)")
+    rep.add_argument("--speeds", help="seconds per step of each worker, 0.5,1.2,... or a file of them: replaces the four named levels")
+    rep.add_argument("--total-local-updates", type=int, help="override the budget (sim.total_local_updates)")
+    rep.add_argument("--jobs", type=int, default=1, help="worker processes (2 helps on an otherwise idle 2-core machine)")
+    rep.add_argument("--out", default="docs/reproduction.md", help="Markdown output (default docs/reproduction.md)")
+    rep.add_argument("--figure", default="docs/figures/reproduction.png", help="figure output")
+    rep.set_defaults(func=cmd_reproduce)
 
     export = sub.add_parser("export", help="write a run's current model + tokenizer as a from_pretrained directory")
     export.add_argument("--checkpoint-dir", required=True, help="the coordinator's runtime.checkpoint_dir")

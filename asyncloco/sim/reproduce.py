@@ -1,0 +1,426 @@
+"""The paper's Tables 1-4 in the simulator: ``asyncloco reproduce --table 1|2|3|4|all``.
+
+* Table 1 — async methods vs sync DiLoCo at the four heterogeneity levels (or one list of speeds);
+* Table 2 — k = 4, 8, 16 workers ("very" profile, interpolated geometrically for k ≠ 4);
+* Table 3 — the outer optimizer and DN's momentum activation c ∈ {0, 0.1};
+* Table 4 — DyLU on/off × grace period on/off for Async DN.
+
+Every cell is a mean ± standard deviation over seeds (seed s sets the model init and the shard
+sampling; the data set stays the same). For each (speeds, workers, seed) sync DiLoCo runs first:
+its final loss is the target every other row is timed against, its simulated time the reference
+of the "× sync's time" column (docs/algorithm.md §8). Runs shared by several tables run once.
+The result is a Markdown document (docs/reproduction.md) and a figure.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Sequence
+
+from asyncloco.config import HETEROGENEITY_PROFILES, RunConfig, load_config
+
+__all__ = ["Row", "Setting", "Outcome", "plan", "run_plan", "render_markdown", "plot_tables", "parse_speeds", "reproduce"]
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ("none", "slight", "moderate", "very")
+TABLES = ("1", "2", "3", "4")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Worker speeds (seconds per step) — the things sync DiLoCo's reference depends on."""
+
+    name: str  # "very", "moderate", "k=8", "custom"...
+    speeds: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method variant in one setting."""
+
+    table: str
+    setting: Setting
+    label: str
+    method: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def run_key(self) -> tuple[Setting, str, tuple[tuple[str, Any], ...]]:
+        return (self.setting, self.method, self.overrides)
+
+
+@dataclass
+class Outcome:
+    """One run: its final loss, simulated times, and the wall-clock seconds it took."""
+
+    loss: float
+    local_updates: float
+    time_at_budget: float
+    time_to_sync: float | None
+    sync_loss: float
+    sync_time: float
+    wall: float
+
+
+@dataclass
+class Plan:
+    rows: list[Row] = field(default_factory=list)
+
+    def runs(self) -> dict[Setting, list[tuple[str, tuple[tuple[str, Any], ...]]]]:
+        """Distinct (method, overrides) per setting, sync DiLoCo first."""
+        out: dict[Setting, list[tuple[str, tuple[tuple[str, Any], ...]]]] = {}
+        for row in self.rows:
+            todo = out.setdefault(row.setting, [("sync_diloco", ())])
+            if (row.method, row.overrides) not in todo:
+                todo.append((row.method, row.overrides))
+        return out
+
+
+def interpolate(speeds: Sequence[float], workers: int) -> tuple[float, ...]:
+    """``workers`` speeds spread geometrically between the fastest and slowest of ``speeds``."""
+    if workers == len(speeds):
+        return tuple(speeds)
+    lo, hi = min(speeds), max(speeds)
+    if workers == 1:
+        return (lo,)
+    return tuple(lo * (hi / lo) ** (i / (workers - 1)) for i in range(workers))
+
+
+def parse_speeds(text: str) -> tuple[float, ...]:
+    """Seconds per step from ``0.5,1.2,3`` or from a file holding such numbers (commas or whitespace)."""
+    source = text
+    path = Path(text)
+    if path.is_file():
+        source = path.read_text()
+    try:
+        speeds = tuple(float(x) for x in source.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(
+            f"--speeds {text!r}: give seconds per step as numbers separated by commas (0.58,0.75,1.51,3.33) "
+            "or the path of a file that holds them"
+        ) from None
+    if not speeds or not all(math.isfinite(s) and s > 0 for s in speeds):
+        raise ValueError(f"--speeds {text!r}: need at least one positive, finite seconds-per-step value")
+    return speeds
+
+
+def plan(tables: Sequence[str], speeds: Sequence[float] | None = None) -> Plan:
+    """The rows of the requested tables. ``speeds`` replaces the four named levels by one custom profile."""
+    levels = [Setting("custom", tuple(speeds))] if speeds else [Setting(n, HETEROGENEITY_PROFILES[n]) for n in LEVELS]
+    main = levels[-1]  # "very" (or the custom profile): where Tables 2-4 are measured
+    rows: list[Row] = []
+    if "1" in tables:
+        for level in levels:
+            rows += [
+                Row("1", level, "Sync DiLoCo", "sync_diloco"),
+                Row("1", level, "Async DiLoCo", "async_diloco"),
+                Row("1", level, "Async DN", "async_dn"),
+                Row("1", level, "Async DN + DyLU", "async_dn_dylu"),
+            ]
+    if "2" in tables:
+        for k in (4, 8, 16):
+            setting = main if k == len(main.speeds) else Setting(f"k={k}", interpolate(main.speeds, k))
+            rows += [
+                Row("2", setting, "Sync DiLoCo", "sync_diloco"),
+                Row("2", setting, "Async DiLoCo", "async_diloco"),
+                Row("2", setting, "Async DN + DyLU", "async_dn_dylu"),
+            ]
+    if "3" in tables:
+        c = min(0.1, 1.0 / len(main.speeds))  # the paper's c = 0.1, within Algorithm 3's bound c <= 1/N
+        rows += [
+            Row("3", main, "Sync DiLoCo", "sync_diloco"),
+            Row("3", main, "Async SGD (outer)", "async_sgd"),
+            Row("3", main, "Async SGD-momentum (outer)", "async_sgd_momentum"),
+            Row("3", main, "Async Adam (outer)", "async_adam"),
+            Row("3", main, "Async Nesterov (Async DiLoCo)", "async_diloco"),
+            Row("3", main, "Async DN + DyLU, c = 0", "async_dn_dylu"),
+            Row("3", main, f"Async DN + DyLU, c = {c:g}", "async_dn_dylu", (("outer.activation", c),)),
+        ]
+    if "4" in tables:
+        no_grace = (("schedule.grace_period", 0.0),)
+        rows += [
+            Row("4", main, "Sync DiLoCo", "sync_diloco"),
+            Row("4", main, "DN, no DyLU, no grace", "async_dn", no_grace),
+            Row("4", main, "DN, no DyLU, grace", "async_dn"),
+            Row("4", main, "DN + DyLU, no grace", "async_dn_dylu", no_grace),
+            Row("4", main, "DN + DyLU, grace", "async_dn_dylu"),
+        ]
+    return Plan(rows)
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+def _config(base: Path, setting: Setting, seed: int, budget: int | None, extra: Sequence[tuple[str, Any]]) -> RunConfig:
+    overrides: dict[str, Any] = {
+        "seed": seed,
+        "sim.seed": seed,
+        "sim.workers": len(setting.speeds),
+        "sim.profile": list(setting.speeds),
+    }
+    if budget is not None:
+        overrides["sim.total_local_updates"] = budget
+        overrides["sim.eval_every"] = max(1, min(budget // 20, 200))
+    overrides.update(dict(extra))
+    return load_config(base, overrides)
+
+
+def _run_setting(
+    base: Path, setting: Setting, seed: int, runs: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], budget: int | None
+) -> list[tuple[tuple[Setting, str, tuple[tuple[str, Any], ...]], int, Outcome]]:
+    """Sync DiLoCo, then every other run of one setting and seed (one worker process's job)."""
+    import torch
+
+    from asyncloco.sim.engine import Simulation, build_workload, pretrain
+
+    torch.set_num_threads(1)
+    cfg0 = _config(base, setting, seed, budget, ())
+    workload = build_workload(cfg0)
+    initial = pretrain(cfg0, workload)  # the same θ0 for every method of this seed
+    results = []
+    target: float | None = None
+    sync_time = math.inf
+    sync_loss = math.nan
+    for method, extra in runs:
+        started = time.monotonic()
+        cfg = _config(base, setting, seed, budget, extra)
+        simulation = Simulation(cfg, method, workload, target_loss=target, time_limit=sync_time, initial_params=initial)
+        result = simulation.run()
+        final = result.final
+        if method == "sync_diloco" and not extra:
+            target, sync_time, sync_loss = final["loss"], final["time"], final["loss"]
+        outcome = Outcome(
+            loss=final["loss"],
+            local_updates=final["local_updates"],
+            time_at_budget=final["time"],
+            time_to_sync=result.time_to_reach(sync_loss) if math.isfinite(sync_loss) else None,
+            sync_loss=sync_loss,
+            sync_time=sync_time,
+            wall=time.monotonic() - started,
+        )
+        logger.info("%s seed %d %s%s: loss %.4f (%.1fs)", setting.name, seed, method, dict(extra) or "", outcome.loss, outcome.wall)
+        results.append(((setting, method, extra), seed, outcome))
+    return results
+
+
+def run_plan(
+    the_plan: Plan, base_config: Path, seeds: int, budget: int | None = None, jobs: int = 1
+) -> dict[tuple[tuple[Setting, str, tuple[tuple[str, Any], ...]], int], Outcome]:
+    """Run every distinct run of the plan for seeds 0..seeds-1; ``jobs`` > 1 uses that many processes."""
+    work = [(setting, seed, runs) for setting, runs in the_plan.runs().items() for seed in range(seeds)]
+    outcomes: dict[tuple[tuple[Setting, str, tuple[tuple[str, Any], ...]], int], Outcome] = {}
+    if jobs <= 1:
+        batches = [_run_setting(base_config, setting, seed, runs, budget) for setting, seed, runs in work]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_run_setting, base_config, setting, seed, runs, budget) for setting, seed, runs in work]
+            batches = [future.result() for future in futures]
+    for batch in batches:
+        for key, seed, outcome in batch:
+            outcomes[(key, seed)] = outcome
+    return outcomes
+
+
+# ------------------------------------------------------------------------------------ reporting
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _cells(row: Row, outcomes: dict[Any, Outcome], seeds: int) -> dict[str, Any]:
+    runs = [outcomes[(row.run_key, s)] for s in range(seeds)]
+    loss = _mean_std([r.loss for r in runs])
+    ratio = _mean_std([r.loss / r.sync_loss for r in runs])
+    # a budget smaller than one sync round leaves sync at θ0 and time 0: no time ratio then
+    reached = [r.time_to_sync / r.sync_time for r in runs if r.time_to_sync is not None and r.sync_time > 0]
+    return {
+        "loss": loss,
+        "ratio": ratio,
+        "time_ratio": _mean_std(reached) if len(reached) == len(runs) else None,
+        "reached": len(reached),
+        "time_at_budget": statistics.fmean(r.time_at_budget for r in runs),
+        "local_updates": statistics.fmean(r.local_updates for r in runs),
+        "wall": sum(r.wall for r in runs),
+    }
+
+
+def _fmt(pair: tuple[float, float], digits: int) -> str:
+    mean, std = pair
+    if not math.isfinite(mean) or abs(mean) >= 1e4:
+        return f"{mean:.2e} (diverged)"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+TITLES = {
+    "1": "Table 1 — async methods vs sync DiLoCo at each heterogeneity level",
+    "2": "Table 2 — number of workers k",
+    "3": "Table 3 — outer optimizer and DN's momentum activation c",
+    "4": "Table 4 — DyLU and the grace period (Async DN)",
+}
+
+
+def render_markdown(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int, header: str = "") -> str:
+    lines = [header] if header else []
+    for table in TABLES:
+        rows = [r for r in the_plan.rows if r.table == table]
+        if not rows:
+            continue
+        lines += [f"## {TITLES[table]}", ""]
+        lines += [
+            "| setting | method | final loss | × sync | sim. time at budget | time to sync's final loss (× sync) | wall s |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for row in rows:
+            cell = _cells(row, outcomes, seeds)
+            reach = (
+                _fmt(cell["time_ratio"], 2) if cell["time_ratio"] is not None
+                else f"never ({seeds - cell['reached']}/{seeds} seeds)"
+            )
+            lines.append(
+                f"| {_setting_label(row)} | {row.label} | {_fmt(cell['loss'], 4)} | {_fmt(cell['ratio'], 4)} | "
+                f"{cell['time_at_budget']:.0f} s | {reach} | {cell['wall']:.0f} |"
+            )
+        lines.append("")
+    lines += acceptance_lines(the_plan, outcomes, seeds)
+    return "\n".join(lines) + "\n"
+
+
+def _setting_label(row: Row) -> str:
+    return f"k={len(row.setting.speeds)}" if row.table == "2" else row.setting.name
+
+
+def acceptance_lines(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int) -> list[str]:
+    """Issue 9's acceptance on Table 1: DN + DyLU ≤ sync × 1.005 and < Async DiLoCo at every level."""
+    table1 = [r for r in the_plan.rows if r.table == "1"]
+    if not table1:
+        return []
+    out = ["## Check (Table 1, mean over seeds)", ""]
+    for setting in dict.fromkeys(r.setting for r in table1):
+        by_method = {r.method: _cells(r, outcomes, seeds) for r in table1 if r.setting == setting}
+        dn, nesterov = by_method["async_dn_dylu"], by_method["async_diloco"]
+        ok_sync = dn["ratio"][0] <= 1.005
+        ok_async = dn["loss"][0] < nesterov["loss"][0]
+        verdict = "PASS" if ok_sync and ok_async else "FAIL"
+        out.append(
+            f"- {setting.name}: DN + DyLU / sync = {dn['ratio'][0]:.4f} (≤ 1.005: {'yes' if ok_sync else 'no'}); "
+            f"DN + DyLU {dn['loss'][0]:.4f} vs Async DiLoCo {nesterov['loss'][0]:.4f} "
+            f"(lower: {'yes' if ok_async else 'no'}) — {verdict}"
+        )
+    out.append("")
+    return out
+
+
+def plot_tables(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int, path: Path) -> None:
+    """One panel per table: final loss relative to sync DiLoCo (mean ± std over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = [t for t in TABLES if any(r.table == t for r in the_plan.rows)]
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 4.2), squeeze=False)
+    for ax, table in zip(axes[0], tables):
+        rows = [r for r in the_plan.rows if r.table == table]
+        if table in ("1", "2"):
+            settings = list(dict.fromkeys(r.setting for r in rows))
+            for label in dict.fromkeys(r.label for r in rows):
+                ys, errs = [], []
+                for setting in settings:
+                    row = next(r for r in rows if r.label == label and r.setting == setting)
+                    mean, std = _cells(row, outcomes, seeds)["ratio"]
+                    ys.append(mean)
+                    errs.append(std)
+                style = "--" if label == "Sync DiLoCo" else "-o"
+                names = [f"k={len(s.speeds)}" if table == "2" else s.name for s in settings]
+                ax.errorbar(names, ys, yerr=errs, fmt=style, capsize=3, label=label)
+            ax.set_xlabel("heterogeneity" if table == "1" else "workers")
+            ax.legend(fontsize=7)
+        else:
+            labels = [r.label for r in rows]
+            cells = [_cells(r, outcomes, seeds)["ratio"] for r in rows]
+            ax.barh(range(len(rows)), [c[0] for c in cells], xerr=[c[1] for c in cells], capsize=3)
+            ax.set_yticks(range(len(rows)), labels, fontsize=7)
+            ax.axvline(1.0, color="k", lw=0.8, ls="--")
+            finite = [c[0] for c in cells if math.isfinite(c[0]) and c[0] < 10]
+            if finite:
+                ax.set_xlim(min(finite) * 0.98, max(finite) * 1.02)
+        ax.set_title(TITLES[table].split(" — ")[0] + ": final loss / sync DiLoCo", fontsize=9)
+        ax.grid(alpha=0.3)
+        if table in ("1", "2"):
+            finite = [line.get_ydata() for line in ax.get_lines()]
+            values = [float(v) for ys in finite for v in ys if math.isfinite(float(v)) and float(v) < 10]
+            if values:
+                ax.set_ylim(min(values) - 0.01, max(values) + 0.01)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def reproduce(
+    tables: Sequence[str],
+    base_config: Path,
+    seeds: int,
+    out: Path,
+    figure: Path,
+    speeds: Sequence[float] | None = None,
+    budget: int | None = None,
+    jobs: int = 1,
+    command: str = "",
+) -> str:
+    """Run the tables, write ``out`` (Markdown) and ``figure`` (PNG); return the Markdown."""
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    unknown = [t for t in tables if t not in TABLES]
+    if unknown:
+        raise ValueError(f"unknown table(s) {unknown}; choose from 1, 2, 3, 4 or all")
+    the_plan = plan(tables, speeds)
+    started = time.monotonic()
+    outcomes = run_plan(the_plan, base_config, seeds, budget, jobs)
+    wall = time.monotonic() - started
+    cfg = load_config(base_config)
+    runs = sum(len(v) for v in the_plan.runs().values()) * seeds
+    header = "\n".join(
+        [
+            "# Reproducing the paper's tables in the simulator",
+            "",
+            f"Produced by `{command or 'asyncloco reproduce'}` ({runs} simulated runs, {wall / 60:.1f} min wall "
+            f"on this machine, {jobs} process(es)). Config `{base_config.name}`: task {cfg.task.kind}, "
+            f"H = {cfg.schedule.max_local_steps}, grace {cfg.schedule.grace_period:g} s, budget "
+            f"{budget or cfg.sim.total_local_updates} local updates, seeds 0-{seeds - 1}.",
+            "",
+            "Each cell: mean ± standard deviation over seeds. *Final loss* is that of θ after the last update "
+            "within the budget (docs/algorithm.md §8); *× sync* is the per-seed ratio to sync DiLoCo's final loss; "
+            "*time to sync's final loss* is the simulated time at which the method first evaluates at or below "
+            "sync DiLoCo's final loss, as a fraction of sync's simulated time (a method may train up to "
+            f"{cfg.sim.reach_budget_factor:g}× the budget, and no longer than sync took, to get there). "
+            "Worker speeds in seconds per step: "
+            + "; ".join(f"{s.name} {', '.join(f'{x:.3g}' for x in s.speeds)}" for s in the_plan.runs())
+            + ".",
+            "",
+            f"![reproduction]({_relative(figure, out.parent)})",
+            "",
+        ]
+    )
+    text = render_markdown(the_plan, outcomes, seeds, header)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    plot_tables(the_plan, outcomes, seeds, figure)
+    return text
+
+
+def _relative(path: Path, start: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(start.resolve()))
+    except ValueError:
+        return str(path)
