@@ -259,6 +259,7 @@ class CoordinatorDaemon:
             theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.seed, lease_secret=os.urandom(32)
         )
         self.stats = _Stats()
+        self._request_refusals: dict[str, tuple[str, float]] = {}  # peer -> (reason, when): journal repeats once a minute
         self.model_snapshots: dict[int, torch.Tensor] = {}
         # --- durability (write-ahead log + background snapshots; see _decide and coordinator/wal.py)
         self.replayed = 0  # log records replayed at --resume
@@ -582,6 +583,8 @@ class CoordinatorDaemon:
             self.journal.write("duplicate", peer=action.peer, lease_id=action.lease_id, version=action.version, reason=action.reason)
             return False
         if isinstance(action, Rejected):
+            if not action.lease_id and self._repeated_refusal(action.peer, action.reason):
+                return False  # the same refused request again (e.g. a quarantined peer polling): counted once a minute
             self.stats.peer(action.peer).rejected += 1
             self.stats.peer(action.peer).last_seen = time.time()
             self.journal.write("rejected", peer=action.peer, lease_id=action.lease_id, reason=action.reason)
@@ -621,6 +624,15 @@ class CoordinatorDaemon:
             logger.warning("%s", action.reason)
             return False
         raise AssertionError(f"unhandled action {action!r}")
+
+    def _repeated_refusal(self, peer: str, reason: str, every_s: float = 60.0) -> bool:
+        """True when ``peer``'s request was refused for the same reason less than ``every_s`` ago."""
+        now = time.monotonic()
+        last = self._request_refusals.get(peer)
+        if last is not None and last[0] == reason and now - last[1] < every_s:
+            return True
+        self._request_refusals[peer] = (reason, now)
+        return False
 
     def _bookkeep(self, actions: list[Action]) -> bool:
         """The daemon's own state for these actions (journal, per-peer stats, θ per base version); live and

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import json
 import logging
 import math
@@ -75,14 +74,13 @@ def _as_dict(message: Any) -> dict[str, Any]:
     raise TypeError(f"unexpected reply {message!r}")
 
 
-async def _ask_for_lease(client: Any, tokens_per_s: float, token: Optional[str] = None, name: Optional[str] = None) -> Any:
-    """``assign`` with this peer's speed (the client takes a request map, or the speed itself), its
-    admission token, if it has one, and its ``--name``, if it has one."""
-    first = next(iter(inspect.signature(client.assign).parameters))
-    if first == "tokens_per_s":
-        extra = {key: value for key, value in (("token", token), ("name", name)) if value is not None}
-        return await client.assign(tokens_per_s, **extra)
-    return await client.assign({"tokens_per_s": tokens_per_s, **({"token": token} if token is not None else {})})
+async def _ask_for_lease(
+    client: Any, tokens_per_s: float, token: Optional[str] = None, name: Optional[str] = None, signer: Optional[str] = None
+) -> Any:
+    """``assign`` with this peer's speed, its admission token and ``--name`` (if it has them), and the
+    fingerprint of its DHT signing key: the coordinator binds it to this peer id, so only this peer's own
+    speed records count for it."""
+    return await client.assign(tokens_per_s, token=token, name=name, signer=signer)
 
 
 def _refused_admission(error: Exception) -> bool:
@@ -372,11 +370,8 @@ class PeerRunner:
         # an emulated slower device takes `slowdown` times as long for the same steps (see run())
         return probe_speed(cfg, workload, device, group=self.group) / self.options.slowdown
 
-    async def _unless_stopped(self, call: Awaitable[T]) -> T:
-        """Await ``call`` unless a Ctrl+C comes first (then cancel it and raise :class:`_Aborted`)."""
-        return await self._race(call, self._stop)
-
     async def _unless_aborted(self, call: Awaitable[T]) -> T:
+        """Await ``call`` unless a second Ctrl+C comes first (then cancel it and raise :class:`_Aborted`)."""
         return await self._race(call, self._abort)
 
     @staticmethod
@@ -477,14 +472,19 @@ class PeerRunner:
             self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
             publisher = asyncio.create_task(self._publish_loop(records, cfg.runtime.speed_report_period))
             self._loop_started = time.monotonic()
+            idle_wait = 0.0
             while not self._stop.is_set():
                 if self.options.max_rounds is not None and self.summary.rounds >= self.options.max_rounds:
                     break
                 asked = time.monotonic()
                 try:
-                    reply = _as_dict(await self._unless_stopped(_ask_for_lease(client, float(self.speed), self.options.token, self.options.name)))
+                    # a first Ctrl+C lets this request finish: a lease handed out meanwhile is trained and
+                    # submitted like any other (cancelling would leave it to expire at the coordinator)
+                    reply = _as_dict(await self._unless_aborted(_ask_for_lease(client, float(self.speed), self.options.token, self.options.name, records.signer)))
                 except _Aborted:
-                    break  # asked to leave while waiting for work: nothing held yet
+                    logger.warning("leaving at once while asking for a lease; a lease handed out right now is given "
+                                   "back by the coordinator at its deadline")
+                    break
                 except TransportError as error:
                     if _refused_admission(error):
                         raise PeerError(f"the coordinator refused this peer: {error}") from error
@@ -494,10 +494,17 @@ class PeerRunner:
                 finally:
                     self._update_timing("assign", time.monotonic() - asked)
                 if reply.get("lease") is None:
-                    logger.info("no lease: %s", reply.get("reason"))
-                    await self._pause(1.0)
+                    # back off while quarantined (1 s, doubling up to 30 s); otherwise ask again after 1 s
+                    quarantined = "quarantined" in str(reply.get("reason"))
+                    idle_wait = min(30.0, 2 * idle_wait) if (idle_wait and quarantined) else 1.0
+                    logger.info("no lease: %s (asking again in %.0f s)", reply.get("reason"), idle_wait)
+                    await self._pause(idle_wait)
                     continue
+                idle_wait = 0.0
                 lease = _as_dict(reply["lease"])
+                if self._stop.is_set():
+                    logger.info("lease %s arrived as this peer was stopping: training and submitting it first",
+                                lease["lease_id"])
                 downloading = time.monotonic()
                 try:
                     theta = await self._download(client, lease, prefetch)
