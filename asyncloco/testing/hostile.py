@@ -16,7 +16,8 @@ codec and (where the attack says so) the norm of an honest update:
 | ``signflip``     | −``--scale`` × its honest update (default 1000) |
 | ``signflip-honest`` | −1 × its honest update: same norm, opposite direction |
 | ``random``       | a random direction at the norm of its honest update |
-| ``replay``       | honest work, and after each round its first (applied) lease again with −1000 × the update |
+| ``replay``       | honest work, and after each round its first applied lease (or, if none was applied, another |
+|                  | peer's applied lease, from ``--spy-journal``) again with −1000 × the update |
 | ``other-lease``  | −1000 × its update under another peer's lease id (read from ``--spy-journal``, the coordinator's |
 |                  | events.jsonl: an insider who knows ids; without it, sequential ids are guessed) |
 | ``ghost``        | nothing but a DHT speed record claiming ``--claim`` tokens/s (default 1e12) |
@@ -25,7 +26,8 @@ codec and (where the attack says so) the norm of an honest update:
 |                  | headers, wrong sizes, truncated bodies, half-open streams), a few at a time |
 | ``probe``        | as an outsider: hello, lease request, θ download and a submission, each once; records the answers |
 
-``--token`` (and ``--identity``) make it an admitted insider in ``runtime.admission: token`` runs. The
+A comma-separated list of update attacks runs one per round, in turn. ``--token`` (and
+``--identity``) make it an admitted insider in ``runtime.admission: token`` runs. The
 summary (``--summary``) records every call and the coordinator's answer, for assertions.
 """
 
@@ -167,12 +169,12 @@ class Hostile:
     # ----------------------------------------------------------------------- update attacks
 
     def _round_attack(self, round_index: int) -> str:
-        """A single attack runs every round (``huge``: its first round only); a list ``a,b,...`` runs each
-        in turn with an honest round after each (so the peer stays a contributor)."""
+        """A single attack runs every round (``huge``: its first round only); a list ``a,b,...`` runs one
+        attack per round, in turn."""
         if len(self.sequence) == 1:
             attack = self.sequence[0]
             return "honest" if attack == "huge" and round_index > 0 else attack
-        return (self.sequence[round_index // 2 % len(self.sequence)]) if round_index % 2 == 0 else "honest"
+        return self.sequence[round_index % len(self.sequence)]
 
     def _tamper(self, attack: str, honest: torch.Tensor, round_index: int) -> torch.Tensor:
         scale = self.o.scale if self.o.scale is not None and len(self.sequence) == 1 else DEFAULT_SCALE.get(attack, 1000.0)
@@ -205,6 +207,17 @@ class Hostile:
         meta[0:4] = struct.pack("<f", float("nan"))
         return EncodedTensor(encoded.codec, encoded.numel, bytes(encoded.payload), bytes(meta))
 
+    def _spied_applied(self) -> Optional[dict[str, Any]]:
+        """The newest lease of another peer that was applied (an insider's knowledge, from the journal)."""
+        applied = [r for r in self._journal_records() if r.get("type", r.get("event")) == "applied"
+                   and r.get("peer") != self.summary["peer_id"] and r.get("lease_id")]
+        if not applied:
+            return None
+        assigned = {r["lease_id"]: r for r in self._journal_records() if r.get("type", r.get("event")) == "assign"}
+        last = applied[-1]
+        base = assigned.get(last["lease_id"], {}).get("base_version", 0)
+        return {"lease_id": last["lease_id"], "base_version": int(base), "version": int(last["version"])}
+
     def _spied_leases(self, own: set[str]) -> list[dict[str, Any]]:
         """Leases of other peers that are assigned and not yet applied, newest first (from the journal)."""
         if not self.o.spy_journal or not os.path.isfile(self.o.spy_journal):
@@ -217,9 +230,10 @@ class Hostile:
             except ValueError:
                 continue
             lease_id = record.get("lease_id")
-            if record.get("event") == "assign" and lease_id and record.get("peer") != self.summary["peer_id"]:
+            kind = record.get("type", record.get("event"))  # the journal's record type
+            if kind == "assign" and lease_id and record.get("peer") != self.summary["peer_id"]:
                 assigned[lease_id] = record
-            elif record.get("event") in ("applied", "expired", "rejected", "duplicate") and lease_id:
+            elif kind in ("applied", "expired", "rejected", "duplicate") and lease_id:
                 done.add(lease_id)
         return [r for lid, r in reversed(list(assigned.items())) if lid not in done and lid not in own]
 
@@ -284,9 +298,13 @@ class Hostile:
                 ack = await self._submit(client, hello.codec, lease_id, base_version, update, honest, own_submit)
                 if first_lease is None and ack is not None and ack.accepted and not ack.duplicate:
                     first_lease = {"lease_id": lease.lease_id, "base_version": lease.base_version, "version": ack.version}
-            if attack == "replay" and first_lease is not None and first_lease["lease_id"] != lease.lease_id:
-                await self._submit(client, hello.codec, first_lease["lease_id"], first_lease["base_version"],
-                                   -1000.0 * honest, honest, "replay", first_version=first_lease["version"])
+            if attack == "replay":
+                # its own first applied lease again; without one (its own work was refused), another peer's
+                own_first = first_lease if first_lease is not None and first_lease["lease_id"] != lease.lease_id else None
+                target = own_first or self._spied_applied()
+                if target is not None:
+                    await self._submit(client, hello.codec, target["lease_id"], target["base_version"],
+                                       -1000.0 * honest, honest, "replay", first_version=target["version"])
             self.summary["rounds"] = round_index + 1
             self._write()
 
@@ -320,7 +338,9 @@ class Hostile:
             claims = [self.summary["peer_id"]]
             future = 0.0
             if self.sequence[0] == "ghost-forge":
-                claims = sorted({r["peer"] for r in self._journal_records() if r.get("event") == "assign"}) or claims
+                # forge the record of one honest peer (the first one leased): DyLU would then starve the others
+                leased = [r["peer"] for r in self._journal_records() if r.get("type", r.get("event")) == "assign"]
+                claims = leased[:1] or claims
                 future = 3600.0
             for peer_id in claims:
                 report = SpeedReport(peer_id=peer_id, tokens_per_s=float(self.o.claim), device="cuda",

@@ -1,0 +1,281 @@
+"""The attack suite (issue 7 part 5): real coordinator and peer processes on 127.0.0.1, one hostile peer.
+
+The hostile peer is :mod:`asyncloco.testing.hostile`, a real hivemind peer speaking the real protocol.
+Each test asserts on what the coordinator decided (its journal, events.jsonl), on what the hostile
+was answered (its summary), and on θ itself (the final checkpoint):
+
+* ``test_update_attacks_are_rejected_or_harmless`` — an *admitted* insider (a token) sends, between
+  honest rounds, a huge (×1e30), a NaN, a sign-flipped ×1000, a sign-flipped-at-honest-norm and a
+  random-direction update, replays an applied lease with a harmful update, and submits under another
+  peer's lease id (known from the journal). Every one is rejected (the norm attacks may be clipped),
+  the replay is acknowledged as a duplicate at the version it was first applied and nothing more, the
+  stolen lease still counts for its owner; θ stays finite and the run keeps learning. An honest peer
+  joining at the same time as the attacker (on probation) still gets most of its work accepted.
+* ``test_ghost_speed_claims_do_not_change_honest_steps`` — DHT records claiming 1e12 tokens/s, from a
+  ghost under its own id and forged for an honest peer (with a ``last_seen`` in the future), leave
+  the honest peers' DyLU steps where their real speeds put them.
+* ``test_flood_of_malformed_messages`` — 2,000 malformed calls on the raw RPC streams: the coordinator
+  stays up and keeps training the honest peer, its memory grows by less than 150 MB, its log by a
+  bounded number of lines and no traceback.
+
+The unadmitted-outsider test is in tests/test_admission.py. Each test tears down every process it
+started (checked: no process group left).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from asyncloco.coordinator.admission import issue_token
+from asyncloco.coordinator.checkpoint import load_snapshot
+from asyncloco.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+H = 10
+MIN_STEPS = 2
+
+
+def write_config(directory: Path, **runtime: Any) -> Path:
+    config = {
+        "name": "attacks",
+        "seed": 0,
+        "task": {"kind": "lm", "model": "tiny", "source": "embedded", "seq_len": 64, "batch_size": 8, "num_shards": 4,
+                 "val_sequences": 16, "max_train_sequences": 4000},
+        "inner": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 5, "weight_decay": 0.1, "grad_clip": 1.0},
+        "outer": {"lr": 0.7, "momentum": 0.9, "buffer_size": 2},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": H, "min_steps": MIN_STEPS, "grace_period": 0.5},
+        "sim": {"workers": 2},
+        "runtime": {"run_id": f"atk-{uuid.uuid4().hex[:12]}", "codec": "int8", "eval_every": 2,
+                    "speed_report_period": 1.0, "lease_timeout_factor": 2.0, "lease_slack": 10.0, **runtime},
+    }
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start_hostile(cluster: LocalCluster, name: str, attack: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
+    summary = cluster.workdir / f"{name}.json"
+    log = (cluster.workdir / f"{name}.log").open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "asyncloco.testing.hostile", "--initial-peers", str(cluster.multiaddr), "--run-id",
+         str(cluster.run_id), "--attack", attack, "--summary", str(summary), *extra],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=cluster.env, start_new_session=True,
+    )
+    log.close()
+    cluster.spawned.append(process)  # close() stops it and its p2pd with everything else
+    return process, summary
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def assert_all_gone(cluster: LocalCluster, timeout: float = 30.0) -> None:
+    """Every process the test started has exited, and nothing of its session (p2pd, DHT child) is left."""
+
+    def group_alive(pid: int) -> bool:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    for process in cluster.spawned:
+        assert process.poll() is not None, f"process {process.pid} still running"
+    # a SIGKILLed group's orphans are reaped by init a moment later
+    cluster.wait_for(lambda: not any(group_alive(p.pid) for p in cluster.spawned), timeout, "process groups to vanish")
+
+
+def peer_ids(cluster: LocalCluster, names: list[str]) -> dict[str, str]:
+    return {name: cluster.wait_for(lambda n=name: cluster.peer_summary(n).get("peer_id"), 120, f"{name}'s id") for name in names}
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+# ------------------------------------------------------------------------------------ updates
+
+
+@pytest.mark.timeout(600)
+def test_update_attacks_are_rejected_or_harmless(tmp_path: Path) -> None:
+    attacks = ["huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease"]
+    # quarantine would (rightly) stop the insider after 3 rejections; here every attack must reach the gate
+    config = write_config(tmp_path, admission="token", gate={"quarantine_after": 100, "quarantine_window": 100})
+    cluster = LocalCluster(config, tmp_path / "run", threads=1)
+    try:
+        tokens = {name: issue_token(cluster.checkpoint_dir, name, 3600.0)[0] for name in ("a", "b", "c", "mallory")}
+        cluster.start_coordinator()
+        cluster.start_peer("a", 1.0, ["--token", tokens["a"]])
+        cluster.start_peer("b", 1.5, ["--token", tokens["b"]])
+        ids = peer_ids(cluster, ["a", "b"])
+        # the gate judges against recently accepted honest updates: let it see some first
+        cluster.wait_for(lambda: cluster.status().get("version", 0) >= 8, 240, "8 honest updates")
+        journal = str(cluster.checkpoint_dir / "events.jsonl")
+        hostile, summary_path = start_hostile(cluster, "mallory", ",".join(attacks), "--token", tokens["mallory"],
+                                              "--spy-journal", journal, "--rounds", str(len(attacks)))
+        cluster.start_peer("c", 1.0, ["--token", tokens["c"]])  # an honest newcomer, joining as late as mallory
+        late = peer_ids(cluster, ["c"])["c"]
+        cluster.wait_for(lambda: read_json(summary_path).get("finished") or hostile.poll() is not None, 400,
+                         "the hostile peer's rounds")
+        assert read_json(summary_path).get("finished"), (cluster.workdir / "mallory.log").read_text()[-3000:]
+        cluster.wait_for(lambda: len([e for e in cluster.events() if e.get("peer") == late
+                                      and e.get("type") in ("applied", "rejected")]) >= 4, 120, "4 verdicts on c")
+        version_before_stop = cluster.status()["version"]
+    finally:
+        cluster.close()  # peers first, then the coordinator (SIGTERM: it writes its final snapshot)
+    assert_all_gone(cluster)
+    theta = load_snapshot(cluster.checkpoint_dir)["coordinator"]["params"]
+
+    summary = read_json(summary_path)
+    events = cluster.events()
+    mallory = summary["peer_id"]
+    verdicts: dict[str, list[dict[str, Any]]] = {}
+    for event in events:
+        if event.get("lease_id"):
+            verdicts.setdefault(event["lease_id"], []).append(event)
+    submits = [c for c in summary["calls"] if c["call"] == "submit"]
+    by_attack: dict[str, list[dict[str, Any]]] = {}
+    for call in submits:
+        by_attack.setdefault(call["attack"], []).append(call)
+    assert sorted(set(by_attack) - {"honest"}) == sorted(attacks), by_attack.keys()
+
+    def decided(lease_id: str) -> list[str]:
+        return [e["type"] for e in verdicts.get(lease_id, []) if e["type"] in ("applied", "rejected", "duplicate")]
+
+    for attack in ("huge", "nan", "signflip", "signflip-honest", "random"):
+        for call in by_attack[attack]:
+            outcome = decided(call["lease_id"])
+            if call["ok"] is False:  # refused by the transport (e.g. a NaN caught at decode): nothing applied
+                assert outcome == [], (attack, call, outcome)
+                assert "finite" in call["error"].lower() or "nan" in call["error"].lower(), (attack, call)
+                continue
+            assert call["accepted"] is False or attack in ("huge", "signflip"), (attack, call)
+            if call["accepted"]:  # a norm attack may be clipped to the honest scale instead of rejected
+                [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
+                assert "clipped" in json.dumps(applied), (attack, applied)
+            else:
+                assert outcome == ["rejected"], (attack, call, outcome)
+                [rejected] = [e for e in verdicts[call["lease_id"]] if e["type"] == "rejected"]
+                assert rejected["peer"] == mallory and rejected["reason"], rejected
+    for call in by_attack["replay"]:
+        # an applied lease resent with other bytes: acknowledged as the duplicate it is, never applied again
+        assert call["ok"] and call["accepted"] and call["duplicate"] and call["version"] == call["first_version"], call
+        assert decided(call["lease_id"]).count("applied") == 1
+    for call in by_attack["other-lease"]:
+        assert call["victim"] is True and call["lease_id"] not in [c["lease_id"] for c in submits if c["attack"] == "honest"]
+        stolen = verdicts.get(call["lease_id"], [])
+        assert stolen and stolen[0]["type"] == "assign" and stolen[0]["peer"] in {*ids.values(), late}, stolen
+        owner = stolen[0]["peer"]
+        # refused, or (the owner was faster) acknowledged as a duplicate of the owner's applied update
+        assert call["ok"] is False or call["accepted"] is False or call["duplicate"] is True, call
+        # the owner's lease is not counted against it: never given back for the thief's sake, applied at most
+        # once and only for its owner
+        assert not [e for e in stolen if e["type"] == "expired"], stolen
+        applied = [e for e in stolen if e["type"] == "applied"]
+        assert len(applied) <= 1 and all(e["peer"] == owner for e in applied), stolen
+    assert bool(torch.isfinite(theta).all()) and float(theta.abs().max()) < 100.0
+    evals = [e for e in events if e.get("type") == "eval"]
+    assert len(evals) >= 3 and all(math.isfinite(e["perplexity"]) for e in evals)
+    assert evals[-1]["perplexity"] < evals[0]["perplexity"], [e["perplexity"] for e in evals]
+    honest_rejected = [e for e in events if e.get("type") == "rejected" and e.get("peer") in ids.values()]
+    honest_applied = [e for e in events if e.get("type") == "applied" and e.get("peer") in ids.values()]
+    assert len(honest_applied) >= version_before_stop // 2
+    assert len(honest_rejected) <= max(1, len(honest_applied) // 20), honest_rejected
+    # the honest newcomer: on probation, but its honest work counts (it must not be taken for an attacker)
+    late_verdicts = [e["type"] for e in events if e.get("peer") == late and e.get("type") in ("applied", "rejected")]
+    assert late_verdicts.count("applied") >= late_verdicts.count("rejected"), [
+        e.get("reason") for e in events if e.get("peer") == late and e.get("type") == "rejected"
+    ]
+
+
+# ------------------------------------------------------------------------------------- ghosts
+
+
+@pytest.mark.timeout(400)
+def test_ghost_speed_claims_do_not_change_honest_steps(tmp_path: Path) -> None:
+    config = write_config(tmp_path)  # open admission: the ghosts are insiders as far as admission goes
+    cluster = LocalCluster(config, tmp_path / "run", threads=1)
+    try:
+        cluster.start_coordinator()
+        cluster.start_peer("a", 1.0)
+        cluster.start_peer("b", 1.0)
+        ids = peer_ids(cluster, ["a", "b"])
+        cluster.wait_for(lambda: cluster.status().get("version", 0) >= 4, 240, "4 updates")
+        journal = str(cluster.checkpoint_dir / "events.jsonl")
+        ghost, ghost_summary = start_hostile(cluster, "ghost", "ghost", "--duration", "60")
+        forger, forge_summary = start_hostile(cluster, "forger", "ghost-forge", "--spy-journal", journal, "--duration", "60")
+
+        def published() -> float | None:
+            calls = [c for path in (ghost_summary, forge_summary) for c in read_json(path).get("calls", [])
+                     if c["call"] == "publish_speed" and c["ok"]]
+            return min(c["time"] for c in calls) if len({c["claimed_peer"] for c in calls}) >= 2 else None
+
+        since = cluster.wait_for(published, 120, "both ghosts' records in the DHT")
+        # three speed-report periods for the coordinator to read the claims, then 8 more honest leases
+        cluster.wait_for(lambda: len([e for e in cluster.events() if e.get("type") == "assign"
+                                      and e.get("issued_at", 0) > since + 3.0]) >= 8, 240, "8 leases after the claims")
+        forged = {c["claimed_peer"] for c in read_json(forge_summary)["calls"] if c["call"] == "publish_speed"}
+        status = cluster.status()
+    finally:
+        cluster.close()
+    assert_all_gone(cluster)
+    assert forged <= set(ids.values()) and forged, forged
+    after = [e for e in cluster.events() if e.get("type") == "assign" and e.get("issued_at", 0) > since + 3.0]
+    # two honest peers of equal speed: DyLU gives both H; a believed 1e12 claim would cut one or both to MIN_STEPS
+    assert {e["peer"] for e in after} <= set(ids.values())
+    assert min(e["steps"] for e in after) >= H // 2, [(e["peer"][-6:], e["steps"]) for e in after]
+    assert all(row.get("speed", 0) < 1e9 for row in status.get("peers", {}).values()), status.get("peers")
+
+
+# -------------------------------------------------------------------------------------- flood
+
+
+@pytest.mark.timeout(500)
+def test_flood_of_malformed_messages(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    cluster = LocalCluster(config, tmp_path / "run", threads=1)
+    count = 2000
+    try:
+        cluster.start_coordinator()
+        cluster.start_peer("a", 1.0)
+        cluster.wait_for(lambda: cluster.status().get("version", 0) >= 2, 240, "2 updates")
+        assert cluster.coordinator is not None
+        pid = cluster.coordinator.pid
+        log = cluster.workdir / "coordinator.log"
+        rss_before, lines_before = rss_kb(pid), len(log.read_text().splitlines())
+        flood, summary_path = start_hostile(cluster, "flood", "flood", "--count", str(count))
+        cluster.wait_for(lambda: read_json(summary_path).get("finished") or flood.poll() is not None, 400, "the flood")
+        summary = read_json(summary_path)
+        assert summary.get("finished") and summary["flood"]["sent"] == count, summary
+        assert cluster.coordinator.poll() is None, "the coordinator died"
+        rss_after = rss_kb(pid)
+        new_lines = log.read_text().splitlines()[lines_before:]
+        version = cluster.status()["version"]
+        cluster.wait_for(lambda: cluster.status().get("version", 0) >= version + 2, 120, "2 more honest updates")
+    finally:
+        cluster.close()
+    assert_all_gone(cluster)
+    outcomes = summary["flood"]["outcomes"]
+    assert sum(sum(kind.values()) for kind in outcomes.values()) == count
+    assert (rss_after - rss_before) < 150 * 1024, f"RSS grew by {(rss_after - rss_before) / 1024:.0f} MB"
+    assert len(new_lines) < 300, f"{len(new_lines)} log lines for {count} malformed calls"
+    assert not [line for line in new_lines if "Traceback" in line], new_lines[:20]
