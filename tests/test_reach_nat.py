@@ -368,3 +368,6 @@ def test_a_peer_behind_a_nat_trains_and_its_updates_are_applied(nat_lab: NatLab,
     assert coordinator.returncode == 0
     final = json.loads(status_path.read_text())
     assert final["version"] == 2 and final["peers"][peer_id]["applied"] == 2
+    assert final["peers"][peer_id]["name"] == "behind-nat"  # --name, shown in `asyncloco status`
+    logs = (tmp_path / "coordinator.log").read_text() + (tmp_path / "peer.log").read_text()
+    assert "Traceback" not in logs  # a normal shutdown of both

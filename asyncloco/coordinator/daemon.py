@@ -746,6 +746,8 @@ class CoordinatorDaemon:
         name = request.name or ""
         async with self.lock:
             self._refuse_if_stopping()
+            if name:  # the volunteer's --name (validated by the transport), for the status table
+                self.stats.peer(peer_id).name = name[:64]
             info = self.state.peers.get(peer_id)
             if info is None or not info.alive or (signer is not None and info.signer != signer) or (name and info.name != name):
                 # The authenticated hello: registers the peer with the speed from its request (before the
