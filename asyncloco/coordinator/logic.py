@@ -122,6 +122,7 @@ class PeerInfo:
     signer: str | None = None  # DHT signing key bound to this peer id over its authenticated hello
     transfer_s: float | None = None  # seconds its last upload took, as the coordinator measured it
     name: str = ""
+    failed: bool = False  # gave a lease back before ever delivering: its claim no longer sets others' steps
 
 
 @dataclass(frozen=True)
@@ -546,22 +547,25 @@ def _effective_speed(state: CoordinatorState, info: PeerInfo) -> float:
 
 
 def _dylu_reference(state: CoordinatorState, now: float) -> float:
-    """The fastest speed DyLU scales by. Trusted speeds: the max over alive peers. Otherwise the max over
-    peers that proved their speed by delivering (an unproven claim sets nobody's steps but its own); before
-    anyone delivered, claims count up to 4× their median, so one wild claim cannot shrink every lease."""
+    """The fastest speed DyLU scales by. Trusted speeds: the max over alive peers. Otherwise over alive,
+    unquarantined peers: a proven peer (one that delivered) counts at its capped claim; an unproven claim
+    counts at most 4× the median claim, and only until the peer gives a lease back without delivering — so a
+    ghost that never submits moves honest steps by a bounded factor, for at most one lease deadline."""
     if state.policy.trust_speeds:
         return max(_alive_speeds(state).values())
-    proven = [
-        _effective_speed(state, info)
-        for name, info in state.peers.items()
-        if info.alive and info.observed is not None and not update_gate.is_quarantined(state.gate, name, now)
+    candidates = [
+        info for name, info in state.peers.items() if info.alive and not update_gate.is_quarantined(state.gate, name, now)
     ]
-    if proven:
-        return max(proven)
-    claims = sorted(info.speed for info in state.peers.values() if info.alive)
-    middle = claims[len(claims) // 2] if len(claims) % 2 else 0.5 * (claims[len(claims) // 2 - 1] + claims[len(claims) // 2])
-    return min(claims[-1], 4.0 * middle)
-
+    claims = sorted(info.speed for info in candidates) or sorted(info.speed for info in state.peers.values() if info.alive)
+    half = len(claims) // 2
+    middle = claims[half] if len(claims) % 2 else 0.5 * (claims[half - 1] + claims[half])
+    cap = 4.0 * middle
+    counted = [
+        _effective_speed(state, info) if info.observed is not None else min(info.speed, cap)
+        for info in candidates
+        if info.observed is not None or not info.failed
+    ]
+    return max(counted) if counted else min(claims[-1], cap)
 
 def _alive_speeds(state: CoordinatorState) -> dict[str, float]:
     return {name: info.speed for name, info in state.peers.items() if info.alive}
@@ -749,6 +753,9 @@ def _retain_before_step(state: CoordinatorState) -> list[Action]:
 
 def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
     del state.leases[lease.lease_id]
+    info = state.peers.get(lease.peer)
+    if info is not None and info.observed is None:
+        info.failed = True
     shard = state.shards[lease.shard]
     shard.assigned -= lease.steps
     if lease.start_offset + lease.steps == shard.cursor and not shard.returned:
