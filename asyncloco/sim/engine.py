@@ -117,9 +117,12 @@ class SimResult:
 
 @dataclass
 class _Worker:
+    """A simulated worker holds no model: only its inner optimizer state (the AdamW moments, which the
+    paper keeps on each worker across rounds) and, while its lease runs, the pseudo-gradient."""
+
     name: str
     seconds_per_step: float
-    trainer: InnerTrainer
+    inner_state: dict[int, dict[str, Any]] = field(default_factory=dict)  # param index -> optimizer state
     lease_id: str | None = None
     base_version: int = 0
     steps: int = 0
@@ -156,14 +159,12 @@ class Simulation:
         )
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=True)
         self.state = new_state(theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.sim.seed)
-        self.workers = {
-            f"w{i}": _Worker(
-                f"w{i}",
-                s,
-                InnerTrainer.from_config(cfg, self.workload),
-            )
-            for i, s in enumerate(speeds)
-        }
+        # One model replica trains every lease in turn (its parameters are loaded from θ each round);
+        # each worker's own AdamW state is swapped in while it trains. Memory: one model plus, per
+        # worker, its optimizer moments and its pending pseudo-gradient — 1,024 workers fit.
+        self.trainer = InnerTrainer.from_config(cfg, self.workload)
+        self._trainer_params = list(self.trainer.model.parameters())
+        self.workers = {f"w{i}": _Worker(f"w{i}", s) for i, s in enumerate(speeds)}
         self._queue: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._next_eval = cfg.sim.eval_every
@@ -202,9 +203,7 @@ class Simulation:
                 lease = action.lease
                 worker = self.workers[action.peer]
                 worker.lease_id, worker.base_version, worker.steps = lease.lease_id, lease.base_version, lease.steps
-                worker.result = worker.trainer.run(
-                    self.state.params, lease.shard, lease.start_offset, lease.steps, lease.lr_offset
-                )
+                worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
                 finish = now + lease.steps * worker.seconds_per_step
                 self._push(finish, "complete", worker.name)
                 self._emit(
@@ -250,6 +249,18 @@ class Simulation:
                         self._next_eval += self.cfg.sim.eval_every
             elif isinstance(action, Rejected):
                 self._emit({"type": "rejected", "method": self.result.method, "time": now, "worker": action.peer, "reason": action.reason})
+
+    def _train(self, worker: _Worker, shard: int, start_offset: int, steps: int, lr_offset: int) -> RoundResult:
+        """Run one lease on the shared replica with ``worker``'s inner optimizer state swapped in."""
+        state = self.trainer.optimizer.state
+        state.clear()
+        for index, param in enumerate(self._trainer_params):
+            if index in worker.inner_state:
+                state[param] = worker.inner_state[index]
+        result = self.trainer.run(self.state.params, shard, start_offset, steps, lr_offset)
+        worker.inner_state = {index: state[param] for index, param in enumerate(self._trainer_params) if param in state}
+        state.clear()
+        return result
 
     def _out_of_budget(self) -> bool:
         limit = self.cfg.sim.total_local_updates if self.target_loss is None else self.update_limit
