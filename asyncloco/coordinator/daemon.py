@@ -259,6 +259,7 @@ class CoordinatorDaemon:
             theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.seed, lease_secret=os.urandom(32)
         )
         self.stats = _Stats()
+        self._service: Any = None  # the transport service, once serving (upload times per submission)
         self._request_refusals: dict[str, tuple[str, float]] = {}  # peer -> (reason, when): journal repeats once a minute
         self.model_snapshots: dict[int, torch.Tensor] = {}
         # --- durability (write-ahead log + background snapshots; see _decide and coordinator/wal.py)
@@ -753,6 +754,8 @@ class CoordinatorDaemon:
                 # The authenticated hello: registers the peer with the speed from its request (before the
                 # DHT read loop saw its record) and binds its DHT signing key and name to this peer id.
                 await self._decide(Hello(peer_id, signer, name[:64], speed))
+                if name:
+                    self.stats.peer(peer_id).name = name[:64]
             previous = self.waiters.pop(peer_id, None)
             if previous is not None and not previous.future.done():
                 previous.future.cancel()
@@ -813,10 +816,14 @@ class CoordinatorDaemon:
         lease_id, base_version = header.lease_id, header.base_version
 
         await self.check_admitted(peer_id)  # before decoding anything an outsider sent
+        upload_s = self._service.upload_seconds.get(peer_id, 0.0) if self._service is not None else 0.0
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
         async with self.lock:
             self._refuse_if_stopping()
-            actions = await self._decide(SubmitUpdate(peer_id, lease_id, base_version, update), wire=pseudo_gradient)
+            event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6))
+            actions = await self._decide(event, wire=pseudo_gradient)
+        if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
+            self.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
         for action in actions:
             if isinstance(action, Applied) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False)
@@ -890,6 +897,7 @@ class CoordinatorDaemon:
                     if info is None or info.signer != signer or (info.reported_at or -1.0) >= report.last_seen:
                         continue  # nothing for the logic to take: skip the log record
                     await self._decide(SpeedReport(report.peer_id, report.tokens_per_s, report.last_seen, signer))
+                    self.stats.peer(report.peer_id).device = report.device[:32]
             try:
                 await asyncio.wait_for(stop.wait(), timeout=max(0.5, period / 2))
             except asyncio.TimeoutError:
@@ -1050,7 +1058,7 @@ class CoordinatorDaemon:
             )
             p2p = await dht.replicate_p2p()
             self.counters = TrafficCounters()
-            service = CoordinatorService(
+            service = self._service = CoordinatorService(
                 self,
                 self.numel,
                 submit_codecs=(self.cfg.runtime.codec,),

@@ -257,6 +257,9 @@ class CoordinatorService:
         )
         self._refusals = _RateLimitedReport("handler refused", logging.INFO, limits.error_log_interval, limits.error_log_burst)
         self._submit_slots = asyncio.Semaphore(limits.max_submit_bodies)
+        # seconds the body of each peer's submission in progress took to arrive (read by the handler: the
+        # coordinator measures a peer's transfer time itself instead of trusting a claim)
+        self.upload_seconds: Dict[str, float] = {}
         self._download_slots = asyncio.Semaphore(limits.max_downloads)
         self._active: Dict[str, int] = {}
         self._streams = 0
@@ -410,10 +413,15 @@ class CoordinatorService:
             # Answer the header before the body is sent: a refusal reaches the client cleanly.
             frames_in.extend(self.limits.transfer_timeout(nbytes))
             await frames_out.header(Ready().to_wire())
+            receiving = time.monotonic()
             body = await frames_in.read_body(nbytes)
             traffic.payload_bytes_received += nbytes
             pseudo_gradient = EncodedTensor.from_bytes(header.codec, header.numel, body)
-            ack = await self._call_handler(self.handler.submit(header, pseudo_gradient, peer_id))
+            self.upload_seconds[peer_id] = time.monotonic() - receiving
+            try:
+                ack = await self._call_handler(self.handler.submit(header, pseudo_gradient, peer_id))
+            finally:
+                self.upload_seconds.pop(peer_id, None)
             if not isinstance(ack, Ack):
                 raise TypeError(f"handler answered submit with {type(ack).__name__}, not Ack")
         await frames_out.header(ack.to_wire())
