@@ -106,8 +106,8 @@ class ProxiedCluster(LocalCluster):
         self.spawned.append(process)
         return process
 
-    def start_coordinator(self, resume: bool = False, timeout: float = 120.0) -> str:
-        direct = super().start_coordinator(resume=resume, timeout=timeout)
+    def start_coordinator(self, resume: bool = False, timeout: float = 120.0, extra: Sequence[str] = ()) -> str:
+        direct = super().start_coordinator(resume=resume, timeout=timeout, extra=extra)
         self.direct_multiaddr = direct
         peer_id = direct.rsplit("/p2p/", 1)[1]
         self.multiaddr = f"/ip4/{self.proxy.proxy.listen_host}/tcp/{self.proxy.port}/p2p/{peer_id}"

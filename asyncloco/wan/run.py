@@ -1,0 +1,208 @@
+"""A coordinator and peers over emulated wide-area links (network namespaces; root required).
+
+Topology (:class:`~asyncloco.wan.netns.WanNetwork`): the coordinator in namespace ``coord`` (unshaped,
+listening on its namespace's 127.0.0.1 — unreachable from any peer except through a proxy), and for each
+peer ``i``:
+
+* namespace ``peer<i>`` with its access link's upload/download caps (``tc tbf``, both veth ends);
+* a :mod:`asyncloco.wan.proxy` process in ``coord``'s namespace on ``<coord address>:<7100 + i>`` adding the
+  profile's one-way latency each way and its loss (as stalls), forwarding to the coordinator;
+* the peer process, told ``/ip4/<coord address>/tcp/<7100 + i>/p2p/<coordinator id>`` — its only way in.
+
+:func:`run_wan` runs this for a wall-time budget counted from the first lease the coordinator issues and
+returns the journal's evaluations (time since that first lease, perplexity) and per-peer summaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from asyncloco.wan.netns import PROFILES, NetnsError, Profile, WanNetwork, wait_for_port_file
+
+__all__ = ["PeerSpec", "parse_peers", "run_wan", "read_journal", "COORDINATOR_PORT"]
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_PORT = 4100
+PROXY_BASE_PORT = 7100
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    profile: Profile
+    slowdown: float = 1.0
+
+
+def parse_peers(text: str) -> list[PeerSpec]:
+    """``"home:1,far:4,campus:1.5"`` → one peer per item: a profile name and its compute slowdown."""
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, slowdown = item.partition(":")
+        if name not in PROFILES:
+            raise ValueError(f"unknown link profile {name!r} in {text!r}; choose from {sorted(PROFILES)}")
+        try:
+            factor = float(slowdown) if slowdown else 1.0
+        except ValueError:
+            raise ValueError(f"slowdown {slowdown!r} of {name!r} is not a number (write e.g. home:1.5)") from None
+        if factor < 1:
+            raise ValueError(f"slowdown must be >= 1, got {factor} for {name!r}")
+        specs.append(PeerSpec(PROFILES[name], factor))
+    if not specs:
+        raise ValueError(f"no peers in {text!r}; write e.g. home:1,far:4")
+    return specs
+
+
+def _rate_args(profile: Profile) -> list[str]:
+    """The proxy paces at the link's rates too, so that loss stalls add to the transmission time instead of
+    hiding in the gaps of a tbf-paced stream (tbf still shapes the kernel's traffic)."""
+    args = []
+    if profile.up_mbit:
+        args += ["--up-mbit", str(profile.up_mbit)]
+    if profile.down_mbit:
+        args += ["--down-mbit", str(profile.down_mbit)]
+    return args
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    events = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def _perplexity(event: dict[str, Any]) -> Optional[float]:
+    for key in ("perplexity", "val_perplexity", "ppl"):
+        if key in event:
+            return float(event[key])
+    for key in ("loss", "val_loss"):
+        if key in event:
+            return float(math.exp(min(float(event[key]), 50.0)))
+    return None
+
+
+def _wait(condition: Any, timeout: float, what: str, processes: Sequence[Any] = ()) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        for process in processes:
+            if process.poll() is not None:
+                raise NetnsError(f"a process exited ({process.args[-8:]} → {process.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise NetnsError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def run_wan(
+    config: Path,
+    peers: Sequence[PeerSpec],
+    budget_s: float,
+    out: Path,
+    *,
+    threads: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run ``config`` over the links of ``peers`` for ``budget_s`` seconds of training; results in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = out / "coordinator"
+    python = sys.executable
+    logs: list[Any] = []
+    peer_processes: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="asyncloco-wan-") as scratch, WanNetwork() as net:
+        try:
+            coord = net.add_node("coord")
+            nodes = [net.add_node(f"peer{i}", spec.profile) for i, spec in enumerate(peers)]
+            log = (out / "coordinator.log").open("ab")
+            logs.append(log)
+            coordinator = net.spawn(
+                coord,
+                [python, "-m", "asyncloco.cli", "coordinator", "--config", str(config), "--checkpoint-dir",
+                 str(checkpoint_dir), "--port", str(COORDINATOR_PORT), "--threads", str(threads)],
+                log=log,
+            )  # fmt: skip
+            status_path = checkpoint_dir / "status.json"
+
+            def coordinator_id() -> Optional[str]:
+                try:
+                    status = json.loads(status_path.read_text())
+                except (OSError, json.JSONDecodeError):
+                    return None
+                addresses = status.get("multiaddrs") or []
+                return str(addresses[0]).rsplit("/p2p/", 1)[1] if addresses else None
+
+            peer_id = _wait(coordinator_id, 300, "the coordinator to start", [coordinator])
+            run_id = json.loads(status_path.read_text()).get("run_id")
+            for i, (spec, node) in enumerate(zip(peers, nodes)):
+                port_file = str(Path(scratch) / f"proxy{i}.port")
+                profile = spec.profile
+                net.spawn(
+                    coord,
+                    [python, "-m", "asyncloco.wan.proxy", "--listen", f"{coord.address}:{PROXY_BASE_PORT + i}",
+                     "--target", f"127.0.0.1:{COORDINATOR_PORT}", "--latency-ms", str(profile.latency_ms),
+                     "--loss", str(profile.loss * 100), "--seed", str(seed * 1000 + i), "--port-file", port_file,
+                     *_rate_args(profile)],
+                    log=log,
+                )  # fmt: skip
+                wait_for_port_file(port_file)
+                peer_log = (out / f"peer{i}.log").open("ab")
+                logs.append(peer_log)
+                peer_processes.append(net.spawn(
+                    node,
+                    [python, "-m", "asyncloco.cli", "peer", "join", "--initial-peers",
+                     f"/ip4/{coord.address}/tcp/{PROXY_BASE_PORT + i}/p2p/{peer_id}", "--run-id", str(run_id),
+                     "--slowdown", str(spec.slowdown), "--threads", str(threads), "--no-progress",
+                     "--summary", str(out / f"peer{i}.json")],
+                    log=peer_log,
+                ))  # fmt: skip
+            journal = checkpoint_dir / "events.jsonl"
+            first = _wait(
+                lambda: next((e for e in read_journal(journal) if e["type"] == "assign"), None),
+                600, "the first lease", [coordinator],
+            )  # fmt: skip
+            t0 = float(first["time"])
+            logger.info("training started; running for %.0f s", budget_s)
+            while time.time() < t0 + budget_s:
+                if coordinator.poll() is not None:
+                    raise NetnsError(f"the coordinator exited with {coordinator.returncode}; see {out / 'coordinator.log'}")
+                time.sleep(1.0)
+            for process in peer_processes:
+                net.stop(process, timeout=30)
+            net.stop(coordinator, timeout=60)
+        finally:
+            for handle in logs:
+                handle.close()
+    events = read_journal(checkpoint_dir / "events.jsonl")
+    evals = [
+        {"t": float(e["time"]) - t0, "version": e.get("version"), "perplexity": _perplexity(e)}
+        for e in events
+        if e["type"] == "eval"
+    ]
+    summaries = []
+    for i in range(len(peers)):
+        try:
+            summaries.append(json.loads((out / f"peer{i}.json").read_text()))
+        except (OSError, json.JSONDecodeError):
+            summaries.append({})
+    result = {
+        "budget_s": budget_s,
+        "peers": [{"profile": s.profile.describe(), "slowdown": s.slowdown} for s in peers],
+        "evals": evals,
+        "applied": sum(1 for e in events if e["type"] == "applied"),
+        "expired": sum(1 for e in events if e["type"] == "expired"),
+        "peer_summaries": summaries,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Run asyncloco over emulated wide-area links (network namespaces, root): see docs/wan.md.
+
+    python scripts/wan.py profiles                       # the link profiles
+    python scripts/wan.py check --profile far            # set one link up and measure it (rates, RTT)
+    python scripts/wan.py run --config configs/demo.yaml --peers home:1,far:4,campus:1.5 --budget 120 --out runs/wan
+
+``run``: the coordinator in its own namespace, each peer in its own behind its profile's link (tbf
+bandwidth each way, userspace latency/loss), training for ``--budget`` seconds from the first lease; prints
+perplexity vs wall time and writes ``<out>/result.json``. Everything it made (namespaces, veths, qdiscs,
+bridge, processes) is removed on exit, on an error and on Ctrl+C/SIGTERM. Exits 2 with the reason when
+namespaces are unavailable (not root, no ``ip netns``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncloco.wan.netns import PROFILES, WanNetwork, namespaces_unavailable, wait_for_port_file  # noqa: E402
+from asyncloco.wan.run import _rate_args, parse_peers, run_wan  # noqa: E402
+
+
+def check(profile_name: str) -> dict[str, object]:
+    profile = PROFILES[profile_name]
+    python = sys.executable
+    with tempfile.TemporaryDirectory() as scratch, WanNetwork() as net:
+        server = net.add_node("srv")
+        client = net.add_node("cli", profile)
+        net.spawn(server, [python, "-m", "asyncloco.wan.probe", "serve", "--host", "127.0.0.1", "--port", "5201"])
+        port_file = str(Path(scratch) / "port")
+        net.spawn(
+            server,
+            [python, "-m", "asyncloco.wan.proxy", "--listen", f"{server.address}:0", "--target", "127.0.0.1:5201",
+             "--latency-ms", str(profile.latency_ms), "--loss", str(profile.loss * 100), "--port-file", port_file,
+             *_rate_args(profile)],
+        )  # fmt: skip
+        port = wait_for_port_file(port_file)
+        up = int((profile.up_mbit or 100) * 1e6 / 8 * 2)  # ~2 s at the nominal rate
+        down = int((profile.down_mbit or 100) * 1e6 / 8 * 2)
+        out = net.run(
+            client,
+            [python, "-m", "asyncloco.wan.probe", "measure", "--host", server.address, "--port", str(port),
+             "--up-bytes", str(up), "--down-bytes", str(down)],
+            timeout=300,
+        )  # fmt: skip
+    return json.loads(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("profiles", help="list the link profiles")
+    c = sub.add_parser("check", help="measure one emulated link")
+    c.add_argument("--profile", default="home", choices=sorted(PROFILES))
+    r = sub.add_parser("run", help="a coordinator and peers over emulated links")
+    r.add_argument("--config", required=True)
+    r.add_argument("--peers", default="home:1,far:4,campus:1.5", help="profile:slowdown per peer")
+    r.add_argument("--budget", type=float, default=120.0, help="seconds of training from the first lease")
+    r.add_argument("--out", default="runs/wan")
+    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--seed", type=int, default=0, help="seeds the proxies' loss draws")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    if args.command == "profiles":
+        for profile in PROFILES.values():
+            print(profile.describe())
+        return 0
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"scripts/wan.py: network namespaces are unavailable: {reason}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "check":
+            profile = PROFILES[args.profile]
+            result = check(args.profile)
+            rtt = min(result["rtt_s"])  # type: ignore[call-overload]
+            print(f"{profile.describe()}: measured up {result['up_mbit']:.1f} Mbit/s, down {result['down_mbit']:.1f} Mbit/s, "
+                  f"RTT {rtt * 1000:.0f} ms (configured {2 * profile.latency_ms:.0f} ms)")  # fmt: skip
+            return 0
+        peers = parse_peers(args.peers)
+        result = run_wan(Path(args.config), peers, args.budget, Path(args.out), threads=args.threads, seed=args.seed)
+    except KeyboardInterrupt:
+        print("interrupted; everything was removed", file=sys.stderr)
+        return 130
+    except ValueError as error:
+        print(f"scripts/wan.py: {error}", file=sys.stderr)
+        return 2
+    print(f"{'t (s)':>8} {'version':>8} {'val ppl':>10}")
+    for e in result["evals"]:
+        print(f"{e['t']:8.1f} {e['version']:8} {e['perplexity']:10.2f}")
+    print(f"applied {result['applied']}, expired {result['expired']}; details in {Path(args.out) / 'result.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
