@@ -104,6 +104,7 @@ def _summary(out: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in row.items() if "wall" not in k} for row in rows]
 
 
+@pytest.mark.packaging
 @pytest.mark.timeout(300)
 def test_non_editable_install_in_a_fresh_venv_outside_the_repo(tmp_path: Path) -> None:
     """A wheel of the checkout installed into a fresh venv (no editable link, no download: the venv sees
