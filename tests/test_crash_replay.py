@@ -16,26 +16,25 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
-import random
-import re
 import shutil
-import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import yaml
 
-from asyncloco.config import RunConfig, load_config
+from asyncloco.config import RunConfig
 from asyncloco.coordinator.daemon import INITIAL_SNAPSHOT, CoordinatorDaemon
 from asyncloco.coordinator.logic import Action, Applied, Assign, Lease, RequestWork, SpeedReport, SubmitUpdate
 from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, WalError
-from asyncloco.local_cluster import LocalCluster
 from asyncloco.transport.codecs import decode, encode
+
+ROOT = Path(__file__).resolve().parents[1]
+TAG_VAR = "ASYNCLOCO_TEST_TAG"  # every process the test starts inherits it: how leftovers are recognised
 
 # ------------------------------------------------------------------------------------------- helpers
 
@@ -179,3 +178,51 @@ def test_a_snapshot_older_than_the_log_is_refused_at_resume(tmp_path: Path) -> N
     shutil.copyfile(tmp_path / "old-state.pt", run_dir / "state.pt")  # someone restores an old snapshot
     with pytest.raises(WalError, match=r"covers the log up to record 0 but the log .* starts at record 13: records 1..12 were deleted.*older than the log"):
         CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)
+
+
+# ------------------------------------------------------------------------------------ real processes
+
+
+def _crash_script() -> Any:
+    spec = importlib.util.spec_from_file_location("crash_test", ROOT / "scripts" / "crash_test.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _p2pd_with_tag(tag: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{entry}/comm").read_text().strip() != "p2pd":
+                continue
+            if f"{TAG_VAR}={tag}".encode() in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_coordinator_main_process_sigkill_at_random_points(tmp_path: Path) -> None:
+    crash = _crash_script()
+    tag = uuid.uuid4().hex
+    try:
+        result = crash.run_crash_test(
+            ROOT / "configs" / "demo.yaml", tmp_path / "crash", kills=5, slowdowns=(1.0, 1.5), seed=1,
+            snapshot_every=4, env={TAG_VAR: tag},
+        )
+    finally:
+        # LocalCluster.close() stopped every process group; p2pd of a cleanly stopped process exits within seconds
+        deadline = time.monotonic() + 20.0
+        while _p2pd_with_tag(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _p2pd_with_tag(tag), "p2pd left behind"
+    assert result["kills"] == 5 and len(result["recover_s"]) == 5
+    # serving again → an update applied: a peer's resend backoff (≤ 10 s) plus a round, not minutes
+    assert max(result["recover_s"]) < 30.0, result["recover_s"]
+    assert result["acknowledged"] >= result["kills"] and result["version"] >= result["acknowledged"] - result["duplicate_acks"]
