@@ -38,6 +38,8 @@ from asyncloco.coordinator.logic import (
     Action,
     Applied,
     Assign,
+    Expired,
+    Fetched,
     Hold,
     Rejected,
     RequestWork,
@@ -204,6 +206,8 @@ class Simulation:
                 worker = self.workers[action.peer]
                 worker.lease_id, worker.base_version, worker.steps = lease.lease_id, lease.base_version, lease.steps
                 worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+                # the worker has its θ: the coordinator need not retain that version for this lease
+                self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
                 finish = now + lease.steps * worker.seconds_per_step
                 self._push(finish, "complete", worker.name)
                 self._emit(
@@ -247,6 +251,10 @@ class Simulation:
                     self._evaluate(now)
                     while self._next_eval <= self.state.local_updates:
                         self._next_eval += self.cfg.sim.eval_every
+            elif isinstance(action, Expired):
+                # never in a simulation (no deadlines, every θ fetched at once): a lease taken back would
+                # leave its worker training for nothing, so fail loudly rather than skew a comparison
+                raise AssertionError(f"simulated lease {action.lease_id} was taken back: {action.reason}")
             elif isinstance(action, Rejected):
                 self._emit({"type": "rejected", "method": self.result.method, "time": now, "worker": action.peer, "reason": action.reason})
 
