@@ -8,7 +8,8 @@ size). Every figure is a median over repeats, in seconds, measured side by side 
 the two yardsticks the targets are stated in:
 
 * ``memcpy_s``: copy of θ (fp32) into a preallocated tensor;
-* ``fsync_update_s``: write + fsync of one int8-encoded update's bytes to a new file in the checkpoint dir;
+* ``fsync_update_s``: write + fsync of one int8-encoded update's bytes to a new file in the checkpoint dir
+  (sampled interleaved with the WAL and ack measurements);
 * ``decode_s`` (int8 → fp32), ``validate_s`` (``logic.validate_update`` + the update gate's scoring, when a
   gate is configured), ``apply_s`` (the outer optimizer's step), ``wal_append_s`` (append + fsync of a
   submission record with its encoded bytes);
@@ -169,7 +170,15 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
     update = fresh_update(10)
     wire = encode("int8", update)
     assert wire.nbytes == wire_bytes("int8", numel)
-    out["fsync_update_s"] = median_time(lambda: fsync_bytes(workdir, [wire.meta, wire.payload]), repeats)
+    fsync_samples: list[float] = []
+
+    def probe_fsync() -> None:
+        # the yardstick, measured interleaved with what it is compared to (disk speed drifts on a shared machine)
+        start = time.perf_counter()
+        fsync_bytes(workdir, [wire.meta, wire.payload])
+        fsync_samples.append(time.perf_counter() - start)
+
+    probe_fsync()
     out["decode_s"] = median_time(lambda: decode(wire, numel), repeats)
 
     async def scenario() -> None:
@@ -206,15 +215,21 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
 
         out["validate_s"] = median_time(validate, repeats)
         out["apply_s"] = median_time(lambda: state.optimizer.step(state.params, tensor, 1.0), repeats)
+        def wal_append() -> None:
+            daemon.wal.append_event(event, time.time(), {"pseudo_gradient": ("int8", numel, [wire.meta, wire.payload])})
+            daemon.wal.sync()
+
         out["wal_append_s"] = median_time(
-            lambda: (daemon.wal.append_event(event, time.time(), {"pseudo_gradient": ("int8", numel, [wire.meta, wire.payload])}), daemon.wal.sync()),
+            wal_append,
             repeats,
+            setup=probe_fsync,
         )
         await submit(current, wire)
 
         # ack and lease latency, through the daemon's durable path
         acks, leases, lease_bytes = [], [], []
         for _ in range(repeats):
+            probe_fsync()
             before = daemon.wal.bytes_written + daemon.snapshot_bytes
             start = time.perf_counter()
             current = await lease()
@@ -225,6 +240,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
             await submit(current, encoded)
             acks.append(time.perf_counter() - start)
         out["ack_latency_s"] = statistics.median(acks)
+        out["fsync_update_s"] = statistics.median(fsync_samples)
         out["lease_latency_s"] = statistics.median(leases)
         out["lease_bytes_written"] = max(lease_bytes)
 
@@ -245,7 +261,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
 
         thread = threading.Thread(target=write)
         thread.start()
-        during = []
+        during: list[float] = []
         while not done.is_set() and len(during) < 3:
             current = await lease()
             encoded = encode("int8", fresh_update(current.steps))
