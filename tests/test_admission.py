@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -267,3 +268,80 @@ def test_token_cli_issue_list_revoke(tmp_path: Path) -> None:
     assert admission.read_revoked(tmp_path).keys() == {claims.token_id}
     bad = _cli("coordinator", "token", "--checkpoint-dir", str(tmp_path), "--peer-name", "alice", "--expires", "7y")
     assert bad.returncode != 0 and "7d, 12h" in bad.stderr
+
+
+# ------------------------------------------------------------------------ real processes
+
+
+def _token_config(directory: Path) -> Path:
+    import uuid
+
+    import yaml
+
+    config = {
+        "name": "admission",
+        "seed": 0,
+        "task": {"kind": "lm", "model": "tiny", "source": "embedded", "seq_len": 64, "batch_size": 8, "num_shards": 4,
+                 "val_sequences": 16, "max_train_sequences": 4000},
+        "inner": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 5, "weight_decay": 0.1, "grad_clip": 1.0},
+        "outer": {"lr": 0.7, "momentum": 0.9, "buffer_size": 1},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": 10, "min_steps": 2, "grace_period": 0.5},
+        "sim": {"workers": 1},
+        "runtime": {"run_id": f"adm-{uuid.uuid4().hex[:12]}", "codec": "int8", "eval_every": 2,
+                    "speed_report_period": 1.0, "lease_timeout_factor": 2.0, "lease_slack": 10.0, "admission": "token"},
+    }
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_outsider_gets_nothing_token_binds_and_revocation_cuts_off(tmp_path: Path) -> None:
+    """Token mode with real processes: an outsider's hello, lease request, θ download and submission are
+    all refused; a peer with a token trains; the same token from another identity is refused; revoking
+    the token (the CLI, while the coordinator runs) cuts the peer off within seconds."""
+    from asyncloco.local_cluster import LocalCluster
+
+    config = _token_config(tmp_path)
+    cluster = LocalCluster(config, tmp_path / "run", threads=1)
+    try:
+        token, claims = issue_token(cluster.checkpoint_dir, "alice", 3600.0)
+        address = cluster.start_coordinator()
+        probe_summary = cluster.workdir / "outsider.json"
+        probe = subprocess.Popen(
+            [sys.executable, "-m", "asyncloco.testing.hostile", "--initial-peers", address, "--run-id", str(cluster.run_id),
+             "--attack", "probe", "--config", str(config), "--summary", str(probe_summary)],
+            stdout=(cluster.workdir / "outsider.log").open("ab"), stderr=subprocess.STDOUT, env=cluster.env,
+            start_new_session=True,
+        )
+        cluster.spawned.append(probe)
+        alice = cluster.start_peer("alice", 1.0, ["--token", token, "--identity", str(tmp_path / "alice.key")])
+        cluster.wait_for(lambda: cluster.peer_summary("alice").get("accepted", 0) >= 2, 240, "alice's first updates")
+        eve = cluster.start_peer("eve", 1.0, ["--token", token])  # alice's token, another identity
+        cluster.wait_for(lambda: probe.poll() is not None and eve.poll() is not None, 120, "the outsider and eve to finish")
+        revoked_at = time.time()
+        revoke = _cli("coordinator", "token", "revoke", "--checkpoint-dir", str(cluster.checkpoint_dir), claims.token_id)
+        assert revoke.returncode == 0, revoke.stderr
+        cluster.wait_for(lambda: alice.poll() is not None, 60, "alice to be cut off")
+        picked_up = next(e["time"] for e in cluster.events() if e.get("type") == "revoked")
+        events = cluster.events()
+    finally:
+        cluster.close()
+    outsider = json.loads(probe_summary.read_text())
+    calls = {c["call"]: c for c in outsider["calls"]}
+    assert set(calls) == {"hello", "assign", "get_model", "submit"}
+    for call in calls.values():
+        assert call["ok"] is False and "not admitted" in call["error"] and "--token" in call["error"], call
+    alice_id = cluster.peer_summary("alice")["peer_id"]
+    # the outsider appears in the journal only as refused; nothing was leased, sent or applied for it
+    assert {e["type"] for e in events if e.get("peer") == outsider["peer_id"]} == {"refused"}
+    assert [e["peer"] for e in events if e.get("type") == "admitted"] == [alice_id]
+    eve_log = (cluster.workdir / "eve.log").read_text()
+    assert eve.returncode != 0 and "bound to another peer id" in eve_log, eve_log[-2000:]
+    assert alice.returncode != 0 and "revoked" in (cluster.workdir / "alice.log").read_text()
+    assert picked_up - revoked_at < 10.0
+    revoked = next(e for e in events if e.get("type") == "revoked")
+    assert revoked["token_id"] == claims.token_id and revoked["peer"] == alice_id
+    assert not [e for e in events if e.get("type") in ("applied", "assign") and e.get("peer") == alice_id
+                and e["time"] > picked_up]

@@ -262,7 +262,7 @@ def test_flood_of_malformed_messages(tmp_path: Path) -> None:
         pid = cluster.coordinator.pid
         log = cluster.workdir / "coordinator.log"
         rss_before, lines_before = rss_kb(pid), len(log.read_text().splitlines())
-        flood, summary_path = start_hostile(cluster, "flood", "flood", "--count", str(count))
+        flood, summary_path = start_hostile(cluster, "flood", "flood", "--count", str(count), "--config", str(config))
         cluster.wait_for(lambda: read_json(summary_path).get("finished") or flood.poll() is not None, 400, "the flood")
         summary = read_json(summary_path)
         assert summary.get("finished") and summary["flood"]["sent"] == count, summary
