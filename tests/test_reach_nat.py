@@ -118,6 +118,47 @@ def test_a_dht_client_publishes_its_speed_through_the_coordinator() -> None:
         stop_dht(server)
 
 
+@pytest.mark.timeout(180)
+def test_a_dht_client_reaches_a_restarted_coordinator_again(tmp_path: Path) -> None:
+    """The coordinator restarts (same identity, same port) with an empty routing table and cannot ping a
+    DHT client back: without the client's ping its speed reports were stored nowhere the coordinator
+    looks. With ``ping_peer`` before each store (what the peer's publish loop does) they arrive again."""
+    from hivemind.utils.crypto import RSAPrivateKey
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from asyncloco.transport.dht import ping_peer, start_dht, stop_dht
+    from asyncloco.transport.reach import free_port
+    from asyncloco.transport.records import RunRecords, SpeedReport
+
+    identity, port = str(tmp_path / "coordinator.key"), free_port("127.0.0.1")
+    coordinator_key, peer_key = RSAPrivateKey(), RSAPrivateKey()
+    server = start_dht(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=identity)
+    client = None
+    try:
+        coordinator_id = server.peer_id.to_base58()
+        client = start_dht(initial_peers=[str(server.get_visible_maddrs()[0])], host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
+        peer_records = RunRecords(client, "reach-run", private_key=peer_key)
+        peer_id = client.peer_id.to_base58()
+        stop_dht(server)
+        assert ping_peer(client, coordinator_id, timeout=5.0) is False  # the coordinator is down
+        server = start_dht(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=identity)
+        assert server.peer_id.to_base58() == coordinator_id
+        coordinator_view = RunRecords(server, "reach-run", private_key=coordinator_key)
+        report = SpeedReport(peer_id, 777.0, "cpu", "0.1.0", get_dht_time())
+        assert peer_records.publish_speed(report, ttl_s=60.0)
+        assert coordinator_view.read_speeds() == {}  # stored nowhere the restarted coordinator looks
+        deadline = time.monotonic() + 60.0  # libp2p backs off re-dialling a peer that failed: a few seconds
+        while not ping_peer(client, coordinator_id, timeout=5.0):
+            assert time.monotonic() < deadline, "the client never reached the restarted coordinator"
+            time.sleep(1.0)  # the dial backoff; the condition is the ping's success
+        assert peer_records.publish_speed(report, ttl_s=60.0)
+        assert coordinator_view.read_speeds() == {peer_id: report}
+    finally:
+        if client is not None:
+            stop_dht(client)
+        stop_dht(server)
+
+
 def test_peer_name_is_validated() -> None:
     from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 

@@ -340,6 +340,7 @@ class PeerRunner:
         return None
 
     async def _publish_loop(self, records: Any, period: float) -> None:
+        from asyncloco.transport.dht import ping_peer
         from asyncloco.transport.records import SpeedReport
         from hivemind.utils import get_dht_time
 
@@ -353,6 +354,9 @@ class PeerRunner:
                     last_seen=get_dht_time(),
                 )
                 try:
+                    # a DHT client's stores go to servers in its routing table: keep the coordinator there
+                    # (it may have restarted with an empty table; see transport.dht.ping_peer)
+                    await asyncio.to_thread(ping_peer, records.dht, self.coordinator_id, min(10.0, period))
                     await asyncio.to_thread(records.publish_speed, report, 3 * period)
                 except Exception as error:  # retried next period
                     logger.warning("could not publish the speed report: %r", error)

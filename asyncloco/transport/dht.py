@@ -20,11 +20,12 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 from typing import Any, Iterator
 
 import hivemind
 
-__all__ = ["start_dht", "stop_dht"]
+__all__ = ["start_dht", "stop_dht", "ping_peer"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,3 +92,24 @@ def stop_dht(dht: hivemind.DHT, timeout: float = 10.0) -> None:
         logger.warning("DHT process %s did not exit; killing it", dht.pid)
         dht.kill()
         dht.join(5.0)
+
+
+async def _ping(peer_id: str, _dht: Any, node: Any) -> bool:
+    from hivemind.p2p import PeerID
+
+    return await node.protocol.call_ping(PeerID.from_base58(peer_id)) is not None
+
+
+def ping_peer(dht: hivemind.DHT, peer_id: str, timeout: float = 10.0) -> bool:
+    """Ping a DHT *server* by peer id (blocking): it goes (back) into this node's routing table.
+
+    A DHT client (a peer behind a NAT) cannot be pinged by the coordinator, and once the coordinator
+    restarted — same peer id and port, empty routing table — the client's stores reached nobody: its
+    speed reports were stored nowhere. A client calls this before each store; a ping is one small
+    round trip over the connection it already has."""
+    try:
+        return bool(dht.run_coroutine(partial(_ping, peer_id), return_future=True).result(timeout))
+    except Exception as error:  # the coordinator may be restarting; the next period tries again
+        logger.debug("ping of %s failed: %r", peer_id, error)
+        return False
+
