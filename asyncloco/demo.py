@@ -41,7 +41,7 @@ def summary_table(status: dict[str, Any], peers: dict[str, dict[str, Any]], slow
     by_id = {summary.get("peer_id"): name for name, summary in peers.items()}
     lines = [
         f"{'peer':6s} {'slowdown':>8s} {'speed tok/s':>11s} {'leases':>6s} {'steps/lease':>11s} {'applied':>7s} "
-        f"{'mean stale':>10s} {'expired':>7s} {'MB sent':>8s} {'MB recv':>8s}",
+        f"{'mean stale':>10s} {'expired':>7s} {'MB sent':>8s} {'MB recv':>8s} {'idle':>5s}",
     ]
     lines.append("-" * len(lines[0]))
     for peer_id, stats in sorted(status.get("peers", {}).items(), key=lambda kv: by_id.get(kv[0], kv[0])):
@@ -52,9 +52,11 @@ def summary_table(status: dict[str, Any], peers: dict[str, dict[str, Any]], slow
         received = sum(t.get("bytes_received", 0) for t in traffic.values()) / 1e6
         per_lease = stats["steps_assigned"] / stats["leases"] if stats["leases"] else 0.0
         stale = stats["staleness_sum"] / stats["applied"] if stats["applied"] else 0.0
+        # time not training / wall time since the peer's first lease request (peer/runner.py)
+        idle = f"{100 * summary['idle_fraction']:4.0f}%" if "idle_fraction" in summary else "    -"
         lines.append(
             f"{name:6s} {slowdowns.get(name, 1.0):8.1f} {stats['speed']:11.0f} {stats['leases']:6d} {per_lease:11.1f} "
-            f"{stats['applied']:7d} {stale:10.2f} {stats['expired']:7d} {sent:8.2f} {received:8.2f}"
+            f"{stats['applied']:7d} {stale:10.2f} {stats['expired']:7d} {sent:8.2f} {received:8.2f} {idle:>5s}"
         )
     evals = status.get("evals", [])
     if evals:

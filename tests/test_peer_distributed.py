@@ -233,9 +233,86 @@ def test_device_is_validated_up_front() -> None:
             validate_device("cuda")
 
 
+def test_demo_summary_shows_each_peers_idle_fraction() -> None:
+    from asyncloco.demo import summary_table
+
+    stats = {"speed": 1000.0, "leases": 2, "steps_assigned": 10, "applied": 2, "staleness_sum": 1, "expired": 0}
+    status = {"peers": {"A": stats, "B": stats}}
+    table = summary_table(status, {"peer0": {"peer_id": "A", "idle_fraction": 0.123}, "peer1": {"peer_id": "B"}}, {})
+    header, _, row0, row1 = table.splitlines()
+    assert header.split()[-1] == "idle"
+    assert row0.split()[0] == "peer0" and row0.split()[-1] == "12%"
+    assert row1.split()[-1] == "-"  # a peer that wrote no idle fraction
+
+
 def test_torchrun_command_drops_the_launcher_option() -> None:
     argv = ["-v", "peer", "join", "--initial-peers", "/ip4/1/tcp/2/p2p/Qm", "--nproc-per-node", "2", "--max-rounds", "3"]
     command = torchrun_command(2, argv)
     assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "asyncloco",
                            "-v", "peer", "join", "--initial-peers", "/ip4/1/tcp/2/p2p/Qm", "--max-rounds", "3"]
     assert torchrun_command(4, ["peer", "join", "--nproc-per-node=4"])[-2:] == ["peer", "join"]
+
+
+# ------------------------------------------------------------------------- with a coordinator
+
+
+def _leases_of(events: list[dict], peer: str) -> tuple[set[str], set[str]]:
+    assigned = {e["lease_id"] for e in events if e["type"] == "assign" and e.get("peer") == peer}
+    applied = {e["lease_id"] for e in events if e["type"] == "applied" and e.get("peer") == peer}
+    return assigned, applied
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
+    """One 2-rank group (``--nproc-per-node 2``: torchrun, gloo) and two single peers train one run. The
+    group is one peer to the coordinator; it reports the global batch's tokens. Then Ctrl+C semantics:
+    SIGTERM (= a first Ctrl+C) makes the group and a single peer finish and submit the lease they hold —
+    every lease they were given is applied, none given back; two SIGINTs make a peer leave at once."""
+    import signal
+
+    from asyncloco.local_cluster import LocalCluster
+
+    repo = Path(__file__).resolve().parent.parent
+    with LocalCluster(repo / "configs" / "demo.yaml", tmp_path) as cluster:
+        cluster.start_coordinator()
+        group = cluster.start_peer("group", extra=["--nproc-per-node", "2"])
+        single = cluster.start_peer("single")
+        slow = cluster.start_peer("slow", slowdown=3.0)
+
+        def trained() -> bool:
+            return all(cluster.peer_summary(name).get("accepted", 0) >= 2 for name in ("group", "single", "slow"))
+
+        cluster.wait_for(trained, 600, "every peer to have 2 updates applied")
+        summaries = {name: cluster.peer_summary(name) for name in ("group", "single", "slow")}
+        assert summaries["group"]["world_size"] == 2 and summaries["single"]["world_size"] == 1
+        # DyLU's unit is the global batch: the group's step trains the same 8 × 64 tokens a single peer's does
+        assert summaries["group"]["units_per_step"] == summaries["single"]["units_per_step"] == 8 * 64
+        status = cluster.status()
+        ids = {name: s["peer_id"] for name, s in summaries.items()}
+        assert set(ids.values()) <= set(status["peers"])  # the group is one peer: one id, one speed
+        assert status["peers"][ids["group"]]["speed"] > 0 and status["peers"][ids["group"]]["applied"] >= 2
+
+        # first Ctrl+C (SIGTERM here) → finish the current lease, submit it, leave (exit 0)
+        cluster.stop(group, timeout=120)
+        cluster.stop(single, timeout=120)
+        assert group.returncode == 0 and single.returncode == 0
+        events = cluster.events()
+        for name in ("group", "single"):
+            assigned, applied = _leases_of(events, ids[name])
+            assert assigned and assigned == applied, name  # nothing dropped
+        log = (tmp_path / "group.log").read_text()
+        assert "rank 1: the leader stopped the group" in log
+        assert "Traceback" not in log  # a normal shutdown prints none
+
+        # two Ctrl+C → leave at once, saying what is dropped
+        cluster.wait_for(lambda: any(e["type"] == "assign" and e.get("peer") == ids["slow"] and e["lease_id"]
+                                     not in _leases_of(cluster.events(), ids["slow"])[1] for e in cluster.events()),
+                         120, "the slow peer to hold a lease")
+        slow.send_signal(signal.SIGINT)
+        slow.send_signal(signal.SIGINT)
+        slow.wait(timeout=60)
+        assert slow.returncode == 0
+        slow_log = (tmp_path / "slow.log").read_text()
+        assert "leaving at once" in slow_log and "dropped" in slow_log
+        assert "Traceback" not in slow_log

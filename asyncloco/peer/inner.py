@@ -15,6 +15,7 @@ global batch and the pseudo-gradient is reduced to rank 0 (:mod:`asyncloco.peer.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -99,12 +100,18 @@ class InnerTrainer:
         if group is not None:
             from torch.nn.parallel import DistributedDataParallel
 
-            # params are loaded from θ before every round, buffers are deterministic: nothing to re-broadcast
+            # params are loaded from θ before every round, buffers are deterministic: no re-broadcast per step
+            # (torch >= 2.13 names the option forward_sync_buffers; older versions broadcast_buffers)
+            no_buffer_sync: dict[str, Any] = (
+                {"forward_sync_buffers": False}
+                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                else {"broadcast_buffers": False}
+            )
             self.forward_model = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
                 gradient_as_bucket_view=True,
+                **no_buffer_sync,
             )
         self._pinned: Optional[torch.Tensor] = None
 

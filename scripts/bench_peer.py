@@ -1,0 +1,194 @@
+"""Throughput of the peer's inner loop vs a plain transformers + torch training loop, side by side.
+
+Both train the same Llama preset (same initial weights, same random token batches, same AdamW
+hyper-parameters and gradient clipping) on the same device. "peer" is
+:class:`asyncloco.peer.inner.InnerTrainer` exactly as a peer runs a lease (θ load, per-step LR
+schedule, batches from a workload, on-step timing callback, pseudo-gradient at the end); "plain" is the
+loop anyone would write: ``model(input_ids=..., labels=...)``, ``backward``, clip, ``step``. The two are
+timed alternately, ``--repeats`` times each, and the median tokens/s of each is compared, so a busy
+machine slows both alike.
+
+    python scripts/bench_peer.py --model tiny            # ratio printed; goal: peer within 5 % of plain
+    python scripts/bench_peer.py --model 20m --device cuda --precision bf16 --json runs/bench/peer-20m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncloco.algo.schedule import ShardSchedule
+from asyncloco.models.lm import causal_lm_loss
+from asyncloco.models.presets import PRESETS, build_causal_lm
+from asyncloco.models.workload import Workload, flatten_params
+from asyncloco.peer.distributed import validate_device
+from asyncloco.peer.inner import InnerTrainer
+
+VOCAB = 4096  # the project tokenizer's size
+
+
+class RandomTokens(Workload):
+    """Fixed random token rows: the data pipeline is not what is measured."""
+
+    name = "random-tokens"
+
+    def __init__(self, preset: str, batch_size: int, seq_len: int, batches: int, seed: int = 0) -> None:
+        self.preset, self.seq_len = preset, seq_len
+        self.units_per_step = batch_size * seq_len
+        generator = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, VOCAB, (batches, batch_size, seq_len + 1), generator=generator)
+
+    def build_model(self, seed: int) -> nn.Module:
+        return build_causal_lm(self.preset, vocab_size=VOCAB, seq_len=self.seq_len, seed=seed)
+
+    def shard_sizes(self) -> list[int]:
+        return [len(self.rows)]
+
+    def batch(self, shard: int, index: int) -> torch.Tensor:
+        return self.rows[index % len(self.rows)]
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(model, batch)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {"loss": float("nan")}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_peer(trainer: InnerTrainer, theta: torch.Tensor, steps: int, offset: int) -> tuple[float, float]:
+    """(wall, CPU) seconds for one lease of ``steps`` steps, as a peer runs it (θ in, pseudo-gradient out)."""
+    seconds: list[float] = []
+    _sync(trainer.device)
+    started, cpu = time.perf_counter(), time.process_time()
+    trainer.run(theta, 0, offset, steps, offset, on_step=seconds.append)
+    _sync(trainer.device)
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def time_plain(
+    model: nn.Module, optimizer: torch.optim.Optimizer, workload: RandomTokens, device: torch.device,
+    steps: int, offset: int, precision: str, grad_clip: float,
+) -> tuple[float, float]:
+    """(wall, CPU) seconds for ``steps`` steps of the textbook transformers + torch loop."""
+    model.train()
+    _sync(device)
+    started, cpu = time.perf_counter(), time.process_time()
+    for j in range(steps):
+        rows = workload.batch(0, offset + j).to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logits = model(input_ids=rows[:, :-1]).logits
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+    _sync(device)
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = validate_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    workload = RandomTokens(args.model, args.batch_size, args.seq_len, batches=args.steps * 2)
+    lr, betas, weight_decay, grad_clip = 1e-3, (0.9, 0.999), 0.1, 1.0
+    # constant lr (warmup 0, min = max): both loops step with the same lr
+    trainer = InnerTrainer(workload, ShardSchedule(lr, lr, 0, 10**9), seed=0, optimizer="adamw", betas=betas,
+                           weight_decay=weight_decay, grad_clip=grad_clip, device=device, precision=args.precision)
+    theta = flatten_params(trainer.model).cpu()
+    plain_model = workload.build_model(seed=0).to(device)
+    plain_optimizer = torch.optim.AdamW(plain_model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    numel = sum(p.numel() for p in plain_model.parameters())
+    tokens = args.steps * workload.units_per_step
+
+    for _ in range(args.warmup):  # allocator, kernels, caches
+        time_peer(trainer, theta, args.steps, 0)
+        time_plain(plain_model, plain_optimizer, workload, device, args.steps, 0, args.precision, grad_clip)
+    peer_rates, plain_rates, peer_cpu, plain_cpu = [], [], [], []
+    for repeat in range(args.repeats):
+        # alternate which goes first, so a slow phase of a shared machine hits both alike
+        order = ("peer", "plain") if repeat % 2 == 0 else ("plain", "peer")
+        for which in order:
+            if which == "peer":
+                wall, cpu = time_peer(trainer, theta, args.steps, repeat)
+                peer_rates.append(tokens / wall)
+                peer_cpu.append(tokens / cpu)
+            else:
+                wall, cpu = time_plain(plain_model, plain_optimizer, workload, device, args.steps, repeat,
+                                       args.precision, grad_clip)
+                plain_rates.append(tokens / wall)
+                plain_cpu.append(tokens / cpu)
+    peer, plain = statistics.median(peer_rates), statistics.median(plain_rates)
+    return {
+        "model": args.model,
+        "parameters": numel,
+        "device": str(device),
+        "precision": args.precision,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps_per_repeat": args.steps,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "peer_tokens_per_s": peer,
+        "plain_tokens_per_s": plain,
+        "ratio": peer / plain,
+        # tokens per CPU-second of this process: on a machine shared with other jobs, less noisy than wall
+        "peer_tokens_per_cpu_s": statistics.median(peer_cpu),
+        "plain_tokens_per_cpu_s": statistics.median(plain_cpu),
+        "cpu_ratio": statistics.median(peer_cpu) / statistics.median(plain_cpu),
+        "peer_samples": peer_rates,
+        "plain_samples": plain_rates,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed lease")
+    parser.add_argument("--repeats", type=int, default=9, help="timed leases per loop (median taken)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed leases per loop first")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "seq_len", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        result = run(args)
+    except ValueError as error:
+        print(f"bench_peer: error: {error}", file=sys.stderr)
+        return 2
+    print(f"model {result['model']} ({result['parameters'] / 1e6:.2f} M parameters), {result['device']}, "
+          f"{result['precision']}, batch {result['batch_size']} × {result['seq_len']} tokens, "
+          f"{result['repeats']} × {result['steps_per_repeat']} steps each, {result['threads']} threads")
+    print(f"{'loop':8s} {'tokens/s (median)':>18s} {'tokens/CPU-s':>13s}")
+    for loop in ("peer", "plain"):
+        print(f"{loop:8s} {result[loop + '_tokens_per_s']:18.0f} {result[loop + '_tokens_per_cpu_s']:13.0f}")
+    print(f"ratio peer / plain: {result['ratio']:.3f}  (goal: >= 0.95); per CPU-second: {result['cpu_ratio']:.3f}")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""scripts/bench_peer.py runs end to end with tiny step counts and writes what it printed as JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(240)
+def test_bench_peer_tiny_prints_and_writes_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_peer.py"), "--model", "tiny", "--steps", "2", "--repeats", "2",
+         "--warmup", "1", "--batch-size", "4", "--seq-len", "16", "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=200, cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny" and result["device"] == "cpu" and result["threads"] == 1
+    assert len(result["peer_samples"]) == len(result["plain_samples"]) == 2
+    assert result["peer_tokens_per_s"] > 0 and result["plain_tokens_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["peer_tokens_per_s"] / result["plain_tokens_per_s"])
+    assert f"ratio peer / plain: {result['ratio']:.3f}" in completed.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_peer_refuses_cuda_without_a_gpu(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the CUDA path is not an error here")
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_peer.py"), "--device", "cuda"],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )
+    assert completed.returncode == 2
+    assert "no CUDA device is visible" in completed.stderr and "Traceback" not in completed.stderr
