@@ -155,14 +155,6 @@ class FrameReader:
             assembler.add(data)
         return assembler.finish()
 
-    async def expect_end(self) -> None:
-        """The peer sends nothing more: the next read must hit the end of the stream (or a deadline)."""
-        try:
-            extra = await self._read(1, "end of stream")
-        except PeerUnreachable:
-            return
-        raise ProtocolError(f"unexpected data after the last frame (kind {extra[0]})")
-
 
 class FrameWriter:
     """Writes frames; every ``drain`` has the idle deadline (a reader that stops reading is dropped)."""
