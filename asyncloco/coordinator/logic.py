@@ -35,6 +35,7 @@ closes by time: everyone waits for every lease of the round.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import math
@@ -604,7 +605,8 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
             return [_issue(state, peer, now, "finished inside a settled grace window: starts from its newest θ")]
         state.held[peer] = now
         return [Hold(peer, state.window_end, waiting, "joined the open grace window")]
-    decision = hold_decision(now, ((lid, l.expected_finish) for lid, l in state.leases.items()), policy.grace_period)
+    soon = _expected_in_window(state, now + policy.grace_period)  # only these can matter: O(k + log n)
+    decision = hold_decision(now, ((lid, state.leases[lid].expected_finish) for lid in soon), policy.grace_period)
     if decision.hold_until is None:
         return [_issue(state, peer, now, decision.reason)]
     state.window_end = decision.hold_until
@@ -612,8 +614,40 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
     return [Hold(peer, decision.hold_until, decision.waiting_for, decision.reason)]
 
 
+def _lease_index(state: CoordinatorState, key: str) -> list[tuple[float, str]]:
+    """Active leases sorted by ``key`` ("expected_finish" or "deadline"), as (time, lease_id).
+
+    A derived cache kept beside the state (never checkpointed): leases enter it when issued
+    (:func:`_index_lease`); leases that left ``state.leases`` (applied, given back) are pruned lazily when
+    a query meets them. It is rebuilt when the lease table is replaced (checkpoint load). With k leases
+    due before a query's bound, a query costs O(k + log n) instead of a scan over all n leases."""
+    caches: dict[str, tuple[dict[str, Lease], list[tuple[float, str]]]] = state.__dict__.setdefault("_lease_indexes", {})
+    cached = caches.get(key)
+    if cached is None or cached[0] is not state.leases:
+        entries = sorted((getattr(lease, key), lease_id) for lease_id, lease in state.leases.items())
+        cached = caches[key] = (state.leases, entries)
+    return cached[1]
+
+
+def _index_lease(state: CoordinatorState, lease: Lease) -> None:
+    caches = state.__dict__.get("_lease_indexes", {})
+    for key, (table, entries) in caches.items():
+        if table is state.leases:
+            bisect.insort(entries, (getattr(lease, key), lease.lease_id))
+
+
+def _leases_due(state: CoordinatorState, key: str, bound: float, strict: bool = False) -> list[str]:
+    """Ids of the active leases whose ``key`` time is <= ``bound`` (< with ``strict``), pruning stale entries."""
+    entries = _lease_index(state, key)
+    end = bisect.bisect_left(entries, (bound, "")) if strict else bisect.bisect_right(entries, (bound, "\U0010ffff"))
+    live = [entry for entry in entries[:end] if entry[1] in state.leases]
+    if len(live) < end:
+        entries[:end] = live
+    return [lease_id for _, lease_id in live]
+
+
 def _expected_in_window(state: CoordinatorState, window_end: float) -> tuple[str, ...]:
-    return tuple(sorted(lid for lid, lease in state.leases.items() if lease.expected_finish <= window_end))
+    return tuple(sorted(_leases_due(state, "expected_finish", window_end)))
 
 
 def _release_held(state: CoordinatorState, now: float) -> list[Action]:
@@ -711,6 +745,7 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
         deadline=now + min(duration * policy.lease_timeout_factor + policy.lease_slack + transfer, policy.max_lease_s),
     )
     state.leases[lease.lease_id] = lease
+    _index_lease(state, lease)
     return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
 
 
@@ -779,9 +814,9 @@ def _drop_unused_base_params(state: CoordinatorState) -> None:
 
 def _expire(state: CoordinatorState, now: float) -> list[Action]:
     actions: list[Action] = []
-    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
-        if now > lease.deadline:
-            actions += _give_back(state, lease, f"lease deadline {lease.deadline:.1f} passed")
+    for lease_id in sorted(_leases_due(state, "deadline", now, strict=True)):
+        lease = state.leases[lease_id]
+        actions += _give_back(state, lease, f"lease deadline {lease.deadline:.1f} passed")
     return actions
 
 
