@@ -225,12 +225,17 @@ def test_silent_peers_leave_on_tick_and_overdue_holds_are_released() -> None:
     assert do(state, Tick(), 21.0) == []
     (released,) = [a for a in do(state, Tick(), 21.5) if isinstance(a, Released)]
     assert released.peer == "b" and "b" not in state.held
+    do(state, SpeedReport("a", 1.0, reported_at=25.0), 25.0)  # a reports while it trains
     left = [a for a in do(state, Tick(), 31.0) if isinstance(a, Left)]
-    assert [a.peer for a in left] == ["idle"]  # a holds a lease; b asked at 1.0 → silent 30 s only at 31.0+
+    assert [a.peer for a in left] == ["idle"]  # b asked at 1.0 → silent for more than 30 s only after 31.0
     assert [a.peer for a in do(state, Tick(), 31.5) if isinstance(a, Left)] == ["b"]
     assert state.peers["a"].alive and not state.peers["idle"].alive
     do(state, Restarted(grace_s=10.0), 40.0)
     assert state.peers["a"].last_seen == 50.0
+    # silent with a lease in hand (killed mid-round): gone, and its steps go back at once
+    actions = do(state, Tick(), 80.5)
+    assert [a.peer for a in actions if isinstance(a, Left)] == ["a"]
+    assert [a.lease_id for a in actions if isinstance(a, Expired)] == [lease_a.lease_id]
 
 
 def test_theta_is_retained_copy_on_write_until_fetched_and_bounded() -> None:
