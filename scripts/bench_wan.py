@@ -5,6 +5,7 @@ and fp32 vs int8 vs int4 pseudo-gradients — same model (``tiny``), same peers 
 
     sudo python scripts/bench_wan.py                      # full: 5 runs x --budget (default 120 s) + start-up
     sudo python scripts/bench_wan.py --budget 60 --quick  # the 3 methods only, int8
+    sudo python scripts/bench_wan.py --budget 60 --reuse  # then add the codec runs to those
 
 Prints a table (validation perplexity at the budget and at equal wall time, time to reach sync DiLoCo's
 final perplexity, updates applied, leases expired), writes ``<out>/bench_wan.json`` and
@@ -70,6 +71,8 @@ def main() -> int:
     parser.add_argument("--out", default="runs/bench-wan")
     parser.add_argument("--quick", action="store_true", help="only the three methods with int8")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the runs already in --out with the same budget and peers (e.g. add the codec runs to a --quick one)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     reason = namespaces_unavailable()
@@ -86,6 +89,13 @@ def main() -> int:
         name = f"{method}-{codec}"
         directory = out / name
         directory.mkdir(parents=True, exist_ok=True)
+        previous = directory / "result.json"
+        if args.reuse and previous.is_file():
+            old = json.loads(previous.read_text())
+            if old.get("budget_s") == args.budget and len(old.get("peers", [])) == len(peers):
+                print(f"--- {LABELS[method]}, {codec}: reusing {previous}", flush=True)
+                results[name] = {"method": method, "codec": codec, **old}
+                continue
         config_path = directory / "config.yaml"
         config_path.write_text(yaml.safe_dump(bench_config(method, codec, len(peers)), sort_keys=False))
         print(f"--- {LABELS[method]}, {codec}: {args.budget:.0f} s over {args.peers}", flush=True)

@@ -15,9 +15,12 @@ returns the journal's evaluations (time since that first lease, perplexity) and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -178,8 +181,16 @@ def run_wan(
                 if coordinator.poll() is not None:
                     raise NetnsError(f"the coordinator exited with {coordinator.returncode}; see {out / 'coordinator.log'}")
                 time.sleep(1.0)
+            # the budget is spent: stop every peer at once (a peer finishes its lease on the first signal;
+            # the measurement is over, so the stragglers are killed after a short grace)
             for process in peer_processes:
-                net.stop(process, timeout=30)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+            grace = time.monotonic() + 15.0
+            while any(p.poll() is None for p in peer_processes) and time.monotonic() < grace:
+                time.sleep(0.2)
+            for process in peer_processes:
+                net.stop(process, timeout=1)
             net.stop(coordinator, timeout=60)
         finally:
             for handle in logs:
