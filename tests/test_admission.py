@@ -328,6 +328,9 @@ def test_outsider_gets_nothing_token_binds_and_revocation_cuts_off(tmp_path: Pat
         events = cluster.events()
     finally:
         cluster.close()
+    # the outsider's submission was refused at its header: the coordinator read exactly alice's bodies
+    received = cluster.status()["traffic"]["submit"]["payload_bytes_received"]
+    assert received == cluster.peer_summary("alice")["traffic"]["submit"]["payload_bytes_sent"] > 0
     outsider = json.loads(probe_summary.read_text())
     calls = {c["call"]: c for c in outsider["calls"]}
     assert set(calls) == {"hello", "assign", "get_model", "submit"}

@@ -95,6 +95,9 @@ class CoordinatorHandler(Protocol):
         snapshot; the service may cache its encoding by version). ``None``: the latest; raise to refuse."""
         ...
 
+    # Optional: ``async def check_admitted(self, peer_id: str) -> None`` — raise to refuse a submission at
+    # its header, before its body is read (admission; the coordinator daemon has it).
+
     async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str) -> Ack:
         """Validate and apply (or refuse) an update. ``pseudo_gradient`` matches the header's codec and
         the model's numel exactly (so ``decode`` cannot fail on size; it refuses NaN/Inf). Must be
@@ -409,6 +412,11 @@ class CoordinatorService:
         if header.numel != self.model_numel:
             raise ProtocolError(f"pseudo-gradient declares numel={header.numel}, the model has {self.model_numel}")
         nbytes = wire_bytes(header.codec, header.numel)
+        # --- admission (coordinator/admission.py): an optional handler hook refuses an unadmitted sender
+        # before a body slot is taken or a byte of its body is read
+        check_admitted = getattr(self.handler, "check_admitted", None)
+        if check_admitted is not None:
+            await self._call_handler(check_admitted(peer_id))
         async with self._slot(self._submit_slots, "submit"):
             # Answer the header before the body is sent: a refusal reaches the client cleanly.
             frames_in.extend(self.limits.transfer_timeout(nbytes))
