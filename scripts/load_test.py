@@ -60,15 +60,12 @@ def write_config(workdir: Path, clients: int) -> Path:
 # ------------------------------------------------------------------------------------------ clients
 
 
-async def client_loop(index: int, maddr: str, coordinator_id: str, namespace: str, stop_at: float, think: float, out: dict[str, Any]) -> None:
-    from hivemind.p2p import P2P
-
+async def client_loop(index: int, p2p: Any, coordinator_id: str, namespace: str, stop_at: float, think: float, out: dict[str, Any]) -> None:
     from asyncloco.transport.codecs import encode
     from asyncloco.transport.rpc import CoordinatorClient
 
     rng = random.Random(index)
     generator = torch.Generator().manual_seed(index)
-    p2p = await P2P.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         probe = CoordinatorClient(p2p, coordinator_id, 1, namespace=namespace)
         hello = await probe.hello(name=f"load{index}", timeout=60.0)
@@ -80,6 +77,7 @@ async def client_loop(index: int, maddr: str, coordinator_id: str, namespace: st
             download_codec=str(getattr(hello, "download_codec", "none") or "none"),
         )
         speed = 5000.0 * (1 + index % 4)
+        out["ready_at"].append(time.time())
         while time.time() < stop_at:
             try:
                 start = time.perf_counter()
@@ -93,8 +91,10 @@ async def client_loop(index: int, maddr: str, coordinator_id: str, namespace: st
                 await client.get_model(lease.base_version)
                 out["fetch_s"].append(time.perf_counter() - start)
                 await asyncio.sleep(rng.uniform(0, think))  # "training"
+                start = time.perf_counter()
                 update = torch.randn(numel, generator=generator).mul_(0.05 * lr * lease.steps)
                 encoded = await asyncio.to_thread(encode, codec, update)
+                out["encode_s"].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 ack = await client.submit(lease.lease_id, lease.base_version, encoded)
                 out["ack_s"].append(time.perf_counter() - start)
@@ -105,13 +105,21 @@ async def client_loop(index: int, maddr: str, coordinator_id: str, namespace: st
             except Exception as error:  # counted: the load test requires zero
                 out["errors"].append(f"client {index}: {error!r}")
                 await asyncio.sleep(1.0)
+    except Exception as error:  # hello failed
+        out["errors"].append(f"client {index} (joining): {error!r}")
     finally:
         await p2p.shutdown()
 
 
-async def client_process(first: int, count: int, maddr: str, coordinator_id: str, namespace: str, stop_at: float, think: float) -> dict[str, Any]:
-    out: dict[str, Any] = {k: [] for k in ("lease_s", "fetch_s", "ack_s", "acks", "refused", "no_lease", "errors")}
-    await asyncio.gather(*(client_loop(i, maddr, coordinator_id, namespace, stop_at, think, out) for i in range(first, first + count)))
+async def client_process(first: int, count: int, maddr: str, coordinator_id: str, namespace: str, duration: float, think: float) -> dict[str, Any]:
+    from hivemind.p2p import P2P
+
+    out: dict[str, Any] = {k: [] for k in ("lease_s", "fetch_s", "encode_s", "ack_s", "acks", "refused", "no_lease", "errors", "ready_at")}
+    nodes = []
+    for _ in range(count):  # one p2pd each, started one after the other (a loaded machine starts them slowly)
+        nodes.append(await P2P.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0))
+    stop_at = time.time() + duration  # the load lasts `duration` from when this process's clients are up
+    await asyncio.gather(*(client_loop(first + i, nodes[i], coordinator_id, namespace, stop_at, think, out) for i in range(count)))
     return out
 
 
@@ -139,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     if args.worker:
-        first, count, maddr, coordinator_id, namespace, stop_at, out = args.worker
-        result = asyncio.run(client_process(int(first), int(count), maddr, coordinator_id, namespace, float(stop_at), args.think))
+        first, count, maddr, coordinator_id, namespace, duration, out = args.worker
+        result = asyncio.run(client_process(int(first), int(count), maddr, coordinator_id, namespace, float(duration), args.think))
         Path(out).write_text(json.dumps(result))
         return 0
 
@@ -156,12 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         status = cluster.status()
         coordinator_id, namespace = status["peer_id"], status["run_id"]
         started = time.time()
-        stop_at = started + 20.0 + args.duration  # + start-up of the client processes
         workers = []
         first = 0
         for i, count in enumerate(per_process):
             out = args.workdir / f"clients-{i}.json"
-            command = [sys.executable, __file__, "--think", str(args.think), "--worker", str(first), str(count), maddr, coordinator_id, namespace, str(stop_at), str(out)]
+            command = [sys.executable, __file__, "--think", str(args.think), "--worker", str(first), str(count), maddr, coordinator_id, namespace, str(args.duration), str(out)]
             log = (args.workdir / f"clients-{i}.log").open("wb")
             workers.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), out, log))
             first += count
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             process.wait(timeout=args.duration + 400)
             log.close()
         elapsed = time.time() - started
-        merged: dict[str, list[Any]] = {k: [] for k in ("lease_s", "fetch_s", "ack_s", "acks", "refused", "no_lease", "errors")}
+        merged: dict[str, list[Any]] = {k: [] for k in ("lease_s", "fetch_s", "encode_s", "ack_s", "acks", "refused", "no_lease", "errors", "ready_at")}
         for process, out, _ in workers:
             if process.returncode != 0 or not out.is_file():
                 merged["errors"].append(f"client process exited with {process.returncode}; see {out.with_suffix('.log')}")
@@ -200,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         "applied_updates": version,
         "acknowledged": len(merged["acks"]),
         "updates_per_s": round(version / args.duration, 2),
+        "clients_ready_spread_s": round(max(merged["ready_at"]) - min(merged["ready_at"]), 1) if merged["ready_at"] else None,
+        "encode_p50_s": percentile(merged["encode_s"], 0.5),
         "errors": len(merged["errors"]),
         "refused": len(merged["refused"]),
         "no_lease": len(merged["no_lease"]),
