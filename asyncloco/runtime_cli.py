@@ -175,7 +175,6 @@ def _read_token(value: str | None) -> str | None:
     return path.read_text().strip()
 
 
-
 def cmd_token(args: argparse.Namespace) -> int:
     from asyncloco.coordinator.admission import issue_token, parse_duration
 
