@@ -11,9 +11,11 @@ What it does, in one place:
   expires leases and closes grace windows, and departures of peers whose reports went stale;
 * serves θ at each lease's base version (snapshots are kept only for versions that active leases
   still reference);
-* writes a durable snapshot before acknowledging an applied update or handing out a lease (see
-  :mod:`asyncloco.coordinator.checkpoint`), a JSON-lines journal of every decision, periodic
-  validation metrics and a ``status.json`` for dashboards and the demo;
+* appends every event it hands to the logic to a write-ahead log and fsyncs it before acknowledging
+  anything (:mod:`asyncloco.coordinator.wal`), writes full snapshots in the background every
+  ``runtime.snapshot_every`` updates / ``snapshot_every_s`` seconds (:mod:`asyncloco.coordinator.checkpoint`),
+  and on ``--resume`` replays the log after the newest snapshot; also a JSON-lines journal of every
+  decision, periodic validation metrics and a ``status.json`` for dashboards and the demo;
 * on SIGINT/SIGTERM: snapshot, stop serving, shut hivemind down (no orphaned p2pd).
 """
 
