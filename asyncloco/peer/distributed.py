@@ -206,7 +206,7 @@ def follow(group: GroupContext, device: str) -> int:
     """A follower rank's whole life: receive the run config, build the trainer, execute commands until
     the leader says stop. Returns a process exit code (0: the leader stopped the group)."""
     from asyncloco.config import RunConfig
-    from asyncloco.peer.inner import InnerTrainer, probe_speed
+    from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
     from asyncloco.workloads import build_workload
 
     try:
@@ -225,7 +225,10 @@ def follow(group: GroupContext, device: str) -> int:
             if command.op == OP_MEASURE:
                 probe_speed(cfg, workload, group.device, group=group)
             elif command.op == OP_TRAIN:
-                trainer.run(None, command.shard, command.start_offset, command.steps, command.lr_offset)
+                try:
+                    trainer.run(None, command.shard, command.start_offset, command.steps, command.lr_offset)
+                except LeaseAborted as aborted:  # the leader is leaving at once; its stop command follows
+                    logger.info("rank %d: lease stopped after %d of %d steps", group.rank, aborted.steps_done, aborted.steps)
             else:
                 raise GroupFailed(f"unknown command {command}")
     except GroupFailed as error:
