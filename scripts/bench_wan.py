@@ -64,6 +64,31 @@ def time_to(evals: list[dict[str, Any]], target: float) -> Optional[float]:
     return next((e["t"] for e in evals if e["perplexity"] is not None and e["perplexity"] <= target), None)
 
 
+def plot(results: dict[str, Any], budget: float, peers: str, path: Path) -> None:
+    """Validation perplexity vs wall time, from θ0 (its evaluation, before the first lease, drawn at 0 s)
+    to the budget (evaluations of the last leases, finished after it, are left out)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results.values():
+        points = [(max(0.0, e["t"]), e["perplexity"]) for e in r["evals"] if e["perplexity"] is not None and e["t"] <= budget]
+        if points:
+            ax.plot(*zip(*points), marker=".", label=f"{LABELS[r['method']]} ({r['codec']})")
+    ax.set_yscale("log")
+    ax.set_xlabel("wall time since the first lease (s)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(f"tiny LM over emulated links: {peers}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", default="campus:1,home:1.5,far:4", help="profile:slowdown per peer")
@@ -73,7 +98,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse", action="store_true",
                         help="keep the runs already in --out with the same budget and peers (e.g. add the codec runs to a --quick one)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from <out>/bench_wan.json")
     args = parser.parse_args()
+    if args.plot_only:
+        saved = json.loads((Path(args.out) / "bench_wan.json").read_text())
+        plot(saved["runs"], saved["budget_s"], saved["peers"], Path(args.out) / "perplexity_vs_time.png")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     reason = namespaces_unavailable()
     if reason is not None:
@@ -130,27 +160,7 @@ def main() -> int:
         print(f"{row['method']:<18} {row['codec']:<5} {fmt(row['ppl_at_budget']):>10} {fmt(row['ppl_at_equal_time']):>11} "
               f"{fmt(row['time_to_sync_final_s'], '.0f') + (' s' if row['time_to_sync_final_s'] is not None else ''):>12} "
               f"{row['applied']:>7} {row['expired']:>7} {row['mb_uploaded']:>7.2f}")  # fmt: skip
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, r in results.items():
-            points = [(e["t"], e["perplexity"]) for e in r["evals"] if e["perplexity"] is not None and e["t"] >= 0]
-            if points:
-                ax.plot(*zip(*points), marker=".", label=f"{LABELS[r['method']]} ({r['codec']})")
-        ax.set_yscale("log")
-        ax.set_xlabel("wall time since the first lease (s)")
-        ax.set_ylabel("validation perplexity")
-        ax.set_title(f"tiny LM over emulated links: {args.peers}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "perplexity_vs_time.png", dpi=120)
-        print(f"plot: {out / 'perplexity_vs_time.png'}")
-    except ImportError:
-        pass
+    plot(results, args.budget, args.peers, out / "perplexity_vs_time.png")
     print(f"json: {out / 'bench_wan.json'}")
     return 0
 
