@@ -6,6 +6,7 @@ inbound connection through; the peer trains and the coordinator applies its upda
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -251,7 +252,7 @@ class NatLab:
     def spawn(self, role: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         handle = log.open("ab")
         self.logs.append(handle)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
         process = subprocess.Popen(
             ["ip", "netns", "exec", self.ns[role], sys.executable, *args],
             stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -269,11 +270,15 @@ class NatLab:
 
     def stop(self, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
         if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
+            try:  # the main process only (`ip netns exec` execs it): it stops its own p2pd and DHT process
+                os.kill(process.pid, signal.SIGTERM)
                 process.wait(timeout=timeout)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            except ProcessLookupError:
                 pass
+            except subprocess.TimeoutExpired:  # stuck: its stacks go to its log (PYTHONFAULTHANDLER), then kill
+                os.kill(process.pid, signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=10)
         try:
             os.killpg(process.pid, signal.SIGKILL)  # stragglers of its session (p2pd)
         except ProcessLookupError:
@@ -405,7 +410,7 @@ def test_a_peer_behind_a_nat_trains_and_its_updates_are_applied(nat_lab: NatLab,
     assigned = [e for e in _events(checkpoint / "events.jsonl") if e["type"] == "assign" and e["peer"] == peer_id]
     assert [e["lease_id"] for e in applied] == [e["lease_id"] for e in assigned]
     assert (tmp_path / "peer.key").is_file()  # --identity created on first use
-    nat_lab.stop(coordinator, timeout=60.0)
+    nat_lab.stop(coordinator, timeout=45.0)
     assert coordinator.returncode == 0
     final = json.loads(status_path.read_text())
     assert final["version"] == 2 and final["peers"][peer_id]["applied"] == 2
