@@ -250,7 +250,7 @@ class Hostile:
         workload = build_workload(cfg)
         trainer = InnerTrainer.from_config(cfg, workload)
         client = self._client(p2p, hello.model_numel)
-        speed = 1e4
+        speed = 2000.0  # a modest first claim (a generous deadline); its measured speed from the first round on
         first_lease: Optional[dict[str, Any]] = None
         own: set[str] = set()
         while self._time_left():
