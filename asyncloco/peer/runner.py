@@ -428,6 +428,7 @@ class PeerRunner:
         from asyncloco.transport.dht import stop_dht
         from asyncloco.transport.errors import CodecError, TransportError
         from asyncloco.transport.records import RunRecords
+        from asyncloco.transport.linkspeed import LinkSpeed
         from asyncloco.transport.rpc import CoordinatorClient, TrafficCounters
 
         group_phase = "config"  # what the followers wait for: the config, then commands
@@ -466,6 +467,7 @@ class PeerRunner:
             client: Any = CoordinatorClient(
                 p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold, counters=counters,
                 download_codec=str(hello.get("download_codec", "none")),
+                link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
             )
             records = RunRecords(dht, namespace)
             self.speed = await asyncio.to_thread(self._measure, cfg, workload)

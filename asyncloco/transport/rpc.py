@@ -39,6 +39,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
+from asyncloco.transport.linkspeed import LinkSpeed
 from asyncloco.transport.errors import (
     CodecError,
     PeerUnreachable,
@@ -470,6 +471,7 @@ class CoordinatorClient:
         counters: Optional[TrafficCounters] = None,
         liveness_period: float = 1.0,
         download_codec: str = "none",
+        link: Optional[LinkSpeed] = None,
     ) -> None:
         if isinstance(coordinator_peer_id, str):
             coordinator_peer_id = PeerID.from_base58(coordinator_peer_id)
@@ -484,6 +486,9 @@ class CoordinatorClient:
         self.liveness_period = liveness_period
         self.counters = counters if counters is not None else TrafficCounters()
         self.held: Optional[Tuple[int, str, torch.Tensor]] = None  # (version, codec it came in, θ)
+        # issue 11: with a LinkSpeed, get_model/submit without an explicit timeout get one derived from the
+        # measured throughput of this link (transport/linkspeed.py), and each completed body is a sample
+        self.link = link
 
     async def _call(self, name: str, call: Callable[[FrameReader, FrameWriter], Awaitable[T]], timeout: Optional[float]) -> T:
         traffic: RpcTraffic = getattr(self.counters, name)
@@ -581,7 +586,14 @@ class CoordinatorClient:
         the client's ``download_codec``). When this client already holds that version (in the same codec),
         no body is sent and the held tensor is returned."""
         chosen = self.download_codec if codec is None else codec
-        return await self._call("get_model", lambda r, w: self._get_model(r, w, version, chosen), timeout)
+        if self.link is None:
+            return await self._call("get_model", lambda r, w: self._get_model(r, w, version, chosen), timeout)
+        nbytes, received, started = wire_bytes(chosen, self.model_numel), self.counters.get_model.payload_bytes_received, time.monotonic()
+        limit = self.link.timeout("down", nbytes) if timeout is None else timeout
+        result = await self._call("get_model", lambda r, w: self._get_model(r, w, version, chosen), limit)
+        if self.counters.get_model.payload_bytes_received > received:  # a body came (not "unchanged")
+            self.link.observe("down", nbytes, time.monotonic() - started)
+        return result
 
     async def _get_model(
         self, frames_in: FrameReader, frames_out: FrameWriter, version: Optional[int], codec: str
@@ -627,7 +639,13 @@ class CoordinatorClient:
         header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
                               None if inner_loss is None else float(inner_loss))
         encoded = pseudo_gradient
-        return await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), timeout)
+        if self.link is None:
+            return await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), timeout)
+        nbytes, started = wire_bytes(encoded.codec, encoded.numel), time.monotonic()
+        limit = self.link.timeout("up", nbytes) if timeout is None else timeout
+        ack = await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), limit)
+        self.link.observe("up", nbytes, time.monotonic() - started)
+        return ack
 
     async def _submit(self, frames_in: FrameReader, frames_out: FrameWriter, header: SubmitHeader, encoded: EncodedTensor) -> Ack:
         await frames_out.header(header.to_wire())
