@@ -5,10 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[test]"
-# Optional: Chromium for the dashboard's headless-browser test (tests/test_dashboard_browser.py skips, saying
-# why, without it). Only where apt-get runs as root; any failure is ignored and never fails the setup.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "installing chromium (optional: the dashboard's browser test) ..."
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
-        || echo "chromium could not be installed (optional): tests/test_dashboard_browser.py will be skipped"
+# Optional system packages, only where apt-get runs as root; any failure is ignored and never fails the setup:
+# Chromium for the dashboard's headless-browser test, iptables for the NAT namespace test (both tests skip,
+# saying why, without them).
+missing=""
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
+if [ -n "$missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "installing$missing (optional: the dashboard's browser test, the NAT test) ..."
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing; } >/dev/null 2>&1 \
+        || echo "could not install$missing (optional): the tests that need them will be skipped"
 fi
