@@ -270,9 +270,10 @@ def write_leader_pidfile() -> None:
         os.replace(tmp, path)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _own_group_dying_with_parent() -> None:  # runs in the child between fork and exec
     import ctypes
 
+    os.setpgid(0, 0)  # its own process group: a terminal's Ctrl+C reaches only the launcher
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -296,7 +297,7 @@ def launch_torchrun(nproc_per_node: int, argv: list[str], threads: Optional[int]
         pidfile = os.path.join(tmp, "leader.pid")
         env[LEADER_PIDFILE_ENV] = pidfile
         logger.info("starting a %d-rank group: %s", nproc_per_node, " ".join(command))
-        process = subprocess.Popen(command, env=env, process_group=0, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(command, env=env, preexec_fn=_own_group_dying_with_parent)
         signals = 0
 
         def forward(signum: int, frame: Any) -> None:
