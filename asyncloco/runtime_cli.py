@@ -124,7 +124,7 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         summary_path=Path(args.summary) if args.summary else None,
         progress=not args.no_progress and sys.stderr.isatty(),
         connect_timeout=args.connect_timeout,
-        prefetch=not args.no_prefetch,
+        prefetch=args.prefetch,
         token=_read_token(args.token),  # admission
         identity_path=args.identity,  # admission: a token binds to this identity
         dht_server=args.dht_server,  # reach
@@ -284,7 +284,11 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator")
     join.add_argument("--nproc-per-node", type=int, default=1,
                       help="train as a torch.distributed group of this many ranks (launches torchrun; one GPU per rank on cuda)")
-    join.add_argument("--no-prefetch", action="store_true", help="do not download the newest θ while asking for a lease")
+    join.add_argument(
+        "--prefetch", action="store_true",
+        help="download the newest θ while asking for the next lease (saves a little idle time; costs a second "
+        "download when the lease starts from a newer version)",
+    )
     # --- admission (coordinator/admission.py)
     join.add_argument("--token", help="admission token from the organiser (or @FILE to read it from a file)")
     join.add_argument(

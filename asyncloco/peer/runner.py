@@ -106,7 +106,7 @@ class PeerOptions:
     identity_path: Optional[str] = None
     connect_timeout: float = 30.0
     token: Optional[str] = None  # admission token from the organiser (runtime.admission: token)
-    prefetch: bool = True  # download the newest θ while asking for the next lease
+    prefetch: bool = False  # download the newest θ while asking for the next lease (--prefetch)
     # --- reach (README "Behind a NAT"): outbound connections only unless asked; a name for the status table
     dht_server: bool = False  # serve the DHT (needs inbound connections); default: a DHT client
     name: Optional[str] = None  # shown in `asyncloco status`; 1-64 of [A-Za-z0-9_.-]
