@@ -15,7 +15,7 @@ reported, apart from the restart itself: process start-up, replay, DHT). At the 
 * the same peer processes ran from start to end.
 
 Usage: ``python scripts/crash_test.py --config configs/demo.yaml --kills 20 [--peers 3] [--json out.json]``
-(≈ 15 s per kill on a 2-core machine). ``tests/test_crash_replay.py`` runs it with 5 kills.
+(≈ 50 s per kill on a 2-core machine shared with other jobs, mostly the restart itself). ``tests/test_crash_replay.py`` runs it with 3 kills.
 """
 
 from __future__ import annotations

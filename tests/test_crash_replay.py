@@ -6,7 +6,7 @@
   the background and the segments they cover leave the log, and the final state equals a replay of the whole
   log from the initial snapshot (θ bitwise, optimizer state, leases, shard progress, counters).
 * ``test_coordinator_main_process_sigkill_at_random_points`` — real processes: the coordinator's Python
-  process alone is SIGKILLed (what the OOM killer does) at 5 random moments while two peers train; its DHT
+  process alone is SIGKILLed (what the OOM killer does) at 3 random moments while two peers train; its DHT
   process dies with it, ``--resume`` reaps the orphaned p2pd, updates are applied again within seconds, the
   same peer processes carry on; every update a peer saw acknowledged is applied exactly once, at the version
   it was told, and the final state equals a replay of the log. (``scripts/crash_test.py`` runs the same
@@ -213,7 +213,7 @@ def test_coordinator_main_process_sigkill_at_random_points(tmp_path: Path) -> No
     tag = uuid.uuid4().hex
     try:
         result = crash.run_crash_test(
-            ROOT / "configs" / "demo.yaml", tmp_path / "crash", kills=5, slowdowns=(1.0, 1.5), seed=1,
+            ROOT / "configs" / "demo.yaml", tmp_path / "crash", kills=3, slowdowns=(1.0, 1.5), seed=1,
             snapshot_every=4, env={TAG_VAR: tag},
         )
     finally:
@@ -222,7 +222,7 @@ def test_coordinator_main_process_sigkill_at_random_points(tmp_path: Path) -> No
         while _p2pd_with_tag(tag) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _p2pd_with_tag(tag), "p2pd left behind"
-    assert result["kills"] == 5 and len(result["recover_s"]) == 5
+    assert result["kills"] == 3 and len(result["recover_s"]) == 3
     # serving again → an update applied: a peer's resend backoff (≤ 10 s) plus a round, not minutes
     assert max(result["recover_s"]) < 30.0, result["recover_s"]
     assert result["acknowledged"] >= result["kills"] and result["version"] >= result["acknowledged"] - result["duplicate_acks"]
