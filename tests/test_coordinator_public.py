@@ -277,3 +277,26 @@ def test_snapshot_round_trip_keeps_gate_and_secret() -> None:
     copy.load_state_dict(state.state_dict())
     assert copy.lease_secret == state.lease_secret and copy.gate.norms == state.gate.norms
     assert copy.gate.reference is not None and torch.equal(copy.gate.reference, state.gate.reference)
+
+
+def test_gate_direction_bar_never_lets_a_flipped_update_in_when_honest_cosines_are_spread() -> None:
+    # honest cosines with median 0.34 and MAD 0.11: median − 6 MAD = −0.32 would admit a sign-flipped
+    # update (≈ −0.34); the bar stays at −0.25 × median = −0.085, and never above the 0.05 cap
+    pol = GatePolicy(warmup=1, probation_updates=0)
+    reference = torch.zeros(DIM)
+    reference[0] = 1.0
+    gate = GateState(norms=[1.0] * 8, cosines=[0.12, 0.23, 0.30, 0.34, 0.34, 0.45, 0.56, 0.60], reference=reference,
+                     reference_norm=1.0, accepted=8)
+
+    def at_cosine(cosine: float) -> torch.Tensor:
+        update = torch.zeros(DIM)
+        update[0], update[1] = cosine, math.sqrt(1 - cosine * cosine)
+        return update * 10.0  # per-step norm 1.0 over 10 steps: the median
+
+    assert update_gate.score(pol, gate, at_cosine(-0.30), 10, "h").action == "reject"
+    assert update_gate.score(pol, gate, at_cosine(-0.09), 10, "h").action == "reject"
+    assert update_gate.score(pol, gate, at_cosine(-0.08), 10, "h").action == "accept"  # a noisy honest one
+    tight = GateState(norms=[1.0] * 8, cosines=[0.33, 0.34, 0.34, 0.35, 0.35, 0.36, 0.36, 0.37], reference=reference,
+                      reference_norm=1.0, accepted=8)
+    assert update_gate.score(pol, tight, at_cosine(0.06), 10, "h").action == "accept"  # the cap: 0.05
+    assert update_gate.score(pol, tight, at_cosine(0.04), 10, "h").action == "reject"

@@ -13,8 +13,8 @@ An update is judged against statistics of recently *accepted* updates, so no per
   (NaN, Inf, or values whose squares overflow float32) is always rejected.
 * **direction** — the cosine between Δ and a *reference direction*, an exponential moving average of
   the unit vectors of accepted updates (the recent consensus of the honest peers). An update whose
-  cosine falls below ``min(cosine_cap, median − cosine_mads × MAD)`` of the recent accepted cosines
-  is rejected: a sign-flipped or random update points away from (or orthogonally to) where everyone
+  cosine falls below ``min(cosine_cap, max(median − cosine_mads × MAD, −flip_margin × median))`` of the
+  recent accepted cosines is rejected: a sign-flipped or random update points away from (or orthogonally to) where everyone
   else is going, while honest updates of one run agree with each other.
 
 Until ``warmup`` updates have been accepted the relative checks have no statistics; the norm is then
@@ -60,6 +60,7 @@ class GatePolicy:
     reject_factor: float = 20.0
     cosine_mads: float = 6.0
     cosine_cap: float = 0.05
+    flip_margin: float = 0.25
     window: int = 32
     warmup: int = 6
     reference_decay: float = 0.8
@@ -176,10 +177,16 @@ def score(
         center = median(gate.cosines)
         spread = max(_mad(gate.cosines, center), 1e-3)
         # Honest updates of one run agree with the consensus (cosines 0.2-0.9 in the demo), a sign-flipped one
-        # (≈ −median) or a random one (≈ 0 in high dimension) does not. The bar is adaptive but never higher
-        # than cosine_cap: a slow peer's stale, short-lease update agrees less (0.18 seen against a median of
-        # 0.77 early in a demo run) and is still honest work.
-        threshold = min(policy.cosine_cap, center - policy.cosine_mads * tight * spread)
+        # (≈ −median) or a random one (≈ 0 in high dimension) does not. The bar is adaptive, but
+        # - never higher than cosine_cap: a slow peer's stale, short-lease update agrees less (0.18 seen
+        #   against a median of 0.77 early in a demo run) and is still honest work;
+        # - never lower than −flip_margin × median: where honest cosines are spread out (median 0.34, MAD
+        #   0.11 in a demo run) median − 6 MAD fell to −0.29 and let sign-flipped updates (≈ −0.34) in, whose
+        #   acceptance then dragged the consensus along.
+        threshold = center - policy.cosine_mads * tight * spread
+        if center > 0:
+            threshold = max(threshold, -policy.flip_margin * center)
+        threshold = min(policy.cosine_cap, threshold)
         if cosine < threshold:
             return GateVerdict(
                 "reject", 0.0, norm, cosine,

@@ -172,6 +172,7 @@ def coordinator_policy(
             reject_factor=knobs.reject_factor,
             cosine_mads=knobs.cosine_mads,
             cosine_cap=knobs.cosine_cap,
+            flip_margin=knobs.flip_margin,
             window=knobs.window,
             warmup=knobs.warmup,
             probation_updates=knobs.probation_updates,
