@@ -21,7 +21,8 @@ What each test pins:
   address, no version regression, every version applied exactly once across the restart, and the very same
   peer processes get new updates applied; every applied update was acknowledged to its peer exactly once.
 * ``test_coordinator_sigkill_keeps_every_acknowledged_update`` — SIGKILL of the coordinator's process group
-  while a peer's call waits on it, then ``--resume``: every update acked before the crash is in state.pt at
+  while a peer's call waits on it, then ``--resume``: every update acked before the crash is in the durable
+  state (snapshot + write-ahead log replayed) at
   its version, the resumed version is the snapshot's, each lease is acked once and applied once (versions
   1..V), same id and port, no lease lost, and the same peer processes carry on.
 * ``test_resent_submission_is_applied_once`` — an in-process client submits the same encoded bytes twice:
@@ -34,6 +35,7 @@ import asyncio
 import math
 import os
 import re
+import shutil
 import signal
 import time
 import uuid
@@ -44,7 +46,8 @@ import pytest
 import torch
 import yaml
 
-from asyncloco.coordinator.checkpoint import load_snapshot
+from asyncloco.config import load_config
+from asyncloco.coordinator.daemon import CoordinatorDaemon
 from asyncloco.local_cluster import LocalCluster
 from asyncloco.transport.codecs import wire_bytes
 
@@ -252,7 +255,18 @@ def pending_streams(pid: int) -> int:
     return sum(1 for r in rows if len(r) > 7 and r[7] in listening and r[6] not in held)
 
 
-ACK = re.compile(r"lease (L\d+) accepted: version (\d+)( \(duplicate\))?")
+def durable_state(cluster: LocalCluster, tmp_path: Path) -> dict[str, Any]:
+    """What ``--resume`` continues from: the newest snapshot with the write-ahead log replayed (read from a
+    copy of the checkpoint directory, so the real one is untouched)."""
+    copy = tmp_path / f"durable-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(cluster.checkpoint_dir, copy)
+    resumed = CoordinatorDaemon(load_config(cluster.config), checkpoint_dir=copy, resume=True)
+    resumed.journal.close()
+    resumed.wal.close()
+    return resumed.state.state_dict()
+
+
+ACK = re.compile(r"lease (L[0-9A-Za-z]+) accepted: version (\d+)( \(duplicate\))?")
 
 
 def acks(cluster: LocalCluster, name: str) -> list[tuple[str, int, bool]]:
@@ -535,7 +549,7 @@ def test_coordinator_sigkill_keeps_every_acknowledged_update(harness: Harness, t
         # What survived the crash (exactly what --resume loads), and what the peers were told before it. Read
         # now: nothing can be acknowledged while no coordinator runs; an ack still unread by a peer is simply
         # not in this list (it is checked with all the others at the end).
-        durable = load_snapshot(cluster.checkpoint_dir)["coordinator"]
+        durable = durable_state(cluster, tmp_path)  # the snapshot + the write-ahead log replayed
         durable_version = int(durable["version"])
         acked_before = {name: acks(cluster, name) for name in names}
         status_before = cluster.status()
