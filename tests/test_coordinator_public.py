@@ -300,3 +300,27 @@ def test_gate_direction_bar_never_lets_a_flipped_update_in_when_honest_cosines_a
                       reference_norm=1.0, accepted=8)
     assert update_gate.score(pol, tight, at_cosine(0.06), 10, "h").action == "accept"  # the cap: 0.05
     assert update_gate.score(pol, tight, at_cosine(0.04), 10, "h").action == "reject"
+
+
+def test_weak_agreement_is_refused_without_quarantine_but_pointing_away_quarantines() -> None:
+    pol = GatePolicy(warmup=1, probation_updates=0, quarantine_after=3, quarantine_window=6)
+    reference = torch.zeros(DIM)
+    reference[0] = 1.0
+    gate = GateState(norms=[1.0] * 8, cosines=[0.33, 0.34, 0.34, 0.35, 0.35, 0.36, 0.36, 0.37], reference=reference,
+                     reference_norm=1.0, accepted=8)
+
+    def at_cosine(cosine: float) -> torch.Tensor:
+        update = torch.zeros(DIM)
+        update[0], update[1] = cosine, math.sqrt(1 - cosine * cosine)
+        return update * 10.0
+
+    for _ in range(6):  # ≈ 0: a random direction, or an honest newcomer's first update
+        verdict = update_gate.score(pol, gate, at_cosine(0.0), 10, "weak")
+        assert verdict.action == "reject" and not verdict.counts and "not counted" in verdict.reason
+        assert update_gate.record(pol, gate, verdict, None, 10, "weak", 0.0) is None
+    assert not update_gate.is_quarantined(gate, "weak", 1.0)
+    for attempt in range(3):  # below −0.25 × median: pointing away
+        verdict = update_gate.score(pol, gate, at_cosine(-0.2), 10, "away")
+        assert verdict.action == "reject" and verdict.counts
+        quarantined = update_gate.record(pol, gate, verdict, None, 10, "away", 0.0)
+    assert quarantined is not None and update_gate.is_quarantined(gate, "away", 1.0)

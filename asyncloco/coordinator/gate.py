@@ -24,7 +24,8 @@ update of a run is taken as it is, and one early hostile update cannot be far ab
 Peers start on **probation**: for their first ``probation_updates`` accepted updates, the bounds are
 tightened by ``probation_tightening`` (the norm bounds shrink, the cosine threshold rises), and a
 rejection on probation counts twice. A peer with ``quarantine_after`` rejections among its last
-``quarantine_window`` verdicts is **quarantined** for ``quarantine_s`` seconds (doubling each time):
+``quarantine_window`` verdicts (direction rejections count only when the cosine is below
+−``flip_margin`` × median: pointing away, not merely agreeing weakly) is **quarantined** for ``quarantine_s`` seconds (doubling each time):
 the logic refuses it leases.
 
 Cost: two dot products over θ to score (‖Δ‖², Δ·r) and, for an accepted update, one fused
@@ -127,6 +128,7 @@ class GateVerdict:
     norm: float
     cosine: float | None
     reason: str
+    counts: bool = True  # a rejection that counts toward quarantine (False: merely weak agreement)
 
 
 def _mad(values: list[float], center: float) -> float:
@@ -188,10 +190,15 @@ def score(
             threshold = max(threshold, -policy.flip_margin * center)
         threshold = min(policy.cosine_cap, threshold)
         if cosine < threshold:
+            # Only a direction that points away from the consensus counts toward quarantine. A weakly agreeing
+            # one (≈ 0: a random direction, but also an honest newcomer's first updates or a stale one after a
+            # restart) is refused without counting, so an honest peer is never quarantined for it.
+            away = cosine < (-policy.flip_margin * center if center > 0 else threshold)
             return GateVerdict(
                 "reject", 0.0, norm, cosine,
                 f"direction disagrees with the recent consensus: cosine {cosine:.3f} < {threshold:.3f} "
-                f"(median {center:.3f}, MAD {spread:.3f}){on}",
+                f"(median {center:.3f}, MAD {spread:.3f}){on}" + ("" if away else "; not counted toward quarantine"),
+                counts=away,
             )
     if warm and typical > 0:
         clip_at = max(1.0, policy.clip_factor * tight)
@@ -210,9 +217,10 @@ def record(
     """Book a verdict. ``update`` is the update as applied (after clipping), or None when it was rejected.
     Returns the reason when this verdict put ``peer`` into quarantine."""
     rejected = verdict.action == "reject"
+    counted = rejected and verdict.counts
     history = gate.verdicts.setdefault(peer, [])
     probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
-    history.extend([rejected, rejected] if (rejected and probation) else [rejected])
+    history.extend([counted, counted] if (counted and probation) else [counted])
     del history[: max(0, len(history) - policy.quarantine_window)]
     if not rejected and update is not None:
         norm = verdict.norm * verdict.scale
