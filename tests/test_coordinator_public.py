@@ -324,3 +324,14 @@ def test_weak_agreement_is_refused_without_quarantine_but_pointing_away_quaranti
         assert verdict.action == "reject" and verdict.counts
         quarantined = update_gate.record(pol, gate, verdict, None, 10, "away", 0.0)
     assert quarantined is not None and update_gate.is_quarantined(gate, "away", 1.0)
+
+
+def test_deadline_allows_for_the_measured_transfer_scaled_to_a_download_and_an_upload() -> None:
+    state = make_state(policy(trust_speeds=False, transfer_allowance_s=60.0, download_upload_ratio=4.0))
+    do(state, Hello("a", "k-a", "", 1.0), 0.0)
+    first = lease_for(state, "a", 0.0)
+    assert first.deadline == 10 * 3.0 + 5.0 + 60.0  # not measured yet: the configured allowance
+    do(state, SubmitUpdate("a", first.lease_id, 0, torch.zeros(DIM), transfer_s=1.5), 12.0)
+    second = lease_for(state, "a", 12.0)
+    # observed 10 units in 10.5 s busy → 0.952/s; the claim (1/s) is under 1.5 × that: 10 steps at 1/s
+    assert second.deadline == pytest.approx(12.0 + 10 * 3.0 + 5.0 + 2 * 1.5 * (1 + 4.0))

@@ -254,6 +254,11 @@ class CoordinatorDaemon:
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=False, numel=self.numel)
         # --- admission (coordinator/admission.py): the mode and allowlist go to the logic's policy
         policy = dataclasses.replace(policy, admission=cfg.runtime.admission, allowlist=frozenset(cfg.runtime.allowlist))
+        # lease deadlines allow for a download + an upload, scaled from the measured upload by their byte ratio
+        from asyncloco.transport.codecs import wire_bytes
+
+        ratio = wire_bytes(cfg.runtime.download_codec, self.numel) / wire_bytes(cfg.runtime.codec, self.numel)
+        policy = dataclasses.replace(policy, download_upload_ratio=ratio)
         self._admission_key = load_or_create_key(self.dir).public_key() if cfg.runtime.admission == "token" else None
         self._refusals = _RefusalLog()
         # The lease-id secret is part of the state (snapshots, and so --resume) — fresh for a new run.

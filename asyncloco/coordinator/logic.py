@@ -154,6 +154,7 @@ class CoordinatorPolicy:
     hold_limit: float = math.inf  # a request held longer than this is answered "ask again"
     max_lease_s: float = math.inf  # cap on a lease's deadline: a peer claiming to be slow holds nothing for years
     transfer_allowance_s: float = 0.0  # added to a lease's deadline for θ down + Δ up, until measured per peer
+    download_upload_ratio: float = 1.0  # bytes of a θ download ÷ bytes of an upload (the two codecs)
     max_retained_versions: int = 8  # θ copies kept for leases whose θ was not downloaded yet
     buffer_size: int | None = None  # N of the outer optimizer (DN / buffer), to warn when the live peers differ
     # --- admission (coordinator/admission.py): "open" admits everyone (demos, the simulator)
@@ -731,7 +732,12 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     shard.assigned += steps
     state.lease_counter += 1
     duration = steps * policy.units_per_step / speed
-    transfer = policy.transfer_allowance_s if info.transfer_s is None else 2.0 * info.transfer_s
+    # The peer's time on the wire, from its last upload as the coordinator measured it, scaled to a download
+    # plus an upload (their byte ratio), with a 2× margin — until measured, the configured allowance.
+    transfer = (
+        policy.transfer_allowance_s if info.transfer_s is None
+        else 2.0 * info.transfer_s * (1.0 + policy.download_upload_ratio)
+    )
     lease = Lease(
         lease_id=_lease_id(state),
         peer=peer,
