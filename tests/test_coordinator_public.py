@@ -232,10 +232,11 @@ def test_silent_peers_leave_on_tick_and_overdue_holds_are_released() -> None:
     assert state.peers["a"].alive and not state.peers["idle"].alive
     do(state, Restarted(grace_s=10.0), 40.0)
     assert state.peers["a"].last_seen == 50.0
-    # silent with a lease in hand (killed mid-round): gone, and its steps go back at once
-    actions = do(state, Tick(), 80.5)
-    assert [a.peer for a in actions if isinstance(a, Left)] == ["a"]
+    # silent with a lease in hand: judged by the lease's deadline (5 + 10 × 3 + 1000 s), not by its reports
+    assert [a for a in do(state, Tick(), 80.5) if isinstance(a, (Left, Expired))] == []
+    actions = do(state, Tick(), 1035.5)  # the deadline passes: its steps go back, and it has left
     assert [a.lease_id for a in actions if isinstance(a, Expired)] == [lease_a.lease_id]
+    assert [a.peer for a in actions if isinstance(a, Left)] == ["a"]
 
 
 def test_theta_is_retained_copy_on_write_until_fetched_and_bounded() -> None:

@@ -834,10 +834,13 @@ def _on_tick(state: CoordinatorState, now: float) -> list[Action]:
             del state.held[peer]
             actions.append(Released(peer, f"held {now - since:.0f} s, longer than the hold limit {policy.hold_limit:g} s; ask again"))
     if math.isfinite(policy.peer_timeout):
-        # A peer keeps reporting its speed while it trains or waits, so silence means it is gone — also with
-        # a lease in hand (its steps go back now rather than at the lease's deadline).
+        # A peer with a lease in hand or a held request is judged by its lease's deadline (which allows for its
+        # measured transfer time), not by its speed reports: those travel through the DHT and may not reach
+        # the coordinator over a slow or lossy link (a peer behind a latency spike was declared gone mid-lease
+        # over and over when silence counted for it too).
+        busy = {lease.peer for lease in state.leases.values()} | set(state.held)
         for peer, info in sorted(state.peers.items()):
-            if info.alive and now - info.last_seen > policy.peer_timeout:
+            if info.alive and peer not in busy and now - info.last_seen > policy.peer_timeout:
                 actions += _on_peer_left(state, PeerLeft(peer), now)
                 actions.append(Left(peer, f"no report, request or submission for {now - info.last_seen:.0f} s (limit {policy.peer_timeout:g} s)"))
     return actions
