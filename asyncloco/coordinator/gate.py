@@ -208,7 +208,8 @@ def score(
                 "clip", scale, norm, cosine,
                 f"per-step norm {per_step:.4g} clipped to {clip_at:g}× the recent median {typical:.4g}{on}",
             )
-    return GateVerdict("accept", 1.0, norm, cosine, "passed the gate")
+    agreement = "" if cosine is None else f" (cosine {cosine:.3f} with the consensus)"
+    return GateVerdict("accept", 1.0, norm, cosine, f"passed the gate{agreement}")
 
 
 def record(
