@@ -313,9 +313,17 @@ def test_torchrun_command_drops_the_launcher_option() -> None:
 
 
 def _leases_of(events: list[dict], peer: str) -> tuple[set[str], set[str]]:
+    """(leases assigned to ``peer``, leases the peer delivered and the coordinator decided on). An update the
+    update gate refused was delivered too (docs/threat-model.md: a weakly agreeing honest update can be
+    refused); what must never happen is a lease the peer dropped without submitting."""
     assigned = {e["lease_id"] for e in events if e["type"] == "assign" and e.get("peer") == peer}
-    applied = {e["lease_id"] for e in events if e["type"] == "applied" and e.get("peer") == peer}
-    return assigned, applied
+    decided = {
+        e["lease_id"] for e in events
+        if e.get("peer") == peer and (
+            e["type"] == "applied" or (e["type"] == "rejected" and str(e.get("reason", "")).startswith("update gate:"))
+        )
+    }
+    return assigned, decided
 
 
 @pytest.mark.integration
