@@ -160,6 +160,47 @@ def test_a_dht_client_reaches_a_restarted_coordinator_again(tmp_path: Path) -> N
         stop_dht(server)
 
 
+async def _never_answers(_dht: Any, _node: Any) -> None:
+    """Runs in the DHT process: a request that is still running when the DHT stops (like a ping dialing a
+    peer behind a NAT, which gets no answer until it times out)."""
+    await asyncio.Event().wait()
+
+
+@pytest.mark.timeout(120)
+def test_stopping_the_dht_fails_the_requests_it_left_unanswered() -> None:
+    """The root cause of the coordinator hanging at SIGTERM inside the NAT namespaces: a worker thread
+    blocked in a DHT call (the silent-peer ping) at shutdown waited forever on a future the stopped DHT
+    process never answered, and ``asyncio.run`` waited forever for that thread. ``stop_dht`` now fails it."""
+    import threading
+
+    from asyncloco.transport.dht import DHTStopped, start_dht, stop_dht
+
+    dht = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    outcome: list[BaseException] = []
+    caller = threading.Thread(target=lambda: _record_failure(outcome, lambda: dht.run_coroutine(_never_answers)), daemon=True)
+    try:
+        caller.start()
+        future = dht.run_coroutine(_never_answers, return_future=True)
+        with pytest.raises(TimeoutError):
+            future.result(timeout=1.0)  # running in the DHT process, unanswered
+    finally:
+        stop_dht(dht)
+    caller.join(timeout=30.0)
+    assert not caller.is_alive(), "a caller blocked on the stopped DHT was never released"
+    assert [type(error) for error in outcome] == [DHTStopped]
+    assert str(outcome[0]) == f"the DHT process {dht.pid} stopped before answering"
+    with pytest.raises(DHTStopped):
+        future.result(timeout=0)
+    assert not dht.is_alive()
+
+
+def _record_failure(into: list[BaseException], call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except BaseException as error:  # the test inspects what the call raised
+        into.append(error)
+
+
 def test_peer_name_is_validated() -> None:
     from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 

@@ -9,6 +9,15 @@ for SIGTERM/SIGINT; :func:`stop_dht` escalates to SIGKILL if the graceful shutdo
 When the owner is killed outright (SIGKILL, the OOM killer), the DHT process gets SIGKILL too: it sets
 ``PR_SET_PDEATHSIG`` (Linux) when started from the main thread (the signal follows the *thread* that forked
 it). Its p2pd, a grandchild, is reaped by the next coordinator start (coordinator/checkpoint.py).
+
+No caller waits forever on a stopped DHT. hivemind's blocking calls (``get``, ``store``,
+``run_coroutine``) send a request with an ``MPFuture`` and wait on it without a timeout; the DHT process
+answers it only if it runs to completion, and at shutdown it drops every request still running. A thread
+blocked on such a future never returns, and an ``asyncio.to_thread`` worker that never returns makes
+``asyncio.run`` wait for it forever at exit: the coordinator hung after SIGTERM whenever its silent-peer
+ping (coordinator/daemon.py) was dialing a peer behind a NAT — a dial that gets no answer at all until it
+times out — at the moment it stopped. :func:`start_dht` notes every request's future;
+:func:`stop_dht` fails those still pending with :class:`DHTStopped` once the process is gone.
 """
 
 from __future__ import annotations
@@ -20,12 +29,14 @@ import os
 import signal
 import sys
 import threading
+import weakref
+from concurrent.futures import InvalidStateError
 from functools import partial
 from typing import Any, Iterator
 
 import hivemind
 
-__all__ = ["start_dht", "stop_dht", "ping_peer"]
+__all__ = ["start_dht", "stop_dht", "ping_peer", "DHTStopped"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +81,54 @@ class _OwnedDHT(hivemind.DHT):
         super().run()
 
 
+class DHTStopped(RuntimeError):
+    """A request to a DHT process that stopped before answering it."""
+
+
+class _TrackedPipe:
+    """The owner's end of a DHT's request pipe: forwards every request and keeps (weakly) the ``MPFuture``
+    each one carries, so that :func:`stop_dht` can fail the ones the stopped process never answered."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        self._lock = threading.Lock()
+        self._futures: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def send(self, request: Any) -> None:
+        future = request[2].get("future") if isinstance(request, tuple) and len(request) == 3 and isinstance(request[2], dict) else None
+        if future is not None:
+            with self._lock:
+                self._futures.add(future)
+        self._pipe.send(request)
+
+    def close(self) -> None:
+        self._pipe.close()
+
+    def pending(self) -> list[Any]:
+        with self._lock:
+            return [future for future in self._futures if not future.done()]
+
+    def __getattr__(self, name: str) -> Any:  # anything else hivemind may use: the real connection's
+        return getattr(self._pipe, name)
+
+
+def _fail_pending(dht: hivemind.DHT) -> int:
+    """Fail every request the (stopped) DHT process left unanswered; returns how many."""
+    pipe = getattr(dht, "_outer_pipe", None)
+    if not isinstance(pipe, _TrackedPipe):
+        return 0
+    failed = 0
+    for future in pipe.pending():
+        try:
+            future.set_exception(DHTStopped(f"the DHT process {dht.pid} stopped before answering"))
+            failed += 1
+        except InvalidStateError:  # answered at the last moment
+            pass
+    if failed:
+        logger.debug("failed %d DHT request(s) left unanswered by the stopped DHT process", failed)
+    return failed
+
+
 def start_dht(**kwargs: Any) -> hivemind.DHT:
     """``hivemind.DHT(start=True, **kwargs)`` whose background process obeys SIGTERM and, when started from
     the main thread, dies with its owner."""
@@ -77,11 +136,14 @@ def start_dht(**kwargs: Any) -> hivemind.DHT:
     kwargs.setdefault("shutdown_timeout", 10.0)
     _owner_pid = os.getpid() if threading.current_thread() is threading.main_thread() else None
     with _default_signals():
-        return _OwnedDHT(start=True, **kwargs)
+        dht = _OwnedDHT(start=True, **kwargs)
+    dht._outer_pipe = _TrackedPipe(dht._outer_pipe)  # after the fork: the DHT process reads the other end
+    return dht
 
 
 def stop_dht(dht: hivemind.DHT, timeout: float = 10.0) -> None:
-    """Graceful shutdown (which also stops its p2pd), then SIGKILL if the process is still there."""
+    """Graceful shutdown (which also stops its p2pd), then SIGKILL if the process is still there; then
+    every request it left unanswered fails with :class:`DHTStopped` (module doc)."""
     try:
         dht.shutdown()
     except (OSError, ValueError) as error:  # the pipe may already be closed
@@ -92,6 +154,7 @@ def stop_dht(dht: hivemind.DHT, timeout: float = 10.0) -> None:
         logger.warning("DHT process %s did not exit; killing it", dht.pid)
         dht.kill()
         dht.join(5.0)
+    _fail_pending(dht)
 
 
 async def _ping(peer_id: str, _dht: Any, node: Any) -> bool:
