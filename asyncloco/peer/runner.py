@@ -33,12 +33,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import torch
 
 from asyncloco import __version__
 from asyncloco.algo.dylu import ema
+from asyncloco.clock import SYSTEM_CLOCK, Clock
 from asyncloco.config import RunConfig
 from asyncloco.peer.distributed import (
     OP_MEASURE,
@@ -144,7 +145,22 @@ def coordinator_id_from(multiaddr: str) -> str:
 
 
 class PeerRunner:
-    def __init__(self, options: PeerOptions, group: Optional[GroupContext] = None) -> None:
+    """``await PeerRunner(options).run()`` joins over hivemind; :meth:`serve` runs the rounds over any
+    :class:`~asyncloco.transport.link.CoordinatorLink` (the in-memory one in tests: transport/memory.py).
+
+    :param clock: what deadlines and pauses are measured on (asyncloco/clock.py); a fake one in tests.
+    :param crash_hook: tests only: called with the name of each kill point the runner passes (``"trained"``:
+        a lease trained, its update not yet sent); raising there ends the peer as a crash would.
+    """
+
+    def __init__(
+        self,
+        options: PeerOptions,
+        group: Optional[GroupContext] = None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        crash_hook: Optional[Callable[[str], None]] = None,
+    ) -> None:
         if group is not None and not group.is_leader:
             raise PeerError("internal: only rank 0 of a group runs the peer (the others run distributed.follow)")
         if not options.initial_peers:
@@ -167,6 +183,8 @@ class PeerRunner:
         self._inner_loss: Optional[float] = None  # mean inner loss of the latest round (sent with its update)
         self._closing = asyncio.Event()
         self._loop_started: Optional[float] = None
+        self.clock = clock  # --- transport seam (issue 8): deadlines and pauses on this clock
+        self.crash_hook = crash_hook
 
     def stop(self) -> None:
         """Finish the current lease (train it, submit it), then leave."""
@@ -311,7 +329,7 @@ class PeerRunner:
             except _Aborted:
                 break
             except TransportError as error:
-                if time.time() > deadline:
+                if self.clock.time() > deadline:
                     logger.warning("giving up on lease %s: deadline passed (%s)", lease["lease_id"], error)
                     return None
                 self.summary.resends += 1
@@ -339,31 +357,16 @@ class PeerRunner:
                 return cold
         return None
 
-    async def _publish_loop(self, records: Any, period: float) -> None:
-        from asyncloco.transport.dht import ping_peer
-        from asyncloco.transport.records import SpeedReport
-        from hivemind.utils import get_dht_time
-
+    async def _publish_loop(self, publisher: Any, period: float) -> None:
+        """Publish this peer's speed every ``period`` seconds (``publisher``: a transport.link.SpeedPublisher)."""
         while not self._closing.is_set():
             if self.speed is not None:
-                report = SpeedReport(
-                    peer_id=self.summary.peer_id,
-                    tokens_per_s=float(self.speed),
-                    device=self.options.device,
-                    software_version=__version__,
-                    last_seen=get_dht_time(),
-                )
                 try:
-                    # a DHT client's stores go to servers in its routing table: keep the coordinator there
-                    # (it may have restarted with an empty table; see transport.dht.ping_peer)
-                    await asyncio.to_thread(ping_peer, records.dht, self.coordinator_id, min(10.0, period))
-                    await asyncio.to_thread(records.publish_speed, report, 3 * period)
+                    await publisher.publish_speed(float(self.speed))
                 except Exception as error:  # retried next period
                     logger.warning("could not publish the speed report: %r", error)
-            try:
-                await asyncio.wait_for(self._closing.wait(), timeout=period)
-            except asyncio.TimeoutError:
-                pass
+            with contextlib.suppress(_Aborted):
+                await self._race(self.clock.sleep(period), self._closing)
 
     def _measure(self, cfg: RunConfig, workload: Any) -> float:
         """Initial throughput from a few real steps of a throwaway replica (tokens or samples per second of
@@ -424,9 +427,9 @@ class PeerRunner:
         self.summary.idle_fraction = max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
 
     async def run(self) -> PeerSummary:
-        from asyncloco.transport.codecs import encode
+        """Join over hivemind (DHT, the coordinator's RPCs), then :meth:`serve` until stopped."""
         from asyncloco.transport.dht import stop_dht
-        from asyncloco.transport.errors import CodecError, TransportError
+        from asyncloco.transport.link import DhtSpeedPublisher
         from asyncloco.transport.records import RunRecords
         from asyncloco.transport.linkspeed import LinkSpeed
         from asyncloco.transport.rpc import CoordinatorClient, TrafficCounters
@@ -434,8 +437,6 @@ class PeerRunner:
         group_phase = "config"  # what the followers wait for: the config, then commands
         dht = None
         p2p = None
-        publisher: Optional[asyncio.Task[None]] = None
-        prefetch: Optional[asyncio.Task[Any]] = None
         try:
             dht = self._start_dht()
             self.summary.peer_id = dht.peer_id.to_base58()
@@ -470,13 +471,43 @@ class PeerRunner:
                 link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
             )
             records = RunRecords(dht, namespace)
-            self.speed = await asyncio.to_thread(self._measure, cfg, workload)
+            publisher = DhtSpeedPublisher(
+                records, self.coordinator_id, self.summary.peer_id, self.options.device, __version__,
+                cfg.runtime.speed_report_period,
+            )
+            return await self.serve(client, publisher, cfg, workload, trainer, codec, counters)
+        finally:
+            self._stop.set()
+            self._closing.set()
+            self._update_idle()
+            self._write_summary()
+            if p2p is not None:
+                await p2p.shutdown()
+            if dht is not None:
+                stop_dht(dht)
+            if self.group is not None:
+                await asyncio.to_thread(self._release_group, group_phase)
+
+    async def serve(
+        self, client: Any, publisher: Any, cfg: RunConfig, workload: Any, trainer: InnerTrainer, codec: str, counters: Any
+    ) -> PeerSummary:
+        """The rounds (lease, download, train, submit) until stopped, over any transport: ``client`` is a
+        transport.link.CoordinatorLink, ``publisher`` a transport.link.SpeedPublisher, ``counters`` the
+        client's transport.rpc.TrafficCounters. The speed is measured first unless :attr:`speed` is set."""
+        from asyncloco.transport.codecs import encode
+        from asyncloco.transport.errors import CodecError, TransportError
+
+        publishing: Optional[asyncio.Task[None]] = None
+        prefetch: Optional[asyncio.Task[Any]] = None
+        try:
+            if self.speed is None:
+                self.speed = await asyncio.to_thread(self._measure, cfg, workload)
             self.summary.tokens_per_s = self.speed
             self.summary.units_per_step = workload.units_per_step
-            logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g%s)", namespace, self.summary.peer_id, self.speed,
+            logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g%s)", self.options.run_id, self.summary.peer_id, self.speed,
                         self.options.slowdown, f", {self.group.world_size} ranks" if self.group is not None else "")
             self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
-            publisher = asyncio.create_task(self._publish_loop(records, cfg.runtime.speed_report_period))
+            publishing = asyncio.create_task(self._publish_loop(publisher, cfg.runtime.speed_report_period))
             self._loop_started = time.monotonic()
             idle_wait = 0.0
             while not self._stop.is_set():
@@ -486,7 +517,7 @@ class PeerRunner:
                 try:
                     # a first Ctrl+C lets this request finish: a lease handed out meanwhile is trained and
                     # submitted like any other (cancelling would leave it to expire at the coordinator)
-                    reply = _as_dict(await self._unless_aborted(_ask_for_lease(client, float(self.speed), self.options.token, self.options.name, records.signer)))
+                    reply = _as_dict(await self._unless_aborted(_ask_for_lease(client, float(self.speed), self.options.token, self.options.name, publisher.signer)))
                 except _Aborted:
                     logger.warning("leaving at once while asking for a lease; a lease handed out right now is given "
                                    "back by the coordinator at its deadline")
@@ -549,6 +580,8 @@ class PeerRunner:
                     logger.warning("leaving at once: the trained pseudo-gradient of lease %s is dropped, unsent",
                                    lease["lease_id"])
                     break
+                if self.crash_hook is not None:  # tests: a peer that dies after training, before its submit
+                    self.crash_hook("trained")
                 observed = self._observed_speed(step_seconds, workload.units_per_step)
                 if observed is not None:
                     self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
@@ -588,16 +621,10 @@ class PeerRunner:
             if prefetch is not None:
                 prefetch.cancel()
                 await asyncio.gather(prefetch, return_exceptions=True)
-            if publisher is not None:
-                await asyncio.gather(publisher, return_exceptions=True)
+            if publishing is not None:
+                await asyncio.gather(publishing, return_exceptions=True)
             self._update_idle()
             self._write_summary()
-            if p2p is not None:
-                await p2p.shutdown()
-            if dht is not None:
-                stop_dht(dht)
-            if self.group is not None:
-                await asyncio.to_thread(self._release_group, group_phase)
 
     def _release_group(self, phase: str) -> None:
         """Tell the followers to stop (unless the group is broken), then leave it."""
@@ -615,11 +642,9 @@ class PeerRunner:
             dist.destroy_process_group()
 
     async def _pause(self, seconds: float) -> None:
-        """Wait ``seconds`` (emulated device time, backoff) unless asked to leave at once."""
-        try:
-            await asyncio.wait_for(self._abort.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
-            pass
+        """Wait ``seconds`` (emulated device time, backoff) on the runner's clock unless asked to leave at once."""
+        with contextlib.suppress(_Aborted):
+            await self._race(self.clock.sleep(seconds), self._abort)
 
     def _progress_bar(self, lease: dict[str, Any]) -> Any:
         if not self.options.progress:

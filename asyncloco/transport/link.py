@@ -1,0 +1,107 @@
+"""The transport seam between the peer runner, the coordinator daemon and the network (issue 8, item 1).
+
+Two sides, two implementations each:
+
+* what a peer needs from its coordinator — :class:`CoordinatorLink` (``hello``, a lease request ``assign``,
+  ``get_model``, ``submit``) and :class:`SpeedPublisher` (its speed report). Over hivemind:
+  :class:`~asyncloco.transport.rpc.CoordinatorClient` and :class:`DhtSpeedPublisher` (a signed DHT record,
+  :mod:`asyncloco.transport.records`). In memory: :mod:`asyncloco.transport.memory`.
+* what the daemon offers the network — :class:`~asyncloco.transport.rpc.CoordinatorHandler` (``assign``,
+  ``get_model``, ``submit``, ``check_admitted``), served by
+  :class:`~asyncloco.transport.rpc.CoordinatorService` over libp2p streams, or called directly in the same
+  event loop by :class:`~asyncloco.transport.memory.MemoryTransport`.
+
+Failures reach the peer as :class:`~asyncloco.transport.errors.TransportError` in both implementations
+(:class:`~asyncloco.transport.errors.PeerUnreachable` for a lost connection, ``RemoteError`` for a refusal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional, Protocol, Tuple, Union
+
+import torch
+
+from asyncloco.transport.codecs import EncodedTensor
+from asyncloco.transport.wire import Ack, HelloReply, LeaseReply
+
+__all__ = ["CoordinatorLink", "SpeedPublisher", "DhtSpeedPublisher"]
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorLink(Protocol):
+    """A peer's calls to its coordinator (signatures of :class:`~asyncloco.transport.rpc.CoordinatorClient`)."""
+
+    async def hello(
+        self, *, name: Optional[str] = None, token: Optional[str] = None, timeout: Optional[float] = None
+    ) -> HelloReply: ...
+
+    async def assign(
+        self,
+        tokens_per_s: Optional[float] = None,
+        *,
+        name: Optional[str] = None,
+        token: Optional[str] = None,
+        signer: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> LeaseReply: ...
+
+    async def get_model(
+        self, version: Optional[int] = None, *, codec: Optional[str] = None, timeout: Optional[float] = None
+    ) -> Tuple[int, torch.Tensor]: ...
+
+    async def submit(
+        self,
+        lease_id: str,
+        base_version: int,
+        pseudo_gradient: Union[torch.Tensor, EncodedTensor],
+        *,
+        codec: Optional[str] = None,
+        inner_loss: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> Ack: ...
+
+
+class SpeedPublisher(Protocol):
+    """Publishes a peer's measured throughput (units per second) where its coordinator reads it."""
+
+    @property
+    def signer(self) -> Optional[str]:
+        """The fingerprint of the key the reports are signed with (sent with lease requests), or None."""
+        ...
+
+    async def publish_speed(self, tokens_per_s: float) -> None: ...
+
+
+class DhtSpeedPublisher:
+    """The hivemind implementation: a signed :class:`~asyncloco.transport.records.SpeedReport` in the DHT
+    under the run id, valid for three report periods. Before each store the coordinator is pinged, so that
+    it stays in this DHT client's routing table (it may have restarted with an empty one; see
+    :func:`asyncloco.transport.dht.ping_peer`)."""
+
+    def __init__(self, records: Any, coordinator_id: str, peer_id: str, device: str, software_version: str, period: float) -> None:
+        self.records, self.coordinator_id, self.peer_id = records, coordinator_id, peer_id
+        self.device, self.software_version, self.period = device, software_version, period
+
+    @property
+    def signer(self) -> Optional[str]:
+        signer: Optional[str] = self.records.signer
+        return signer
+
+    async def publish_speed(self, tokens_per_s: float) -> None:
+        from hivemind.utils import get_dht_time
+
+        from asyncloco.transport.dht import ping_peer
+        from asyncloco.transport.records import SpeedReport
+
+        report = SpeedReport(
+            peer_id=self.peer_id,
+            tokens_per_s=float(tokens_per_s),
+            device=self.device,
+            software_version=self.software_version,
+            last_seen=get_dht_time(),
+        )
+        await asyncio.to_thread(ping_peer, self.records.dht, self.coordinator_id, min(10.0, self.period))
+        await asyncio.to_thread(self.records.publish_speed, report, 3 * self.period)
