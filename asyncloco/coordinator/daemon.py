@@ -32,11 +32,12 @@ import typing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from asyncloco import __version__
+from asyncloco.clock import SYSTEM_CLOCK, Clock
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.checkpoint import (
     child_pids,
@@ -234,7 +235,14 @@ class CoordinatorDaemon:
         resume: bool = False,
         initial_peers: tuple[str, ...] = (),
         workload: Workload | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        crash_hook: Optional[Callable[[str], None]] = None,
     ) -> None:
+        # --- transport seam (issue 8): every decision reads ``clock`` (a fake one in transport/memory.py's
+        # tests); ``crash_hook`` (tests only) is called at each named kill point of _decide: "wal_appended"
+        # (the event is in the log, not yet fsynced) and "wal_synced" (durable, nobody told yet)
+        self.clock = clock
+        self.crash_hook = crash_hook
         self.cfg = cfg
         self.dir = Path(checkpoint_dir or cfg.runtime.checkpoint_dir)
         self.resume = resume
@@ -317,7 +325,7 @@ class CoordinatorDaemon:
         self.replayed = self.replay(read_records(self.dir / WAL_DIR, self._snapshot_seq))
         # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
         # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
-        now = time.time()
+        now = self.clock.time()
         restarted = Restarted(RESUME_GRACE_S)
         _, actions = handle(self.state, restarted, now)
         self.wal.append_event(restarted, now)
@@ -363,7 +371,7 @@ class CoordinatorDaemon:
 
     def _drop_held(self, peer: str) -> None:
         """A held request that timed out (the peer will ask again); logged, so a replay drops it too."""
-        self.wal.append("mark", "HoldDropped", time.time(), {"peer": peer})
+        self.wal.append("mark", "HoldDropped", self.clock.time(), {"peer": peer})
         self.state.held.pop(peer, None)
 
     def _snapshot_payload(self, copy: bool) -> dict[str, Any]:
@@ -481,7 +489,7 @@ class CoordinatorDaemon:
         }
 
     def _write_status(self) -> None:
-        now = time.time()
+        now = self.clock.time()
         status = self._status_document(now)
         text = json.dumps(status, indent=1)
         self.stats.document = status
@@ -504,15 +512,19 @@ class CoordinatorDaemon:
         encoded bytes ``wire`` exactly as received) to the write-ahead log → ``fsync`` → only then carry out
         the actions. Events that produce no action and answer no RPC are appended without an ``fsync`` (the
         next ``fsync`` covers them; losing them in a crash loses nothing anyone was told)."""
-        now = time.time()
+        now = self.clock.time()
         _, actions = handle(self.state, event, now)
         attachments = None
         if wire is not None:
             attachments = {"pseudo_gradient": (wire.codec, wire.numel, [wire.meta, wire.payload])}
         try:
             self.wal.append_event(event, now, attachments)
+            if self.crash_hook is not None:
+                self.crash_hook("wal_appended")
             if actions or isinstance(event, (RequestWork, SubmitUpdate)):
                 await asyncio.to_thread(self.wal.sync)
+                if self.crash_hook is not None:
+                    self.crash_hook("wal_synced")
         except OSError as error:
             # Fail-stop: the decision is in memory but not durable, so nobody may be told about it.
             # The caller's RPC fails (the peer keeps its update and resends after a restart, which
@@ -553,7 +565,7 @@ class CoordinatorDaemon:
             info = self.state.peers.get(action.peer)
             stats.speed = info.speed if info is not None else 0.0
             stats.last_steps = lease.steps
-            stats.last_seen = time.time()
+            stats.last_seen = self.clock.time()
             self.journal.write("assign", reason=action.reason, **lease.to_dict())
             logger.debug("lease %s → %s: %d steps on shard %d (%s)", lease.lease_id, action.peer[-8:], lease.steps, lease.shard, action.reason)
             return True
@@ -565,7 +577,7 @@ class CoordinatorDaemon:
             stats.applied += 1
             stats.steps_applied += action.steps
             stats.staleness_sum += action.staleness
-            stats.last_seen = time.time()
+            stats.last_seen = self.clock.time()
             self.stats.updates.note(stats.last_seen)
             self.journal.write(
                 "applied",
@@ -588,14 +600,14 @@ class CoordinatorDaemon:
             return True
         if isinstance(action, Duplicate):
             self.stats.peer(action.peer).duplicates += 1
-            self.stats.peer(action.peer).last_seen = time.time()
+            self.stats.peer(action.peer).last_seen = self.clock.time()
             self.journal.write("duplicate", peer=action.peer, lease_id=action.lease_id, version=action.version, reason=action.reason)
             return False
         if isinstance(action, Rejected):
             if not action.lease_id and self._repeated_refusal(action.peer, action.reason):
                 return False  # the same refused request again (e.g. a quarantined peer polling): counted once a minute
             self.stats.peer(action.peer).rejected += 1
-            self.stats.peer(action.peer).last_seen = time.time()
+            self.stats.peer(action.peer).last_seen = self.clock.time()
             self.journal.write("rejected", peer=action.peer, lease_id=action.lease_id, reason=action.reason)
             logger.warning("rejected %s from %s: %s", action.lease_id or "request", action.peer[-8:], action.reason)
             # a dropped-by-policy update consumed its lease: durable state changed
@@ -712,7 +724,7 @@ class CoordinatorDaemon:
         binding to the first peer id that used it). Refusals are journaled at a bounded rate and a
         refused peer's further attempts within a few seconds are answered from a cache, so a flood of
         unadmitted calls writes neither the write-ahead log nor unbounded log lines."""
-        now = time.time()
+        now = self.clock.time()
         if is_admitted(self.state, peer_id, now):
             return
         if self._admission_key is None or token is None:
@@ -727,7 +739,7 @@ class CoordinatorDaemon:
         async with self.lock:
             self._refuse_if_stopping()
             actions = await self._decide(Admit(peer_id, claims.token_id, claims.name, claims.expires_at))
-        if is_admitted(self.state, peer_id, time.time()):
+        if is_admitted(self.state, peer_id, self.clock.time()):
             return
         reason = next((a.reason for a in actions if isinstance(a, Refused)), admission_problem(self.state, peer_id, now))
         self._refusals.remember(peer_id, token, reason, now)
@@ -768,7 +780,7 @@ class CoordinatorDaemon:
             if previous is not None and not previous.future.done():
                 previous.future.cancel()
             loop = asyncio.get_running_loop()
-            waiter = _Waiter(loop.create_future(), time.time())
+            waiter = _Waiter(loop.create_future(), self.clock.time())
             self.waiters[peer_id] = waiter
             actions = await self._decide(RequestWork(peer_id))
             for action in actions:
