@@ -97,6 +97,11 @@ class InnerConfig(StrictModel):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: forward and loss under torch.autocast (bf16) on the peer's device; weights stay fp32"
     )
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="inside a multi-rank peer (--nproc-per-node): ddp replicates the model on every rank, fsdp "
+        "shards parameters, gradients and AdamW state across the ranks (FSDP2) for models that do not fit one device",
+    )
 
     def schedule(self) -> ShardSchedule:
         """The per-shard learning-rate schedule of paper Eq. 3."""
@@ -108,6 +113,11 @@ class InnerConfig(StrictModel):
             raise ValueError(f"inner.min_lr ({self.min_lr}) must be <= inner.lr ({self.lr})")
         if self.total_steps_per_shard <= self.warmup_steps:
             raise ValueError("inner.total_steps_per_shard must exceed inner.warmup_steps")
+        if self.parallel == "fsdp" and self.optimizer == "adamw8bit":
+            raise ValueError(
+                "inner.optimizer 'adamw8bit' does not combine with inner.parallel 'fsdp' (bitsandbytes' 8-bit state "
+                "does not support FSDP's sharded parameters); use inner.optimizer 'adamw' with fsdp"
+            )
         return self
 
 

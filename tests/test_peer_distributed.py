@@ -37,13 +37,13 @@ from asyncloco.peer.inner import InnerTrainer, LeaseAborted
 ROUNDS = [(0, 0, 4, 0), (1, 3, 3, 4)]  # (shard, start_offset, steps, lr_offset): two leases, optimizer state kept
 
 
-def _config(cache_dir: str, batch_size: int = 8) -> RunConfig:
+def _config(cache_dir: str, batch_size: int = 8, parallel: str = "ddp") -> RunConfig:
     return RunConfig.model_validate({
         "seed": 3,
         "task": {"kind": "lm", "model": "tiny", "seq_len": 32, "batch_size": batch_size, "num_shards": 2,
                  "max_train_sequences": 2 * batch_size * 12, "val_sequences": 16, "cache_dir": cache_dir},
         "inner": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "total_steps_per_shard": 100,
-                  "weight_decay": 0.1, "grad_clip": 1.0},
+                  "weight_decay": 0.1, "grad_clip": 1.0, "parallel": parallel},
     })
 
 
@@ -69,10 +69,12 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
-def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str) -> None:
+def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str, parallel: str) -> None:
     """Rank 1 is a real follower (``distributed.follow``); rank 0 drives it exactly as the peer's leader
-    does (config broadcast, then a command and θ per lease), without a coordinator."""
-    from asyncloco.peer.distributed import follow
+    does (config broadcast, a speed probe, then a command and θ per lease), without a coordinator."""
+    from asyncloco.fingerprint import run_fingerprint
+    from asyncloco.peer.distributed import OP_MEASURE, follow
+    from asyncloco.peer.inner import probe_speed
     from asyncloco.workloads import build_workload
 
     group = _join(rank, world, port)
@@ -80,10 +82,16 @@ def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str) -> 
         if rank == 1:
             Path(f"{out}.follower").write_text(f"exit {follow(group, 'cpu')}")
             return
-        cfg = _config(cache_dir)
+        cfg = _config(cache_dir, parallel=parallel)
         broadcast_json(group, cfg.model_dump(mode="json"))
         workload = build_workload(cfg)
         trainer = InnerTrainer.from_config(cfg, workload, group=group)
+        shapes = [type(p).__name__ + str(tuple(p.to_local().shape) if hasattr(p, "to_local") else "")
+                  for p in trainer.model.parameters()]
+        Path(f"{out}.layout").write_text(f"{trainer.numel}|{type(trainer.model).__name__}|{shapes[0]}")
+        Path(f"{out}.fingerprint").write_text(str(run_fingerprint(cfg, workload, trainer.fingerprint_model)))
+        broadcast_command(group, Command(OP_MEASURE))
+        Path(f"{out}.speed").write_text(str(probe_speed(cfg, workload, "cpu", group=group)))
         theta = flatten_params(workload.build_model(cfg.seed))
         results = []
         for shard, start, steps, lr_offset in ROUNDS:
@@ -130,19 +138,38 @@ def _one_thread():
 
 
 @pytest.mark.timeout(240)
-def test_two_rank_group_pseudo_gradient_equals_single_process_and_stops_together(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_rank_group_pseudo_gradient_equals_single_process_and_stops_together(tmp_path: Path, parallel: str) -> None:
+    from asyncloco.fingerprint import run_fingerprint
+    from asyncloco.workloads import build_workload
+
     cache = str(tmp_path / "cache")
     single = _single_process(cache)  # also fills the token cache the ranks read
     out = tmp_path / "group.pt"
-    mp.spawn(_rank_trains, args=(2, _free_port(), cache, str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_trains, args=(2, _free_port(), cache, str(out), parallel), nprocs=2, join=True)
     group = torch.load(out)
+    cfg = _config(cache)
+    workload = build_workload(cfg)
+    model = workload.build_model(cfg.seed)
+    numel = sum(p.numel() for p in model.parameters())
+    numel_text, cls, first = Path(f"{out}.layout").read_text().split("|")
+    assert int(numel_text) == numel  # the coordinator's check sees the whole model, sharded or not
+    embedding_rows = model.get_input_embeddings().weight.shape
+    if parallel == "fsdp":  # FSDP2 really sharded: rank 0 holds half of the (tied) embedding's rows
+        assert cls == f"FSDP{type(model).__name__}"
+        assert first == f"DTensor({embedding_rows[0] // 2}, {embedding_rows[1]})"
+    else:
+        assert cls == type(model).__name__ and first == "Parameter"
+    # the coordinator would refuse a peer whose fingerprint differs; FSDP's class change must not show
+    assert Path(f"{out}.fingerprint").read_text() == str(run_fingerprint(cfg, workload, model))
+    assert float(Path(f"{out}.speed").read_text()) > 0
     assert len(group) == len(single) == 2
     for (g_group, loss_group), (g_single, loss_single) in zip(group, single):
         assert g_group.shape == g_single.shape and g_group.dtype == torch.float32
         assert float(g_single.abs().max()) > 1e-3  # the rounds really moved θ
-        # Same global batch, same math: DDP averages the gradients of two 4-row halves where the single
-        # process takes the mean over 8 rows; only the float summation order differs (~1e-7 relative in
-        # the gradient). AdamW normalises each step to ~lr = 3e-3 per value, so after 7 steps those
+        # Same global batch, same math: DDP (all-reduce) and FSDP (reduce-scatter) average the gradients of
+        # two 4-row halves where the single process takes the mean over 8 rows; only the float summation order
+        # differs (~1e-7 relative in the gradient; the clipping norm is the same global norm either way). AdamW normalises each step to ~lr = 3e-3 per value, so after 7 steps those
         # rounding differences stay far below 1e-5 in θ (measured max |Δ| ≈ 1e-7).
         torch.testing.assert_close(g_group, g_single, rtol=0, atol=1e-5)
         assert loss_group == pytest.approx(loss_single, rel=1e-5)

@@ -8,8 +8,11 @@ On a GPU: ``precision="bf16"`` runs forward and loss under ``torch.autocast`` (b
 and the optimizer stay fp32), θ goes host → device and the pseudo-gradient device → host through
 pinned buffers, and the per-step loss stays on the device (no synchronisation per step). With a
 :class:`~asyncloco.peer.distributed.GroupContext` the trainer is one rank of a peer's torch.distributed
-group: the model is wrapped in DDP, θ comes from rank 0, each step trains this rank's block of the
-global batch and the pseudo-gradient is reduced to rank 0 (:mod:`asyncloco.peer.distributed`).
+group: the model is wrapped in DDP (``parallel="ddp"``, every rank holds the whole model) or sharded with
+FSDP2 (``parallel="fsdp"``, :func:`torch.distributed.fsdp.fully_shard`: each rank holds 1/N of the
+parameters, gradients and AdamW state, for models that do not fit one device), θ comes from rank 0, each
+step trains this rank's block of the global batch and the pseudo-gradient is reduced (DDP) or gathered
+(FSDP) to rank 0 (:mod:`asyncloco.peer.distributed`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ if TYPE_CHECKING:
     from asyncloco.config import RunConfig
     from asyncloco.peer.distributed import GroupContext
 
-__all__ = ["InnerTrainer", "RoundResult", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS"]
+__all__ = [
+    "InnerTrainer", "RoundResult", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS", "PARALLELS",
+]
 
 PRECISIONS = ("fp32", "bf16")
+PARALLELS = ("ddp", "fsdp")
 
 logger = logging.getLogger(__name__)
 
@@ -83,21 +89,35 @@ class InnerTrainer:
         device: str | torch.device = "cpu",
         precision: str = "fp32",
         group: Optional["GroupContext"] = None,
+        parallel: str = "ddp",
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown inner.precision {precision!r}; use one of {list(PRECISIONS)}")
+        if parallel not in PARALLELS:
+            raise ValueError(f"unknown inner.parallel {parallel!r}; use one of {list(PARALLELS)}")
+        if parallel == "fsdp" and optimizer == "adamw8bit":
+            raise ValueError(
+                "inner.optimizer 'adamw8bit' does not combine with inner.parallel 'fsdp' (bitsandbytes' 8-bit state "
+                "does not support FSDP's sharded DTensor parameters); use inner.optimizer 'adamw' with FSDP, or "
+                "inner.parallel 'ddp' with 'adamw8bit'"
+            )
         self.workload = workload
         self.schedule = schedule
         self.device = torch.device(device)
         self.precision = precision
         self.group = group
+        self.seed = seed
         self.model = workload.build_model(seed).to(self.device)
         self.grad_clip = grad_clip
+        # FSDP only means something on a group of 2 or more ranks; a single process trains the plain model
+        self.sharded = group is not None and parallel == "fsdp"
+        if self.sharded:
+            _shard_model(self.model)  # before the optimizer: it must hold the sharded (DTensor) parameters
         self.optimizer = build_inner_optimizer(
             optimizer, list(self.model.parameters()), schedule.peak_lr, betas, weight_decay
         )
         self.forward_model: torch.nn.Module = self.model
-        if group is not None:
+        if group is not None and not self.sharded:
             from torch.nn.parallel import DistributedDataParallel
 
             # params are loaded from θ before every round, buffers are deterministic: no re-broadcast per step
@@ -135,11 +155,29 @@ class InnerTrainer:
             device=device,
             precision=cfg.inner.precision,
             group=group,
+            parallel=cfg.inner.parallel,
         )
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return sum(p.numel() for p in self.model.parameters())  # a sharded DTensor counts its global size
+
+    @property
+    def fingerprint_model(self) -> torch.nn.Module:
+        """The model as the coordinator builds it, for asyncloco/fingerprint.py. FSDP2 changes the sharded
+        model's class (``FSDPLlamaForCausalLM``); then an unsharded copy is built on the meta device (no
+        memory): same class, config, parameter names and shapes."""
+        if not self.sharded:
+            return self.model
+        with torch.device("meta"):
+            return self.workload.build_model(self.seed)
+
+    def full_params(self) -> torch.Tensor:
+        """θ of this trainer's model as one flat fp32 CPU vector. With FSDP every rank must call it (each
+        parameter is all-gathered); only the leader needs the result."""
+        if not self.sharded:
+            return flatten_params(self.model).cpu()
+        return torch.cat([_full(p).reshape(-1).to(torch.float32).cpu() for p in self.model.parameters()])
 
     # --------------------------------------------------------------------------------- helpers
 
@@ -228,6 +266,8 @@ class InnerTrainer:
         should_stop: Callable[[], bool] | None,
     ) -> RoundResult:
         group = self.group
+        if self.sharded:
+            return self._run_sharded(params, shard, start_offset, steps, lr_offset, on_step, should_stop)
         if params is None:
             if group is None or group.is_leader:
                 raise ValueError("params (θ) are required, except on a follower rank of a group")
@@ -239,6 +279,78 @@ class InnerTrainer:
             dist.broadcast(theta_start, src=0)
             theta_start = theta_start.to(self.device)
         load_flat_params(self.model, theta_start)
+        total = self._train_steps(shard, start_offset, steps, lr_offset, on_step, should_stop)
+        pseudo_gradient = theta_start - flatten_params(self.model)
+        if group is not None:
+            # replicas are identical under DDP; the mean over ranks is the pseudo-gradient, reduced to the leader
+            reduced = pseudo_gradient.to(self._collective_device())
+            dist.reduce(reduced, dst=0, op=dist.ReduceOp.SUM)
+            pseudo_gradient = reduced.to(self.device) / group.world_size
+        return RoundResult(self._to_host(pseudo_gradient), steps, self._mean_loss(total, steps))
+
+    def _run_sharded(
+        self,
+        params: Optional[torch.Tensor],
+        shard: int,
+        start_offset: int,
+        steps: int,
+        lr_offset: int,
+        on_step: Callable[[float], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> RoundResult:
+        """The FSDP round: rank 0's θ is scattered parameter by parameter (each rank receives only its shard;
+        nothing θ-sized lands on a device), the steps run on the shards, and each parameter's
+        θ_start − θ_end is gathered (``full_tensor``) into the pseudo-gradient on the host."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        group = self.group
+        assert group is not None
+        if params is None and group.is_leader:
+            raise ValueError("params (θ) are required, except on a follower rank of a group")
+        theta = params.detach().to(torch.float32).cpu() if params is not None else None
+        if theta is not None and theta.numel() != self.numel:
+            raise ValueError(f"flat parameter vector has {theta.numel()} values, model needs {self.numel}")
+        starts: list[DTensor] = []
+        offset = 0
+        with torch.no_grad():
+            for p in self.model.parameters():
+                assert isinstance(p, DTensor)
+                n = p.numel()
+                full = (
+                    theta[offset : offset + n].view(p.shape).to(self.device)
+                    if theta is not None
+                    else torch.empty(p.shape, dtype=torch.float32, device=self.device)  # ignored: rank 0 sends
+                )
+                start = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
+                p.to_local().copy_(start.to_local())
+                starts.append(start)
+                offset += n
+        total = self._train_steps(shard, start_offset, steps, lr_offset, on_step, should_stop)
+        pieces = []
+        with torch.no_grad():
+            for start, p in zip(starts, self.model.parameters()):
+                pieces.append(_full(start - p.detach()).reshape(-1).cpu())
+        return RoundResult(torch.cat(pieces), steps, self._mean_loss(total, steps))
+
+    def _mean_loss(self, total: torch.Tensor, steps: int) -> float:
+        """The round's mean loss; in a group the mean over ranks of their blocks' losses (reduced to rank 0)."""
+        if self.group is not None:
+            losses = total.reshape(1).to(self._collective_device())
+            dist.reduce(losses, dst=0, op=dist.ReduceOp.SUM)
+            total = losses[0] / self.group.world_size
+        return float(total) / steps
+
+    def _train_steps(
+        self,
+        shard: int,
+        start_offset: int,
+        steps: int,
+        lr_offset: int,
+        on_step: Callable[[float], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> torch.Tensor:
+        """The lease's inner steps from the loaded θ; returns the sum of the step losses (fp64, on the device)."""
+        group = self.group
         self.model.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # as a Python float sum would
         for j in range(steps):
@@ -266,16 +378,27 @@ class InnerTrainer:
                 on_step(time.perf_counter() - step_started)
             if j + 1 < steps and self._stop_requested(should_stop):
                 raise LeaseAborted(j + 1, steps)
-        pseudo_gradient = theta_start - flatten_params(self.model)
-        if group is not None:
-            # replicas are identical under DDP; the mean over ranks is the pseudo-gradient, reduced to the leader
-            reduced = pseudo_gradient.to(self._collective_device())
-            dist.reduce(reduced, dst=0, op=dist.ReduceOp.SUM)
-            pseudo_gradient = reduced.to(self.device) / group.world_size
-            losses = total.reshape(1).to(self._collective_device())
-            dist.reduce(losses, dst=0, op=dist.ReduceOp.SUM)
-            total = losses[0] / group.world_size
-        return RoundResult(self._to_host(pseudo_gradient), steps, float(total) / steps)
+        return total
+
+
+def _shard_model(model: torch.nn.Module) -> None:
+    """FSDP2 in place: every block of every ``nn.ModuleList`` (a transformer's layers) is its own shard
+    group, gathered only around its own forward and backward; the rest (embeddings, tied head, final norm)
+    is the root group."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                if any(True for _ in block.parameters()):
+                    fully_shard(block)
+    fully_shard(model)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
 def probe_speed(
@@ -288,7 +411,8 @@ def probe_speed(
     """Throughput (tokens or samples per second of the global batch) from a few real steps of a throwaway
     replica, so the real inner optimizer state is untouched. In a group every rank calls it together."""
     probe = InnerTrainer.from_config(cfg, workload, device=device, group=group)
-    theta = flatten_params(probe.model).cpu() if group is None or group.is_leader else None
+    full = probe.full_params()  # collective under FSDP: every rank gathers, the leader keeps it
+    theta = full if group is None or group.is_leader else None
     probe.run(theta, 0, 0, 1, 0)  # warm-up (allocations, kernels)
     started = time.perf_counter()
     probe.run(theta, 0, 0, steps, 0)
