@@ -461,7 +461,7 @@ class PeerRunner:
                     f"this peer builds a {trainer.numel}-parameter model but the coordinator serves {numel}; "
                     f"upgrade asyncloco (coordinator runs {hello.get('software_version')}, this is {__version__})"
                 )
-            await self._check_fingerprint(p2p, cfg, workload, trainer.model)
+            await self._check_fingerprint(p2p, cfg, workload, trainer.fingerprint_model)  # FSDP: unsharded class
             codec = str(hello["codec"])
             counters = TrafficCounters()
             hold = 630.0 if cfg.schedule.method == "sync_diloco" else cfg.schedule.grace_period + 60.0
