@@ -276,6 +276,15 @@ def test_adamw8bit_and_bf16_need_what_they_need() -> None:
         build_inner_optimizer("adamw8bit", params, 1e-3, (0.9, 0.999), 0.0)
     with pytest.raises(ValueError, match="unknown inner.precision 'fp8'"):
         InnerTrainer(_ToyWorkload(), _schedule(), seed=0, precision="fp8")
+    with pytest.raises(ValueError, match="unknown inner.parallel 'zero3'; use one of \\['ddp', 'fsdp'\\]"):
+        InnerTrainer(_ToyWorkload(), _schedule(), seed=0, parallel="zero3")
+    with pytest.raises(ValueError, match="'adamw8bit' does not combine with inner.parallel 'fsdp'.*use inner.optimizer 'adamw'"):
+        InnerTrainer(_ToyWorkload(), _schedule(), seed=0, optimizer="adamw8bit", parallel="fsdp")
+    with pytest.raises(ValueError, match="'adamw8bit' does not combine with inner.parallel 'fsdp'"):
+        RunConfig.model_validate({"inner": {"optimizer": "adamw8bit", "parallel": "fsdp"}})
+    # FSDP needs a group: a single process trains the plain model (nothing sharded, same result as ddp)
+    single = InnerTrainer(_ToyWorkload(), _schedule(), seed=0, parallel="fsdp")
+    assert not single.sharded and single.fingerprint_model is single.model
 
 
 class _ToyWorkload:
