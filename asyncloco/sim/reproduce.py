@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -68,6 +69,7 @@ class Outcome:
     sync_loss: float
     sync_time: float
     wall: float
+    cpu: float = 0.0  # CPU seconds of the process that ran it
 
 
 @dataclass
@@ -173,59 +175,111 @@ def _config(base: Path, setting: Setting, seed: int, budget: int | None, extra: 
     return load_config(base, overrides)
 
 
-def _run_setting(
-    base: Path, setting: Setting, seed: int, runs: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], budget: int | None
-) -> list[tuple[tuple[Setting, str, tuple[tuple[str, Any], ...]], int, Outcome]]:
-    """Sync DiLoCo, then every other run of one setting and seed (one worker process's job)."""
+_Key = tuple[Setting, str, tuple[tuple[str, Any], ...]]
+_CACHE: dict[tuple[Any, ...], Any] = {}  # per process: the workload and θ0 of a config, built once for all its runs
+
+
+def _workload_and_start(cfg: RunConfig) -> tuple[Any, Any]:
+    """The task's workload and pretrained θ0, built once per process (the toy data set takes seconds)."""
+    from asyncloco.sim.engine import build_workload, pretrain
+
+    task = cfg.task.model_dump_json()
+    if ("workload", task) not in _CACHE:
+        _CACHE[("workload", task)] = build_workload(cfg)
+    workload = _CACHE[("workload", task)]
+    start_key = ("start", task, cfg.inner.model_dump_json(), cfg.sim.pretrain_steps, cfg.sim.pretrain_lr, cfg.seed)
+    if start_key not in _CACHE:
+        _CACHE[start_key] = pretrain(cfg, workload)  # the same θ0 for every method of this seed
+    return workload, _CACHE[start_key]
+
+
+def _run_one(
+    base: Path,
+    setting: Setting,
+    seed: int,
+    method: str,
+    extra: tuple[tuple[str, Any], ...],
+    budget: int | None,
+    reference: tuple[float, float] | None,
+) -> tuple[_Key, int, Outcome]:
+    """One run (one pool task). ``reference`` is sync DiLoCo's (final loss, simulated time) for this setting
+    and seed; None for the sync run itself, which then sets it."""
     import torch
 
-    from asyncloco.sim.engine import Simulation, build_workload, pretrain
+    from asyncloco.sim.engine import Simulation
 
     torch.set_num_threads(1)
-    cfg0 = _config(base, setting, seed, budget, ())
-    workload = build_workload(cfg0)
-    initial = pretrain(cfg0, workload)  # the same θ0 for every method of this seed
-    results = []
-    target: float | None = None
-    sync_time = math.inf
-    sync_loss = math.nan
-    for method, extra in runs:
-        started = time.monotonic()
-        cfg = _config(base, setting, seed, budget, extra)
-        simulation = Simulation(cfg, method, workload, target_loss=target, time_limit=sync_time, initial_params=initial)
-        result = simulation.run()
-        final = result.final
-        if method == "sync_diloco" and not extra:
-            target, sync_time, sync_loss = final["loss"], final["time"], final["loss"]
-        outcome = Outcome(
-            loss=final["loss"],
-            local_updates=final["local_updates"],
-            time_at_budget=final["time"],
-            time_to_sync=result.time_to_reach(sync_loss) if math.isfinite(sync_loss) else None,
-            sync_loss=sync_loss,
-            sync_time=sync_time,
-            wall=time.monotonic() - started,
-        )
-        logger.info("%s seed %d %s%s: loss %.4f (%.1fs)", setting.name, seed, method, dict(extra) or "", outcome.loss, outcome.wall)
-        results.append(((setting, method, extra), seed, outcome))
-    return results
+    started, cpu_started = time.monotonic(), time.process_time()
+    cfg = _config(base, setting, seed, budget, extra)
+    workload, initial = _workload_and_start(cfg)
+    target, sync_time = reference if reference is not None else (None, math.inf)
+    result = Simulation(cfg, method, workload, target_loss=target, time_limit=sync_time, initial_params=initial).run()
+    final = result.final
+    sync_loss = target if target is not None else final["loss"]
+    if reference is None:
+        sync_time = final["time"]
+    outcome = Outcome(
+        loss=final["loss"],
+        local_updates=final["local_updates"],
+        time_at_budget=final["time"],
+        time_to_sync=result.time_to_reach(sync_loss) if math.isfinite(sync_loss) else None,
+        sync_loss=sync_loss,
+        sync_time=sync_time,
+        wall=time.monotonic() - started,
+        cpu=time.process_time() - cpu_started,
+    )
+    logger.info("%s seed %d %s%s: loss %.4f (%.1fs)", setting.name, seed, method, dict(extra) or "", outcome.loss, outcome.wall)
+    return (setting, method, extra), seed, outcome
+
+
+def default_jobs() -> int:
+    """One process per core this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def run_plan(
     the_plan: Plan, base_config: Path, seeds: int, budget: int | None = None, jobs: int = 1
-) -> dict[tuple[tuple[Setting, str, tuple[tuple[str, Any], ...]], int], Outcome]:
-    """Run every distinct run of the plan for seeds 0..seeds-1; ``jobs`` > 1 uses that many processes."""
-    work = [(setting, seed, runs) for setting, runs in the_plan.runs().items() for seed in range(seeds)]
-    outcomes: dict[tuple[tuple[Setting, str, tuple[tuple[str, Any], ...]], int], Outcome] = {}
-    if jobs <= 1:
-        batches = [_run_setting(base_config, setting, seed, runs, budget) for setting, seed, runs in work]
-    else:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(_run_setting, base_config, setting, seed, runs, budget) for setting, seed, runs in work]
-            batches = [future.result() for future in futures]
-    for batch in batches:
-        for key, seed, outcome in batch:
-            outcomes[(key, seed)] = outcome
+) -> dict[tuple[_Key, int], Outcome]:
+    """Run every distinct run of the plan for seeds 0..seeds-1 in ``jobs`` processes (≤ 0: one per core).
+
+    Sync DiLoCo's run of each (setting, seed) goes first; as soon as it is done, the other runs of that
+    setting and seed (which are timed against it) are queued, so the pool stays busy to the end."""
+    if jobs <= 0:
+        jobs = default_jobs()
+    outcomes: dict[tuple[_Key, int], Outcome] = {}
+    pending: dict[tuple[Setting, int], list[tuple[str, tuple[tuple[str, Any], ...]]]] = {}
+    syncs: list[tuple[Setting, int]] = []
+    for setting, runs in the_plan.runs().items():
+        for seed in range(seeds):
+            syncs.append((setting, seed))
+            pending[(setting, seed)] = [r for r in runs if r != ("sync_diloco", ())]
+
+    def followers(setting: Setting, seed: int, sync: Outcome) -> list[tuple[Any, ...]]:
+        reference = (sync.loss, sync.sync_time)
+        return [(base_config, setting, seed, m, extra, budget, reference) for m, extra in pending[(setting, seed)]]
+
+    if jobs == 1:
+        for setting, seed in syncs:
+            key, _, sync = _run_one(base_config, setting, seed, "sync_diloco", (), budget, None)
+            outcomes[(key, seed)] = sync
+            for args in followers(setting, seed, sync):
+                key, _, outcome = _run_one(*args)
+                outcomes[(key, seed)] = outcome
+        return outcomes
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        waiting: set[Future[tuple[_Key, int, Outcome]]] = {
+            pool.submit(_run_one, base_config, setting, seed, "sync_diloco", (), budget, None) for setting, seed in syncs
+        }
+        while waiting:
+            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+            for future in done:
+                key, seed, outcome = future.result()
+                outcomes[(key, seed)] = outcome
+                if key[1:] == ("sync_diloco", ()):
+                    waiting |= {pool.submit(_run_one, *args) for args in followers(key[0], seed, outcome)}
     return outcomes
 
 
@@ -385,9 +439,11 @@ def reproduce(
     if unknown:
         raise ValueError(f"unknown table(s) {unknown}; choose from 1, 2, 3, 4 or all")
     the_plan = plan(tables, speeds)
+    jobs = jobs if jobs > 0 else default_jobs()
     started = time.monotonic()
     outcomes = run_plan(the_plan, base_config, seeds, budget, jobs)
     wall = time.monotonic() - started
+    cpu = sum(o.cpu for o in outcomes.values())
     cfg = load_config(base_config)
     runs = sum(len(v) for v in the_plan.runs().values()) * seeds
     header = "\n".join(
@@ -395,7 +451,7 @@ def reproduce(
             "# Reproducing the paper's tables in the simulator",
             "",
             f"Produced by `{command or 'asyncloco reproduce'}` ({runs} simulated runs, {wall / 60:.1f} min wall "
-            f"on this machine, {jobs} process(es)). Config `{base_config.name}`: task {cfg.task.kind}, "
+            f"on this machine, {jobs} process(es), {cpu / 60:.1f} CPU-min in the runs). Config `{base_config.name}`: task {cfg.task.kind}, "
             f"H = {cfg.schedule.max_local_steps}, grace {cfg.schedule.grace_period:g} s, budget "
             f"{budget or cfg.sim.total_local_updates} local updates, seeds 0-{seeds - 1}.",
             "",

@@ -64,12 +64,16 @@ class ToyWorkload(Workload):
             self._epoch_perm[key] = torch.randperm(len(self.shards[shard]), generator=gen)
         return self._epoch_perm[key]
 
-    def batch(self, shard: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch_rows(self, shard: int, index: int) -> torch.Tensor:
+        """Row indices into the training set of batch ``index`` of ``shard`` (epochs reshuffle the shard)."""
         if not 0 <= shard < len(self.shards):
             raise ValueError(f"shard {shard} out of range [0, {len(self.shards)})")
         epoch, within = divmod(index, self.batches_per_shard)
         b = self.cfg.batch_size
-        rows = self.shards[shard][self._permutation(shard, epoch)[within * b : (within + 1) * b]]
+        return self.shards[shard][self._permutation(shard, epoch)[within * b : (within + 1) * b]]
+
+    def batch(self, shard: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.batch_rows(shard, index)
         return self.train_x[rows], self.train_y[rows]
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
