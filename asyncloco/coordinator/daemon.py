@@ -86,6 +86,8 @@ from asyncloco.coordinator.logic import (
     new_state,
 )
 from asyncloco.coordinator.methods import build_method, coordinator_policy
+from asyncloco.coordinator import gate as update_gate
+from asyncloco.coordinator.probe import Probe
 from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, decode_event, open_log, read_records
 from asyncloco.coordinator.dashboard import DashboardServer
 from asyncloco.coordinator.sinks import MetricsSink, build_sinks
@@ -827,6 +829,30 @@ class CoordinatorDaemon:
                 await self._decide(Fetched(peer_id, version))
         return version, theta
 
+    # --- the update gate's probe (issue 7; coordinator/probe.py) ------------------------------------------
+    _probe: Optional[Probe] = None  # built on first use (its own model copy)
+
+    async def _gate_probe(
+        self, peer_id: str, lease_id: str, base_version: int, update: torch.Tensor
+    ) -> tuple[Optional[float], Optional[float]]:
+        """The probe-batch losses at θ and θ − s·Δ for an update the gate may need them for (``gate.wants_probe``),
+        else (None, None). Call with ``self.lock`` held: θ must not change until ``handle`` has judged it. Only a
+        live lease of this peer at its base version is probed (junk costs no forward pass)."""
+        gate = self.state.policy.gate
+        lease = self.state.leases.get(lease_id)
+        if gate is None or lease is None or lease.peer != peer_id or lease.base_version != base_version:
+            return None, None
+        if not update_gate.wants_probe(gate, self.state.gate, peer_id, self.numel):
+            return None, None
+        if self._probe is None:
+            self._probe = Probe(self.workload, self.model, self.cfg.runtime.gate.probe_sequences)
+        started = time.perf_counter()
+        before, after = await asyncio.to_thread(
+            self._probe.losses, self.state.version, self.state.params, update, gate.probe_step
+        )
+        logger.debug("probe of %s: %.4f -> %.4f in %.3f s", lease_id, before, after, time.perf_counter() - started)
+        return before, after
+
     async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
         """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
         optional ``inner_loss``); returns a transport.wire.Ack."""
@@ -840,7 +866,9 @@ class CoordinatorDaemon:
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
         async with self.lock:
             self._refuse_if_stopping()
-            event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6))
+            probe = await self._gate_probe(peer_id, lease_id, base_version, update)  # the gate's gray-zone tie-breaker
+            event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6),
+                                 probe_before=probe[0], probe_after=probe[1])
             actions = await self._decide(event, wire=pseudo_gradient)
         if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
             self.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)

@@ -21,6 +21,22 @@ Until ``warmup`` updates have been accepted the relative checks have no statisti
 judged against the median of what was accepted so far, with ``reject_factor`` only (so the first
 update of a run is taken as it is, and one early hostile update cannot be far above its peers).
 
+**probe** — the tie-breaker of the gray zone. The daemon (which holds the model) evaluates the loss on a
+small fixed probe batch at θ and at θ − s·Δ (``s`` = ``probe_step``: a short step along the candidate's
+local progress) *before* it calls
+``handle`` and passes both losses in the ``SubmitUpdate`` event (so they are in the write-ahead log and a
+replay makes the same decision without a model: :func:`score` stays pure). For an update in the gray zone
+— from a peer on probation, or with a cosine below ``max(threshold, probe_below × median)`` — a probe loss
+that rises by more than ``probe_margin`` (relative) rejects it (counted toward quarantine: it makes the
+model worse), one that falls accepts it even if its cosine is weakly negative (an honest newcomer's first
+updates, with a fresh AdamW state, point slightly against the consensus), and one in between leaves the
+decision to the cosine rule. The probe judges the *direction* (is Δ a descent direction on data no peer
+trains on?), not the step size — that is the norm check's job — hence the short step: a fresh AdamW state
+moves every parameter by about the learning rate per step, so a newcomer's first update is ≈ 3× the norm
+of its peers' and overshoots at the full step (probe loss +1.5 % at s = 1 in a test run) although it is a
+descent direction (−0.18 % at s = 0.2, where a sign-flipped update gave +0.5 % and a random one ±0.01 %).
+Which updates the daemon probes: :func:`wants_probe`.
+
 Peers start on **probation**: for their first ``probation_updates`` accepted updates, the bounds are
 tightened by ``probation_tightening`` (the norm bounds shrink, the cosine threshold rises), and a
 rejection on probation counts twice. A peer with ``quarantine_after`` rejections among its last
@@ -41,7 +57,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound"]
+__all__ = ["GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "wants_probe"]
 
 
 def adamw_norm_bound(lr_max: float, numel: int, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> float:
@@ -70,6 +86,12 @@ class GatePolicy:
     quarantine_after: int = 3
     quarantine_window: int = 6
     quarantine_s: float = 600.0
+    probe: bool = True  # use the probe-batch losses when the daemon supplies them
+    probe_step: float = 0.2  # the probe evaluates θ − probe_step·Δ
+    probe_margin: float = 0.0005  # a relative rise of the probe loss above this rejects a gray-zone update;
+    # a fall below −this accepts it; in between the cosine rule decides
+    probe_below: float = 0.5  # the gray zone: cosine below this × the median of recent cosines (or on probation)
+    probe_all_below_params: int = 50_000_000  # smaller models: probe every update; larger: probation updates only
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.clip_factor <= self.reject_factor:
@@ -78,6 +100,8 @@ class GatePolicy:
             raise ValueError("gate: reference_decay must be in [0, 1)")
         if self.window < 3 or self.warmup < 1 or self.quarantine_after < 1 or self.quarantine_window < self.quarantine_after:
             raise ValueError("gate: window >= 3, warmup >= 1, 1 <= quarantine_after <= quarantine_window")
+        if self.probe_margin < 0 or self.probe_below < 0 or not 0 < self.probe_step <= 1:
+            raise ValueError("gate: probe_margin and probe_below must be >= 0, probe_step in (0, 1]")
 
 
 @dataclass
@@ -139,14 +163,34 @@ def is_quarantined(gate: GateState, peer: str, now: float) -> bool:
     return gate.quarantined_until.get(peer, -math.inf) > now
 
 
+def wants_probe(policy: GatePolicy, gate: GateState, peer: str, numel: int) -> bool:
+    """Whether the daemon should evaluate the probe losses for an update of ``peer`` (decided without touching
+    Δ, so it costs nothing when the answer is no): every update of a model up to ``probe_all_below_params``
+    (two forward passes on the probe batch are cheap there, and :func:`score` uses them only in the gray
+    zone), above that only a peer's probation updates — where the gray zone is — so the probe stays off the
+    hot path of a large run."""
+    if not policy.probe:
+        return False
+    return numel <= policy.probe_all_below_params or gate.peer_accepted.get(peer, 0) < policy.probation_updates
+
+
 def score(
-    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None = None
+    policy: GatePolicy,
+    gate: GateState,
+    update: torch.Tensor,
+    steps: int,
+    peer: str,
+    bound_per_step: float | None = None,
+    probe: tuple[float, float] | None = None,
 ) -> GateVerdict:
     """Judge ``update`` (flat fp32, not modified) from a lease of ``steps`` local steps.
 
     ``bound_per_step``: an absolute ceiling on ``‖Δ‖ / steps`` that holds for any honest peer whatever the
     statistics say (for inner AdamW: a few × η_max × sqrt(numel), see ``adamw_norm_bound``); it guards the
-    first updates of a run, before there is a median to compare with."""
+    first updates of a run, before there is a median to compare with.
+
+    ``probe``: the loss on the coordinator's probe batch at θ and at θ − probe_step·Δ (module docstring), or None
+    when the daemon did not evaluate it; it decides updates in the gray zone."""
     squared = float(torch.dot(update, update))
     if not math.isfinite(squared):
         return GateVerdict("reject", 0.0, math.nan, None, "pseudo-gradient contains NaN or Inf, or its norm overflows float32")
@@ -175,7 +219,25 @@ def score(
     if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
         cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
     warm = gate.accepted >= policy.warmup
-    if warm and cosine is not None and len(gate.cosines) >= 3:
+    probed = ""  # set when the probe vouched for the update's direction
+    if probe is not None and policy.probe:
+        before, after = float(probe[0]), float(probe[1])
+        gray = probation
+        if not gray and warm and cosine is not None and len(gate.cosines) >= 3:
+            center = median(gate.cosines)
+            gray = cosine < max(policy.cosine_cap, policy.probe_below * center)
+        if gray:
+            if not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + policy.probe_margin)):
+                rise = (after - before) / before if before > 0 and math.isfinite(after) else math.inf
+                agreement = "" if cosine is None else f", cosine {cosine:.3f} with the consensus"
+                return GateVerdict(
+                    "reject", 0.0, norm, cosine,
+                    f"raises the probe-batch loss {before:.4f} → {after:.4f} (+{100 * rise:.3g} %, limit "
+                    f"{100 * policy.probe_margin:g} %){agreement}{on}",
+                )
+            if math.isfinite(before) and after < before * (1.0 - policy.probe_margin):
+                probed = f"; lowers the probe-batch loss {before:.4f} → {after:.4f}"
+    if warm and cosine is not None and len(gate.cosines) >= 3 and not probed:
         center = median(gate.cosines)
         spread = max(_mad(gate.cosines, center), 1e-3)
         # Honest updates of one run agree with the consensus (cosines 0.2-0.9 in the demo), a sign-flipped one
@@ -206,9 +268,11 @@ def score(
             scale = clip_at * typical / per_step
             return GateVerdict(
                 "clip", scale, norm, cosine,
-                f"per-step norm {per_step:.4g} clipped to {clip_at:g}× the recent median {typical:.4g}{on}",
+                f"per-step norm {per_step:.4g} clipped to {clip_at:g}× the recent median {typical:.4g}{on}{probed}",
             )
-    agreement = "" if cosine is None else f" (cosine {cosine:.3f} with the consensus)"
+    agreement = "" if cosine is None else f" (cosine {cosine:.3f} with the consensus{probed})"
+    if cosine is None and probed:
+        agreement = f" ({probed[2:]})"
     return GateVerdict("accept", 1.0, norm, cosine, f"passed the gate{agreement}")
 
 

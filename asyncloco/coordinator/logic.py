@@ -308,6 +308,11 @@ class SubmitUpdate:
     base_version: int
     pseudo_gradient: torch.Tensor
     transfer_s: float = 0.0  # seconds the upload took, measured by the coordinator (not the peer's claim)
+    # --- the update gate's probe (coordinator/gate.py): the loss on the coordinator's probe batch at θ and at
+    # θ − s·Δ, evaluated by the daemon before ``handle`` (None: not evaluated); in the write-ahead log, so a replay
+    # decides the same way without a model
+    probe_before: float | None = None
+    probe_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -1016,7 +1021,10 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     policy = state.policy
     verdict = None
     if policy.gate is not None:
-        verdict = update_gate.score(policy.gate, state.gate, update, lease.steps, event.peer, policy.norm_bound_per_step)
+        probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
+        verdict = update_gate.score(
+            policy.gate, state.gate, update, lease.steps, event.peer, policy.norm_bound_per_step, probe
+        )
         if verdict.action == "reject":
             # The work is refused and its steps go back to the shard (its batches get trained by someone else).
             quarantine = update_gate.record(policy.gate, state.gate, verdict, None, lease.steps, event.peer, now)

@@ -179,6 +179,11 @@ def coordinator_policy(
             quarantine_after=knobs.quarantine_after,
             quarantine_window=knobs.quarantine_window,
             quarantine_s=knobs.quarantine_s,
+            probe=knobs.probe,
+            probe_step=knobs.probe_step,
+            probe_margin=knobs.probe_margin,
+            probe_below=knobs.probe_below,
+            probe_all_below_params=knobs.probe_all_below_params,
         )
     bound = None
     if gate is not None and numel is not None and cfg.inner.optimizer in ("adamw", "adamw8bit"):

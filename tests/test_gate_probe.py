@@ -1,0 +1,210 @@
+"""The update gate's probe (issue 7): the probe-batch loss decides the gray zone.
+
+* pure: :func:`asyncloco.coordinator.gate.score` with given probe losses on a constructed gate state
+  (exact thresholds and verdicts), and which updates the daemon probes (``wants_probe``);
+* with a real model: two honest peers train the tiny LM through the gate for three rounds; then an honest
+  newcomer with a fresh AdamW state is accepted on its first update (the probe vouches for it), and an
+  update sign-flipped at its honest norm is rejected because it raises the probe loss — exact counts;
+* the decision is replayable: the probe losses travel in ``SubmitUpdate`` and through the write-ahead log.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncloco.config import RunConfig
+from asyncloco.coordinator import gate as G
+from asyncloco.coordinator.logic import SubmitUpdate
+from asyncloco.coordinator.probe import Probe, probe_batch
+from asyncloco.coordinator.wal import WAL_DIR, decode_event, open_log, read_records
+
+N = 64
+
+
+def warm_state(center: float = 0.4, accepted: int = 10) -> G.GateState:
+    """A warmed-up gate: consensus e0, every recent cosine ``center`` (MAD 0), every per-step norm 1."""
+    reference = torch.zeros(N)
+    reference[0] = 1.0
+    return G.GateState(
+        norms=[1.0] * accepted, cosines=[center] * accepted, reference=reference, reference_norm=1.0,
+        accepted=accepted, peer_accepted={"old": accepted},
+    )
+
+
+def with_cosine(cosine: float, norm: float = 10.0) -> torch.Tensor:
+    """A vector of ``norm`` whose cosine with e0 is exactly ``cosine`` (steps = 10 → per-step norm 1)."""
+    update = torch.zeros(N, dtype=torch.float64)
+    update[0] = cosine
+    update[1] = math.sqrt(1.0 - cosine * cosine)
+    return (update * norm).float()
+
+
+@pytest.mark.timeout(30)
+def test_probe_decides_the_gray_zone() -> None:
+    policy = G.GatePolicy()
+    state = warm_state()
+    weak = with_cosine(-0.05)  # an established peer, weakly against the consensus (gray: < 0.5 × 0.4)
+    # without the probe: the cosine rule refuses it (threshold = min(cap 0.05, ...)) without counting it
+    plain = G.score(policy, state, weak, 10, "old")
+    assert (plain.action, plain.counts) == ("reject", False) and "not counted" in plain.reason
+    # the probe lowers by more than the margin (0.05 %): accepted despite the negative cosine
+    lowers = G.score(policy, state, weak, 10, "old", probe=(5.0, 4.99))
+    assert lowers.action == "accept" and lowers.scale == 1.0
+    assert "lowers the probe-batch loss 5.0000 → 4.9900" in lowers.reason and "cosine -0.050" in lowers.reason
+    # raises by more than the margin: rejected, and it counts toward quarantine (it makes the model worse)
+    raises = G.score(policy, state, weak, 10, "old", probe=(5.0, 5.01))
+    assert (raises.action, raises.counts) == ("reject", True) and "+0.2 %" in raises.reason
+    # within ±margin (5.0 × 0.0005 = 0.0025): inconclusive, the cosine rule decides as without a probe
+    for after in (5.002, 4.998):
+        inconclusive = G.score(policy, state, weak, 10, "old", probe=(5.0, after))
+        assert (inconclusive.action, inconclusive.counts, inconclusive.reason) == ("reject", False, plain.reason)
+    # a non-finite probe loss rejects
+    assert G.score(policy, state, weak, 10, "old", probe=(5.0, math.inf)).action == "reject"
+
+
+@pytest.mark.timeout(30)
+def test_probe_outside_the_gray_zone_and_on_probation() -> None:
+    policy = G.GatePolicy()
+    state = warm_state()
+    # an established peer agreeing well (0.35 ≥ 0.5 × 0.4): the probe is not consulted
+    agrees = G.score(policy, state, with_cosine(0.35), 10, "old", probe=(5.0, 5.5))
+    assert agrees.action == "accept" and "probe" not in agrees.reason
+    # the same update from a newcomer (on probation): the probe decides, and a rise rejects it, counted
+    newcomer = G.score(policy, state, with_cosine(0.35), 10, "new", probe=(5.0, 5.5))
+    assert (newcomer.action, newcomer.counts) == ("reject", True) and "(peer on probation)" in newcomer.reason
+    # a sign-flipped newcomer update that agrees weakly (cosine 0.1) passes the cosine rule, not the probe
+    flipped = with_cosine(0.1)
+    assert G.score(policy, state, flipped, 10, "new").action == "accept"
+    assert G.score(policy, state, flipped, 10, "new", probe=(5.0, 5.02)).action == "reject"
+    # booked on probation, a counted rejection counts twice
+    verdict = G.score(policy, state, flipped, 10, "new", probe=(5.0, 5.02))
+    assert G.record(policy, state, verdict, None, 10, "new", 0.0) is None
+    assert state.verdicts["new"] == [True, True]
+    # an honest newcomer with a weakly negative cosine, whose update lowers the probe loss, is accepted
+    honest = G.score(policy, state, with_cosine(-0.08), 10, "newer", probe=(5.0, 4.98))
+    assert honest.action == "accept", honest.reason
+    # turned off in the policy, the probe is ignored
+    off = G.GatePolicy(probe=False)
+    assert G.score(off, state, with_cosine(-0.08), 10, "newer", probe=(5.0, 4.98)).action == "reject"
+
+
+@pytest.mark.timeout(30)
+def test_wants_probe() -> None:
+    policy = G.GatePolicy(probe_all_below_params=1000)
+    state = warm_state()
+    assert G.wants_probe(policy, state, "old", 1000) is True  # small model: every update
+    assert G.wants_probe(policy, state, "old", 1001) is False  # large model, established peer: never
+    assert G.wants_probe(policy, state, "new", 10**9) is True  # large model, a peer on probation
+    state.peer_accepted["new"] = policy.probation_updates
+    assert G.wants_probe(policy, state, "new", 10**9) is False
+    assert G.wants_probe(G.GatePolicy(probe=False), state, "x", 10) is False
+    with pytest.raises(ValueError, match="probe_step"):
+        G.GatePolicy(probe_step=0.0)
+
+
+@pytest.mark.timeout(30)
+def test_probe_losses_travel_in_the_write_ahead_log(tmp_path: Path) -> None:
+    event = SubmitUpdate("peer", "lease", 3, torch.ones(4), transfer_s=0.5, probe_before=5.25, probe_after=5.125)
+    log = open_log(tmp_path, 0)
+    payload = torch.ones(4).numpy().tobytes()
+    log.append_event(event, 1.0, {"pseudo_gradient": ("none", 4, [payload])})
+    log.sync()
+    log.close()
+    [record] = list(read_records(tmp_path / WAL_DIR, 0))
+    back = decode_event(record, {"SubmitUpdate": SubmitUpdate},
+                        lambda codec, numel, data: torch.frombuffer(bytearray(data), dtype=torch.float32))
+    assert (back.probe_before, back.probe_after) == (5.25, 5.125)
+    assert torch.equal(back.pseudo_gradient, torch.ones(4))
+
+
+# ------------------------------------------------------------------------------------ real model
+
+H = 10
+
+
+def tiny_config() -> RunConfig:
+    return RunConfig.model_validate({
+        "name": "probe", "seed": 0,
+        "task": {"kind": "lm", "model": "tiny", "source": "embedded", "seq_len": 64, "batch_size": 8, "num_shards": 4,
+                 "val_sequences": 16, "max_train_sequences": 4000},
+        "inner": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 5, "weight_decay": 0.1, "grad_clip": 1.0},
+        "outer": {"lr": 0.7, "momentum": 0.9, "buffer_size": 2},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": H, "min_steps": 2},
+        "sim": {"workers": 2},
+    })
+
+
+@pytest.mark.timeout(300)
+def test_fresh_adamw_newcomer_accepted_and_sign_flip_rejected_by_the_probe() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a busy 2-core machine: one thread is faster than two fighting
+    try:
+        run_newcomer_and_attacker()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_newcomer_and_attacker() -> None:
+    from asyncloco.models.workload import flatten_params
+    from asyncloco.peer.inner import InnerTrainer
+    from asyncloco.workloads import build_workload
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    workload = build_workload(cfg)
+    model = workload.build_model(cfg.seed)
+    theta = flatten_params(model)
+    policy = G.GatePolicy()
+    state = G.GateState()
+    probe = Probe(workload, model, 8)
+    assert torch.equal(probe.batch, workload.rows[workload.val_ids[-8:]])  # type: ignore[attr-defined]
+    assert torch.equal(probe_batch(workload, 8), probe.batch)
+    offsets = [0, 0, 0, 0]
+    version = 0
+    verdicts: dict[str, list[str]] = {}
+
+    def submit(peer: str, update: torch.Tensor) -> G.GateVerdict:
+        nonlocal version
+        losses = probe.losses(version, theta, update, policy.probe_step)
+        verdict = G.score(policy, state, update, H, peer, None, losses)
+        applied = None if verdict.action == "reject" else update * verdict.scale
+        G.record(policy, state, verdict, applied, H, peer, 0.0)
+        if applied is not None:
+            theta.sub_(applied, alpha=0.7)  # plain outer SGD: the gate does not care which outer optimizer
+            version += 1
+        verdicts.setdefault(peer, []).append(verdict.action)
+        return verdict
+
+    def train(trainer: InnerTrainer, shard: int) -> torch.Tensor:
+        result = trainer.run(theta, shard, offsets[shard], H, offsets[shard])
+        offsets[shard] += H
+        return result.pseudo_gradient
+
+    honest = {name: InnerTrainer.from_config(cfg, workload) for name in ("a", "b")}
+    for _ in range(3):
+        for shard, (name, trainer) in enumerate(honest.items()):
+            submit(name, train(trainer, shard))
+    assert verdicts == {"a": ["accept"] * 3, "b": ["accept"] * 3}
+    assert state.accepted == 6 >= policy.warmup
+
+    # an honest newcomer: fresh AdamW state, a fresh shard (as the logic assigns one), on probation
+    newcomer = train(InnerTrainer.from_config(cfg, workload), 2)
+    before, after = probe.losses(version, theta, newcomer, policy.probe_step)
+    assert after < before * (1 - policy.probe_margin), (before, after)
+    # its norm is far above its peers' (a fresh AdamW state moves every parameter by ≈ lr per step), so on
+    # probation it is clipped to 2 × the median — but it is accepted on its first update
+    verdict = submit("c", newcomer)
+    assert verdict.action in ("accept", "clip") and "lowers the probe-batch loss" in verdict.reason, verdict.reason
+    # a sign-flipped update at the honest norm (the attacker's own honest work, negated) is rejected
+    flipped = -train(InnerTrainer.from_config(cfg, workload), 3)
+    verdict = submit("mallory", flipped)
+    assert verdict.action == "reject" and verdict.counts, verdict.reason
+    # exact verdict counts: 7 updates in (6 honest + the newcomer), the attacker's out and counted twice
+    assert [len(v) for v in verdicts.values()] == [3, 3, 1, 1]
+    assert state.accepted == 7 and state.peer_accepted == {"a": 3, "b": 3, "c": 1}
+    assert verdicts["mallory"] == ["reject"] and state.verdicts["mallory"] == [True, True]
+    assert bool(torch.isfinite(theta).all())
