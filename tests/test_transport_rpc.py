@@ -135,38 +135,7 @@ def test_get_model_with_exact_byte_counts_and_no_body_for_a_held_version(codec: 
     run_pair(body)
 
 
-@pytest.mark.timeout(120)
-def test_int8_downloads_over_many_rounds_stay_within_one_encoding_error() -> None:
-    """Issue 8 item 4: the θ a peer trains from is the coordinator's base θ up to one int8 encoding's
-    error in every round; the error does not accumulate (each download is a fresh full encoding)."""
-    import bitsandbytes.functional as bnbf
-
-    code = bnbf.create_dynamic_map().float()
-    max_gap = float((code.sort().values.diff()).max())  # widest step of the 8-bit dynamic map (×absmax)
-
-    async def body(handler: FakeCoordinator, service: CoordinatorService, client: CoordinatorClient, p2p: P2P) -> None:
-        generator = torch.Generator().manual_seed(3)
-        errors, bounds, unchanged = [], [], 0
-        for round_ in range(60):
-            if round_ % 5 != 4:  # every fifth round nothing was applied: the peer already holds the version
-                handler.version += 1
-                handler.theta = handler.theta - 0.01 * torch.randn(NUMEL, generator=generator)
-            else:
-                unchanged += 1
-            version, theta = await client.get_model(handler.version, codec="int8")
-            assert version == handler.version
-            # exactly one encoding of the coordinator's current θ, never an encoding of an older one
-            assert torch.equal(theta, decode(encode("int8", handler.theta), NUMEL))
-            blocks = torch.nn.functional.pad(handler.theta, (0, (-NUMEL) % 4096)).reshape(-1, 4096)
-            bound = float(blocks.abs().max(dim=1).values.max()) * max_gap
-            errors.append(float((theta - handler.theta).abs().max()))
-            bounds.append(bound)
-        assert all(error <= bound * (1 + 1e-6) for error, bound in zip(errors, bounds)), list(zip(errors, bounds))
-        assert max(errors[-10:]) <= 1.1 * max(errors[:10])  # bounded, not growing
-        downloads = 60 - unchanged
-        assert client.counters.get_model.payload_bytes_received == downloads * wire_bytes("int8", NUMEL)
-
-    run_pair(body)
+# int8 downloads over many rounds (full θ, then deltas from the peer's anchor): tests/test_delta_downloads.py
 
 
 @pytest.mark.timeout(60)

@@ -12,7 +12,9 @@ Each call is one stream (handle ``{namespace}::asyncloco.{rpc}``):
   :class:`~asyncloco.transport.wire.LeaseReply` (kind "lease"), or an ERROR frame.
 - ``get_model``: client → :class:`~asyncloco.transport.wire.ModelRequest`; service →
   :class:`~asyncloco.transport.wire.ModelHeader` then exactly ``wire_bytes(codec, numel)`` body bytes in
-  chunks, or no body when ``unchanged`` (the client already holds that version).
+  chunks, or no body when ``unchanged`` (the client already holds that version). With a lossy codec the
+  body is θ in full or, when the header names ``delta_from``, a delta from the client's anchor
+  (transport/delta.py).
 - ``submit``: client → :class:`~asyncloco.transport.wire.SubmitHeader`; service → ``Ready`` (or ERROR);
   client → body chunks; service → :class:`~asyncloco.transport.wire.Ack` (or ERROR).
 
@@ -39,6 +41,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
+from asyncloco.transport.delta import DELTA_CODECS, AnchorStore, apply_delta
 from asyncloco.transport.linkspeed import LinkSpeed
 from asyncloco.transport.errors import (
     CodecError,
@@ -124,6 +127,9 @@ class ServiceLimits:
     :param error_log_interval, error_log_burst: at most ``burst`` protocol-error lines (and callbacks)
         per interval; the rest are counted and summarised in the next line.
     :param model_cache: encoded θ bodies kept by (version, codec) for concurrent and repeated downloads.
+    :param download_anchors: full encodings of θ (lossy download codecs) kept as anchors for delta
+        downloads, each ``wire_bytes(codec, numel)`` bytes (transport/delta.py); also the number of
+        encoded delta bodies kept.
     """
 
     idle_timeout: float = 30.0
@@ -138,6 +144,7 @@ class ServiceLimits:
     error_log_interval: float = 10.0
     error_log_burst: int = 5
     model_cache: int = 2
+    download_anchors: int = 4
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -268,6 +275,8 @@ class CoordinatorService:
         self._active: Dict[str, int] = {}
         self._streams = 0
         self._model_cache: OrderedDict[Tuple[int, str], Any] = OrderedDict()
+        # issue 8 item 4: lossy downloads are full encodings (anchors) or deltas from the peer's anchor
+        self.downloads = AnchorStore(model_numel, max_anchors=limits.download_anchors, max_bodies=limits.download_anchors)
 
     @property
     def protocol_errors(self) -> Dict[str, int]:
@@ -381,15 +390,20 @@ class CoordinatorService:
                 await frames_out.header(ModelHeader(version, request.codec, self.model_numel, unchanged=True).to_wire())
                 logger.debug("get_model: %s already holds v%d; no body", peer_id, version)
                 return
-            body = await self._encoded_model(version, request.codec, theta)
-            await frames_out.header(ModelHeader(version, request.codec, self.model_numel).to_wire())
+            delta_from: Optional[int] = None
+            if request.codec in DELTA_CODECS:
+                served = await asyncio.to_thread(self.downloads.serve, version, request.codec, theta, request.anchor_version)
+                body, delta_from = served.body, served.delta_from
+            else:  # fp32: exact, always in full (a delta would cost the same bytes)
+                body = await self._encoded_model(version, request.codec, theta)
+            await frames_out.header(ModelHeader(version, request.codec, self.model_numel, delta_from=delta_from).to_wire())
             nbytes = wire_bytes(request.codec, self.model_numel)
             try:
                 await asyncio.wait_for(frames_out.body(body, self.chunk_bytes), timeout=self.limits.transfer_timeout(nbytes))
             except asyncio.TimeoutError:
                 raise RpcTimeout(f"sending {nbytes} B took longer than {self.limits.transfer_timeout(nbytes):.0f} s") from None
             traffic.payload_bytes_sent += nbytes
-            logger.debug("get_model: sent v%s (%s, %d B) to %s", version, request.codec, nbytes, peer_id)
+            logger.debug("get_model: sent v%s (%s, %d B, delta from %s) to %s", version, request.codec, nbytes, delta_from, peer_id)
 
     async def _encoded_model(self, version: int, codec: str, theta: torch.Tensor) -> Any:
         key = (version, codec)
@@ -453,7 +467,9 @@ class CoordinatorClient:
         sat out the whole timeout.
 
     The client keeps the θ it last downloaded (:attr:`held`): ``get_model`` tells the coordinator which
-    version it holds and gets no body when that is the version served. Do not modify a returned θ.
+    version it holds and gets no body when that is the version served. With a lossy download codec it also
+    keeps its last full download as received (:attr:`anchor`, ``wire_bytes(codec, numel)`` bytes): the
+    coordinator may then send θ as a delta from it (transport/delta.py). Do not modify a returned θ.
     """
 
     def __init__(
@@ -486,6 +502,8 @@ class CoordinatorClient:
         self.liveness_period = liveness_period
         self.counters = counters if counters is not None else TrafficCounters()
         self.held: Optional[Tuple[int, str, torch.Tensor]] = None  # (version, codec it came in, θ)
+        # issue 8 item 4: the last full download in a lossy codec, as received: deltas are taken from it
+        self.anchor: Optional[Tuple[int, str, bytearray]] = None  # (version, codec, encoded body)
         # issue 11: with a LinkSpeed, get_model/submit without an explicit timeout get one derived from the
         # measured throughput of this link (transport/linkspeed.py), and each completed body is a sample
         self.link = link
@@ -584,7 +602,8 @@ class CoordinatorClient:
     ) -> Tuple[int, torch.Tensor]:
         """θ at ``version`` (``None``: the latest) as ``(version, flat fp32 tensor)`` in ``codec`` (default:
         the client's ``download_codec``). When this client already holds that version (in the same codec),
-        no body is sent and the held tensor is returned."""
+        no body is sent and the held tensor is returned; with a lossy codec the body may be a delta from the
+        client's :attr:`anchor`."""
         chosen = self.download_codec if codec is None else codec
         if self.link is None:
             return await self._call("get_model", lambda r, w: self._get_model(r, w, version, chosen), timeout)
@@ -599,7 +618,9 @@ class CoordinatorClient:
         self, frames_in: FrameReader, frames_out: FrameWriter, version: Optional[int], codec: str
     ) -> Tuple[int, torch.Tensor]:
         held = self.held if self.held is not None and self.held[1] == codec else None
-        await frames_out.header(ModelRequest(codec, version, None if held is None else held[0]).to_wire())
+        anchor = self.anchor if self.anchor is not None and self.anchor[1] == codec else None
+        request = ModelRequest(codec, version, None if held is None else held[0], None if anchor is None else anchor[0])
+        await frames_out.header(request.to_wire())
         header = ModelHeader.from_wire(await frames_in.read_header(allow_error=True))
         if header.codec != codec or header.numel != self.model_numel or (version is not None and header.version != version):
             raise ProtocolError(
@@ -609,10 +630,17 @@ class CoordinatorClient:
             if held is None or held[0] != header.version:
                 raise ProtocolError(f"the coordinator says v{header.version} is unchanged, but this peer holds {held and held[0]}")
             return header.version, held[2]
+        if header.delta_from is not None and (anchor is None or anchor[0] != header.delta_from):
+            raise ProtocolError(f"the coordinator sent a delta from v{header.delta_from}, but this peer's anchor is {anchor and anchor[0]}")
         nbytes = wire_bytes(codec, self.model_numel)
         body = await frames_in.read_body(nbytes, allow_error=True)
         self.counters.get_model.payload_bytes_received += nbytes
-        theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(codec, self.model_numel, body), self.model_numel)
+        if anchor is not None and header.delta_from is not None:  # θ = F_anchor + decode(delta)
+            theta = await asyncio.to_thread(apply_delta, codec, self.model_numel, anchor[2], body)
+        else:
+            theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(codec, self.model_numel, body), self.model_numel)
+            if codec in DELTA_CODECS:
+                self.anchor = (header.version, codec, body)
         self.held = (header.version, codec, theta)
         return header.version, theta
 

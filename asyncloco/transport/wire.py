@@ -13,8 +13,8 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`HelloReply` | assign (kind "config"), reply | ``config`` (JSON), ``model_numel``, ``codec``, ``download_codec``, ``run_id``, ``software_version`` |
 | :class:`Lease` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline`` |
 | :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`Lease` map), ``reason`` |
-| :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``? |
-| :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged`` |
+| :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
+| :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
 | :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
 | :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate`` |
@@ -232,28 +232,34 @@ class LeaseReply(_Message):
 @dataclass(frozen=True)
 class ModelRequest(_Message):
     """``get_model``: θ at ``version`` (``None``: the latest) in ``codec``. ``have_version``: the version the
-    peer already holds; when it is the one served, the reply carries no body."""
+    peer already holds; when it is the one served, the reply carries no body. ``anchor_version``: the
+    version whose full encoding in ``codec`` the peer keeps (lossy codecs); the coordinator may answer with
+    a delta from it (transport/delta.py)."""
 
     codec: str
     version: Optional[int] = None
     have_version: Optional[int] = None
+    anchor_version: Optional[int] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("codec",)
 
     def __post_init__(self) -> None:
         self._str("codec", 8, choices=CODECS)
         self._int("version", 0, MAX_VERSION, optional=True)
         self._int("have_version", 0, MAX_VERSION, optional=True)
+        self._int("anchor_version", 0, MAX_VERSION, optional=True)
 
 
 @dataclass(frozen=True)
 class ModelHeader(_Message):
     """``get_model`` reply header; ``unchanged=True``: no body follows (the peer holds ``version``),
-    else exactly ``wire_bytes(codec, numel)`` body bytes follow."""
+    else exactly ``wire_bytes(codec, numel)`` body bytes follow: θ at ``version``, or, when ``delta_from``
+    is set, θ at ``version`` minus the full encoding of ``delta_from`` (the peer's anchor)."""
 
     version: int
     codec: str
     numel: int
     unchanged: bool = False
+    delta_from: Optional[int] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("version", "codec", "numel", "unchanged")
 
     def __post_init__(self) -> None:
@@ -261,6 +267,9 @@ class ModelHeader(_Message):
         self._str("codec", 8, choices=CODECS)
         self._int("numel", 1, MAX_NUMEL)
         self._bool("unchanged")
+        self._int("delta_from", 0, MAX_VERSION, optional=True)
+        if self.delta_from is not None and (self.unchanged or self.codec == "none"):
+            raise MessageError("ModelHeader.delta_from: only a body in a lossy codec is a delta")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,194 @@
+"""θ downloads that send a peer only what it lacks, without accumulating codec error.
+
+A lossy download codec (bf16, fp16, int8, int4) gives the peer ``F_v = decode(encode(θ_v))``, which
+differs from the coordinator's θ_v by one encoding's error. A naive delta — the peer adds
+``decode(encode(θ_v − θ_u))`` to what it already holds — would add a new encoding error every round.
+Instead every delta is taken against an **anchor**: a full encoding ``F_a`` that the peer holds
+bit for bit (it decoded the same bytes the coordinator keeps). The coordinator sends
+``encode(θ_v − F_a)`` and the peer sets ``θ̂_v = F_a + decode(encode(θ_v − F_a))``, so
+
+    |θ̂_v − θ_v| = |decode(encode(d)) − d|  with  d = θ_v − F_a,
+
+exactly one encoding's error of the (small) delta ``d``, whatever chain of downloads came before:
+nothing telescopes, nothing accumulates. The coordinator sends a delta only while its closed-form
+error bound (:func:`error_bound` of ``max|d|``) is at most that of a full encoding of θ_v; otherwise it
+sends θ_v in full, which becomes a new anchor. An int8 (or bf16) delta costs exactly the bytes of a
+full int8 (bf16) θ: the gain is accuracy, not bytes. ``none`` (fp32) downloads are exact and always
+full (an fp32 delta would cost the same bytes and add a rounding).
+
+Memory is bounded and independent of the number of peers: the coordinator keeps at most
+``max_anchors`` encoded anchors (LRU, ``wire_bytes(codec, numel)`` each), ``max_bodies`` encoded delta
+bodies, and one decoded anchor. A peer names its anchor in the request; an unknown anchor (never
+served, or evicted) simply gets a full θ. See docs/transport.md ("Downloads").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
+from asyncloco.transport.errors import CodecError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DELTA_CODECS", "relative_error", "error_bound", "Served", "AnchorStore", "apply_delta"]
+
+DELTA_CODECS: tuple[str, ...] = ("fp16", "bf16", "int8", "int4")  # lossy: deltas against an anchor
+_FP32_ADD = 2.0**-23  # relative rounding of the peer's fp32 addition F_a + decode(delta), with margin
+_relative: dict[str, float] = {}
+
+
+def relative_error(codec: str) -> float:
+    """Closed-form bound of ``max|decode(encode(x)) − x| / max|x|`` for codec ``codec``.
+
+    int8/int4: the widest step of the code book (each value is scaled by its block's absmax, at most
+    ``max|x|``, into [-1, 1] and looked up in the code book; bitsandbytes' CPU lookup for int8 is not
+    exactly round-to-nearest — its measured worst is 0.502 of the widest step — so the bound is one whole
+    step, not half); bf16: half an ulp, 2⁻⁸ of the value (8 significant bits); fp16: 2⁻¹¹
+    (subnormals are covered by :func:`error_bound`'s absolute term); none: 0.
+    """
+    if codec not in CODECS:
+        raise CodecError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if codec not in _relative:
+        if codec == "none":
+            value = 0.0
+        elif codec == "bf16":
+            value = 2.0**-8
+        elif codec == "fp16":
+            value = 2.0**-11
+        else:
+            import bitsandbytes.functional as bnbf  # lazily: it logs a kernel notice at import on CPU
+
+            if codec == "int8":
+                code = bnbf.create_dynamic_map().to(torch.float64)
+            else:
+                code = bnbf.get_4bit_type("nf4", device="cpu").to(torch.float64)
+            code = code.sort().values
+            value = max(float(code.diff().max()), 1.0 + float(code[0]), 1.0 - float(code[-1]))
+        _relative[codec] = value
+    return _relative[codec]
+
+
+def error_bound(codec: str, max_abs: float) -> float:
+    """Closed-form bound of the max-abs error of encoding a vector whose largest magnitude is
+    ``max_abs`` with ``codec`` (with a margin of 10⁻⁵ relative for the fp32 arithmetic of the scales)."""
+    absolute = 2.0**-25 if codec == "fp16" else 0.0  # fp16 subnormal step / 2
+    return relative_error(codec) * max_abs * (1 + 1e-5) + absolute
+
+
+def _max_abs(tensor: torch.Tensor) -> float:
+    return float(tensor.abs().max()) if tensor.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the coordinator sends for one download: the stream ``body`` (exactly
+    ``wire_bytes(codec, numel)`` bytes), ``delta_from`` (the anchor version it is a delta from, ``None``
+    for a full θ) and ``bound``: the closed-form max-abs error of what the peer will then hold vs θ_v."""
+
+    delta_from: Optional[int]
+    body: Any
+    bound: float
+
+
+def apply_delta(codec: str, numel: int, anchor_body: Any, delta_body: Any) -> torch.Tensor:
+    """The peer's side: ``decode(anchor) + decode(delta)`` — the same operations, in the same order, as
+    the coordinator uses to compute its bound."""
+    anchor = decode(EncodedTensor.from_bytes(codec, numel, anchor_body), numel)
+    anchor += decode(EncodedTensor.from_bytes(codec, numel, delta_body), numel)
+    return anchor
+
+
+class AnchorStore:
+    """The coordinator's side of delta downloads for the lossy codecs (thread-safe; CPU-heavy calls,
+    run them off the event loop).
+
+    :param numel: the model size.
+    :param max_anchors: full encodings kept as anchors per store (LRU over all codecs).
+    :param max_bodies: encoded delta bodies kept by (version, codec, anchor) for repeated downloads.
+    """
+
+    def __init__(self, numel: int, max_anchors: int = 4, max_bodies: int = 4) -> None:
+        wire_bytes("none", numel)  # validates numel
+        if max_anchors < 1 or max_bodies < 0:
+            raise ValueError(f"max_anchors must be ≥ 1 and max_bodies ≥ 0, got {max_anchors}, {max_bodies}")
+        self.numel, self.max_anchors, self.max_bodies = numel, max_anchors, max_bodies
+        self._anchors: OrderedDict[Tuple[str, int], bytes] = OrderedDict()  # (codec, version) -> full body
+        self._bodies: OrderedDict[Tuple[str, int, int], Served] = OrderedDict()
+        self._decoded: Optional[Tuple[Tuple[str, int], torch.Tensor]] = None  # one decoded anchor F_a
+        self._lock = threading.Lock()
+        self.full_sent = 0  # counters (tests, status)
+        self.deltas_sent = 0
+
+    def anchors(self) -> list[Tuple[str, int]]:
+        with self._lock:
+            return list(self._anchors)
+
+    def serve(self, version: int, codec: str, theta: torch.Tensor, anchor: Optional[int]) -> Served:
+        """The body for a peer that asks for θ at ``version`` (``theta``, never mutated) in ``codec`` and
+        holds the full encoding of ``anchor`` (``None``: none). A delta when this store still keeps that
+        anchor and the delta's error bound is at most a full encoding's, else the full θ (a new anchor)."""
+        if codec not in DELTA_CODECS:
+            raise CodecError(f"delta downloads are for the lossy codecs {DELTA_CODECS}; {codec!r} is sent in full")
+        if theta.numel() != self.numel:
+            raise CodecError(f"θ has {theta.numel()} elements, the store expects {self.numel}")
+        with self._lock:
+            if anchor is not None and anchor != version and (codec, anchor) in self._anchors:
+                cached = self._bodies.get((codec, version, anchor))
+                if cached is not None:
+                    self._bodies.move_to_end((codec, version, anchor))
+                    self._anchors.move_to_end((codec, anchor))
+                    self.deltas_sent += 1
+                    return cached
+                served = self._delta(version, codec, theta, anchor)
+                if served is not None:
+                    self._remember_body((codec, version, anchor), served)
+                    self.deltas_sent += 1
+                    return served
+            self.full_sent += 1
+            return self._full(version, codec, theta)
+
+    def _full(self, version: int, codec: str, theta: torch.Tensor) -> Served:
+        key = (codec, version)
+        body = self._anchors.get(key)
+        if body is None:
+            body = encode(codec, theta).to_bytes()
+            self._anchors[key] = body
+            while len(self._anchors) > self.max_anchors:
+                evicted, _ = self._anchors.popitem(last=False)
+                self._bodies = OrderedDict((k, v) for k, v in self._bodies.items() if (k[0], k[2]) != evicted)
+                logger.debug("download anchor %s v%d evicted", evicted[0], evicted[1])
+        self._anchors.move_to_end(key)
+        return Served(None, body, error_bound(codec, _max_abs(theta)))
+
+    def _anchor_values(self, codec: str, anchor: int) -> torch.Tensor:
+        key = (codec, anchor)
+        if self._decoded is None or self._decoded[0] != key:
+            self._decoded = None  # free the previous one before allocating the next
+            self._decoded = (key, decode(EncodedTensor.from_bytes(codec, self.numel, self._anchors[key]), self.numel))
+        return self._decoded[1]
+
+    def _delta(self, version: int, codec: str, theta: torch.Tensor, anchor: int) -> Optional[Served]:
+        delta = torch.sub(theta, self._anchor_values(codec, anchor))
+        delta_max, theta_max = _max_abs(delta), _max_abs(theta)
+        full = error_bound(codec, theta_max)
+        bound = error_bound(codec, delta_max) + _FP32_ADD * (theta_max + 2 * delta_max)
+        if not math.isfinite(bound) or bound > full:
+            logger.debug("v%d from anchor v%d: delta bound %.3g > full %.3g; sending θ in full", version, anchor, bound, full)
+            return None
+        self._anchors.move_to_end((codec, anchor))
+        return Served(anchor, encode(codec, delta).to_bytes(), bound)
+
+    def _remember_body(self, key: Tuple[str, int, int], served: Served) -> None:
+        if self.max_bodies == 0:
+            return
+        self._bodies[key] = served
+        while len(self._bodies) > self.max_bodies:
+            self._bodies.popitem(last=False)
