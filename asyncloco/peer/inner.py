@@ -113,6 +113,9 @@ class InnerTrainer:
         self.sharded = group is not None and parallel == "fsdp"
         if self.sharded:
             _shard_model(self.model)  # before the optimizer: it must hold the sharded (DTensor) parameters
+            assert group is not None
+            local = sum(_local(p).numel() for p in self.model.parameters())
+            logger.info("rank %d: FSDP2 holds %d of the model's %d parameters", group.rank, local, self.numel)
         self.optimizer = build_inner_optimizer(
             optimizer, list(self.model.parameters()), schedule.peak_lr, betas, weight_decay
         )
@@ -393,6 +396,12 @@ def _shard_model(model: torch.nn.Module) -> None:
                 if any(True for _ in block.parameters()):
                     fully_shard(block)
     fully_shard(model)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
