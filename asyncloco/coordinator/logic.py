@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import hmac
 import math
 from dataclasses import dataclass, field
@@ -524,10 +525,12 @@ def _on_speed(state: CoordinatorState, event: SpeedReport, now: float) -> list[A
         keep = info if info is not None else PeerInfo(speed, now)
         keep.speed, keep.last_seen, keep.alive, keep.reported_at = speed, now, True, event.reported_at
         state.peers[event.peer] = keep
+        _note_speed(state, event.peer)
         return []
     info.speed, info.last_seen = speed, now
     if event.reported_at is not None:
         info.reported_at = event.reported_at
+    _note_speed(state, event.peer)
     return []
 
 
@@ -541,6 +544,7 @@ def _on_hello(state: CoordinatorState, event: Hello, now: float) -> list[Action]
     elif speed is not None and math.isfinite(speed) and speed > 0:
         info.speed = float(speed)
     info.alive, info.last_seen = True, now
+    _note_speed(state, event.peer)
     info.signer = event.signer  # the authenticated peer itself re-binds its key (a restart makes a new one)
     info.name = event.name[:64]
     return []
@@ -559,7 +563,7 @@ def _dylu_reference(state: CoordinatorState, now: float) -> float:
     counts at most 4× the median claim, and only until the peer gives a lease back without delivering — so a
     ghost that never submits moves honest steps by a bounded factor, for at most one lease deadline."""
     if state.policy.trust_speeds:
-        return max(_alive_speeds(state).values())
+        return _fastest_alive(state)
     candidates = [
         info for name, info in state.peers.items() if info.alive and not update_gate.is_quarantined(state.gate, name, now)
     ]
@@ -587,10 +591,9 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
     if update_gate.is_quarantined(state.gate, peer, now):
         until = state.gate.quarantined_until[peer]
         return [Rejected(peer, "", f"quarantined until {until:.0f} after repeated rejected updates")]
-    for lease in state.leases.values():
-        if lease.peer == peer:
-            # A peer holds one lease at a time: asking again means it abandoned the old one.
-            return _give_back(state, lease, "peer asked for new work before submitting") + _on_request(state, event, now)
+    for lease in _peer_leases(state, peer)[:1]:
+        # A peer holds one lease at a time: asking again means it abandoned the old one.
+        return _give_back(state, lease, "peer asked for new work before submitting") + _on_request(state, event, now)
     if peer in state.held:
         return []
     policy = state.policy
@@ -640,6 +643,129 @@ def _index_lease(state: CoordinatorState, lease: Lease) -> None:
     for key, (table, entries) in caches.items():
         if table is state.leases:
             bisect.insort(entries, (getattr(lease, key), lease.lease_id))
+    _book_issued(state, lease)
+
+
+# --- per-event indexes of the lease table and of the peers' speeds (issue 9) ---------------------------------
+
+
+@dataclass
+class _LeaseBook:
+    """What per-event decisions need to know about the active leases, without a scan over all of them.
+
+    Derived from ``state.leases`` and never checkpointed: rebuilt in O(n) whenever the table it was built
+    from is replaced (a checkpoint load, a replay) or its size disagrees with the table's (a change made
+    outside :func:`_issue` / :func:`_unindex_lease`), so a state restored from a snapshot answers exactly
+    as the state it was taken from. Issuing and removing a lease cost O(1)."""
+
+    table: dict[str, Lease]
+    count: int
+    by_peer: dict[str, dict[str, None]]  # peer -> its lease ids, in issue order
+    by_version: dict[int, dict[str, None]]  # base version -> lease ids that may still need θ(version)
+    in_flight: list[int]  # per shard: steps of its active leases (Eq. 2's learned progress = assigned − this)
+
+
+def _book_add(book: _LeaseBook, lease: Lease) -> None:
+    book.count += 1
+    book.by_peer.setdefault(lease.peer, {})[lease.lease_id] = None
+    book.by_version.setdefault(lease.base_version, {})[lease.lease_id] = None
+    book.in_flight[lease.shard] += lease.steps
+
+
+def _book(state: CoordinatorState) -> _LeaseBook:
+    book: _LeaseBook | None = state.__dict__.get("_lease_book")
+    if (
+        book is None
+        or book.table is not state.leases
+        or book.count != len(state.leases)
+        or len(book.in_flight) != len(state.shards)
+    ):
+        book = _LeaseBook(state.leases, 0, {}, {}, [0] * len(state.shards))
+        for lease in state.leases.values():
+            _book_add(book, lease)
+        state.__dict__["_lease_book"] = book
+    return book
+
+
+def _book_issued(state: CoordinatorState, lease: Lease) -> None:
+    """``lease`` was just added to ``state.leases``."""
+    book: _LeaseBook | None = state.__dict__.get("_lease_book")
+    if book is not None and book.table is state.leases and book.count == len(state.leases) - 1:
+        _book_add(book, lease)
+
+
+def _unindex_lease(state: CoordinatorState, lease: Lease) -> None:
+    """``lease`` was just removed from ``state.leases`` (applied, rejected or given back)."""
+    book: _LeaseBook | None = state.__dict__.get("_lease_book")
+    if book is None:
+        return
+    mine = book.by_peer.get(lease.peer, {})
+    if book.table is not state.leases or book.count != len(state.leases) + 1 or lease.lease_id not in mine:
+        state.__dict__.pop("_lease_book", None)  # out of step: rebuilt at the next query
+        return
+    book.count -= 1
+    del mine[lease.lease_id]
+    if not mine:
+        del book.by_peer[lease.peer]
+    version = book.by_version.get(lease.base_version)
+    if version is not None:
+        version.pop(lease.lease_id, None)
+        if not version:
+            del book.by_version[lease.base_version]
+    book.in_flight[lease.shard] -= lease.steps
+
+
+def _peer_leases(state: CoordinatorState, peer: str) -> list[Lease]:
+    """The active leases of ``peer`` in issue order (normally at most one): O(its leases)."""
+    ids = _book(state).by_peer.get(peer, {})
+    return [state.leases[lease_id] for lease_id in ids if lease_id in state.leases]
+
+
+def _version_needed(state: CoordinatorState, version: int) -> bool:
+    """Does an active lease still need θ(``version``) (not downloaded yet, or a staleness transform wants the
+    base)? Amortised O(1): a lease that no longer needs it (downloaded, and no transform needs bases) never
+    will again, so it leaves the version's list at the first query that meets it."""
+    book = _book(state)
+    ids = book.by_version.get(version)
+    if not ids:
+        return False
+    needs_base = state.needs_base_params
+    while ids:
+        lease_id = next(iter(ids))
+        lease = state.leases.get(lease_id)
+        if lease is not None and lease.base_version == version and (needs_base or not lease.fetched):
+            return True
+        del ids[lease_id]
+    del book.by_version[version]
+    return False
+
+
+def _note_speed(state: CoordinatorState, peer: str) -> None:
+    """``peer``'s speed or liveness may have changed: record it for :func:`_fastest_alive`."""
+    cache: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = state.__dict__.get("_speed_heap")
+    info = state.peers.get(peer)
+    if cache is not None and cache[0] is state.peers and info is not None and info.alive:
+        heapq.heappush(cache[1], (-info.speed, peer))
+
+
+def _fastest_alive(state: CoordinatorState) -> float:
+    """max(speed) over the alive peers, amortised O(log n): a max-heap of (−speed, peer) entries, pushed on every
+    report (:func:`_note_speed`); entries that no longer match their peer (a newer speed, a peer gone) are
+    dropped when they reach the top. Derived, never checkpointed: rebuilt when ``state.peers`` is replaced
+    or the heap holds more than 4× as many entries as there are peers."""
+    cache: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = state.__dict__.get("_speed_heap")
+    if cache is None or cache[0] is not state.peers or len(cache[1]) > 4 * len(state.peers) + 64:
+        entries = [(-info.speed, name) for name, info in state.peers.items() if info.alive]
+        heapq.heapify(entries)
+        cache = state.__dict__["_speed_heap"] = (state.peers, entries)
+    heap = cache[1]
+    while heap:
+        negative, name = heap[0]
+        info = state.peers.get(name)
+        if info is not None and info.alive and info.speed == -negative:
+            return -negative
+        heapq.heappop(heap)
+    raise ValueError("no alive peer has reported a speed")
 
 
 def _leases_due(state: CoordinatorState, key: str, bound: float, strict: bool = False) -> list[str]:
@@ -719,8 +845,8 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     progress = [s.assigned for s in state.shards]
     if policy.shard_progress == "learned":
         # Eq. 2 as the paper counts it: data points learned, i.e. without the steps still in flight
-        for active in state.leases.values():
-            progress[active.shard] -= active.steps
+        in_flight = _book(state).in_flight
+        progress = [p - f for p, f in zip(progress, in_flight)]
     shard_index = sample_shard(sizes, progress, _next_uniform(state))
     shard = state.shards[shard_index]
     lr_offset = shard.assigned
@@ -782,10 +908,7 @@ def _retain_before_step(state: CoordinatorState) -> list[Action]:
     needs it (θ not downloaded yet, or a staleness transform wants the base). At most
     ``max_retained_versions`` older versions are kept: past that, the oldest not-yet-downloaded leases are
     given back (their peers ask again and start from the newest θ)."""
-    needs_base = state.needs_base_params
-    if state.version not in state.base_params and any(
-        lease.base_version == state.version and (needs_base or not lease.fetched) for lease in state.leases.values()
-    ):
+    if state.version not in state.base_params and _version_needed(state, state.version):
         state.base_params[state.version] = state.params.clone()
     actions: list[Action] = []
     while len(state.base_params) > state.policy.max_retained_versions:
@@ -799,6 +922,7 @@ def _retain_before_step(state: CoordinatorState) -> list[Action]:
 
 def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
     del state.leases[lease.lease_id]
+    _unindex_lease(state, lease)
     info = state.peers.get(lease.peer)
     if info is not None and info.observed is None:
         info.failed = True
@@ -816,10 +940,8 @@ def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
 def _drop_unused_base_params(state: CoordinatorState) -> None:
     if not state.base_params:
         return
-    needs_base = state.needs_base_params
-    in_use = {lease.base_version for lease in state.leases.values() if needs_base or not lease.fetched}
-    for version in list(state.base_params):
-        if version not in in_use:
+    for version in list(state.base_params):  # at most max_retained_versions (+1), each O(1) amortised
+        if not _version_needed(state, version):
             del state.base_params[version]
 
 
@@ -855,8 +977,8 @@ def _on_fetched(state: CoordinatorState, event: Fetched, now: float) -> list[Act
     info = state.peers.get(event.peer)
     if info is not None:
         info.last_seen = now
-    for lease in state.leases.values():
-        if lease.peer == event.peer and lease.base_version == event.version:
+    for lease in _peer_leases(state, event.peer):
+        if lease.base_version == event.version:
             lease.fetched = True
     _drop_unused_base_params(state)
     return []
@@ -1038,6 +1160,7 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     base = base_theta(state, lease.base_version) if state.needs_base_params else None
     adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
     del state.leases[lease.lease_id]
+    _unindex_lease(state, lease)
     if info is not None and not policy.trust_speeds:
         busy = now - lease.issued_at - max(0.0, event.transfer_s)
         if busy > 0:
