@@ -1,0 +1,539 @@
+"""The in-memory transport: peers call a :class:`~asyncloco.coordinator.daemon.CoordinatorDaemon` in the same
+event loop, under an injectable clock, with fault injection (issue 8, item 1; the seam: transport/link.py).
+
+What it models, per call (``assign`` — hello and lease requests —, ``get_model``, ``submit``):
+
+* ``drop_request``: the request is lost; the daemon never sees it; the caller gets
+  :class:`~asyncloco.transport.errors.PeerUnreachable`;
+* ``drop_reply``: the daemon decided (and logged) the call; its answer is lost (PeerUnreachable);
+* ``delay``: the request reaches the daemon ``seconds`` later on the transport's clock;
+* ``reset``: the connection resets mid-transfer — a submission's body is cut (the daemon never sees
+  it), a download's body is cut after the daemon served it;
+* a crash of the coordinator at a named point (:class:`KillSwitch`): ``"wal_appended"`` (the event is in the
+  log, not yet fsynced), ``"wal_synced"`` (durable, nobody told yet) — both inside the daemon's decision
+  path —, and ``"before_reply"`` (a call decided, the process dies before answering). The daemon is then
+  down: every call fails with PeerUnreachable until :meth:`MemoryTransport.restart` resumes it from its
+  directory (snapshot + write-ahead log replay), as ``--resume`` does. An in-process crash loses nothing
+  that was written to the log but not fsynced (the page cache survives it); a torn tail record is
+  tested on the log itself (tests/test_wal.py).
+
+The peer side is :class:`MemoryClient` (a :class:`~asyncloco.transport.link.CoordinatorLink`) and
+:class:`MemorySpeedPublisher`; the peer runner's own kill point ``"trained"`` takes a :class:`KillSwitch` too.
+:func:`drive` moves a :class:`~asyncloco.clock.FakeClock` whenever the task it drives waits on the clock.
+Failures are reported like the libp2p transport's: a refusal by the daemon is a
+:class:`~asyncloco.transport.errors.RemoteError` with the same text. This transport enforces no timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Optional, Tuple, TypeVar, Union
+
+import torch
+
+from asyncloco.clock import ACTOR, SYSTEM_CLOCK, Clock, FakeClock
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.daemon import JOURNAL_FILE, CoordinatorDaemon
+from asyncloco.coordinator.journal import Journal
+from asyncloco.coordinator.logic import SpeedReport, Tick
+from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
+from asyncloco.transport.errors import PeerUnreachable, RemoteError, TransportError
+from asyncloco.transport.rpc import TrafficCounters
+from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseReply, SubmitHeader
+
+__all__ = [
+    "FAULT_KINDS",
+    "KILL_POINTS",
+    "Fault",
+    "Killed",
+    "KillSwitch",
+    "MemoryTransport",
+    "MemoryClient",
+    "MemorySpeedPublisher",
+    "drive",
+    "as_actor",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FAULT_KINDS = ("drop_request", "drop_reply", "delay", "reset")
+RPCS = ("assign", "get_model", "submit")
+KILL_POINTS = ("wal_appended", "wal_synced", "before_reply", "trained")
+TICKER = "coordinator-ticker"  # the clock actor of MemoryTransport's tick loop
+_current_rpc: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("asyncloco_memory_rpc", default=None)
+
+
+class Killed(BaseException):
+    """A process dies at a named point (a BaseException: no ``except Exception`` on the way may survive it)."""
+
+    def __init__(self, point: str) -> None:
+        super().__init__(point)
+        self.point = point
+
+
+@dataclass
+class Fault:
+    """One injected fault. ``rpc``: one of ``assign``, ``get_model``, ``submit``, or ``*``; ``peer``: only
+    this caller (None: any); ``times``: how many calls it hits; ``seconds``: the delay (``delay``)."""
+
+    rpc: str
+    kind: str
+    peer: Optional[str] = None
+    times: int = 1
+    seconds: float = 0.0
+    hits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {self.kind!r} is none of {FAULT_KINDS}")
+        if self.rpc != "*" and self.rpc not in RPCS:
+            raise ValueError(f"fault rpc {self.rpc!r} is none of {RPCS} (or '*' for every call)")
+        if self.times < 1 or self.seconds < 0:
+            raise ValueError(f"a fault needs times >= 1 and seconds >= 0, got times={self.times} seconds={self.seconds}")
+
+    def matches(self, rpc: str, peer: str) -> bool:
+        return self.hits < self.times and self.rpc in ("*", rpc) and self.peer in (None, peer)
+
+
+class KillSwitch:
+    """Kills (raises :class:`Killed`) at the ``nth`` pass through an armed point, optionally only inside
+    a given RPC (``rpc``: its events, not the tick's). Pass it as a ``crash_hook``."""
+
+    def __init__(self) -> None:
+        self._armed: dict[str, tuple[int, Optional[str]]] = {}
+        self.fired: list[str] = []
+
+    def arm(self, point: str, nth: int = 1, rpc: Optional[str] = None) -> None:
+        if point not in KILL_POINTS:
+            raise ValueError(f"kill point {point!r} is none of {KILL_POINTS}")
+        if nth < 1:
+            raise ValueError(f"nth must be >= 1, got {nth}")
+        self._armed[point] = (nth, rpc)
+
+    def armed(self, point: str) -> bool:
+        return point in self._armed
+
+    def __call__(self, point: str) -> None:
+        armed = self._armed.get(point)
+        if armed is None:
+            return
+        left, rpc = armed
+        if rpc is not None and _current_rpc.get() != rpc:
+            return
+        if left > 1:
+            self._armed[point] = (left - 1, rpc)
+            return
+        del self._armed[point]
+        self.fired.append(point)
+        logger.info("killed at %s", point)
+        raise Killed(point)
+
+
+def as_actor(name: str, call: Awaitable[T]) -> "asyncio.Task[T]":
+    """Run ``call`` as a task whose sleeps on a FakeClock (and its children's) :func:`drive` follows."""
+
+    async def run() -> T:
+        ACTOR.set(name)
+        return await call
+
+    return asyncio.ensure_future(run())
+
+
+async def drive(
+    clock: FakeClock,
+    actors: Mapping[str, "asyncio.Future[Any]"],
+    until: Optional[Callable[[], bool]] = None,
+    *,
+    real_timeout: float,
+    max_step: float = 15.0,
+    idle_step: Optional[float] = None,
+    background: tuple[str, ...] = (TICKER,),
+) -> None:
+    """Move ``clock`` while the ``actors`` (tasks started with :func:`as_actor`, by name) wait on it, until
+    ``until()`` holds (default: every actor is done).
+
+    Time moves to the earliest wake-up only when every actor still running sleeps on the clock with a
+    wake-up at most ``max_step`` seconds ahead — never while one computes (trains in a thread) or waits on
+    anything else; a long sleep (a speed report every few minutes) does not count as waiting. With no
+    actor running, time moves by ``idle_step`` (None: it does not move). Either way only while every
+    ``background`` actor sleeps on the clock too (the transport's ticker: a tick that is still writing its
+    log record finishes at the time it started). Raises TimeoutError after ``real_timeout`` real seconds
+    (a test's deadline)."""
+    deadline = time.monotonic() + real_timeout
+
+    def done() -> bool:
+        return until() if until is not None else all(task.done() for task in actors.values())
+
+    while not done():
+        remaining = deadline - time.monotonic()
+        running = [name for name, task in actors.items() if not task.done()]
+        if remaining <= 0:
+            raise TimeoutError(
+                f"drive: not done after {real_timeout:.0f} s (fake time +{clock.monotonic():.1f} s; running: {running})"
+            )
+        wakes = [clock.wake_time_of(name) for name in running]
+        now = clock.time()
+        quiet = all(clock.wake_time_of(name) is not None for name in background)
+        if quiet and running and all(wake is not None and wake - now <= max_step for wake in wakes):
+            await clock.advance_to(max(now, min(wake for wake in wakes if wake is not None)))
+            continue
+        if quiet and not running and idle_step is not None:
+            # nobody to follow: time moves in idle steps, each once the ticker sleeps again (so it runs every tick)
+            await clock.advance(idle_step)
+            continue
+        waiter = asyncio.ensure_future(clock.wait_for_sleeper())
+        waits: set[asyncio.Future[Any]] = {waiter, *(actors[name] for name in running)}
+        await asyncio.wait(waits, timeout=min(remaining, 0.05), return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+
+
+class _ClockedJournal(Journal):
+    """The daemon's journal with its records stamped by the transport's clock (the same lines otherwise)."""
+
+    def __init__(self, path: Path, clock: Clock) -> None:
+        super().__init__(path)
+        self.clock = clock
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if self._fh is None:
+            return
+        record = {"time": round(self.clock.time(), 3), "type": kind, **fields}
+        self._fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+
+
+class MemoryTransport:
+    """One coordinator daemon (checkpoint directory ``checkpoint_dir``) served in memory.
+
+    ``await transport.start()`` starts it (``resume=True``: from an existing directory) with a tick every
+    ``tick_period`` seconds on ``clock``; ``client(peer)`` and ``publisher(peer)`` are a peer's ends;
+    ``faults`` and ``kill`` inject failures; ``restart()`` resumes a crashed (or running) daemon;
+    ``close()`` stops it cleanly (a final snapshot, as on SIGTERM)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        checkpoint_dir: Path,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        workload: Any = None,
+        tick_period: float = 1.0,
+    ) -> None:
+        if tick_period <= 0:
+            raise ValueError(f"tick_period must be > 0, got {tick_period}")
+        self.cfg, self.dir, self.clock, self.workload, self.tick_period = cfg, Path(checkpoint_dir), clock, workload, tick_period
+        self.faults: list[Fault] = []
+        self.kill = KillSwitch()
+        self.crashes: list[str] = []  # the points at which the coordinator crashed, in order
+        self.lives = 0
+        self.daemon: Optional[CoordinatorDaemon] = None
+        self.down = True
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._ticker: Optional[asyncio.Task[None]] = None
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self, resume: bool = False) -> CoordinatorDaemon:
+        if not self.down:
+            raise RuntimeError("the in-memory coordinator is already running")
+        daemon = CoordinatorDaemon(
+            self.cfg, checkpoint_dir=self.dir, resume=resume, workload=self.workload, clock=self.clock, crash_hook=self.kill
+        )
+        if self.workload is None:
+            self.workload = daemon.workload
+        daemon._stop_event = asyncio.Event()
+        daemon.journal.close()
+        daemon.journal = _ClockedJournal(self.dir / JOURNAL_FILE, self.clock)
+        if not resume:
+            await daemon._save()  # what CoordinatorDaemon.run writes at start
+        self.daemon, self.down = daemon, False
+        self.lives += 1
+        if self._ticker is None:
+            self._ticker = asyncio.ensure_future(self._tick_loop())
+        return daemon
+
+    async def restart(self) -> CoordinatorDaemon:
+        """``--resume``: a running daemon is crashed first (no final snapshot, no log close)."""
+        if not self.down:
+            self._crash("restart")
+        await self._bury()
+        return await self.start(resume=True)
+
+    def crash_now(self) -> None:
+        """The coordinator dies between calls (e.g. SIGKILL while idle)."""
+        if not self.down:
+            self._crash("now")
+
+    async def close(self) -> None:
+        """Stop: a clean shutdown of a running daemon (final snapshot), or the remains of a crashed one."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+            self._ticker = None
+        daemon = self.daemon
+        if daemon is not None and not self.down:
+            async with daemon.lock:
+                daemon._stopping = True
+                await daemon._save()
+            self.down = True
+            await self._drain(daemon)
+            daemon.journal.close()
+            daemon.wal.close()
+            self.daemon = None
+        else:
+            await self._bury()
+
+    def _crash(self, point: str) -> None:
+        self.down = True
+        self.crashes.append(point)
+        current = asyncio.current_task()
+        for call in list(self._inflight):
+            if call is not current and not call.done():
+                call.cancel()  # their connections die with the process
+
+    async def _bury(self) -> None:
+        """What is left of a crashed daemon: let its threads finish (a real crash stops them too), release
+        its files without writing anything more."""
+        daemon, self.daemon = self.daemon, None
+        if daemon is None:
+            return
+        await self._drain(daemon)
+        daemon.journal.close()
+        if daemon.wal._fd is not None:
+            os.close(daemon.wal._fd)
+            daemon.wal._fd = None
+
+    @staticmethod
+    async def _drain(daemon: CoordinatorDaemon) -> None:
+        await daemon._wait_for_snapshot()
+        for task in list(daemon._eval_tasks):
+            await asyncio.gather(task, return_exceptions=True)
+        for waiter in daemon.waiters.values():
+            waiter.future.cancel()
+
+    async def _tick_loop(self) -> None:
+        ACTOR.set(TICKER)
+        while True:
+            await self.clock.sleep(self.tick_period)
+            daemon = self.daemon
+            if daemon is None or self.down:
+                continue
+            try:
+                async with daemon.lock:
+                    if not daemon._stopping:
+                        await daemon._decide(Tick())
+            except Killed as killed:
+                self._crash(killed.point)
+
+    async def tick(self) -> None:
+        """One tick now (expiries, grace windows, silent peers), outside the periodic ones."""
+        daemon = self._alive()
+        try:
+            async with daemon.lock:
+                await daemon._decide(Tick())
+        except Killed as killed:
+            self._crash(killed.point)
+
+    def _alive(self) -> CoordinatorDaemon:
+        if self.down or self.daemon is None:
+            raise PeerUnreachable("the coordinator is down")
+        return self.daemon
+
+    # ------------------------------------------------------------------------------------- calls
+
+    def add_fault(self, rpc: str, kind: str, *, peer: Optional[str] = None, times: int = 1, seconds: float = 0.0) -> Fault:
+        fault = Fault(rpc, kind, peer, times, seconds)
+        self.faults.append(fault)
+        return fault
+
+    def _fault(self, rpc: str, peer: str, kinds: tuple[str, ...]) -> Optional[Fault]:
+        for fault in self.faults:
+            if fault.kind in kinds and fault.matches(rpc, peer):
+                fault.hits += 1
+                return fault
+        return None
+
+    async def call(self, rpc: str, peer: str, handler: Callable[[CoordinatorDaemon], Awaitable[T]], *, body: int = 0) -> T:
+        """Carry one call of ``peer`` to the daemon (``body``: bytes of the request's body, for ``reset``)."""
+        fault = self._fault(rpc, peer, ("drop_request", "delay") + (("reset",) if rpc == "submit" else ()))
+        if fault is not None and fault.kind == "delay":
+            await self.clock.sleep(fault.seconds)
+        elif fault is not None:
+            what = "request lost" if fault.kind == "drop_request" else f"connection reset after {body // 2} of {body} body bytes"
+            raise PeerUnreachable(f"{rpc} from {peer}: {what} (injected)")
+        daemon = self._alive()
+
+        async def run() -> T:
+            _current_rpc.set(rpc)
+            return await handler(daemon)
+
+        task = asyncio.ensure_future(run())
+        self._inflight.add(task)
+        try:
+            result = await task
+        except Killed as killed:
+            self._crash(killed.point)
+            raise PeerUnreachable(f"{rpc} from {peer}: the coordinator died ({killed.point})") from None
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
+            raise PeerUnreachable(f"{rpc} from {peer}: the coordinator died mid-call") from None
+        except TransportError:
+            raise
+        except Exception as error:  # the daemon refused: what CoordinatorService sends back
+            raise RemoteError(f"{type(error).__name__}: {error}") from error
+        finally:
+            self._inflight.discard(task)
+        if self.kill.armed("before_reply"):
+            try:
+                token = _current_rpc.set(rpc)
+                try:
+                    self.kill("before_reply")
+                finally:
+                    _current_rpc.reset(token)
+            except Killed as killed:
+                self._crash(killed.point)
+                raise PeerUnreachable(f"{rpc} from {peer}: the coordinator died before answering") from None
+        fault = self._fault(rpc, peer, ("drop_reply",) + (("reset",) if rpc == "get_model" else ()))
+        if fault is not None:
+            raise PeerUnreachable(f"{rpc} to {peer}: answer lost ({fault.kind}, injected)")
+        return result
+
+    def client(self, peer: str, *, counters: Optional[TrafficCounters] = None, download_codec: Optional[str] = None) -> "MemoryClient":
+        return MemoryClient(self, peer, counters=counters, download_codec=download_codec or self.cfg.runtime.download_codec)
+
+    def publisher(self, peer: str, signer: Optional[str] = None) -> "MemorySpeedPublisher":
+        return MemorySpeedPublisher(self, peer, signer)
+
+
+class MemoryClient:
+    """A peer's :class:`~asyncloco.transport.link.CoordinatorLink` to a :class:`MemoryTransport`. Bodies go
+    through their codecs as on the wire (θ in ``download_codec``, the update's exact encoded bytes); the
+    client keeps the θ it holds and gets no body for it again; ``counters`` count payload bytes as
+    :class:`~asyncloco.transport.rpc.CoordinatorClient` does. Timeouts are ignored."""
+
+    def __init__(self, transport: MemoryTransport, peer: str, *, counters: Optional[TrafficCounters] = None, download_codec: str = "none") -> None:
+        wire_bytes(download_codec, 1)
+        self.transport, self.peer, self.download_codec = transport, peer, download_codec
+        self.counters = counters if counters is not None else TrafficCounters()
+        self.held: Optional[Tuple[int, str, torch.Tensor]] = None
+
+    async def _counted(self, rpc: str, call: Awaitable[T]) -> T:
+        traffic = getattr(self.counters, rpc)
+        traffic.calls += 1
+        try:
+            return await call
+        except TransportError:
+            traffic.failures += 1
+            raise
+
+    async def hello(self, *, name: Optional[str] = None, token: Optional[str] = None, timeout: Optional[float] = None) -> HelloReply:
+        request = AssignRequest("config", name=name, token=token)
+        reply = await self._counted("assign", self.transport.call("assign", self.peer, lambda d: d.assign(request, self.peer)))
+        assert isinstance(reply, HelloReply)
+        return reply
+
+    async def assign(
+        self,
+        tokens_per_s: Optional[float] = None,
+        *,
+        name: Optional[str] = None,
+        token: Optional[str] = None,
+        signer: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> LeaseReply:
+        request = AssignRequest("lease", tokens_per_s=None if tokens_per_s is None else float(tokens_per_s), name=name,
+                                token=token, signer=signer)
+        reply = await self._counted("assign", self.transport.call("assign", self.peer, lambda d: d.assign(request, self.peer)))
+        assert isinstance(reply, LeaseReply)
+        return reply
+
+    async def get_model(
+        self, version: Optional[int] = None, *, codec: Optional[str] = None, timeout: Optional[float] = None
+    ) -> Tuple[int, torch.Tensor]:
+        chosen = self.download_codec if codec is None else codec
+
+        async def fetch(daemon: CoordinatorDaemon) -> Tuple[int, torch.Tensor]:
+            await daemon.check_admitted(self.peer)
+            served: Tuple[int, torch.Tensor] = await daemon.get_model(version, self.peer)
+            return served
+
+        served_version, theta = await self._counted("get_model", self.transport.call("get_model", self.peer, fetch))
+        numel = theta.numel()
+        held = self.held
+        if held is not None and held[0] == served_version and held[1] == chosen:
+            return served_version, held[2]  # "unchanged": no body
+        received = theta.clone() if chosen == "none" else await asyncio.to_thread(_round_trip, chosen, theta)
+        self.counters.get_model.payload_bytes_received += wire_bytes(chosen, numel)
+        self.held = (served_version, chosen, received)
+        return served_version, received
+
+    async def submit(
+        self,
+        lease_id: str,
+        base_version: int,
+        pseudo_gradient: Union[torch.Tensor, EncodedTensor],
+        *,
+        codec: Optional[str] = None,
+        inner_loss: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> Ack:
+        if isinstance(pseudo_gradient, torch.Tensor):
+            if codec is None:
+                raise ValueError("submit(tensor) needs codec=...; or pass an EncodedTensor")
+            pseudo_gradient = await asyncio.to_thread(encode, codec, pseudo_gradient)
+        elif codec is not None and codec != pseudo_gradient.codec:
+            raise ValueError(f"codec={codec!r} contradicts the EncodedTensor's {pseudo_gradient.codec!r}")
+        body = pseudo_gradient.to_bytes()
+        header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
+                              None if inner_loss is None else float(inner_loss))
+
+        async def deliver(daemon: CoordinatorDaemon) -> Ack:
+            await daemon.check_admitted(self.peer)
+            self.counters.submit.payload_bytes_sent += len(body)  # the body went out (a lost ack does not undo that)
+            received = EncodedTensor.from_bytes(header.codec, header.numel, body)  # the exact bytes, as the service reads them
+            ack: Ack = await daemon.submit(header, received, self.peer)
+            return ack
+
+        ack = await self._counted("submit", self.transport.call("submit", self.peer, deliver, body=len(body)))
+        return ack
+
+
+def _round_trip(codec: str, theta: torch.Tensor) -> torch.Tensor:
+    return decode(EncodedTensor.from_bytes(codec, theta.numel(), encode(codec, theta).to_bytes()), theta.numel())
+
+
+class MemorySpeedPublisher:
+    """A peer's :class:`~asyncloco.transport.link.SpeedPublisher` in memory: the report reaches the daemon
+    as the signed DHT record would (taken only from a peer the daemon knows, bound to ``signer``, newer
+    than the last one)."""
+
+    def __init__(self, transport: MemoryTransport, peer: str, signer: Optional[str]) -> None:
+        self.transport, self.peer, self._signer = transport, peer, signer
+
+    @property
+    def signer(self) -> Optional[str]:
+        return self._signer
+
+    async def publish_speed(self, tokens_per_s: float) -> None:
+        transport = self.transport
+        daemon = transport._alive()
+        now = transport.clock.time()
+        try:
+            async with daemon.lock:
+                info = daemon.state.peers.get(self.peer)
+                if info is None or info.signer != self._signer or (info.reported_at or -1.0) >= now or daemon._stopping:
+                    return
+                await daemon._decide(SpeedReport(self.peer, float(tokens_per_s), now, self._signer))
+        except Killed as killed:
+            transport._crash(killed.point)
+            raise PeerUnreachable(f"speed report of {self.peer}: the coordinator died ({killed.point})") from None
