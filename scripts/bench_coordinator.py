@@ -10,12 +10,14 @@ the two yardsticks the targets are stated in:
 * ``memcpy_s``: copy of θ (fp32) into a preallocated tensor;
 * ``fsync_update_s``: write + fsync of one int8-encoded update's bytes to a new file in the checkpoint dir
   (sampled interleaved with the WAL and ack measurements);
-* ``decode_s`` (int8 → fp32), ``validate_s`` (``logic.validate_update`` + the update gate's scoring, when a
+* ``decode_s`` (int8 → fp32 into the reused buffer the daemon decodes into; ``decode_fresh_s``: into a newly
+  allocated tensor, page faults included), ``validate_s`` (``logic.validate_update`` + the update gate's scoring, when a
   gate is configured), ``apply_s`` (the outer optimizer's step), ``wal_append_s`` (append + fsync of a
   submission record with its encoded bytes);
-* ``ack_latency_s``: decode + ``_decide(SubmitUpdate)`` (validate, apply, log, fsync, bookkeeping) — what a
-  peer waits for after its bytes arrived; ``ack_during_snapshot_s``: the same while a background snapshot
-  is being written;
+* ``ack_latency_s``: the daemon's ``submit`` RPC handler on the received bytes — decode, ``_decide(SubmitUpdate)``
+  (validate, apply, log, fsync, bookkeeping) — what a peer waits for after its bytes arrived. As a real peer
+  does, each lease's θ is fetched (a ``Fetched`` event) before its update is submitted, so no θ copy is
+  retained for it; ``ack_during_snapshot_s``: the same while a background snapshot is being written;
 * ``lease_latency_s``: ``_decide(RequestWork)`` incl. its fsync; ``lease_bytes_written``: bytes the lease
   wrote to storage (log record only: a lease writes no θ-sized data);
 * ``snapshot_copy_s`` (the consistent copy taken under the lock) and ``snapshot_s`` (writing it in the
@@ -57,14 +59,15 @@ from torch import nn
 from asyncloco.config import load_config
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.daemon import CoordinatorDaemon
-from asyncloco.coordinator.logic import Applied, Assign, Lease, RequestWork, SpeedReport, SubmitUpdate, validate_update
+from asyncloco.coordinator.logic import Assign, Fetched, Lease, RequestWork, SpeedReport, SubmitUpdate, validate_update
 from asyncloco.models.workload import Workload
 from asyncloco.transport.codecs import decode, encode, wire_bytes
+from asyncloco.transport.wire import SubmitHeader
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("tiny", "20m", "60m", "150m")
 KEYS = (
-    "numel", "memcpy_s", "fsync_update_s", "decode_s", "validate_s", "apply_s", "wal_append_s", "ack_latency_s",
+    "numel", "memcpy_s", "fsync_update_s", "decode_s", "decode_fresh_s", "validate_s", "apply_s", "wal_append_s", "ack_latency_s",
     "ack_during_snapshot_s", "lease_latency_s", "lease_bytes_written", "snapshot_copy_s", "snapshot_s",
     "updates_per_s", "storage_per_update_theta", "peers_at_60s_round", "peak_rss_mb",
 )
@@ -149,6 +152,9 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         "runtime.eval_every": 10**9,
         "runtime.snapshot_every": 10**9,
         "runtime.snapshot_every_s": 1e9,
+        # the gate's probe is two forward passes on held-out data (coordinator/probe.py), which this θ-only workload
+        # has not; above 50M parameters it runs on a peer's first (probation) updates only, off the steady path
+        "runtime.gate.probe": False,
     }
     cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=workdir, workload=SizedWorkload(size))
@@ -159,9 +165,13 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
     generator = torch.Generator().manual_seed(1)
     out: dict[str, Any] = {"numel": numel}
 
+    common = torch.randn(numel, generator=generator)
+
     def fresh_update(steps: int) -> torch.Tensor:
-        # a well-formed pseudo-gradient: what `steps` inner AdamW steps could move each value (|Δ| ≲ lr·steps)
-        return torch.randn(numel, generator=generator).mul_(0.05 * lr * steps)
+        # a well-formed pseudo-gradient: what `steps` inner AdamW steps could move each value (|Δ| ≲ lr·steps),
+        # sharing a direction with the other updates (cosine ≈ 0.2) as honest peers' updates do — the update gate
+        # (on by default) rejects updates that disagree with the recent consensus
+        return torch.randn(numel, generator=generator).add_(common, alpha=0.5).mul_(0.05 * lr * steps)
 
     peer = "bench-peer"
     scratch = torch.empty_like(state.params)
@@ -179,7 +189,10 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         fsync_samples.append(time.perf_counter() - start)
 
     probe_fsync()
-    out["decode_s"] = median_time(lambda: decode(wire, numel), repeats)
+    decoded = torch.empty(numel)
+    out["decode_s"] = median_time(lambda: decode(wire, numel, decoded), repeats)
+    del decoded
+    out["decode_fresh_s"] = median_time(lambda: decode(wire, numel), repeats)
 
     async def scenario() -> None:
         daemon._stop_event = asyncio.Event()
@@ -191,14 +204,18 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
             (assign,) = [a for a in actions if isinstance(a, Assign)]
             return assign.lease
 
-        async def submit(lease_: Lease, encoded: Any) -> Any:
-            tensor = await asyncio.to_thread(decode, encoded, numel)
+        async def fetched(lease_: Lease) -> None:
+            # the peer downloaded θ at its lease's version (what get_model reports; the bytes are not timed here)
             async with daemon.lock:
-                actions = await daemon._decide(SubmitUpdate(peer, lease_.lease_id, lease_.base_version, tensor), wire=encoded)
-            verdict = [a for a in actions if getattr(a, "lease_id", None) == lease_.lease_id]
-            if not (verdict and isinstance(verdict[0], Applied)):
-                raise RuntimeError(f"the benchmark's update was not applied: {verdict}")
-            return verdict[0]
+                await daemon._decide(Fetched(peer, lease_.base_version))
+
+        async def submit(lease_: Lease, encoded: Any) -> Any:
+            # the daemon's submit RPC handler, exactly as the transport calls it once the bytes have arrived
+            header = SubmitHeader(lease_.lease_id, lease_.base_version, "int8", numel)
+            ack = await daemon.submit(header, encoded, peer)
+            if not ack.accepted or ack.duplicate:
+                raise RuntimeError(f"the benchmark's update was not applied: {ack}")
+            return ack
 
         async with daemon.lock:
             await daemon._decide(SpeedReport(peer, 10_000.0))
@@ -224,6 +241,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
             repeats,
             setup=probe_fsync,
         )
+        await fetched(current)
         await submit(current, wire)
 
         # ack and lease latency, through the daemon's durable path
@@ -235,6 +253,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
             current = await lease()
             leases.append(time.perf_counter() - start)
             lease_bytes.append(daemon.wal.bytes_written + daemon.snapshot_bytes - before)
+            await fetched(current)
             encoded = encode("int8", fresh_update(current.steps))
             start = time.perf_counter()
             await submit(current, encoded)
@@ -264,6 +283,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         during: list[float] = []
         while not done.is_set() and len(during) < 3:
             current = await lease()
+            await fetched(current)
             encoded = encode("int8", fresh_update(current.steps))
             start = time.perf_counter()
             await submit(current, encoded)
@@ -282,6 +302,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         start = time.perf_counter()
         while time.perf_counter() - start < sustain_s or state.version - updates_before < 3:
             current = await lease()
+            await fetched(current)
             await submit(current, prepared)
         await daemon._wait_for_snapshot()
         elapsed = time.perf_counter() - start

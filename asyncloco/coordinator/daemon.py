@@ -40,6 +40,7 @@ from asyncloco import __version__
 from asyncloco.clock import SYSTEM_CLOCK, Clock
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.checkpoint import (
+    SNAPSHOT_NAME,
     child_pids,
     load_snapshot,
     reap_stale_children,
@@ -70,6 +71,7 @@ from asyncloco.coordinator.logic import (
     Lease,
     Fetched,
     Hello,
+    HoldDropped,
     Left,
     Notice,
     PeerLeft,
@@ -88,7 +90,16 @@ from asyncloco.coordinator.logic import (
 from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.probe import Probe
-from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, decode_event, open_log, read_records
+from asyncloco.coordinator.wal import (
+    WAL_DIR,
+    WalRecord,
+    WriteAheadLog,
+    check_stamp,
+    decode_event,
+    open_log,
+    read_records,
+    software_stamp,
+)
 from asyncloco.coordinator.dashboard import DashboardServer
 from asyncloco.coordinator.sinks import MetricsSink, build_sinks
 from asyncloco.coordinator.status import History, RateMeter, peer_row, summary_line
@@ -107,6 +118,8 @@ INITIAL_SNAPSHOT = "initial-state.pt"  # in wal/archive/ when runtime.wal_archiv
 RESUME_GRACE_S = 10.0  # after --resume, peers known from the checkpoint get this long to call again
 # Events of the logic the write-ahead log can hold, by class name (every member of the Event union).
 EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Event)}
+# Written into every log record and snapshot; --resume refuses a different one (coordinator/wal.py, check_stamp).
+SOFTWARE_STAMP = software_stamp(__version__, EVENT_TYPES)
 
 
 async def _ping_peers(peer_ids: list[str], _dht: Any, node: Any) -> int:
@@ -278,7 +291,7 @@ class CoordinatorDaemon:
         self.stats = _Stats()
         self._service: Any = None  # the transport service, once serving (upload times per submission)
         self._request_refusals: dict[str, tuple[str, float]] = {}  # peer -> (reason, when): journal repeats once a minute
-        self.model_snapshots: dict[int, torch.Tensor] = {}
+        self._decode_buffers: list[torch.Tensor] = []  # at most one idle θ-sized int8 decode buffer (submit)
         # --- durability (write-ahead log + background snapshots; see _decide and coordinator/wal.py)
         self.replayed = 0  # log records replayed at --resume
         self.snapshot_bytes = 0  # bytes of snapshots written by this process (benchmarks)
@@ -296,7 +309,7 @@ class CoordinatorDaemon:
                     f"{self.dir} holds a write-ahead log ({WAL_DIR}/) but no snapshot: continue it with --resume if "
                     "it has a state.pt elsewhere, or choose a new runtime.checkpoint_dir"
                 )
-            self.wal = open_log(self.dir, 0, archive=cfg.runtime.wal_archive)
+            self.wal = open_log(self.dir, 0, archive=cfg.runtime.wal_archive, stamp=SOFTWARE_STAMP)
         self.journal = Journal(self.dir / JOURNAL_FILE)
         self.lock = asyncio.Lock()
         self.waiters: dict[str, _Waiter] = {}
@@ -316,14 +329,14 @@ class CoordinatorDaemon:
         """--resume: the newest snapshot, then every later record of the write-ahead log replayed through
         ``handle`` and the same bookkeeping (nobody is answered), then a ``Resumed`` mark."""
         snapshot = load_snapshot(self.dir)
+        check_stamp(snapshot.get("stamp"), SOFTWARE_STAMP, f"the snapshot {self.dir / SNAPSHOT_NAME}")
         self.state.load_state_dict(snapshot["coordinator"])
-        self.model_snapshots = {int(k): v for k, v in snapshot.get("model_snapshots", {}).items()}
         known = set(PeerStats.__dataclass_fields__)
         for name, values in snapshot.get("peer_stats", {}).items():
             self.stats.peers[name] = PeerStats(**{k: v for k, v in values.items() if k in known})
         self.stats.evals = list(snapshot.get("evals", []))
         self._snapshot_seq = snapshot_wal_seq(snapshot)
-        self.wal = open_log(self.dir, self._snapshot_seq, archive=self.cfg.runtime.wal_archive)
+        self.wal = open_log(self.dir, self._snapshot_seq, archive=self.cfg.runtime.wal_archive, stamp=SOFTWARE_STAMP)
         self.replayed = self.replay(read_records(self.dir / WAL_DIR, self._snapshot_seq))
         # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
         # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
@@ -357,13 +370,12 @@ class CoordinatorDaemon:
         count = 0
         try:
             for record in records:
+                check_stamp(record.stamp, SOFTWARE_STAMP, f"log record {record.seq} in {self.dir / WAL_DIR}")
                 if record.kind == "event":
                     event = decode_event(record, EVENT_TYPES, decode_blob)
                     _, actions = handle(self.state, event, record.now)
                     self._bookkeep(actions)
-                elif record.type == "HoldDropped":
-                    self.state.held.pop(str(record.fields["peer"]), None)
-                else:
+                else:  # e.g. the "HoldDropped" marks of older logs, which stamps refuse before this point
                     raise ValueError(f"log record {record.seq}: unknown mark {record.type!r}")
                 count += 1
         finally:
@@ -371,14 +383,9 @@ class CoordinatorDaemon:
                 self.journal = journal
         return count
 
-    def _drop_held(self, peer: str) -> None:
-        """A held request that timed out (the peer will ask again); logged, so a replay drops it too."""
-        self.wal.append("mark", "HoldDropped", self.clock.time(), {"peer": peer})
-        self.state.held.pop(peer, None)
-
     def _snapshot_payload(self, copy: bool) -> dict[str, Any]:
         """Everything a snapshot holds. ``copy``: θ and the optimizer's tensors cloned (they change in place);
-        the θ kept per base version (``model_snapshots``, ``base_params``) never changes, so it is shared."""
+        the θ the logic keeps per base version (``base_params``) never changes, so it is shared."""
 
         def clone(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
@@ -396,7 +403,7 @@ class CoordinatorDaemon:
             coordinator = {k: (v if k == "base_params" else clone(v)) for k, v in coordinator.items()}
         return {
             "coordinator": coordinator,
-            "model_snapshots": dict(self.model_snapshots),
+            "stamp": SOFTWARE_STAMP,
             "peer_stats": {name: dict(stats.__dict__) for name, stats in self.stats.peers.items()},
             "evals": list(self.stats.evals),
             "config": self.cfg.model_dump(mode="json"),
@@ -663,13 +670,7 @@ class CoordinatorDaemon:
         changed = False
         for action in actions:
             changed |= self._record(action)
-        if changed:
-            self._prune_snapshots()
         return changed
-
-    def _prune_snapshots(self) -> None:
-        """θ per base version lives in the logic's state (``base_theta``); nothing is kept here any more."""
-        self.model_snapshots.clear()
 
     # ------------------------------------------------------------------------------ evaluation
 
@@ -797,7 +798,8 @@ class CoordinatorDaemon:
             async with self.lock:
                 if self.waiters.get(peer_id) is waiter:
                     del self.waiters[peer_id]
-                self._drop_held(peer_id)
+                if not self._stopping:  # an event of the logic, logged like every other (replay drops it too)
+                    await self._decide(HoldDropped(peer_id))
             return LeaseReply(None, "held too long; ask again")
         except asyncio.CancelledError:
             return LeaseReply(None, "superseded by a newer request")
@@ -845,7 +847,7 @@ class CoordinatorDaemon:
         if not update_gate.wants_probe(gate, self.state.gate, peer_id, self.numel):
             return None, None
         if self._probe is None:
-            self._probe = Probe(self.workload, self.model, self.cfg.runtime.gate.probe_sequences)
+            self._probe = Probe(self.workload, self.model, self.cfg.runtime.gate.probe_sequences, self.cfg.runtime.eval_device)
         started = time.perf_counter()
         before, after = await asyncio.to_thread(
             self._probe.losses, self.state.version, self.state.params, update, gate.probe_step
@@ -863,13 +865,21 @@ class CoordinatorDaemon:
 
         await self.check_admitted(peer_id)  # before decoding anything an outsider sent
         upload_s = self._service.upload_seconds.get(peer_id, 0.0) if self._service is not None else 0.0
-        update = await asyncio.to_thread(decode, pseudo_gradient, self.numel)
-        async with self.lock:
-            self._refuse_if_stopping()
-            probe = await self._gate_probe(peer_id, lease_id, base_version, update)  # the gate's gray-zone tie-breaker
-            event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6),
-                                 probe_before=probe[0], probe_after=probe[1])
-            actions = await self._decide(event, wire=pseudo_gradient)
+        # --- int8 is decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of page faults;
+        # issue 8's ack-latency target). The logic keeps no reference to the update after handle.
+        reuse = getattr(pseudo_gradient, "codec", None) == "int8"
+        buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
+        update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
+        try:
+            async with self.lock:
+                self._refuse_if_stopping()
+                probe = await self._gate_probe(peer_id, lease_id, base_version, update)  # the gate's gray-zone tie-breaker
+                event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6),
+                                     probe_before=probe[0], probe_after=probe[1])
+                actions = await self._decide(event, wire=pseudo_gradient)
+        finally:
+            if reuse and not self._decode_buffers:
+                self._decode_buffers.append(update)
         if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
             self.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
         for action in actions:

@@ -67,6 +67,7 @@ __all__ = [
     "PeerLeft",
     "Admit",
     "Revoke",
+    "HoldDropped",
     "Event",
     "Assign",
     "Hold",
@@ -350,7 +351,16 @@ class Revoke:
     revoked_at: float
 
 
-Event = Union[SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke]
+@dataclass(frozen=True)
+class HoldDropped:
+    """The daemon stopped waiting on ``peer``'s held request (its RPC timed out; the peer will ask again)."""
+
+    peer: str
+
+
+Event = Union[
+    SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped
+]
 
 
 # --------------------------------------------------------------------------------------- actions
@@ -497,6 +507,9 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
         actions = _on_peer_left(state, event, now)
     elif isinstance(event, Restarted):
         actions = _on_restarted(state, event, now)
+    elif isinstance(event, HoldDropped):
+        state.held.pop(event.peer, None)  # nothing to answer: the RPC that waited is gone
+        actions = []
     else:
         raise TypeError(f"unknown event {event!r}")
     actions += _release_held(state, now)

@@ -10,7 +10,7 @@ was told about.
 On disk: ``<checkpoint_dir>/wal/<first seq, 20 digits>.wal`` segments, each a sequence of records::
 
     b"ALWR" | header length (u32 LE) | blob length (u64 LE) | crc32 of header + blob (u32 LE)
-    header: msgpack map {"seq", "kind", "type", "now", "fields", "blobs"}
+    header: msgpack map {"seq", "kind", "type", "now", "fields", "blobs", "stamp"}
     blob:   raw bytes (a submission's encoded pseudo-gradient exactly as received), possibly empty
 
 Nothing is unpickled: the header is msgpack of plain values, the blob raw bytes. Events are encoded generically
@@ -21,11 +21,16 @@ Reading a log: a record that is cut short or fails its checksum **at the end of 
 tail (a crash mid-append: never acknowledged, since ``fsync`` had not returned) — it is dropped and the file is
 truncated. Anything invalid elsewhere is corruption and raises :class:`WalError` naming the file and offset.
 A snapshot older than the start of the log (the records in between were deleted) is refused.
+
+Every record carries the writer's ``stamp`` (:func:`software_stamp`: the asyncloco version and a fingerprint of
+the event schema). Replaying a record through a different ``handle`` could silently produce a different θ, so
+the daemon refuses a log (and a snapshot) whose stamp differs from its own (:func:`check_stamp`), naming both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import struct
@@ -47,6 +52,8 @@ __all__ = [
     "decode_event",
     "WAL_DIR",
     "ARCHIVE_DIR",
+    "software_stamp",
+    "check_stamp",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,8 +70,9 @@ _PRIMITIVES = (int, float, str, bool, type(None))
 Attachment = tuple[str, int, Sequence[Any]]
 
 
-class WalError(RuntimeError):
-    """The log cannot be used as it is; the message names the file and what to do."""
+class WalError(RuntimeError, ValueError):
+    """The log cannot be used as it is; the message names the file and what to do. (A ValueError too, so the CLI
+    prints it as an error message, not a traceback.)"""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,34 @@ class WalRecord:
     fields: dict[str, Any]
     blobs: tuple[tuple[str, str, int, int], ...]  # (field, codec, numel, length) in blob order
     blob: bytes
+    stamp: Optional[str] = None  # the writer's software_stamp (None: a record from before stamps)
+
+
+# ------------------------------------------------------------------------------------- compatibility
+
+
+def software_stamp(version: str, event_types: Mapping[str, type]) -> str:
+    """``"asyncloco <version>, events <fingerprint>"``: the fingerprint (12 hex digits of a sha256) covers every
+    event type's name and its fields' names and annotations, so a renamed, added or retyped field changes it."""
+    parts = []
+    for name in sorted(event_types):
+        cls = event_types[name]
+        fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+        parts.append(name + "(" + ",".join(f"{f.name}:{f.type}" for f in fields) + ")")
+    fingerprint = hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
+    return f"asyncloco {version}, events {fingerprint}"
+
+
+def check_stamp(found: Optional[str], expected: str, what: str) -> None:
+    """Raise :class:`WalError` unless ``found`` (the stamp ``what`` was written with) equals ``expected``."""
+    if found == expected:
+        return
+    writer = f"by {found}" if found else "by an asyncloco from before version stamps (no stamp recorded)"
+    raise WalError(
+        f"{what} was written {writer}; this is {expected}. Replaying it with different code could silently "
+        "give a different θ, so it is refused. Resume this run with the asyncloco version that wrote it (the same "
+        "release or git commit), or start a new run in an empty --checkpoint-dir"
+    )
 
 
 # ------------------------------------------------------------------------------------------ encoding
@@ -283,6 +319,7 @@ def read_records(directory: Path, after_seq: int) -> Iterator[WalRecord]:
                     fields=dict(header["fields"]),
                     blobs=tuple((str(b[0]), str(b[1]), int(b[2]), int(b[3])) for b in header["blobs"]),
                     blob=blob,
+                    stamp=str(header["stamp"]) if header.get("stamp") is not None else None,
                 )
 
 
@@ -301,8 +338,10 @@ class WriteAheadLog:
         segments: Sequence[tuple[int, int, Path]] = (),
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         archive: bool = False,
+        stamp: str = "",
     ) -> None:
         self.directory = directory
+        self.stamp = stamp  # written into every record (software_stamp; "" only in tests of the format)
         # archive: covered segments are moved to <wal>/archive/ instead of deleted (audits, replay tests)
         self.archive_dir: Optional[Path] = directory / ARCHIVE_DIR if archive else None
         self.next_seq = next_seq
@@ -337,7 +376,15 @@ class WriteAheadLog:
     ) -> int:
         seq = self.next_seq
         header = msgpack.packb(
-            {"seq": seq, "kind": kind, "type": type_name, "now": float(now), "fields": dict(fields), "blobs": list(blobs)},
+            {
+                "seq": seq,
+                "kind": kind,
+                "type": type_name,
+                "now": float(now),
+                "fields": dict(fields),
+                "blobs": list(blobs),
+                "stamp": self.stamp,
+            },
             use_bin_type=True,
         )
         views = [memoryview(p).cast("B") for p in parts]
@@ -445,7 +492,11 @@ def _write_all(fd: int, buffers: list[Any]) -> None:
 
 
 def open_log(
-    checkpoint_dir: Path, snapshot_seq: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES, archive: bool = False
+    checkpoint_dir: Path,
+    snapshot_seq: int,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    archive: bool = False,
+    stamp: str = "",
 ) -> WriteAheadLog:
     """Repair a torn tail, check that the snapshot covering records ``1..snapshot_seq`` connects to the log,
     and return a log that appends after its last record."""
@@ -462,7 +513,7 @@ def open_log(
             "(or start a new run in an empty --checkpoint-dir)"
         )
     log_end = segments[-1][1] if segments else 0
-    wal = WriteAheadLog(directory, max(snapshot_seq, log_end) + 1, segments, segment_bytes, archive)
+    wal = WriteAheadLog(directory, max(snapshot_seq, log_end) + 1, segments, segment_bytes, archive, stamp)
     if wal._fd is None or snapshot_seq >= log_end:
         wal.rotate()  # a fresh log, or a snapshot covering the whole log: continue in a new segment
     wal.drop_covered(snapshot_seq)

@@ -25,7 +25,7 @@ import logging
 import math
 import sys
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -190,6 +190,61 @@ def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
     return encoded
 
 
+# --- int8 decoding into a preallocated tensor (issue 8: the coordinator's ack latency) -----------------------
+# bitsandbytes 0.50 registers only the allocating CPU op. Its cost is mostly the fresh θ-sized allocation
+# (the kernel zero-fills every page on first touch: ≈ 7 × a memcpy of the output on this 2-core VM), not
+# the dequantization (≈ 2 × memcpy). So the daemon decodes into a buffer it reuses, calling bitsandbytes'
+# own CPU kernel (``cdequantize_blockwise_cpu_fp32``: code[q] · absmax[block] in fp32, bitwise the same
+# result) on it; a bitsandbytes without that symbol gets the allocating op and a copy.
+
+
+def _decode_int8_into(payload: Buffer, absmax: np.ndarray, numel: int, out: torch.Tensor) -> None:
+    import ctypes
+
+    import bitsandbytes.functional as bnbf
+
+    codes = np.frombuffer(payload, dtype=np.uint8, count=numel)  # read in place, never copied
+    scales = np.ascontiguousarray(absmax, dtype=np.float32)
+    code = _int8_code_book()
+    kernel = _int8_cpu_kernel()
+    if kernel is not None:
+        kernel(
+            ctypes.c_void_p(code.data_ptr()),
+            ctypes.c_void_p(codes.ctypes.data),
+            ctypes.c_void_p(scales.ctypes.data),
+            ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_longlong(INT8_BLOCKSIZE),
+            ctypes.c_longlong(numel),
+        )
+        return
+    state = bnbf.QuantState(
+        absmax=torch.from_numpy(scales), shape=torch.Size([numel]), code=code, blocksize=INT8_BLOCKSIZE, dtype=torch.float32
+    )
+    out.copy_(bnbf.dequantize_blockwise(torch.from_numpy(codes.copy()), quant_state=state).reshape(-1))
+
+
+_CODE_BOOK: torch.Tensor | None = None
+
+
+def _int8_code_book() -> torch.Tensor:
+    global _CODE_BOOK
+    if _CODE_BOOK is None:
+        import bitsandbytes.functional as bnbf
+
+        _CODE_BOOK = bnbf.create_dynamic_map().to(torch.float32).contiguous()
+    return _CODE_BOOK
+
+
+def _int8_cpu_kernel() -> Any:
+    """bitsandbytes' native fp32 blockwise dequantize kernel, or None when this build has none."""
+    try:
+        from bitsandbytes.cextension import lib
+    except ImportError:  # pragma: no cover - bitsandbytes is a dependency
+        return None
+    native = getattr(lib, "_lib", None)  # the ctypes library; absent when bitsandbytes loaded no native code
+    return getattr(native, "cdequantize_blockwise_cpu_fp32", None) if native is not None else None
+
+
 def _uint8_tensor(buffer: Buffer) -> torch.Tensor:
     array = np.frombuffer(buffer, dtype=np.uint8)
     if not array.flags.writeable:  # torch warns on read-only memory; bitsandbytes only reads it
@@ -197,8 +252,9 @@ def _uint8_tensor(buffer: Buffer) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def decode(encoded: EncodedTensor, expected_numel: int) -> torch.Tensor:
-    """Decode to a new flat fp32 tensor of ``expected_numel`` elements.
+def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode to a new flat fp32 tensor of ``expected_numel`` elements (for int8, into ``out`` when given: a
+    preallocated contiguous fp32 tensor of that size, which is returned).
 
     Validates, before allocating: the codec name, ``encoded.numel == expected_numel``, and the exact
     lengths of payload and meta. Raises :class:`CodecError` when the result would hold a NaN or Inf:
@@ -229,35 +285,37 @@ def decode(encoded: EncodedTensor, expected_numel: int) -> torch.Tensor:
     absmax = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
     if not bool(torch.isfinite(absmax).all()):
         raise CodecError(f"codec {name!r}: non-finite block absmax in payload")
+    if name == "int8":
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous() or out.device.type != "cpu":
+            raise CodecError(
+                f"out must be a contiguous fp32 CPU tensor of shape ({numel},), got dtype={out.dtype} "
+                f"shape={tuple(out.shape)}; allocate it with torch.empty({numel})"
+            )
+        _decode_int8_into(encoded.payload, absmax.numpy(), numel, out)
+        return out
+    if out is not None:
+        raise CodecError(f"decode(out=...) is implemented for codec 'int8' only, not {name!r}; leave out=None")
     quantized = _uint8_tensor(encoded.payload)
 
     import bitsandbytes.functional as bnbf
 
-    # bitsandbytes 0.50 on CPU implements only the allocating variants (no ``out=``).
-    if name == "int8":
-        state = bnbf.QuantState(
-            absmax=absmax,
-            shape=torch.Size([numel]),
-            code=bnbf.create_dynamic_map().to(torch.float32),
-            blocksize=INT8_BLOCKSIZE,
-            dtype=torch.float32,
-        )
-        out = bnbf.dequantize_blockwise(quantized, quant_state=state)
-    else:
-        # The fast CPU kernel needs an even length; an odd numel falls back to a pure-torch path ~20x
-        # slower. Decoding numel + 1 reads the same bytes and the same number of blocks (an odd numel is
-        # never a multiple of the block size), so we decode one padding value and drop it.
-        padded = numel + (numel % 2)
-        state = bnbf.QuantState(
-            absmax=absmax,
-            shape=torch.Size([padded]),
-            blocksize=INT4_BLOCKSIZE,
-            quant_type="nf4",
-            dtype=torch.float32,
-        )
-        # The CPU kernels return (numel,), (1, numel) or (numel, 1) depending on parity and a
-        # transpose shim; the element order is the same in all of them.
-        out = bnbf.dequantize_4bit(quantized, quant_state=state)
-    out = out.reshape(-1)[:numel]
-    assert out.dtype == torch.float32 and out.numel() == numel, (out.dtype, out.shape)
-    return out
+    # int4: bitsandbytes' NF4 CPU kernel (0.50 implements only the allocating variant, no ``out=``).
+    # The fast CPU kernel needs an even length; an odd numel falls back to a pure-torch path ~20x
+    # slower. Decoding numel + 1 reads the same bytes and the same number of blocks (an odd numel is
+    # never a multiple of the block size), so we decode one padding value and drop it.
+    padded = numel + (numel % 2)
+    state = bnbf.QuantState(
+        absmax=absmax,
+        shape=torch.Size([padded]),
+        blocksize=INT4_BLOCKSIZE,
+        quant_type="nf4",
+        dtype=torch.float32,
+    )
+    # The CPU kernels return (numel,), (1, numel) or (numel, 1) depending on parity and a
+    # transpose shim; the element order is the same in all of them.
+    values4: torch.Tensor = bnbf.dequantize_4bit(quantized, quant_state=state)
+    values4 = values4.reshape(-1)[:numel]
+    assert values4.dtype == torch.float32 and values4.numel() == numel, (values4.dtype, values4.shape)
+    return values4
