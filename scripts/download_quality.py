@@ -1,0 +1,94 @@
+"""The demo's validation perplexity with lossy θ downloads vs fp32 downloads, at equal applied updates.
+
+``python scripts/download_quality.py [--duration 150] [--repeats 2] [--codecs none,int8] [--json out.json]``
+runs ``asyncloco demo`` (configs/demo.yaml, three peers on this machine) once per download codec and
+repeat, alternating the codecs, each with ``runtime.download_codec`` set; then compares the coordinator's
+validation perplexity at the largest version (= applied updates) every run reached and evaluated, and
+reports each peer's downloaded payload per lease as a fraction of θ's fp32 size. The first codec is the
+reference. Runs are asynchronous (timing decides which peer's update lands when), so repeats differ:
+compare the spread across repeats with the difference between codecs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_one(codec: str, duration: float, out: Path) -> Dict[str, Any]:
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["runtime"]["download_codec"] = codec
+    out.mkdir(parents=True, exist_ok=True)
+    path = out.with_name(out.name + ".yaml")
+    path.write_text(yaml.safe_dump(config))
+    log = out.with_name(out.name + ".log")
+    with open(log, "w") as handle:
+        subprocess.run(
+            [sys.executable, "-m", "asyncloco", "demo", "--config", str(path), "--duration", str(duration), "--out", str(out)],
+            cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, check=True,
+        )
+    summary = json.loads((out / "summary.json").read_text())
+    evals = {int(e["version"]): float(e["perplexity"]) for e in summary["status"].get("evals", []) if "perplexity" in e}
+    peers = {}
+    for name, peer in summary["peers"].items():
+        traffic = peer.get("traffic", {}).get("get_model", {})
+        peers[name] = {"leases": peer.get("leases", 0), "downloads": traffic.get("calls", 0),
+                       "download_payload_bytes": traffic.get("payload_bytes_received", 0)}
+    with open(out / "coordinator" / "events.jsonl") as journal:
+        numel = int(json.loads(journal.readline())["numel"])  # the "start" record
+    return {"codec": codec, "version": int(summary["status"].get("version", 0)), "evals": evals, "peers": peers,
+            "numel": numel}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=150.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--codecs", default="none,int8")
+    parser.add_argument("--out", default="runs/download_quality")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    codecs = args.codecs.split(",")
+    runs: List[Dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        for codec in codecs:
+            print(f"repeat {repeat + 1}/{args.repeats}: demo with download_codec={codec}, {args.duration:g} s ...", flush=True)
+            run = run_one(codec, args.duration, REPO / args.out / f"{codec}-{repeat}")
+            run["repeat"] = repeat
+            runs.append(run)
+            print(f"  {run['version']} updates applied; last eval {max(run['evals'].items(), default=None)}", flush=True)
+    common = set.intersection(*(set(run["evals"]) for run in runs))
+    if not common:
+        raise SystemExit("no evaluated version common to every run; run longer (--duration)")
+    version = max(common)
+    print(f"\nvalidation perplexity at version {version} (= applied updates), every run:")
+    print("| download | perplexity per repeat | mean | vs " + codecs[0] + " | download payload per lease / fp32 θ |")
+    print("|---|---|---:|---:|---:|")
+    rows = []
+    reference = statistics.mean(run["evals"][version] for run in runs if run["codec"] == codecs[0])
+    for codec in codecs:
+        mine = [run for run in runs if run["codec"] == codec]
+        ppl = [run["evals"][version] for run in mine]
+        payload = sum(p["download_payload_bytes"] for run in mine for p in run["peers"].values())
+        leases = sum(p["leases"] for run in mine for p in run["peers"].values())
+        numel = mine[0]["numel"]
+        fraction = payload / leases / (4 * numel) if leases and numel else float("nan")
+        mean = statistics.mean(ppl)
+        rows.append({"codec": codec, "perplexity": ppl, "mean": mean, "vs_reference": mean / reference,
+                     "download_fraction_per_lease": fraction})
+        print(f"| {codec} | {', '.join(f'{p:.2f}' for p in ppl)} | {mean:.2f} | {mean / reference:.4f} | {fraction:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"version": version, "duration": args.duration, "rows": rows, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
