@@ -217,7 +217,10 @@ class GateConfig(StrictModel):
     )
     probe_below: float = Field(0.5, ge=0, description="gray zone: cosine below this × the median of recent cosines, or probation")
     probe_all_below_params: int = Field(
-        50_000_000, ge=0, description="models up to this size probe every update; larger ones a peer's probation updates only"
+        25_000_000, ge=0, description="models up to this size probe every update; larger ones a peer's probation updates only"
+    )
+    probe_max_params: int = Field(
+        50_000_000, ge=0, description="no probe above this size (it runs under the coordinator's lock; raise it with a GPU eval_device)"
     )
 
     @model_validator(mode="after")

@@ -14,14 +14,23 @@ then honest work), ``signflip`` (×1000), ``signflip-honest`` (at its honest nor
 direction at its honest norm), ``ghost`` (only a DHT speed record claiming 1e12 tokens/s); ``--attacks``
 adds others of the hostile peer (``nan``, ``replay``, ``other-lease``, ``ghost-forge``).
 
+``--updates N`` ends every run instead when θ has had N applied updates (``--duration`` then caps it):
+on a machine shared with other work, equal wall time is not equal compute — in one gate-off invocation
+at 40 s the clean run got 58 updates and the ghost run 26, so the load decided, not the attack. At an
+equal number of applied updates an attack still shows its harm: a clipped or accepted hostile update is
+one of the N, and shortened leases (the ghost) bring less training per update.
+
 Usage::
 
     python scripts/bench_attacks.py                                  # the whole table, ~35 min
+    nice -n 10 python scripts/bench_attacks.py --gate on --updates 45 --duration 240 --json runs/bench-attacks-on.json
+    nice -n 10 python scripts/bench_attacks.py --gate off --duration 40       # the damage without the gate
     nice -n 10 python scripts/bench_attacks.py --duration 30 --attacks signflip --gate on   # a quick check
-    python scripts/bench_attacks.py --json runs/bench-attacks.json
 
 Prints per run: final perplexity, its ratio to the clean run of the same gate setting, and the
-coordinator's verdicts (applied / rejected / clipped updates of the hostile and of the honest peers).
+coordinator's verdicts (applied / rejected / clipped updates of the hostile and of the honest peers); then
+the acceptance checks of issue 7 for the gate-on runs (every attack ≤ 1.25 × clean; the clean run's gate
+rejected or clipped ≤ 2 % of the honest updates).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncloco.local_cluster import LocalCluster  # noqa: E402
+from asyncloco.local_cluster import ClusterError, LocalCluster  # noqa: E402
 
 logger = logging.getLogger("bench_attacks")
 
@@ -56,7 +65,7 @@ SLOWDOWNS = (1.0, 1.5, 4.0)
 class Result:
     attack: str
     gate: bool
-    duration_s: float
+    duration_s: float  # wall seconds the run had (from when the honest peers had joined)
     perplexity: float
     version: int
     local_updates: int
@@ -106,7 +115,9 @@ def final_perplexity(config: Path, checkpoint_dir: Path) -> tuple[float, float]:
     return float(workload.evaluate(model).get("perplexity", math.nan)), max_abs
 
 
-def run_one(base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int) -> Result:
+def run_one(
+    base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int, updates: Optional[int] = None
+) -> Result:
     name = f"{attack}-gate-{'on' if gate else 'off'}"
     workdir = out / name
     shutil.rmtree(workdir, ignore_errors=True)
@@ -135,8 +146,16 @@ def run_one(base: Path, out: Path, attack: str, gate: bool, duration: float, thr
             )
             log.close()
             cluster.spawned.append(process)
-        # equal wall time for every run: the benchmark's clock, not a synchronisation
-        time.sleep(max(0.0, duration - (time.monotonic() - started)))
+        if updates is None:
+            # equal wall time for every run: the benchmark's clock, not a synchronisation
+            time.sleep(max(0.0, duration - (time.monotonic() - started)))
+        else:
+            # equal work: N applied updates (θ versions), wall time capped at --duration
+            try:
+                cluster.wait_for(lambda: cluster.status().get("version", 0) >= updates, duration, f"{updates} updates", poll=0.5)
+            except ClusterError as error:  # the cap: the run ends with what it has
+                logger.warning("%s: %s", name, error)
+        elapsed = time.monotonic() - started
         if attack == "honest":
             hostile_id = cluster.peer_summary("extra").get("peer_id", "")
         elif attack != "clean":
@@ -150,7 +169,7 @@ def run_one(base: Path, out: Path, attack: str, gate: bool, duration: float, thr
     return Result(
         attack=attack,
         gate=gate,
-        duration_s=duration,
+        duration_s=round(elapsed, 1),
         perplexity=perplexity,
         version=int(status.get("version", 0)),
         local_updates=int(status.get("local_updates", 0)),
@@ -162,15 +181,87 @@ def run_one(base: Path, out: Path, attack: str, gate: bool, duration: float, thr
 
 def table(results: list[Result]) -> str:
     lines = [
-        "| extra peer | gate | final perplexity | × clean | updates | hostile applied/rejected/clipped | honest rejected |",
-        "|---|---|---:|---:|---:|---|---:|",
+        "| extra peer | gate | final perplexity | × clean | updates | wall s | hostile applied/rejected/clipped | honest rejected/clipped |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
         hostile = "/".join(str(r.hostile.get(k, 0)) for k in ("applied", "rejected", "clipped")) if r.hostile else "—"
-        honest = f"{r.honest.get('rejected', 0)} of {r.honest.get('applied', 0) + r.honest.get('rejected', 0)}"
+        honest = (f"{r.honest.get('rejected', 0)}/{r.honest.get('clipped', 0)} of "
+                  f"{r.honest.get('applied', 0) + r.honest.get('rejected', 0)}")
         ratio = f"{r.ratio:.3g}" if r.ratio is not None and math.isfinite(r.ratio) else "—"
-        lines.append(f"| {r.attack} | {'on' if r.gate else 'off'} | {r.perplexity:.4g} | {ratio} | {r.version} | {hostile} | {honest} |")
+        lines.append(f"| {r.attack} | {'on' if r.gate else 'off'} | {r.perplexity:.4g} | {ratio} | {r.version} | "
+                     f"{r.duration_s:.0f} | {hostile} | {honest} |")
     return "\n".join(lines)
+
+
+def probe_cost(preset: str, seq_len: int, sequences: int, repeats: int, threads: int) -> dict[str, Any]:
+    """Seconds the gate's probe costs per update at a model preset (random weights, random tokens of the
+    preset's vocabulary: the cost does not depend on them), side by side with a memcpy of θ."""
+    import torch
+
+    from asyncloco.coordinator.probe import Probe
+    from asyncloco.models.lm import causal_lm_loss
+    from asyncloco.models.presets import build_causal_lm, get_preset
+    from asyncloco.models.workload import Workload, flatten_params
+
+    torch.set_num_threads(threads)
+    vocab = get_preset(preset).vocab_size or 4096
+    model = build_causal_lm(preset, vocab_size=vocab, seq_len=seq_len, seed=0)
+    rows = torch.randint(0, vocab, (sequences, seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    class Synthetic(Workload):
+        units_per_step = sequences * seq_len
+
+        def build_model(self, seed: int) -> Any:
+            return model
+
+        def shard_sizes(self) -> list[int]:
+            return [1]
+
+        def batch(self, shard: int, index: int) -> Any:
+            return rows
+
+        def loss(self, model: Any, batch: Any) -> Any:
+            return causal_lm_loss(model, batch)
+
+        def evaluate(self, model: Any) -> dict[str, float]:
+            return {}
+
+    theta = flatten_params(model)
+    update = torch.randn(theta.numel(), generator=torch.Generator().manual_seed(1)) * 1e-4
+    probe = Probe(Synthetic(), model, sequences)
+    probe_s, copy_s = [], []
+    for version in range(repeats):
+        started = time.perf_counter()
+        probe.losses(version, theta, update, 0.2)  # a new version each time: both forward passes
+        probe_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        theta.clone()
+        copy_s.append(time.perf_counter() - started)
+    result = {"preset": preset, "numel": theta.numel(), "sequences": sequences, "seq_len": seq_len, "threads": threads,
+              "probe_s": sorted(probe_s)[len(probe_s) // 2], "theta_copy_s": sorted(copy_s)[len(copy_s) // 2]}
+    result["ratio"] = result["probe_s"] / max(result["theta_copy_s"], 1e-9)
+    return result
+
+
+def acceptance(results: list[Result], bar: float = 1.25, honest_share: float = 0.02) -> list[str]:
+    """The acceptance checks of issue 7 on the gate-on runs, one line each."""
+    lines = []
+    on = [r for r in results if r.gate]
+    attacks = [r for r in on if r.attack not in ("clean", "honest")]
+    if attacks:
+        worst = max(attacks, key=lambda r: r.ratio if r.ratio is not None else math.inf)
+        ok = all(r.ratio is not None and r.ratio <= bar for r in attacks)
+        lines.append(f"gate on: every attack ≤ {bar} × clean: {'yes' if ok else 'NO'} (worst: {worst.attack}, "
+                     f"{worst.ratio if worst.ratio is not None else math.nan:.3g} ×)")
+    for r in on:
+        if r.attack == "clean":
+            total = r.honest.get("applied", 0) + r.honest.get("rejected", 0)
+            hit = r.honest.get("rejected", 0) + r.honest.get("clipped", 0)
+            share = hit / total if total else 0.0
+            lines.append(f"gate on, clean run: {hit} of {total} honest updates rejected or clipped ({100 * share:.1f} %, "
+                         f"limit {100 * honest_share:g} %): {'yes' if share <= honest_share else 'NO'}")
+    return lines
 
 
 def main() -> int:
@@ -181,9 +272,22 @@ def main() -> int:
     parser.add_argument("--gate", choices=["on", "off", "both"], default="both")
     parser.add_argument("--out", default="runs/bench-attacks", help="work directory (logs, journals, checkpoints)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--probe-cost", metavar="PRESET", help="only measure the gate's probe per update at this model preset")
+    parser.add_argument("--probe-seq-len", type=int, default=256, help="--probe-cost: sequence length (the 150m config's 256)")
+    parser.add_argument("--probe-sequences", type=int, default=8, help="--probe-cost: probe rows (runtime.gate.probe_sequences)")
+    parser.add_argument("--updates", type=int, help="end each run at this many applied updates (--duration caps it)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.probe_cost:
+        cost = probe_cost(args.probe_cost, args.probe_seq_len, args.probe_sequences, 3, args.threads)
+        print(f"probe at {cost['preset']} ({cost['numel'] / 1e6:.1f} M parameters, {cost['sequences']} × {cost['seq_len']} "
+              f"tokens, {cost['threads']} thread(s)): {cost['probe_s']:.2f} s per probed update (median of 3), "
+              f"{cost['ratio']:.0f} × a copy of θ ({cost['theta_copy_s']:.3f} s)")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(cost, indent=1))
+        return 0
     gates = {"on": [True], "off": [False], "both": [True, False]}[args.gate]
     out = Path(args.out)
     results: list[Result] = []
@@ -191,7 +295,7 @@ def main() -> int:
         clean: Optional[Result] = None
         for attack in ["clean", *args.attacks]:
             logger.info("run %s, gate %s, %.0f s", attack, "on" if gate else "off", args.duration)
-            result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads)
+            result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates)
             if attack == "clean":
                 clean = result
             if clean is not None and clean.perplexity > 0:
@@ -200,9 +304,13 @@ def main() -> int:
             logger.info("%s gate %s: perplexity %.4g (× clean %s)", attack, "on" if gate else "off", result.perplexity,
                         f"{result.ratio:.3g}" if result.ratio is not None else "—")
     print(table(results))
+    for line in acceptance(results):
+        print(line)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+        Path(args.json).write_text(json.dumps(
+            {"updates": args.updates, "duration_s": args.duration, "acceptance": acceptance(results),
+             "table": table(results), "runs": [asdict(r) for r in results]}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -27,10 +27,11 @@ local progress) *before* it calls
 ``handle`` and passes both losses in the ``SubmitUpdate`` event (so they are in the write-ahead log and a
 replay makes the same decision without a model: :func:`score` stays pure). For an update in the gray zone
 — from a peer on probation, or with a cosine below ``max(threshold, probe_below × median)`` — a probe loss
-that rises by more than ``probe_margin`` (relative) rejects it (counted toward quarantine: it makes the
-model worse), one that falls accepts it even if its cosine is weakly negative (an honest newcomer's first
-updates, with a fresh AdamW state, point slightly against the consensus), and one in between leaves the
-decision to the cosine rule. The probe judges the *direction* (is Δ a descent direction on data no peer
+that rises by more than ``probe_margin`` (relative, scaled by ``steps / full_steps``) rejects it (counted
+toward quarantine: it makes the model worse), one that falls by more accepts it even if its cosine is
+weakly negative, and one in between is refused without counting (no evidence that it helps: where a random
+direction lands). A peer on probation needs only to lower it: an honest newcomer's first updates (fresh
+AdamW state) point slightly against the consensus and move θ little, but downhill. The probe judges the *direction* (is Δ a descent direction on data no peer
 trains on?), not the step size — that is the norm check's job — hence the short step: a fresh AdamW state
 moves every parameter by about the learning rate per step, so a newcomer's first update is ≈ 3× the norm
 of its peers' and overshoots at the full step (probe loss +1.5 % at s = 1 in a test run) although it is a
@@ -88,10 +89,11 @@ class GatePolicy:
     quarantine_s: float = 600.0
     probe: bool = True  # use the probe-batch losses when the daemon supplies them
     probe_step: float = 0.2  # the probe evaluates θ − probe_step·Δ
-    probe_margin: float = 0.0005  # a relative rise of the probe loss above this rejects a gray-zone update;
-    # a fall below −this accepts it; in between the cosine rule decides
+    probe_margin: float = 0.0005  # relative probe-loss change that counts as evidence, for a lease of full_steps
+    full_steps: int = 1  # the schedule's max_local_steps: a shorter lease moves θ less, its margin shrinks in proportion
     probe_below: float = 0.5  # the gray zone: cosine below this × the median of recent cosines (or on probation)
-    probe_all_below_params: int = 50_000_000  # smaller models: probe every update; larger: probation updates only
+    probe_all_below_params: int = 25_000_000  # models up to this size: probe every update; larger: probation only
+    probe_max_params: int = 50_000_000  # above this size no probe (two forward passes under the lock: see wants_probe)
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.clip_factor <= self.reject_factor:
@@ -167,9 +169,11 @@ def wants_probe(policy: GatePolicy, gate: GateState, peer: str, numel: int) -> b
     """Whether the daemon should evaluate the probe losses for an update of ``peer`` (decided without touching
     Δ, so it costs nothing when the answer is no): every update of a model up to ``probe_all_below_params``
     (two forward passes on the probe batch are cheap there, and :func:`score` uses them only in the gray
-    zone), above that only a peer's probation updates — where the gray zone is — so the probe stays off the
-    hot path of a large run."""
-    if not policy.probe:
+    zone), up to ``probe_max_params`` only a peer's probation updates — where the gray zone is — and above
+    that never: the daemon evaluates the probe holding its lock, and at the 150m preset on a CPU coordinator
+    that is tens of seconds (docs/threat-model.md); raise it for a coordinator with a GPU
+    (``runtime.eval_device``)."""
+    if not policy.probe or numel > policy.probe_max_params:
         return False
     return numel <= policy.probe_all_below_params or gate.peer_accepted.get(peer, 0) < policy.probation_updates
 
@@ -227,16 +231,31 @@ def score(
             center = median(gate.cosines)
             gray = cosine < max(policy.cosine_cap, policy.probe_below * center)
         if gray:
-            if not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + policy.probe_margin)):
+            # the first-order effect of Δ on the loss grows with its steps: so does the margin
+            margin = policy.probe_margin * min(1.0, steps / max(1, policy.full_steps))
+            if not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin)):
                 rise = (after - before) / before if before > 0 and math.isfinite(after) else math.inf
                 agreement = "" if cosine is None else f", cosine {cosine:.3f} with the consensus"
                 return GateVerdict(
                     "reject", 0.0, norm, cosine,
                     f"raises the probe-batch loss {before:.4f} → {after:.4f} (+{100 * rise:.3g} %, limit "
-                    f"{100 * policy.probe_margin:g} %){agreement}{on}",
+                    f"{100 * margin:.3g} %){agreement}{on}",
                 )
-            if math.isfinite(before) and after < before * (1.0 - policy.probe_margin):
-                probed = f"; lowers the probe-batch loss {before:.4f} → {after:.4f}"
+            # A peer on probation needs only to lower the loss: a newcomer's first updates (fresh AdamW state, or
+            # a short lease) move θ little and noisily — but downhill, where a sign-flipped one goes uphill. An
+            # established peer in the gray zone must lower it by the margin.
+            wanted = before if probation else before * (1.0 - margin)
+            if not (math.isfinite(before) and after < wanted):
+                # no evidence that it helps: a random direction lands here (±0.01 % where honest updates lower the
+                # loss by 0.1-0.4 %) — refused like a weakly agreeing direction, not counted toward quarantine
+                agreement = "" if cosine is None else f"; cosine {cosine:.3f} with the consensus"
+                return GateVerdict(
+                    "reject", 0.0, norm, cosine,
+                    f"does not lower the probe-batch loss{'' if probation else f' by more than {100 * margin:.3g} %'} "
+                    f"({before:.5f} → {after:.5f}){agreement}{on}; not counted toward quarantine",
+                    counts=False,
+                )
+            probed = f"; lowers the probe-batch loss {before:.5f} → {after:.5f}"
     if warm and cosine is not None and len(gate.cosines) >= 3 and not probed:
         center = median(gate.cosines)
         spread = max(_mad(gate.cosines, center), 1e-3)

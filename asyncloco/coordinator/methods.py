@@ -184,6 +184,8 @@ def coordinator_policy(
             probe_margin=knobs.probe_margin,
             probe_below=knobs.probe_below,
             probe_all_below_params=knobs.probe_all_below_params,
+            probe_max_params=knobs.probe_max_params,
+            full_steps=cfg.schedule.max_local_steps,
         )
     bound = None
     if gate is not None and numel is not None and cfg.inner.optimizer in ("adamw", "adamw8bit"):

@@ -11,7 +11,7 @@ on, a sign-flipped one raises it, a random one barely changes it.
 
 The probe batch is the last ``sequences`` rows of the held-out validation set when the workload has one
 (the LM workload), else the workload's first training batch. The evaluation runs on the probe's own copy
-of the model (the daemon's periodic evaluation runs concurrently on its model).
+of the model, on ``runtime.eval_device`` (the daemon's periodic evaluation runs concurrently on its model).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ class Probe:
     """Loss on the probe batch at θ and at θ − s·Δ. Deterministic for a given θ and Δ on one machine; the
     daemon records its outcome in the event, so a replay never needs to recompute it."""
 
-    def __init__(self, workload: Workload, model: nn.Module, sequences: int) -> None:
+    def __init__(self, workload: Workload, model: nn.Module, sequences: int, device: str | torch.device = "cpu") -> None:
         self.workload = workload
-        self.model = copy.deepcopy(model)
+        self.model = copy.deepcopy(model).to(torch.device(device))
         self.model.eval()
         self.batch = probe_batch(workload, sequences)
         self._at: tuple[int, float] | None = None  # (version, loss at θ of that version)
