@@ -96,7 +96,7 @@ def test_grouped_delay_compensation_normalises_per_group() -> None:
     g1 = _vec(10)
     g1[4:] *= 10.0  # the second group's scale is 100x larger in g², the correction must not be
     now, base = _vec(11), _vec(12)
-    transform = DelayCompensation(0.5, groups=groups, ema=ema)
+    transform = DelayCompensation(0.5, groups=groups, ema=ema, cap=None)  # the normalisation alone
     out1 = transform.adjust(g1, 3, now, base)
     ms1 = [float(g1[a:b].double().square().mean()) for a, b in groups]
     assert torch.allclose(out1.pseudo_gradient.double(), _group_reference(g1, now - base, groups, 0.5, ms1), rtol=1e-5, atol=1e-6)
@@ -110,9 +110,30 @@ def test_grouped_delay_compensation_normalises_per_group() -> None:
 
     # state round trip: a restored transform gives the same third output
     g3 = _vec(14)
-    restored = DelayCompensation(0.5, groups=groups, ema=ema)
+    restored = DelayCompensation(0.5, groups=groups, ema=ema, cap=None)
     restored.load_state_dict(_roundtrip(transform.state_dict()))
     assert torch.equal(restored.adjust(g3, 2, now, base).pseudo_gradient, transform.adjust(g3, 2, now, base).pseudo_gradient)
+
+
+def test_delay_compensation_cap_bounds_each_correction_by_the_gradient() -> None:
+    """|λ·g²·drift| ≤ cap·|g| per coordinate: a capped coordinate lies between 0 and 2·g, never flips sign."""
+    g = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0])
+    base = torch.zeros(5)
+    now = torch.tensor([0.01, 0.5, -1.0, 0.0, 7.0])
+    # λ·g²·drift = [0.1, 20, −2.5, 0, 0]; bounds |g| = [1, 2, 0.5, 3, 0]
+    capped = DelayCompensation(10.0).adjust(g, 3, now, base).pseudo_gradient
+    assert torch.equal(capped, torch.tensor([1.1, 0.0, 0.0, 3.0, 0.0]))
+    half = DelayCompensation(10.0, cap=0.5).adjust(g, 3, now, base).pseudo_gradient
+    assert torch.equal(half, torch.tensor([1.1, -1.0, 0.25, 3.0, 0.0]))
+    free = DelayCompensation(10.0, cap=None).adjust(g, 3, now, base).pseudo_gradient
+    assert torch.equal(free, torch.tensor([1.1, 18.0, -2.0, 3.0, 0.0]))
+    # grouped: the same bound after the per-group normalisation (group mean g² = 1 → scale λ / debiased = λ)
+    grouped = DelayCompensation(10.0, groups=[(0, 2)], ema=0.0).adjust(
+        torch.tensor([1.0, -1.0]), 1, torch.tensor([0.05, 3.0]), torch.zeros(2)
+    )
+    assert torch.equal(grouped.pseudo_gradient, torch.tensor([1.5, 0.0]))
+    with pytest.raises(ValueError, match="cap"):
+        DelayCompensation(1.0, cap=0.0)
 
 
 @pytest.mark.parametrize("staleness,scale", [(0, 1.0), (1, 1.0), (2, 0.5), (5, 0.2)])

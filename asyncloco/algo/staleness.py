@@ -100,16 +100,32 @@ class DelayCompensation(StalenessTransform):
     (EMA with ``ema``), so that each group's correction has the same relative size whatever the
     scale of its pseudo-gradients — our reading of AsyncLM's parameter-group compensation (AGC),
     whose exact estimator the summary does not give.
+
+    ``cap`` bounds each coordinate's correction by ``cap``·|g_i| (None: unbounded). The correction is a
+    first-order Taylor term of the gradient around θ_base; one larger than the gradient itself is outside
+    the region where that expansion means anything, and with the group normalisation it feeds on its own
+    earlier over-corrections until θ diverges (docs/algorithm.md §2). With cap = 1 a corrected coordinate
+    stays between 0 and 2·g_i: it never flips the update's sign. Without the normalisation the correction
+    is far below |g| and the cap never binds (the result is bit-identical).
     """
 
     name = "delay_compensation"
     needs_base_params = True
 
-    def __init__(self, strength: float, groups: Sequence[tuple[int, int]] | None = None, ema: float = 0.99) -> None:
+    def __init__(
+        self,
+        strength: float,
+        groups: Sequence[tuple[int, int]] | None = None,
+        ema: float = 0.99,
+        cap: float | None = 1.0,
+    ) -> None:
         if strength < 0:
             raise ValueError(f"delay compensation strength λ must be >= 0, got {strength}")
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"delay compensation ema must be in [0, 1), got {ema}")
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"delay compensation cap must be a positive number (× |g|) or None, got {cap}")
+        self.cap = None if cap is None else float(cap)
         self.strength = float(strength)
         self.groups = [(int(a), int(b)) for a, b in groups] if groups else None
         self.ema = float(ema)
@@ -130,7 +146,10 @@ class DelayCompensation(StalenessTransform):
         drift = params_now - params_base
         correction = pseudo_gradient * pseudo_gradient * drift
         if self.groups is None:
-            return Adjustment(pseudo_gradient + self.strength * correction, 1.0, f"delay-compensated, λ={self.strength}")
+            return Adjustment(
+                pseudo_gradient + self._capped(self.strength * correction, pseudo_gradient), 1.0,
+                f"delay-compensated, λ={self.strength}",
+            )
         out = pseudo_gradient.clone()
         self.updates += 1
         for index, (start, stop) in enumerate(self.groups):
@@ -138,8 +157,14 @@ class DelayCompensation(StalenessTransform):
             self.group_sq[index] = self.ema * self.group_sq[index] + (1 - self.ema) * mean_sq
             debiased = self.group_sq[index] / (1 - self.ema**self.updates)
             scale = self.strength / debiased if debiased > 0 else 0.0
-            out[start:stop].add_(correction[start:stop], alpha=scale)
+            out[start:stop].add_(self._capped(correction[start:stop] * scale, pseudo_gradient[start:stop]))
         return Adjustment(out, 1.0, f"group delay-compensated over {len(self.groups)} groups")
+
+    def _capped(self, correction: torch.Tensor, pseudo_gradient: torch.Tensor) -> torch.Tensor:
+        if self.cap is None:
+            return correction
+        bound = pseudo_gradient.abs() * self.cap
+        return torch.minimum(torch.maximum(correction, -bound), bound)
 
     def state_dict(self) -> dict[str, Any]:
         return {"group_sq": list(self.group_sq), "updates": self.updates}
