@@ -76,6 +76,9 @@ __all__ = [
 ]
 
 RPC_NAMES = ("assign", "get_model", "submit")
+# after an ERROR frame, what the service reads and drops until the caller closes (CoordinatorService._close_after_error)
+ERROR_LINGER_S = 5.0
+ERROR_LINGER_BYTES = 8 << 20
 T = TypeVar("T")
 
 
@@ -310,6 +313,7 @@ class CoordinatorService:
         if admitted:
             self._streams += 1
             self._active[peer_id] = self._active.get(peer_id, 0) + 1
+        answered_error = False  # an ERROR frame went out: close so that it arrives (_close_after_error)
         try:
             if not admitted:
                 raise _Busy(
@@ -324,16 +328,16 @@ class CoordinatorService:
             traffic.failures += 1
             self._protocol_errors(peer_id, rpc, f"{type(error).__name__}: {error}")
             if not isinstance(error, (RpcTimeout, PeerUnreachable)):  # nobody is listening after those
-                await self._send_error(frames_out, str(error))
+                answered_error = await self._send_error(frames_out, str(error))
         except _Refused as error:
             traffic.failures += 1
             self._refusals(peer_id, rpc, str(error))
-            await self._send_error(frames_out, str(error))
+            answered_error = await self._send_error(frames_out, str(error))
         except Exception as error:  # a bug here or in the handler: one line, traceback at DEBUG
             traffic.failures += 1
             logger.error("%s from %s failed: %r", rpc, peer_id, error)
             logger.debug("%s failure", rpc, exc_info=True)
-            await self._send_error(frames_out, f"internal error: {type(error).__name__}")
+            answered_error = await self._send_error(frames_out, f"internal error: {type(error).__name__}")
         finally:
             if admitted:
                 self._streams -= 1
@@ -342,14 +346,46 @@ class CoordinatorService:
                     self._active[peer_id] = left
                 else:
                     del self._active[peer_id]
-            traffic.bytes_received += frames_in.bytes_read
+            discarded = await self._close_after_error(reader, writer) if answered_error else 0
+            traffic.bytes_received += frames_in.bytes_read + discarded
             traffic.bytes_sent += frames_out.bytes_written
             writer.close()
 
     @staticmethod
-    async def _send_error(frames_out: FrameWriter, message: str) -> None:
-        with contextlib.suppress(Exception):
+    async def _send_error(frames_out: FrameWriter, message: str) -> bool:
+        """Send an ERROR frame; whether it was written (the caller may be gone)."""
+        try:
             await frames_out.error(message)
+        except Exception:
+            return False
+        return True
+
+    async def _close_after_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        """Before closing a stream answered with an error: half-close it, then read (and drop) what the caller
+        still sends until it closes its side, within :data:`ERROR_LINGER_S` and :data:`ERROR_LINGER_BYTES`;
+        returns the bytes dropped.
+
+        A refusal is sent before the request is read (admission) or mid-body. Closing our socket to p2pd
+        with those bytes unread resets it (ECONNRESET on p2pd's read); p2pd then *resets* the libp2p stream,
+        and a reset can overtake the ERROR frame still on its way: the caller read the frame's 5-byte prefix,
+        then "stream closed after 0 of 90 bytes" instead of the refusal. The caller closes the stream as
+        soon as it has read the error, so this wait is one round trip."""
+        discarded = 0
+        deadline = time.monotonic() + min(ERROR_LINGER_S, self.limits.idle_timeout)
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()  # the error is all we send: a caller reading until we hang up stops now
+            while discarded < ERROR_LINGER_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                data = await asyncio.wait_for(reader.read(64 << 10), timeout=left)
+                if not data:
+                    break
+                discarded += len(data)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
+        return discarded
 
     async def _call_handler(self, call: Awaitable[T]) -> T:
         try:
