@@ -26,9 +26,11 @@ small fixed probe batch at θ and at θ − s·Δ (``s`` = ``probe_step``: a sho
 local progress) *before* it calls
 ``handle`` and passes both losses in the ``SubmitUpdate`` event (so they are in the write-ahead log and a
 replay makes the same decision without a model: :func:`score` stays pure). For an update in the gray zone
-— from a peer on probation, or with a cosine below ``max(threshold, probe_below × median)`` — a probe loss
+— a cosine below ``max(cosine_cap, probe_below × median)``, or before warm-up from a peer on probation —
+a probe loss
 that rises by more than ``probe_margin`` (relative, scaled by ``steps / full_steps``) rejects it (counted
-toward quarantine: it makes the model worse), one that falls by more accepts it even if its cosine is
+toward quarantine when above ``probe_count_factor`` × that: it makes the model worse), one that falls by
+more accepts it even if its cosine is
 weakly negative, and one in between is refused without counting (no evidence that it helps: where a random
 direction lands). A peer on probation needs only to lower it: an honest newcomer's first updates (fresh
 AdamW state) point slightly against the consensus and move θ little, but downhill. The probe judges the *direction* (is Δ a descent direction on data no peer
@@ -91,6 +93,7 @@ class GatePolicy:
     probe_step: float = 0.2  # the probe evaluates θ − probe_step·Δ
     probe_margin: float = 0.0005  # relative probe-loss change that counts as evidence, for a lease of full_steps
     full_steps: int = 1  # the schedule's max_local_steps: a shorter lease moves θ less, its margin shrinks in proportion
+    probe_count_factor: float = 4.0  # a rise above this × the margin also counts toward quarantine
     probe_below: float = 0.5  # the gray zone: cosine below this × the median of recent cosines (or on probation)
     probe_all_below_params: int = 25_000_000  # models up to this size: probe every update; larger: probation only
     probe_max_params: int = 50_000_000  # above this size no probe (two forward passes under the lock: see wants_probe)
@@ -226,20 +229,25 @@ def score(
     probed = ""  # set when the probe vouched for the update's direction
     if probe is not None and policy.probe:
         before, after = float(probe[0]), float(probe[1])
-        gray = probation
-        if not gray and warm and cosine is not None and len(gate.cosines) >= 3:
-            center = median(gate.cosines)
-            gray = cosine < max(policy.cosine_cap, policy.probe_below * center)
+        # the gray zone: a direction that agrees weakly with the recent consensus; before there is one (warm-up),
+        # a peer on probation
+        if warm and cosine is not None and len(gate.cosines) >= 3:
+            gray = cosine < max(policy.cosine_cap, policy.probe_below * median(gate.cosines))
+        else:
+            gray = probation
         if gray:
             # the first-order effect of Δ on the loss grows with its steps: so does the margin
             margin = policy.probe_margin * min(1.0, steps / max(1, policy.full_steps))
             if not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin)):
                 rise = (after - before) / before if before > 0 and math.isfinite(after) else math.inf
                 agreement = "" if cosine is None else f", cosine {cosine:.3f} with the consensus"
+                # a small rise can be the probe batch's noise on honest work: only a clear one counts
+                counted = rise > policy.probe_count_factor * margin
                 return GateVerdict(
                     "reject", 0.0, norm, cosine,
-                    f"raises the probe-batch loss {before:.4f} → {after:.4f} (+{100 * rise:.3g} %, limit "
-                    f"{100 * margin:.3g} %){agreement}{on}",
+                    f"raises the probe-batch loss {before:.5f} → {after:.5f} (+{100 * rise:.3g} %, limit "
+                    f"{100 * margin:.3g} %){agreement}{on}" + ("" if counted else "; not counted toward quarantine"),
+                    counts=counted,
                 )
             # A peer on probation needs only to lower the loss: a newcomer's first updates (fresh AdamW state, or
             # a short lease) move θ little and noisily — but downhill, where a sign-flipped one goes uphill. An
@@ -287,7 +295,8 @@ def score(
             scale = clip_at * typical / per_step
             return GateVerdict(
                 "clip", scale, norm, cosine,
-                f"per-step norm {per_step:.4g} clipped to {clip_at:g}× the recent median {typical:.4g}{on}{probed}",
+                f"per-step norm {per_step:.4g} clipped to {clip_at:g}× the recent median {typical:.4g}{on}"
+                + ("" if cosine is None else f" (cosine {cosine:.3f} with the consensus{probed})"),
             )
     agreement = "" if cosine is None else f" (cosine {cosine:.3f} with the consensus{probed})"
     if cosine is None and probed:
