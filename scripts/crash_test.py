@@ -15,7 +15,10 @@ reported, apart from the restart itself: process start-up, replay, DHT). At the 
 * the same peer processes ran from start to end.
 
 Usage: ``python scripts/crash_test.py --config configs/demo.yaml --kills 20 [--peers 3] [--json out.json]``
-(≈ 50 s per kill on a 2-core machine shared with other jobs, mostly the restart itself). ``tests/test_crash_replay.py`` runs it with 3 kills.
+(≈ 50 s per kill on a 2-core machine shared with other jobs, mostly the restart itself). ``tests/test_crash_replay.py`` runs it
+with one kill (what only real processes can show: the DHT child dies with its owner, the orphaned p2pd is
+reaped, the same peer processes carry on); crashes at every point of the decision path are tested in-process
+(tests/test_inprocess_runtime.py).
 """
 
 from __future__ import annotations
@@ -166,8 +169,11 @@ def run_crash_test(
     gate: bool = False,
     recover_timeout: float = 90.0,
     env: dict[str, str] | None = None,
+    updates_before: int = 2,
+    updates_after: int = 2,
 ) -> dict[str, Any]:
-    """Run the whole check; raise :class:`CrashTestFailure` on a violation; return the figures."""
+    """Run the whole check; raise :class:`CrashTestFailure` on a violation; return the figures.
+    ``updates_before``/``updates_after``: applied updates to wait for before the first kill and after the last."""
     rng = random.Random(seed)
     config_path = prepare_config(config, workdir, snapshot_every, gate)
     cfg = load_config(config_path)
@@ -181,7 +187,7 @@ def run_crash_test(
         for name, slowdown in zip(names, slowdowns):
             cluster.start_peer(name, slowdown=slowdown)
         started = time.time()
-        cluster.wait_for(lambda: applied_after(cluster, started) >= 2, 180, "the first 2 applied updates")
+        cluster.wait_for(lambda: applied_after(cluster, started) >= updates_before, 180, f"the first {updates_before} applied updates")
         pids = {name: p.pid for name, p in cluster.peers.items()}
         for kill in range(kills):
             gap = rng.uniform(min_gap, max_gap)
@@ -213,7 +219,7 @@ def run_crash_test(
                 kill + 1, kills, gap, restart_s[-1], recover_s[-1],
             )
         ended = time.time()
-        cluster.wait_for(lambda: applied_after(cluster, ended) >= 2, recover_timeout, "2 more applied updates")
+        cluster.wait_for(lambda: applied_after(cluster, ended) >= updates_after, recover_timeout, f"{updates_after} more applied updates")
         for name, process in cluster.peers.items():
             check(cluster.stop(process, timeout=60.0) == 0, f"peer {name} did not exit cleanly")
         check(cluster.stop_coordinator(timeout=60.0) == 0, "the coordinator did not exit cleanly")

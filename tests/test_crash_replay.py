@@ -6,11 +6,12 @@
   the background and the segments they cover leave the log, and the final state equals a replay of the whole
   log from the initial snapshot (θ bitwise, optimizer state, leases, shard progress, counters).
 * ``test_coordinator_main_process_sigkill_at_random_points`` — real processes: the coordinator's Python
-  process alone is SIGKILLed (what the OOM killer does) at 3 random moments while two peers train; its DHT
+  process alone is SIGKILLed (what the OOM killer does) at a random moment while two peers train; its DHT
   process dies with it, ``--resume`` reaps the orphaned p2pd, updates are applied again within seconds, the
   same peer processes carry on; every update a peer saw acknowledged is applied exactly once, at the version
-  it was told, and the final state equals a replay of the log. (``scripts/crash_test.py`` runs the same
-  check with 20 kills on the demo config.)
+  it was told, and the final state equals a replay of the log. One kill here (what only real processes can
+  show); ``scripts/crash_test.py --kills 20`` is the acceptance run, and crashes at each named point of the
+  decision path are tested in-process in tests/test_inprocess_runtime.py.
 """
 
 from __future__ import annotations
@@ -211,15 +212,27 @@ def _p2pd_with_tag(tag: str) -> list[int]:
     return found
 
 
+TOY_RUN = """
+name: crash-toy
+task: {kind: toy, dim: 32, hidden: 16, points: 4096, eval_points: 256, batch_size: 16, num_shards: 2}
+outer: {buffer_size: 2}
+schedule: {method: async_dn_dylu, max_local_steps: 10, grace_period: 0.0}
+sim: {workers: 2}
+runtime: {codec: int8, eval_every: 1000, speed_report_period: 2.0, lease_slack: 10.0}
+"""
+
+
 @pytest.mark.integration
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_coordinator_main_process_sigkill_at_random_points(tmp_path: Path) -> None:
     crash = _crash_script()
     tag = uuid.uuid4().hex
+    config = tmp_path / "toy.yaml"  # the toy task: process start-up, not training, is what this test waits for
+    config.write_text(TOY_RUN)
     try:
         result = crash.run_crash_test(
-            ROOT / "configs" / "demo.yaml", tmp_path / "crash", kills=3, slowdowns=(1.0, 1.5), seed=1,
-            snapshot_every=4, env={TAG_VAR: tag},
+            config, tmp_path / "crash", kills=1, slowdowns=(1.0, 1.5), seed=1,
+            snapshot_every=4, env={TAG_VAR: tag}, updates_before=1, updates_after=1,
         )
     finally:
         # LocalCluster.close() stopped every process group; p2pd of a cleanly stopped process exits within seconds
@@ -227,7 +240,7 @@ def test_coordinator_main_process_sigkill_at_random_points(tmp_path: Path) -> No
         while _p2pd_with_tag(tag) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _p2pd_with_tag(tag), "p2pd left behind"
-    assert result["kills"] == 3 and len(result["recover_s"]) == 3
+    assert result["kills"] == 1 and len(result["recover_s"]) == 1
     # serving again → an update applied: a peer's resend backoff (≤ 10 s) plus a round, not minutes
     assert max(result["recover_s"]) < 30.0, result["recover_s"]
     assert result["acknowledged"] >= result["kills"] and result["version"] >= result["acknowledged"] - result["duplicate_acks"]
