@@ -210,7 +210,7 @@ class GateConfig(StrictModel):
     quarantine_s: float = Field(600.0, gt=0, description="first quarantine's length; doubles each time")
     # --- the probe (coordinator/probe.py): loss on a fixed held-out batch at θ and θ − Δ decides the gray zone
     probe: bool = Field(True, description="evaluate the probe-batch loss to decide gray-zone updates")
-    probe_sequences: int = Field(8, ge=1, description="rows of the probe batch (the last held-out rows)")
+    probe_sequences: int = Field(16, ge=1, description="rows of the probe batch (the last held-out rows)")
     probe_step: float = Field(0.2, gt=0, le=1, description="the probe evaluates the loss at θ − probe_step × Δ")
     probe_margin: float = Field(
         0.0005, ge=0, description="a gray-zone update raising the probe loss by more (relative) is rejected, lowering it by more accepted"

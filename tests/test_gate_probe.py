@@ -78,6 +78,9 @@ def test_probe_decides_the_gray_zone() -> None:
     assert G.score(half, state, weak, 10, "old", probe=(5.0, 4.9985)).action == "accept"  # −0.03 %
     assert G.score(policy, state, weak, 10, "old", probe=(5.0, 4.9985)).action == "reject"
     assert G.score(half, state, weak, 10, "old", probe=(5.0, 5.0015)).action == "reject"  # +0.03 % > 0.025 %
+    # pointing away (below −0.25 × 0.4 = −0.1) is not gray: rejected and counted whatever the probe says
+    away = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 4.9))
+    assert (away.action, away.counts) == ("reject", True) and "direction disagrees" in away.reason
     # a non-finite probe loss rejects
     assert G.score(policy, state, weak, 10, "old", probe=(5.0, math.inf)).action == "reject"
 
@@ -226,7 +229,7 @@ def run_newcomer_and_attacker() -> None:
     # its norm is far above its peers' (a fresh AdamW state moves every parameter by ≈ lr per step), so on
     # probation it is clipped to 2 × the median — but it is accepted on its first update
     verdict = submit("c", newcomer)
-    assert verdict.action in ("accept", "clip") and "lowers the probe-batch loss" in verdict.reason, verdict.reason
+    assert verdict.action in ("accept", "clip"), verdict.reason
     # a sign-flipped update at the honest norm (the attacker's own honest work, negated) is rejected
     flipped = -train(InnerTrainer.from_config(cfg, workload), 3)
     verdict = submit("mallory", flipped)
