@@ -22,6 +22,7 @@ What it does, in one place:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import logging
@@ -520,20 +521,41 @@ class CoordinatorDaemon:
         Order (durability): handle in memory → append the event (with ``now``, and for a submission its
         encoded bytes ``wire`` exactly as received) to the write-ahead log → ``fsync`` → only then carry out
         the actions. Events that produce no action and answer no RPC are appended without an ``fsync`` (the
-        next ``fsync`` covers them; losing them in a crash loses nothing anyone was told)."""
+        next ``fsync`` covers them; losing them in a crash loses nothing anyone was told).
+
+        A submission (``wire`` given: θ-sized bytes to checksum, write and fsync) is logged in a worker thread
+        *while* ``handle`` validates and applies it here — the log and the state see the same event and
+        ``now``, and nothing is carried out before both are done (issue 8's ack latency). Should ``handle``
+        raise meanwhile, the daemon fail-stops: the event is in the log, so a resume meets the same error."""
         now = self.clock.time()
-        _, actions = handle(self.state, event, now)
         attachments = None
         if wire is not None:
             attachments = {"pseudo_gradient": (wire.codec, wire.numel, [wire.meta, wire.payload])}
         try:
-            self.wal.append_event(event, now, attachments)
-            if self.crash_hook is not None:
-                self.crash_hook("wal_appended")
-            if actions or isinstance(event, (RequestWork, SubmitUpdate)):
-                await asyncio.to_thread(self.wal.sync)
+            if wire is not None:
+                context = contextvars.copy_context()  # the crash hook of tests reads the current RPC from it
+                logged = asyncio.get_running_loop().run_in_executor(
+                    None, context.run, self._log_and_sync, event, now, attachments
+                )
+                try:
+                    _, actions = handle(self.state, event, now)
+                except BaseException:
+                    await asyncio.gather(logged, return_exceptions=True)
+                    logger.critical("the logic failed on %s, which is logged: stopping; report this bug", type(event).__name__)
+                    self._stopping = True
+                    if self._stop_event is not None:
+                        self._stop_event.set()
+                    raise
+                await logged
+            else:
+                _, actions = handle(self.state, event, now)
+                self.wal.append_event(event, now, attachments)
                 if self.crash_hook is not None:
-                    self.crash_hook("wal_synced")
+                    self.crash_hook("wal_appended")
+                if actions or isinstance(event, (RequestWork, SubmitUpdate)):
+                    await asyncio.to_thread(self.wal.sync)
+                    if self.crash_hook is not None:
+                        self.crash_hook("wal_synced")
         except OSError as error:
             # Fail-stop: the decision is in memory but not durable, so nobody may be told about it.
             # The caller's RPC fails (the peer keeps its update and resends after a restart, which
@@ -563,6 +585,15 @@ class CoordinatorDaemon:
         if changed:
             self._write_status()
         return actions
+
+    def _log_and_sync(self, event: Event, now: float, attachments: Any) -> None:
+        """Append ``event`` to the log and fsync it (a worker thread, for a submission: see ``_decide``)."""
+        self.wal.append_event(event, now, attachments)
+        if self.crash_hook is not None:
+            self.crash_hook("wal_appended")
+        self.wal.sync()
+        if self.crash_hook is not None:
+            self.crash_hook("wal_synced")
 
     def _record(self, action: Action) -> bool:
         """Journal and count one action; True when it changed durable state."""

@@ -270,6 +270,8 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             f"codec {name!r} numel={numel}: expected payload {value_bytes(name, numel)} B and meta "
             f"{meta_bytes(name, numel)} B, got {len(encoded.payload)} B and {len(encoded.meta)} B"
         )
+    if out is not None and name != "int8":
+        raise CodecError(f"decode(out=...) is implemented for codec 'int8' only, not {name!r}; leave out=None")
     if name in ("none", "fp16", "bf16"):
         if name == "none":
             values = torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f4").copy())
@@ -295,8 +297,6 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             )
         _decode_int8_into(encoded.payload, absmax.numpy(), numel, out)
         return out
-    if out is not None:
-        raise CodecError(f"decode(out=...) is implemented for codec 'int8' only, not {name!r}; leave out=None")
     quantized = _uint8_tensor(encoded.payload)
 
     import bitsandbytes.functional as bnbf
