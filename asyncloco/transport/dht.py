@@ -134,6 +134,8 @@ def start_dht(**kwargs: Any) -> hivemind.DHT:
     the main thread, dies with its owner."""
     global _owner_pid
     kwargs.setdefault("shutdown_timeout", 10.0)
+    # hivemind gives p2pd 15 s to start; on a loaded 2-core machine it took longer ("Daemon failed to start")
+    kwargs.setdefault("startup_timeout", 60.0)
     _owner_pid = os.getpid() if threading.current_thread() is threading.main_thread() else None
     with _default_signals():
         dht = _OwnedDHT(start=True, **kwargs)
