@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's asyncloco, installed or not
+
 from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.models.lm import causal_lm_loss
 from asyncloco.models.presets import PRESETS, build_causal_lm

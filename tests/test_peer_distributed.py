@@ -137,7 +137,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_rank_group_pseudo_gradient_equals_single_process_and_stops_together(tmp_path: Path, parallel: str) -> None:
     from asyncloco.fingerprint import run_fingerprint
@@ -196,7 +196,7 @@ def _rank_dies(rank: int, world: int, port: int, cache_dir: str, out: str) -> No
         Path(out).write_text(f"failed after {time.monotonic() - started:.1f}s: {error}")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_a_dead_rank_fails_the_group_cleanly(tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")
     _single_process(cache)

@@ -247,33 +247,26 @@ class InnerTrainer:
         result is meaningful (the pseudo-gradient is reduced to it)."""
         if steps < 1:
             raise ValueError(f"a round needs at least one step, got {steps}")
-        if self.group is None:
-            return self._run(params, shard, start_offset, steps, lr_offset, on_step, should_stop)
-        from asyncloco.peer.distributed import GroupFailed
-
+        if params is None and (self.group is None or self.group.is_leader):
+            raise ValueError("params (θ) are required, except on a follower rank of a group")
         try:
-            return self._run(params, shard, start_offset, steps, lr_offset, on_step, should_stop)
+            pseudo_gradient = self._load_sharded(params) if self.sharded else self._load(params)
+            total = self._train_steps(shard, start_offset, steps, lr_offset, on_step, should_stop)
+            return RoundResult(pseudo_gradient(), steps, self._mean_loss(total, steps))
         except (LeaseAborted, ValueError, TypeError):
             raise
-        except (RuntimeError, dist.DistBackendError) as error:  # a collective failed: a rank is gone
+        except (RuntimeError, dist.DistBackendError) as error:  # in a group: a collective failed, a rank is gone
+            if self.group is None:
+                raise
+            from asyncloco.peer.distributed import GroupFailed
+
             raise GroupFailed(f"training on the peer's group failed: {error}") from error
 
-    def _run(
-        self,
-        params: Optional[torch.Tensor],
-        shard: int,
-        start_offset: int,
-        steps: int,
-        lr_offset: int,
-        on_step: Callable[[float], None] | None,
-        should_stop: Callable[[], bool] | None,
-    ) -> RoundResult:
+    def _load(self, params: Optional[torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Load θ (rank 0's, broadcast in a group) into the whole model; returns what computes
+        θ_start − θ_end on the host once the steps are done (under DDP: reduced to rank 0)."""
         group = self.group
-        if self.sharded:
-            return self._run_sharded(params, shard, start_offset, steps, lr_offset, on_step, should_stop)
         if params is None:
-            if group is None or group.is_leader:
-                raise ValueError("params (θ) are required, except on a follower rank of a group")
             theta_start = torch.empty(self.numel, dtype=torch.float32, device=self._collective_device())
         else:
             theta_start = self._theta_to_device(params.detach().to(torch.float32).cpu())
@@ -282,34 +275,24 @@ class InnerTrainer:
             dist.broadcast(theta_start, src=0)
             theta_start = theta_start.to(self.device)
         load_flat_params(self.model, theta_start)
-        total = self._train_steps(shard, start_offset, steps, lr_offset, on_step, should_stop)
-        pseudo_gradient = theta_start - flatten_params(self.model)
-        if group is not None:
-            # replicas are identical under DDP; the mean over ranks is the pseudo-gradient, reduced to the leader
-            reduced = pseudo_gradient.to(self._collective_device())
-            dist.reduce(reduced, dst=0, op=dist.ReduceOp.SUM)
-            pseudo_gradient = reduced.to(self.device) / group.world_size
-        return RoundResult(self._to_host(pseudo_gradient), steps, self._mean_loss(total, steps))
 
-    def _run_sharded(
-        self,
-        params: Optional[torch.Tensor],
-        shard: int,
-        start_offset: int,
-        steps: int,
-        lr_offset: int,
-        on_step: Callable[[float], None] | None,
-        should_stop: Callable[[], bool] | None,
-    ) -> RoundResult:
-        """The FSDP round: rank 0's θ is scattered parameter by parameter (each rank receives only its shard;
-        nothing θ-sized lands on a device), the steps run on the shards, and each parameter's
-        θ_start − θ_end is gathered (``full_tensor``) into the pseudo-gradient on the host."""
+        def pseudo_gradient() -> torch.Tensor:
+            delta = theta_start - flatten_params(self.model)
+            if group is not None:
+                # replicas are identical under DDP; the mean over ranks is the pseudo-gradient, reduced to rank 0
+                reduced = delta.to(self._collective_device())
+                dist.reduce(reduced, dst=0, op=dist.ReduceOp.SUM)
+                delta = reduced.to(self.device) / group.world_size
+            return self._to_host(delta)
+
+        return pseudo_gradient
+
+    def _load_sharded(self, params: Optional[torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """FSDP: rank 0's θ is scattered parameter by parameter (each rank receives only its shard; nothing
+        θ-sized lands on a device); returns what gathers each parameter's θ_start − θ_end (``full_tensor``)
+        into the pseudo-gradient on the host once the steps are done."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        group = self.group
-        assert group is not None
-        if params is None and group.is_leader:
-            raise ValueError("params (θ) are required, except on a follower rank of a group")
         theta = params.detach().to(torch.float32).cpu() if params is not None else None
         if theta is not None and theta.numel() != self.numel:
             raise ValueError(f"flat parameter vector has {theta.numel()} values, model needs {self.numel}")
@@ -328,12 +311,14 @@ class InnerTrainer:
                 p.to_local().copy_(start.to_local())
                 starts.append(start)
                 offset += n
-        total = self._train_steps(shard, start_offset, steps, lr_offset, on_step, should_stop)
-        pieces = []
-        with torch.no_grad():
-            for start, p in zip(starts, self.model.parameters()):
-                pieces.append(_full(start - p.detach()).reshape(-1).cpu())
-        return RoundResult(torch.cat(pieces), steps, self._mean_loss(total, steps))
+
+        def pseudo_gradient() -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([
+                    _full(start - p.detach()).reshape(-1).cpu() for start, p in zip(starts, self.model.parameters())
+                ])
+
+        return pseudo_gradient
 
     def _mean_loss(self, total: torch.Tensor, steps: int) -> float:
         """The round's mean loss; in a group the mean over ranks of their blocks' losses (reduced to rank 0)."""
