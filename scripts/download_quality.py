@@ -4,7 +4,8 @@
 runs ``asyncloco demo`` (configs/demo.yaml, three peers on this machine) once per download codec and
 repeat, alternating the codecs, each with ``runtime.download_codec`` set; then compares the coordinator's
 validation perplexity at the largest version (= applied updates) every run reached and evaluated, and
-reports each peer's downloaded payload per lease as a fraction of θ's fp32 size. The first codec is the
+reports the peers' downloaded payload per round as a fraction of θ's fp32 size. ``--reuse`` reads runs
+already under ``--out`` (e.g. to add repeats). The first codec is the
 reference. Runs are asynchronous (timing decides which peer's update lands when), so repeats differ:
 compare the spread across repeats with the difference between codecs.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -24,7 +26,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_one(codec: str, duration: float, out: Path) -> Dict[str, Any]:
+def run_one(codec: str, duration: float, out: Path, reuse: bool = False) -> Dict[str, Any]:
+    if reuse and (out / "summary.json").exists():
+        return read_run(codec, out)
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     config["runtime"]["download_codec"] = codec
     out.mkdir(parents=True, exist_ok=True)
@@ -36,12 +40,16 @@ def run_one(codec: str, duration: float, out: Path) -> Dict[str, Any]:
             [sys.executable, "-m", "asyncloco", "demo", "--config", str(path), "--duration", str(duration), "--out", str(out)],
             cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, check=True,
         )
+    return read_run(codec, out)
+
+
+def read_run(codec: str, out: Path) -> Dict[str, Any]:
     summary = json.loads((out / "summary.json").read_text())
     evals = {int(e["version"]): float(e["perplexity"]) for e in summary["status"].get("evals", []) if "perplexity" in e}
     peers = {}
     for name, peer in summary["peers"].items():
         traffic = peer.get("traffic", {}).get("get_model", {})
-        peers[name] = {"leases": peer.get("leases", 0), "downloads": traffic.get("calls", 0),
+        peers[name] = {"rounds": peer.get("rounds", 0), "downloads": traffic.get("calls", 0),
                        "download_payload_bytes": traffic.get("payload_bytes_received", 0)}
     with open(out / "coordinator" / "events.jsonl") as journal:
         numel = int(json.loads(journal.readline())["numel"])  # the "start" record
@@ -56,13 +64,14 @@ def main() -> None:
     parser.add_argument("--codecs", default="none,int8")
     parser.add_argument("--out", default="runs/download_quality")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--reuse", action="store_true", help="read runs already in --out instead of running them again")
     args = parser.parse_args()
     codecs = args.codecs.split(",")
     runs: List[Dict[str, Any]] = []
     for repeat in range(args.repeats):
         for codec in codecs:
             print(f"repeat {repeat + 1}/{args.repeats}: demo with download_codec={codec}, {args.duration:g} s ...", flush=True)
-            run = run_one(codec, args.duration, REPO / args.out / f"{codec}-{repeat}")
+            run = run_one(codec, args.duration, REPO / args.out / f"{codec}-{repeat}", args.reuse)
             run["repeat"] = repeat
             runs.append(run)
             print(f"  {run['version']} updates applied; last eval {max(run['evals'].items(), default=None)}", flush=True)
@@ -70,24 +79,34 @@ def main() -> None:
     if not common:
         raise SystemExit("no evaluated version common to every run; run longer (--duration)")
     version = max(common)
+    last = sorted(common)[-5:]  # the last five evaluations every run made: less noisy than one
     print(f"\nvalidation perplexity at version {version} (= applied updates), every run:")
-    print("| download | perplexity per repeat | mean | vs " + codecs[0] + " | download payload per lease / fp32 θ |")
-    print("|---|---|---:|---:|---:|")
+    print(f"(geo. mean: over versions {', '.join(map(str, last))} of each run, then the mean over repeats)")
+    print("| download | perplexity per repeat | mean | vs " + codecs[0] + " | geo. mean, last 5 evals | vs " + codecs[0]
+          + " | download payload per round / fp32 θ |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     rows = []
+    def smoothed(run: Dict[str, Any]) -> float:
+        return math.exp(statistics.mean(math.log(run["evals"][v]) for v in last))
+
     reference = statistics.mean(run["evals"][version] for run in runs if run["codec"] == codecs[0])
+    reference_smoothed = statistics.mean(smoothed(run) for run in runs if run["codec"] == codecs[0])
     for codec in codecs:
         mine = [run for run in runs if run["codec"] == codec]
         ppl = [run["evals"][version] for run in mine]
         payload = sum(p["download_payload_bytes"] for run in mine for p in run["peers"].values())
-        leases = sum(p["leases"] for run in mine for p in run["peers"].values())
+        rounds = sum(p["rounds"] for run in mine for p in run["peers"].values())
         numel = mine[0]["numel"]
-        fraction = payload / leases / (4 * numel) if leases and numel else float("nan")
+        fraction = payload / rounds / (4 * numel) if rounds and numel else float("nan")
         mean = statistics.mean(ppl)
+        smooth = statistics.mean(smoothed(run) for run in mine)
         rows.append({"codec": codec, "perplexity": ppl, "mean": mean, "vs_reference": mean / reference,
-                     "download_fraction_per_lease": fraction})
-        print(f"| {codec} | {', '.join(f'{p:.2f}' for p in ppl)} | {mean:.2f} | {mean / reference:.4f} | {fraction:.3f} |")
+                     "smoothed": smooth, "smoothed_vs_reference": smooth / reference_smoothed,
+                     "download_fraction_per_round": fraction})
+        print(f"| {codec} | {', '.join(f'{p:.1f}' for p in ppl)} | {mean:.1f} | {mean / reference:.4f} | {smooth:.1f} | "
+              f"{smooth / reference_smoothed:.4f} | {fraction:.4f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"version": version, "duration": args.duration, "rows": rows, "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"version": version, "last_versions": last, "duration": args.duration, "rows": rows, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
