@@ -10,6 +10,7 @@ import torch
 from asyncloco.algo.staleness import (
     AsyncAwareLR,
     DelayCompensation,
+    OuterWarmup,
     PolyDiscount,
     StalenessLR,
     apply_transforms,
@@ -134,6 +135,19 @@ def test_delay_compensation_cap_bounds_each_correction_by_the_gradient() -> None
     assert torch.equal(grouped.pseudo_gradient, torch.tensor([1.5, 0.0]))
     with pytest.raises(ValueError, match="cap"):
         DelayCompensation(1.0, cap=0.0)
+
+
+def test_outer_warmup_ramps_the_lr_over_the_first_arrivals_and_round_trips() -> None:
+    g = _vec(15)
+    warmup = OuterWarmup(3)
+    scales = [warmup.adjust(g, s, g, None).lr_scale for s in (0, 2, 1)]
+    assert scales == [1 / 3, 2 / 3, 1.0]
+    restored = OuterWarmup(3)
+    restored.load_state_dict(_roundtrip(warmup.state_dict()))
+    assert restored.adjust(g, 0, g, None).lr_scale == warmup.adjust(g, 0, g, None).lr_scale == 1.0
+    assert torch.equal(OuterWarmup(5).adjust(g, 4, g, None).pseudo_gradient, g)  # the update itself is untouched
+    with pytest.raises(ValueError, match="at least 1"):
+        OuterWarmup(0)
 
 
 @pytest.mark.parametrize("staleness,scale", [(0, 1.0), (1, 1.0), (2, 0.5), (5, 0.2)])

@@ -34,6 +34,7 @@ __all__ = [
     "DelayCompensation",
     "StalenessLR",
     "AsyncAwareLR",
+    "OuterWarmup",
     "apply_transforms",
 ]
 
@@ -221,6 +222,39 @@ class AsyncAwareLR(StalenessTransform):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent = deque((int(x) for x in state.get("recent", [])), maxlen=self.window)
+
+
+class OuterWarmup(StalenessTransform):
+    """Outer-lr warm-up (not in the paper; off by default): ε·min(1, a/W) for the a-th arrival (1-based).
+
+    The first outer steps of a run meet a momentum that has not averaged anything yet and pseudo-gradients
+    from a model far from any optimum; this ramps the outer lr linearly over the first ``arrivals`` updates.
+    Used by the simulator's experiment table (``python -m asyncloco.sim.reproduce --table 5``)."""
+
+    name = "outer_warmup"
+
+    def __init__(self, arrivals: int) -> None:
+        if arrivals < 1:
+            raise ValueError(f"outer warm-up needs at least 1 arrival, got {arrivals}")
+        self.arrivals = int(arrivals)
+        self.seen = 0
+
+    def adjust(
+        self,
+        pseudo_gradient: torch.Tensor,
+        staleness: int,
+        params_now: torch.Tensor,
+        params_base: torch.Tensor | None,
+    ) -> Adjustment:
+        self.seen += 1
+        scale = min(1.0, self.seen / self.arrivals)
+        return Adjustment(pseudo_gradient, scale, f"outer warm-up: lr × {scale:.4g} (arrival {self.seen})")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = int(state.get("seen", 0))
 
 
 def apply_transforms(

@@ -52,6 +52,7 @@ from asyncloco.coordinator.logic import (
 from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
 from asyncloco.peer.inner import InnerTrainer, RoundResult
+from asyncloco.algo.staleness import OuterWarmup
 from asyncloco.sim.fast_toy import FastToyTrainer, FlatAdamState
 from asyncloco.sim.toy import ToyWorkload
 from asyncloco.workloads import build_workload
@@ -151,6 +152,7 @@ class Simulation:
         time_limit: float = math.inf,
         initial_params: torch.Tensor | None = None,
         fast: bool = True,
+        outer_warmup: int = 0,
     ) -> None:
         self.cfg = cfg
         self.target_loss = target_loss
@@ -164,6 +166,8 @@ class Simulation:
             method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model)
         )
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=True)
+        if outer_warmup > 0:  # an experiment beyond the paper (docs/algorithm.md §10): off by default
+            transforms = [*transforms, OuterWarmup(outer_warmup)]
         self.state = new_state(theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.sim.seed)
         # One model replica trains every lease in turn (its parameters are loaded from θ each round);
         # each worker's own AdamW state is swapped in while it trains. Memory: one model plus, per

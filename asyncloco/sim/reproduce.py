@@ -32,7 +32,9 @@ __all__ = ["Row", "Setting", "Outcome", "plan", "run_plan", "render_markdown", "
 logger = logging.getLogger(__name__)
 
 LEVELS = ("none", "slight", "moderate", "very")
-TABLES = ("1", "2", "3", "4")
+TABLES = ("1", "2", "3", "4")  # the paper's (``--table all``)
+EXTRA_TABLES = ("5",)  # beyond the paper: ``python -m asyncloco.sim.reproduce --table 5``
+WARMUP_ARRIVALS = 20  # Table 5's outer-lr warm-up length, fixed before any run (≈ 5 rounds of 4 workers)
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,15 @@ def plan(tables: Sequence[str], speeds: Sequence[float] | None = None) -> Plan:
             Row("3", main, "Async DN + DyLU, c = 0", "async_dn_dylu"),
             Row("3", main, f"Async DN + DyLU, c = {c:g}", "async_dn_dylu", (("outer.activation", c),)),
         ]
+    if "5" in tables:
+        # beyond the paper: outer-lr warm-up over the first arrivals, at the two most heterogeneous levels
+        warmup = (("x.outer_warmup", WARMUP_ARRIVALS),)
+        for level in levels[-2:]:
+            rows += [
+                Row("5", level, "Sync DiLoCo", "sync_diloco"),
+                Row("5", level, "Async DN + DyLU", "async_dn_dylu"),
+                Row("5", level, f"Async DN + DyLU + outer warm-up ({WARMUP_ARRIVALS} arrivals)", "async_dn_dylu", warmup),
+            ]
     if "4" in tables:
         no_grace = (("schedule.grace_period", 0.0),)
         rows += [
@@ -210,10 +221,14 @@ def _run_one(
 
     torch.set_num_threads(1)
     started, cpu_started = time.monotonic(), time.process_time()
-    cfg = _config(base, setting, seed, budget, extra)
+    # "x.<name>" overrides are Simulation options of the experiments beyond the paper, not config keys
+    knobs = {key[2:]: value for key, value in extra if key.startswith("x.")}
+    cfg = _config(base, setting, seed, budget, tuple((k, v) for k, v in extra if not k.startswith("x.")))
     workload, initial = _workload_and_start(cfg)
     target, sync_time = reference if reference is not None else (None, math.inf)
-    result = Simulation(cfg, method, workload, target_loss=target, time_limit=sync_time, initial_params=initial).run()
+    result = Simulation(
+        cfg, method, workload, target_loss=target, time_limit=sync_time, initial_params=initial, **knobs
+    ).run()
     final = result.final
     sync_loss = target if target is not None else final["loss"]
     if reference is None:
@@ -320,12 +335,13 @@ TITLES = {
     "2": "Table 2 — number of workers k",
     "3": "Table 3 — outer optimizer and DN's momentum activation c",
     "4": "Table 4 — DyLU and the grace period (Async DN)",
+    "5": "Table 5 (beyond the paper) — outer-lr warm-up on Async DN + DyLU",
 }
 
 
 def render_markdown(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int, header: str = "") -> str:
     lines = [header] if header else []
-    for table in TABLES:
+    for table in TABLES + EXTRA_TABLES:
         rows = [r for r in the_plan.rows if r.table == table]
         if not rows:
             continue
@@ -346,6 +362,7 @@ def render_markdown(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int, he
             )
         lines.append("")
     lines += acceptance_lines(the_plan, outcomes, seeds)
+    lines += warmup_lines(the_plan, outcomes, seeds)
     return "\n".join(lines) + "\n"
 
 
@@ -374,6 +391,39 @@ def acceptance_lines(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int) -
     return out
 
 
+def warmup_lines(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int) -> list[str]:
+    """Table 5's verdict: does the warm-up beat plain DN + DyLU (final loss, and time to sync's loss)?"""
+    rows = [r for r in the_plan.rows if r.table == "5"]
+    if not rows:
+        return []
+    out = ["## Verdict (Table 5, mean over seeds)", ""]
+    for setting in dict.fromkeys(r.setting for r in rows):
+        plain = _cells(next(r for r in rows if r.setting == setting and r.method == "async_dn_dylu" and not r.overrides), outcomes, seeds)
+        warm = _cells(next(r for r in rows if r.setting == setting and r.overrides), outcomes, seeds)
+        lower = warm["loss"][0] < plain["loss"][0]
+        faster = (
+            warm["time_ratio"] is not None and plain["time_ratio"] is not None
+            and warm["time_ratio"][0] < plain["time_ratio"][0]
+        )
+        per_seed = sum(
+            outcomes[(next(r for r in rows if r.setting == setting and r.overrides).run_key, s)].loss
+            < outcomes[(next(r for r in rows if r.setting == setting and r.method == "async_dn_dylu" and not r.overrides).run_key, s)].loss
+            for s in range(seeds)
+        )
+        out.append(
+            f"- {setting.name}: final loss {warm['loss'][0]:.4f} with warm-up vs {plain['loss'][0]:.4f} without "
+            f"(lower: {'yes' if lower else 'no'}, in {per_seed}/{seeds} seeds); time to sync's final loss "
+            + (
+                f"{warm['time_ratio'][0]:.2f} vs {plain['time_ratio'][0]:.2f} × sync (sooner: {'yes' if faster else 'no'})"
+                if warm["time_ratio"] is not None and plain["time_ratio"] is not None
+                else "not reached by every seed"
+            )
+            + f" — {'WINS' if lower and faster else 'does not win'}"
+        )
+    out.append("")
+    return out
+
+
 def plot_tables(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int, path: Path) -> None:
     """One panel per table: final loss relative to sync DiLoCo (mean ± std over seeds)."""
     import matplotlib
@@ -381,7 +431,7 @@ def plot_tables(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int, path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tables = [t for t in TABLES if any(r.table == t for r in the_plan.rows)]
+    tables = [t for t in TABLES + EXTRA_TABLES if any(r.table == t for r in the_plan.rows)]
     fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 4.2), squeeze=False)
     for ax, table in zip(axes[0], tables):
         rows = [r for r in the_plan.rows if r.table == table]
@@ -435,9 +485,9 @@ def reproduce(
     """Run the tables, write ``out`` (Markdown) and ``figure`` (PNG); return the Markdown."""
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
-    unknown = [t for t in tables if t not in TABLES]
+    unknown = [t for t in tables if t not in TABLES + EXTRA_TABLES]
     if unknown:
-        raise ValueError(f"unknown table(s) {unknown}; choose from 1, 2, 3, 4 or all")
+        raise ValueError(f"unknown table(s) {unknown}; choose from 1, 2, 3, 4, all (or 5, beyond the paper)")
     the_plan = plan(tables, speeds)
     jobs = jobs if jobs > 0 else default_jobs()
     started = time.monotonic()
@@ -480,3 +530,33 @@ def _relative(path: Path, start: Path) -> str:
         return str(path.resolve().relative_to(start.resolve()))
     except ValueError:
         return str(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m asyncloco.sim.reproduce --table 5``: the tables beyond the paper (the paper's: ``asyncloco reproduce``)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m asyncloco.sim.reproduce", description=main.__doc__)
+    parser.add_argument("--table", default="5", choices=list(TABLES + EXTRA_TABLES))
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs" / "toy.yaml"))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--speeds", help="seconds per step of each worker (replaces the named levels)")
+    parser.add_argument("--total-local-updates", type=int)
+    parser.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
+    parser.add_argument("--out", default="docs/reproduction-warmup.md")
+    parser.add_argument("--figure", default="docs/figures/reproduction-warmup.png")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    command = "python -m asyncloco.sim.reproduce " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = reproduce(
+        [args.table], Path(args.config), args.seeds, Path(args.out), Path(args.figure),
+        speeds=parse_speeds(args.speeds) if args.speeds else None, budget=args.total_local_updates,
+        jobs=args.jobs, command=command.strip(),
+    )
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
