@@ -11,7 +11,7 @@ bias-corrected moments, ε outside the square root), step for step. A lease's ba
 with one index operation.
 
 The result equals InnerTrainer's to float rounding (tests/test_sim_fast_toy.py); the simulator uses it
-for the toy task with the plain fp32 AdamW inner optimizer (docs/algorithm.md §10).
+for the toy task with the plain fp32 AdamW inner optimizer (docs/algorithm.md §8, "Cost").
 """
 
 from __future__ import annotations
