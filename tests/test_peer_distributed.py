@@ -69,49 +69,57 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
-def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str, parallel: str) -> None:
+def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str) -> None:
     """Rank 1 is a real follower (``distributed.follow``); rank 0 drives it exactly as the peer's leader
-    does (config broadcast, a speed probe, then a command and θ per lease), without a coordinator."""
-    from asyncloco.fingerprint import run_fingerprint
-    from asyncloco.peer.distributed import OP_MEASURE, follow
-    from asyncloco.peer.inner import probe_speed
-    from asyncloco.workloads import build_workload
+    does (config broadcast, a speed probe, then a command and θ per lease), without a coordinator: one
+    run with ``inner.parallel: ddp``, then one with ``fsdp`` on the same group."""
+    from asyncloco.peer.distributed import follow
 
     group = _join(rank, world, port)
     try:
-        if rank == 1:
-            Path(f"{out}.follower").write_text(f"exit {follow(group, 'cpu')}")
-            return
-        cfg = _config(cache_dir, parallel=parallel)
-        broadcast_json(group, cfg.model_dump(mode="json"))
-        workload = build_workload(cfg)
-        trainer = InnerTrainer.from_config(cfg, workload, group=group)
-        shapes = [type(p).__name__ + str(tuple(p.to_local().shape) if hasattr(p, "to_local") else "")
-                  for p in trainer.model.parameters()]
-        Path(f"{out}.layout").write_text(f"{trainer.numel}|{type(trainer.model).__name__}|{shapes[0]}")
-        Path(f"{out}.fingerprint").write_text(str(run_fingerprint(cfg, workload, trainer.fingerprint_model)))
-        broadcast_command(group, Command(OP_MEASURE))
-        Path(f"{out}.speed").write_text(str(probe_speed(cfg, workload, "cpu", group=group)))
-        theta = flatten_params(workload.build_model(cfg.seed))
-        results = []
-        for shard, start, steps, lr_offset in ROUNDS:
-            broadcast_command(group, Command(OP_TRAIN, shard, start, steps, lr_offset))
-            result = trainer.run(theta, shard, start, steps, lr_offset)
-            results.append((result.pseudo_gradient, result.mean_loss))
-            theta = theta - result.pseudo_gradient  # as if the coordinator applied it alone
-        # a second Ctrl+C on the leader: the follower stops after the same step (no collective left hanging)
-        calls: list[int] = []
-        broadcast_command(group, Command(OP_TRAIN, 0, 0, 6, 0))
-        try:
-            trainer.run(theta, 0, 0, 6, 0, should_stop=lambda: calls.append(1) or len(calls) >= 2)
-            aborted = "not stopped"
-        except LeaseAborted as error:
-            aborted = f"{error.steps_done}/{error.steps}"
-        broadcast_command(group, Command(OP_STOP))
-        Path(f"{out}.aborted").write_text(aborted)
-        torch.save(results, out)
+        for parallel in ("ddp", "fsdp"):
+            if rank == 1:
+                Path(f"{out}.{parallel}.follower").write_text(f"exit {follow(group, 'cpu', release=False)}")
+            else:
+                _lead(group, cache_dir, f"{out}.{parallel}", parallel)
     finally:
         _leave()
+
+
+def _lead(group: GroupContext, cache_dir: str, out: str, parallel: str) -> None:
+    from asyncloco.fingerprint import run_fingerprint
+    from asyncloco.peer.distributed import OP_MEASURE
+    from asyncloco.peer.inner import probe_speed
+    from asyncloco.workloads import build_workload
+
+    cfg = _config(cache_dir, parallel=parallel)
+    broadcast_json(group, cfg.model_dump(mode="json"))
+    workload = build_workload(cfg)
+    trainer = InnerTrainer.from_config(cfg, workload, group=group)
+    shapes = [type(p).__name__ + str(tuple(p.to_local().shape) if hasattr(p, "to_local") else "")
+              for p in trainer.model.parameters()]
+    Path(f"{out}.layout").write_text(f"{trainer.numel}|{type(trainer.model).__name__}|{shapes[0]}")
+    Path(f"{out}.fingerprint").write_text(str(run_fingerprint(cfg, workload, trainer.fingerprint_model)))
+    broadcast_command(group, Command(OP_MEASURE))
+    Path(f"{out}.speed").write_text(str(probe_speed(cfg, workload, "cpu", group=group)))
+    theta = flatten_params(workload.build_model(cfg.seed))
+    results = []
+    for shard, start, steps, lr_offset in ROUNDS:
+        broadcast_command(group, Command(OP_TRAIN, shard, start, steps, lr_offset))
+        result = trainer.run(theta, shard, start, steps, lr_offset)
+        results.append((result.pseudo_gradient, result.mean_loss))
+        theta = theta - result.pseudo_gradient  # as if the coordinator applied it alone
+    # a second Ctrl+C on the leader: the follower stops after the same step (no collective left hanging)
+    calls: list[int] = []
+    broadcast_command(group, Command(OP_TRAIN, 0, 0, 6, 0))
+    try:
+        trainer.run(theta, 0, 0, 6, 0, should_stop=lambda: calls.append(1) or len(calls) >= 2)
+        aborted = "not stopped"
+    except LeaseAborted as error:
+        aborted = f"{error.steps_done}/{error.steps}"
+    broadcast_command(group, Command(OP_STOP))
+    Path(f"{out}.aborted").write_text(aborted)
+    torch.save(results, out)
 
 
 def _single_process(cache_dir: str) -> list[tuple[torch.Tensor, float]]:
@@ -138,43 +146,47 @@ def _one_thread():
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_rank_group_pseudo_gradient_equals_single_process_and_stops_together(tmp_path: Path, parallel: str) -> None:
+def test_two_rank_group_pseudo_gradient_equals_single_process_and_stops_together(tmp_path: Path) -> None:
+    """One gloo group runs the same two leases (and a stopped third) under DDP, then under FSDP."""
     from asyncloco.fingerprint import run_fingerprint
     from asyncloco.workloads import build_workload
 
     cache = str(tmp_path / "cache")
     single = _single_process(cache)  # also fills the token cache the ranks read
     out = tmp_path / "group.pt"
-    mp.spawn(_rank_trains, args=(2, _free_port(), cache, str(out), parallel), nprocs=2, join=True)
-    group = torch.load(out)
+    mp.spawn(_rank_trains, args=(2, _free_port(), cache, str(out)), nprocs=2, join=True)
     cfg = _config(cache)
     workload = build_workload(cfg)
     model = workload.build_model(cfg.seed)
     numel = sum(p.numel() for p in model.parameters())
-    numel_text, cls, first = Path(f"{out}.layout").read_text().split("|")
-    assert int(numel_text) == numel  # the coordinator's check sees the whole model, sharded or not
     embedding_rows = model.get_input_embeddings().weight.shape
-    if parallel == "fsdp":  # FSDP2 really sharded: rank 0 holds half of the (tied) embedding's rows
-        assert cls == f"FSDP{type(model).__name__}"
-        assert first == f"DTensor({embedding_rows[0] // 2}, {embedding_rows[1]})"
-    else:
-        assert cls == type(model).__name__ and first == "Parameter"
-    # the coordinator would refuse a peer whose fingerprint differs; FSDP's class change must not show
-    assert Path(f"{out}.fingerprint").read_text() == str(run_fingerprint(cfg, workload, model))
-    assert float(Path(f"{out}.speed").read_text()) > 0
-    assert len(group) == len(single) == 2
-    for (g_group, loss_group), (g_single, loss_single) in zip(group, single):
-        assert g_group.shape == g_single.shape and g_group.dtype == torch.float32
-        assert float(g_single.abs().max()) > 1e-3  # the rounds really moved θ
-        # Same global batch, same math: DDP (all-reduce) and FSDP (reduce-scatter) average the gradients of
-        # two 4-row halves where the single process takes the mean over 8 rows; only the float summation order
-        # differs (~1e-7 relative in the gradient; the clipping norm is the same global norm either way). AdamW normalises each step to ~lr = 3e-3 per value, so after 7 steps those
-        # rounding differences stay far below 1e-5 in θ (measured max |Δ| ≈ 1e-7).
-        torch.testing.assert_close(g_group, g_single, rtol=0, atol=1e-5)
-        assert loss_group == pytest.approx(loss_single, rel=1e-5)
-    assert Path(f"{out}.aborted").read_text() == "2/6"
-    assert Path(f"{out}.follower").read_text() == "exit 0"  # it stopped with the leader, then obeyed OP_STOP
+    for parallel in ("ddp", "fsdp"):
+        prefix = f"{out}.{parallel}"
+        numel_text, cls, first = Path(f"{prefix}.layout").read_text().split("|")
+        assert int(numel_text) == numel  # the coordinator's check sees the whole model, sharded or not
+        if parallel == "fsdp":  # FSDP2 really sharded: rank 0 holds half of the (tied) embedding's rows
+            assert cls == f"FSDP{type(model).__name__}"
+            assert first == f"DTensor({embedding_rows[0] // 2}, {embedding_rows[1]})"
+        else:
+            assert cls == type(model).__name__ and first == "Parameter"
+        # the coordinator would refuse a peer whose fingerprint differs; FSDP's class change must not show
+        assert Path(f"{prefix}.fingerprint").read_text() == str(run_fingerprint(cfg, workload, model))
+        assert float(Path(f"{prefix}.speed").read_text()) > 0
+        group = torch.load(prefix)
+        assert len(group) == len(single) == 2
+        for (g_group, loss_group), (g_single, loss_single) in zip(group, single):
+            assert g_group.shape == g_single.shape and g_group.dtype == torch.float32
+            assert float(g_single.abs().max()) > 1e-3  # the rounds really moved θ
+            # Same global batch, same math: DDP (all-reduce) and FSDP (reduce-scatter) average the gradients
+            # of two 4-row halves where the single process takes the mean over 8 rows; only the float
+            # summation order differs (~1e-7 relative in the gradient; clipping uses the same global norm).
+            # AdamW normalises each step to ~lr = 3e-3 per value, so after 7 steps those rounding
+            # differences stay far below 1e-5 in θ (measured max |Δ| ≈ 1e-7).
+            torch.testing.assert_close(g_group, g_single, rtol=0, atol=1e-5, msg=lambda m: f"{parallel}: {m}")
+            assert loss_group == pytest.approx(loss_single, rel=1e-5), parallel
+        assert Path(f"{prefix}.aborted").read_text() == "2/6", parallel
+        # the follower stopped with the leader, then obeyed OP_STOP
+        assert Path(f"{prefix}.follower").read_text() == "exit 0", parallel
 
 
 def _rank_dies(rank: int, world: int, port: int, cache_dir: str, out: str) -> None:

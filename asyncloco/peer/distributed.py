@@ -202,9 +202,10 @@ def split_batch(batch: Any, rank: int, world_size: int) -> Any:
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} across ranks")
 
 
-def follow(group: GroupContext, device: str) -> int:
+def follow(group: GroupContext, device: str, release: bool = True) -> int:
     """A follower rank's whole life: receive the run config, build the trainer, execute commands until
-    the leader says stop. Returns a process exit code (0: the leader stopped the group)."""
+    the leader says stop. Returns a process exit code (0: the leader stopped the group). ``release``:
+    leave the process group on return (False: the caller follows another run on the same group)."""
     from asyncloco.config import RunConfig
     from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
     from asyncloco.workloads import build_workload
@@ -235,7 +236,7 @@ def follow(group: GroupContext, device: str) -> int:
         logger.error("rank %d: %s; leaving (the leader's lease is given back by the coordinator)", group.rank, error)
         return 1
     finally:
-        if dist.is_initialized():
+        if release and dist.is_initialized():
             dist.destroy_process_group()
 
 
