@@ -8,11 +8,13 @@ coordinator: one peer id, one lease at a time, one speed report for the whole gr
 One lease on the group (:meth:`asyncloco.peer.inner.InnerTrainer.run` with a group):
 
 1. the leader broadcasts the lease (:class:`Command`, a small int64 tensor — nothing is pickled) and θ;
-2. every rank trains the lease's steps under DDP; step ``j``'s batch is the lease's global batch ``j``
-   split into N equal row blocks (rank ``r`` takes block ``r``), so DDP's gradient average is the
-   gradient of the same global batch a single process would train on;
-3. the pseudo-gradient (identical on every rank, DDP keeps replicas in sync) is reduced to the leader,
-   which encodes and submits it.
+2. every rank trains the lease's steps under DDP (``inner.parallel: ddp``, the default) or FSDP2
+   (``inner.parallel: fsdp``: parameters, gradients and AdamW state sharded across the ranks, θ scattered
+   per parameter); step ``j``'s batch is the lease's global batch ``j`` split into N equal row blocks
+   (rank ``r`` takes block ``r``), so the gradient average is the gradient of the same global batch a
+   single process would train on;
+3. the pseudo-gradient (identical on every rank under DDP) is reduced to the leader, or under FSDP
+   gathered parameter by parameter; the leader encodes and submits it.
 
 Backend: gloo on CPU, NCCL on CUDA (rank ``r`` uses ``cuda:LOCAL_RANK``). A rank that dies breaks the
 group's next collective; every rank then fails with :class:`GroupFailed`, the leader leaves the run and
