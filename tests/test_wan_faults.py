@@ -22,6 +22,7 @@ import math
 import os
 import random
 import re
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -385,14 +386,26 @@ class Wan:
         return int([e for e in self.cluster.events() if e["type"] == "start"][0]["numel"])
 
     def close(self) -> None:
+        """SIGKILL every process group started here (peer, coordinator with its DHT process, p2pd and relay),
+        then check that nothing of them is left. A graceful stop cost 5-8 s per test (15 s after the latency
+        test), none of it a timeout: a peer finishes and submits its lease at SIGTERM, and then each Python
+        process spends seconds in interpreter finalization (its final garbage collection over ~400k objects
+        of torch/transformers/hivemind: 12 s measured at load 14 on this 2-core machine, against 2 s when
+        the process leaves with os._exit). Orderly exits are checked where they are the point: the latency
+        test stops its peer with SIGTERM (exit code 0, its acknowledgements equal the coordinator's applied
+        records), the restart test stops the coordinator with SIGTERM (exit code 0)."""
         sessions = {process.pid for process in self.cluster.spawned}
         try:
-            self.cluster.close()
+            for process in self.cluster.spawned:
+                self.cluster.signal_group(process, signal.SIGKILL)
+            for process in self.cluster.spawned:
+                process.wait(timeout=30)
+            self.cluster.close()  # closes the logs (every process has exited) and the relay directory
         finally:
             self.proxy.close()
-        deadline = time.monotonic() + 15.0
+        deadline = time.monotonic() + 30.0
         while (left := _session_members(sessions)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.1)  # SIGKILLed processes are being reaped; the condition is their absence
         assert not left, f"processes left behind: {left}"
 
 
@@ -515,35 +528,45 @@ def test_coordinator_restart_while_a_slow_link_uploads(wan: Wan) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(420)
 def test_latency_spikes(wan: Wan) -> None:
+    """A latency spike (40 ms → 800 ms round trip, both directions) on a training peer's link: a whole round
+    (lease, θ down, pseudo-gradient up, ack) completes inside the spike, training goes on after it, and at
+    the end the peer's acknowledgements and the coordinator's applied records are the same updates, one for
+    one (a lease that expired in the spike is refused, never applied)."""
+    wan.configure(max_local_steps=4)  # short rounds: the spike is the point, not the training
     cluster = wan.cluster
     cluster.start_coordinator()
-    normal = LinkShape(latency_s=0.02)
+    normal, spike = LinkShape(latency_s=0.02), LinkShape(latency_s=0.4)
     for direction in Direction:
         wan.proxy.call(lambda p, d=direction: p.set_shape(d, normal))
     cluster.start_peer("p")
-    wan.wait_applied(2, 180, "two updates through the proxy")
-    spikes = []
-    for _ in range(2):
-        spike = LinkShape(latency_s=0.8)
-        start = time.time()
-        for direction in Direction:
-            wan.proxy.call(lambda p, d=direction: p.set_shape(d, spike))
-        during = _first(lambda: wan.applied_after(start), cluster, 120, "an update during the spike")
-        for direction in Direction:
-            wan.proxy.call(lambda p, d=direction: p.set_shape(d, normal))
-        end = time.time()
-        after = _first(lambda: wan.applied_after(end), cluster, 120, "an update after the spike")
-        spikes.append({"spike_s": end - start, "first_update_in_spike_s": during[0]["time"] - start,
-                       "recovery_s": after[0]["time"] - end})  # fmt: skip
-    # a lease's deadline counts compute only (2 x expected + 5 s here): a spike can outlast it; then the
-    # lease is given back and the late upload refused — never applied — and the peer takes a new lease
+    wan.wait_applied(1, 180, "an update through the proxy")
+    start = time.time()
+    for direction in Direction:
+        wan.proxy.call(lambda p, d=direction: p.set_shape(d, spike))
+
+    def round_in_spike() -> list[dict[str, Any]]:
+        assigned = {e["lease_id"] for e in cluster.events() if e["type"] == "assign" and e["time"] > start}
+        return [e for e in wan.applied_after(start) if e["lease_id"] in assigned]
+
+    during = _first(round_in_spike, cluster, 180, "a whole round inside the spike")
+    for direction in Direction:
+        wan.proxy.call(lambda p, d=direction: p.set_shape(d, normal))
+    end = time.time()
+    after = _first(lambda: wan.applied_after(end), cluster, 180, "an update after the spike")
+    # the peer leaves in order (SIGTERM: it submits the lease in hand first); then its acknowledgements are final
+    assert cluster.stop(cluster.peers["p"], timeout=120.0) == 0
+    applied, summary = wan.applied(), cluster.peer_summary("p")
+    acks = [(m[1], int(m[2]), bool(m[3])) for m in ACK.finditer(wan.peer_log())]
+    # the same updates, in order, one for one (an ack lost in the spike and resent comes back "duplicate")
+    assert [lease for lease, _, _ in acks] == [e["lease_id"] for e in applied]
+    assert all(version == e["version"] for (_, version, duplicate), e in zip(acks, applied) if not duplicate)
+    assert summary["accepted"] == len(applied) and summary["duplicates"] == sum(d for _, _, d in acks)
     expired = [e["lease_id"] for e in cluster.events() if e["type"] == "expired"]
-    wan.record("latency_spikes", one_way_s=0.8, spikes=spikes, recovery_s=max(s["recovery_s"] for s in spikes),
-               expired_leases=len(expired))  # fmt: skip
-    for event in cluster.events():
+    for event in cluster.events():  # a lease's deadline counts compute only (2 x expected + 5 s): a spike can outlast it
         if event["type"] == "rejected":
             assert event["lease_id"] in expired and "expired" in event["reason"], event
-    assert not set(expired) & {e["lease_id"] for e in wan.applied()}
-    assert cluster.peers["p"].poll() is None
+    assert not set(expired) & {e["lease_id"] for e in applied}
     wan.check_invariants()
     wan.assert_through_proxy(wan.numel())
+    wan.record("latency_spikes", one_way_s=spike.latency_s, spike_s=end - start, round_in_spike_s=during[0]["time"] - start,
+               recovery_s=after[0]["time"] - end, applied=len(applied), expired_leases=len(expired))  # fmt: skip
