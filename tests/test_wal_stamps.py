@@ -194,3 +194,36 @@ def test_the_daemon_logs_a_dropped_hold_and_replay_feeds_it_to_handle(tmp_path: 
     assert torch.equal(resumed.state.params, daemon.state.params)
     resumed.journal.close()
     resumed.wal.close()
+
+
+# ---------------------------------------------------------------------------------- snapshot copies
+
+
+@pytest.mark.timeout(120)
+def test_background_snapshot_copies_reuse_their_buffers_and_equal_the_state(tmp_path: Path) -> None:
+    cfg = small_config(gate={"enabled": False})
+    daemon = CoordinatorDaemon(cfg, checkpoint_dir=tmp_path / "run")
+
+    async def life() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        daemon._stop_event = asyncio.Event()
+        await daemon._save()
+        for _ in range(2):  # the DN buffer and momentum exist after an update
+            lease = await lease_for(daemon, "peer-a", 100.0)
+            assert isinstance(await submit_update(daemon, "peer-a", lease, torch.full((daemon.numel,), 1e-5)), Applied)
+        first = daemon._snapshot_payload(copy=True, reuse=True)["coordinator"]
+        first_params = first["params"].clone()
+        lease = await lease_for(daemon, "peer-a", 100.0)
+        assert isinstance(await submit_update(daemon, "peer-a", lease, torch.full((daemon.numel,), 2e-5)), Applied)
+        second = daemon._snapshot_payload(copy=True, reuse=True)["coordinator"]
+        live = daemon._snapshot_payload(copy=False)["coordinator"]
+        assert not torch.equal(first_params, live["params"])  # θ moved between the two snapshots
+        return first, second, live
+
+    first, second, live = asyncio.run(life())
+    daemon.journal.close()
+    daemon.wal.close()
+    assert second["params"].data_ptr() == first["params"].data_ptr() != live["params"].data_ptr()
+    assert torch.equal(second["params"], live["params"])
+    momentum, live_momentum = second["optimizer"]["momentum_buffer"], live["optimizer"]["momentum_buffer"]
+    assert momentum.data_ptr() == first["optimizer"]["momentum_buffer"].data_ptr() != live_momentum.data_ptr()
+    assert torch.equal(momentum, live_momentum) and second["version"] == live["version"] == 3

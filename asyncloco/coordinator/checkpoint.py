@@ -11,7 +11,10 @@ in the write-ahead log (:mod:`asyncloco.coordinator.wal`); snapshots are written
 ``runtime.snapshot_every`` updates or ``runtime.snapshot_every_s`` seconds and record, as ``wal_seq``, the
 last log record they contain. ``--resume`` loads the snapshot and replays the later records, so a
 coordinator killed at any moment restarts with every acknowledged update applied exactly once and every
-issued lease still known.
+issued lease still known. The daemon's snapshots also record the ``stamp`` of the software that wrote them
+(asyncloco version + event-schema fingerprint, :func:`asyncloco.coordinator.wal.software_stamp`); ``--resume``
+refuses a snapshot or log written with a different one. θ kept for base versions still leased is part of the
+logic's state (``coordinator.base_params``); there is no separate per-version copy in the snapshot.
 
 Also here: the pids of the processes the coordinator spawned (its DHT process and that process's p2pd),
 recorded in the checkpoint directory so that a restart after a kill of the main process alone (what the OOM
