@@ -274,15 +274,16 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--probe-cost", metavar="PRESET", help="only measure the gate's probe per update at this model preset")
     parser.add_argument("--probe-seq-len", type=int, default=256, help="--probe-cost: sequence length (the 150m config's 256)")
-    parser.add_argument("--probe-sequences", type=int, default=8, help="--probe-cost: probe rows (runtime.gate.probe_sequences)")
+    parser.add_argument("--probe-sequences", type=int, default=16, help="--probe-cost: probe rows (runtime.gate.probe_sequences)")
+    parser.add_argument("--probe-repeats", type=int, default=3, help="--probe-cost: probed updates to time (the median is printed)")
     parser.add_argument("--updates", type=int, help="end each run at this many applied updates (--duration caps it)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.probe_cost:
-        cost = probe_cost(args.probe_cost, args.probe_seq_len, args.probe_sequences, 3, args.threads)
+        cost = probe_cost(args.probe_cost, args.probe_seq_len, args.probe_sequences, args.probe_repeats, args.threads)
         print(f"probe at {cost['preset']} ({cost['numel'] / 1e6:.1f} M parameters, {cost['sequences']} × {cost['seq_len']} "
-              f"tokens, {cost['threads']} thread(s)): {cost['probe_s']:.2f} s per probed update (median of 3), "
+              f"tokens, {cost['threads']} thread(s)): {cost['probe_s']:.2f} s per probed update (median of {args.probe_repeats}), "
               f"{cost['ratio']:.0f} × a copy of θ ({cost['theta_copy_s']:.3f} s)")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,24 +1,27 @@
-"""The attack suite (issue 7 part 5): real coordinator and peer processes on 127.0.0.1, one hostile peer.
+"""The attack suite (issue 7 part 5): real coordinator and peer processes on 127.0.0.1, hostile peers.
 
 The hostile peer is :mod:`asyncloco.testing.hostile`, a real hivemind peer speaking the real protocol.
-Each test asserts on what the coordinator decided (its journal, events.jsonl), on what the hostile
-was answered (its summary), and on θ itself (the final checkpoint):
+One coordinator (token admission) serves every attack — start-up is what costs on a busy machine, so
+the attacks share it (three clusters took ≈ 290 s):
 
-* ``test_update_attacks_are_rejected_or_harmless`` — an *admitted* insider (a token) sends, between
-  honest rounds, a huge (×1e30), a NaN, a sign-flipped ×1000, a sign-flipped-at-honest-norm and a
-  random-direction update, replays an applied lease with a harmful update, and submits under another
-  peer's lease id (known from the journal). Every one is rejected (the norm attacks may be clipped),
-  the replay is acknowledged as a duplicate at the version it was first applied and nothing more, the
-  stolen lease still counts for its owner; θ stays finite and the run keeps learning. An honest peer
-  joining at the same time as the attacker (on probation) still gets most of its work accepted.
-* ``test_ghost_speed_claims_do_not_change_honest_steps`` — DHT records claiming 1e12 tokens/s, from a
-  ghost under its own id and forged for an honest peer (with a ``last_seen`` in the future), leave
-  the honest peers' DyLU steps where their real speeds put them.
-* ``test_flood_of_malformed_messages`` — 2,000 malformed calls on the raw RPC streams: the coordinator
-  stays up and keeps training the honest peer, its memory grows by less than 150 MB, its log by a
-  bounded number of lines and no traceback.
+1. **Update attacks and ghosts.** An *admitted* insider (a token) sends, between honest rounds, a huge
+   (×1e30), a NaN, a sign-flipped ×1000, a sign-flipped-at-honest-norm and a random-direction update,
+   replays an applied lease with a harmful update, and submits under another peer's lease id (known from
+   the journal). Huge, NaN and ×1000 are rejected (or clipped), the sign-flipped one at the honest norm
+   is rejected (pointing away, or uphill on the probe batch), a random one gets in only if it agrees
+   weakly and lowers the probe loss (on probation: clipped, at most 3); the replay is acknowledged as a
+   duplicate at the version it was first applied and nothing more, the stolen lease still counts for
+   its owner; θ stays finite and the run keeps learning. An honest peer
+   joining at the same time (fresh AdamW state, on probation) has its *first* update accepted (the
+   gate's probe vouches for it) and most of the rest. Meanwhile DHT records claiming 1e12 tokens/s, from
+   a ghost under its own id and forged for an honest peer (with a ``last_seen`` in the future), leave
+   the honest peers' DyLU steps where their real speeds put them.
+2. **A flood** (after phase 1, so that its memory and log are measured alone; the honest peers keep
+   training): 2,000 malformed calls on the raw RPC streams: the coordinator stays up and keeps training
+   the honest peers, its memory grows by less than 150 MB, its log by a bounded number of lines and no
+   traceback.
 
-The unadmitted-outsider test is in tests/test_admission.py. Each test tears down every process it
+The unadmitted-outsider test is in tests/test_admission.py. The test tears down every process it
 started (checked: no process group left).
 """
 
@@ -113,41 +116,78 @@ def rss_kb(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-# ------------------------------------------------------------------------------------ updates
+# --------------------------------------------------------------------------------- the attacks
+
+ATTACKS = ["huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease"]
 
 
-@pytest.mark.timeout(600)
-def test_update_attacks_are_rejected_or_harmless(tmp_path: Path) -> None:
-    attacks = ["huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease"]
+@pytest.mark.timeout(900)
+def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
     # quarantine would (rightly) stop the insider after 3 rejections; here every attack must reach the gate
     config = write_config(tmp_path, admission="token", gate={"quarantine_after": 100, "quarantine_window": 100})
     cluster = LocalCluster(config, tmp_path / "run", threads=1)
+    count = 2000
     try:
         tokens = {name: issue_token(cluster.checkpoint_dir, name, 3600.0)[0] for name in ("a", "b", "c", "mallory")}
         cluster.start_coordinator()
         cluster.start_peer("a", 1.0, ["--token", tokens["a"]])
         cluster.start_peer("b", 1.5, ["--token", tokens["b"]])
         ids = peer_ids(cluster, ["a", "b"])
-        # the gate judges against recently accepted honest updates: let it see some first
-        cluster.wait_for(lambda: cluster.status().get("version", 0) >= 8, 240, "8 honest updates")
         journal = str(cluster.checkpoint_dir / "events.jsonl")
-        hostile, summary_path = start_hostile(cluster, "mallory", ",".join(attacks), "--token", tokens["mallory"],
-                                              "--spy-journal", journal, "--rounds", str(len(attacks)))
+
+        # ---- phase 1, all at once (start-up is what costs): the update attacks, an honest newcomer, two
+        # ghosts. The insider's first updates meet a cold gate (the absolute norm bound, the probe); its
+        # direction attacks come when the statistics have warmed up.
+        hostile, summary_path = start_hostile(cluster, "mallory", ",".join(ATTACKS), "--token", tokens["mallory"],
+                                              "--spy-journal", journal, "--rounds", str(len(ATTACKS)))
         cluster.start_peer("c", 1.0, ["--token", tokens["c"]])  # an honest newcomer, joining as late as mallory
+        ghost, ghost_summary = start_hostile(cluster, "ghost", "ghost", "--duration", "45")
+        forger, forge_summary = start_hostile(cluster, "forger", "ghost-forge", "--spy-journal", journal, "--duration", "45")
         late = peer_ids(cluster, ["c"])["c"]
+        honest_ids = {*ids.values(), late}
+
+        def published() -> float | None:
+            calls = [c for path in (ghost_summary, forge_summary) for c in read_json(path).get("calls", [])
+                     if c["call"] == "publish_speed" and c["ok"]]
+            return min(c["time"] for c in calls) if len({c["claimed_peer"] for c in calls}) >= 2 else None
+
+        since = cluster.wait_for(published, 120, "both ghosts' records in the DHT")
+        # three speed-report periods for the coordinator to read the claims, then 8 more honest leases
+        cluster.wait_for(lambda: len([e for e in cluster.events() if e.get("type") == "assign" and e.get("peer") in honest_ids
+                                      and e.get("issued_at", 0) > since + 3.0]) >= 8, 240, "8 honest leases after the claims")
+        forged = {c["claimed_peer"] for c in read_json(forge_summary)["calls"] if c["call"] == "publish_speed"}
+        ghost_status = cluster.status()
         cluster.wait_for(lambda: read_json(summary_path).get("finished") or hostile.poll() is not None, 400,
                          "the hostile peer's rounds")
         assert read_json(summary_path).get("finished"), (cluster.workdir / "mallory.log").read_text()[-3000:]
         cluster.wait_for(lambda: len([e for e in cluster.events() if e.get("peer") == late
-                                      and e.get("type") in ("applied", "rejected")]) >= 4, 120, "4 verdicts on c")
-        version_before_stop = cluster.status()["version"]
+                                      and e.get("type") in ("applied", "rejected")]) >= 3, 120, "3 verdicts on c")
+        version_before_flood = cluster.status()["version"]
+        for process in (hostile, ghost, forger):  # the ghosts stop after their --duration
+            cluster.wait_for(lambda p=process: p.poll() is not None, 120, "the hostile peers to finish")
+
+        # ---- phase 2: the flood, its memory and log measured alone
+        assert cluster.coordinator is not None
+        pid = cluster.coordinator.pid
+        log = cluster.workdir / "coordinator.log"
+        rss_before, lines_before = rss_kb(pid), len(log.read_text().splitlines())
+        flood, flood_path = start_hostile(cluster, "flood", "flood", "--count", str(count), "--config", str(config))
+        cluster.wait_for(lambda: read_json(flood_path).get("finished") or flood.poll() is not None, 400, "the flood")
+        flood_summary = read_json(flood_path)
+        assert flood_summary.get("finished") and flood_summary["flood"]["sent"] == count, flood_summary
+        assert cluster.coordinator.poll() is None, "the coordinator died"
+        rss_after = rss_kb(pid)
+        new_lines = log.read_text().splitlines()[lines_before:]
+        version = cluster.status()["version"]
+        cluster.wait_for(lambda: cluster.status().get("version", 0) >= version + 2, 120, "2 more honest updates")
     finally:
         cluster.close()  # peers first, then the coordinator (SIGTERM: it writes its final snapshot)
     assert_all_gone(cluster)
     theta = load_snapshot(cluster.checkpoint_dir)["coordinator"]["params"]
-
-    summary = read_json(summary_path)
     events = cluster.events()
+
+    # ---- the update attacks
+    summary = read_json(summary_path)
     mallory = summary["peer_id"]
     verdicts: dict[str, list[dict[str, Any]]] = {}
     for event in events:
@@ -157,7 +197,7 @@ def test_update_attacks_are_rejected_or_harmless(tmp_path: Path) -> None:
     by_attack: dict[str, list[dict[str, Any]]] = {}
     for call in submits:
         by_attack.setdefault(call["attack"], []).append(call)
-    assert sorted(set(by_attack) - {"honest"}) == sorted(attacks), by_attack.keys()
+    assert sorted(set(by_attack) - {"honest"}) == sorted(ATTACKS), by_attack.keys()
 
     def decided(lease_id: str) -> list[str]:
         return [e["type"] for e in verdicts.get(lease_id, []) if e["type"] in ("applied", "rejected", "duplicate")]
@@ -169,18 +209,18 @@ def test_update_attacks_are_rejected_or_harmless(tmp_path: Path) -> None:
                 assert outcome == [], (attack, call, outcome)
                 assert "finite" in call["error"].lower() or "nan" in call["error"].lower(), (attack, call)
                 continue
-            assert call["accepted"] is False or attack in ("huge", "signflip", "signflip-honest", "random"), (attack, call)
+            # sign-flipped at the honest norm: the probe sees it go uphill (the insider is on probation)
+            assert call["accepted"] is False or attack in ("huge", "signflip", "random"), (attack, call)
             if call["accepted"] and attack in ("huge", "signflip"):
                 # a norm attack may be clipped to the honest scale instead of rejected
                 [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
                 assert "clipped" in applied["gate"], (attack, applied)
             elif call["accepted"]:
-                # A direction attack gets in only while it still agrees with the consensus: the insider's own
-                # update as a newcomer (fresh AdamW state) can point slightly *against* it (cosine ≈ −0.07 for
-                # the honest newcomer here), so flipped it agrees weakly — at the honest norm, with a bounded effect.
+                # A random direction gets in only while it agrees weakly and lowers the probe-batch loss (on
+                # probation, by any amount): at the honest norm, with a bounded effect.
                 [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
                 cosine = float(re.search(r"cosine (-?[0-9.]+)", applied["gate"])[1])  # type: ignore[index]
-                assert 0.0 < cosine < 0.25, (attack, applied)
+                assert abs(cosine) < 0.25 and (cosine > 0 or "lowers the probe-batch loss" in applied["gate"]), (attack, applied)
             else:
                 assert outcome == ["rejected"], (attack, call, outcome)
                 [rejected] = [e for e in verdicts[call["lease_id"]] if e["type"] == "rejected"]
@@ -192,7 +232,7 @@ def test_update_attacks_are_rejected_or_harmless(tmp_path: Path) -> None:
     for call in by_attack["other-lease"]:
         assert call["victim"] is True and call["lease_id"] not in [c["lease_id"] for c in submits if c["attack"] == "honest"]
         stolen = verdicts.get(call["lease_id"], [])
-        assert stolen and stolen[0]["type"] == "assign" and stolen[0]["peer"] in {*ids.values(), late}, stolen
+        assert stolen and stolen[0]["type"] == "assign" and stolen[0]["peer"] in honest_ids, stolen
         owner = stolen[0]["peer"]
         # refused, or (the owner was faster) acknowledged as a duplicate of the owner's applied update
         assert call["ok"] is False or call["accepted"] is False or call["duplicate"] is True, call
@@ -209,83 +249,28 @@ def test_update_attacks_are_rejected_or_harmless(tmp_path: Path) -> None:
     assert evals[-1]["perplexity"] < evals[0]["perplexity"], [e["perplexity"] for e in evals]
     honest_rejected = [e for e in events if e.get("type") == "rejected" and e.get("peer") in ids.values()]
     honest_applied = [e for e in events if e.get("type") == "applied" and e.get("peer") in ids.values()]
-    assert len(honest_applied) >= version_before_stop // 2
+    assert len(honest_applied) >= version_before_flood // 2
     assert len(honest_rejected) <= max(1, len(honest_applied) // 20), honest_rejected
-    # the honest newcomer: on probation, but its honest work counts (it must not be taken for an attacker)
-    late_verdicts = [e["type"] for e in events if e.get("peer") == late and e.get("type") in ("applied", "rejected")]
-    assert late_verdicts.count("applied") >= late_verdicts.count("rejected"), [
-        e.get("reason") for e in events if e.get("peer") == late and e.get("type") == "rejected"
-    ]
+    # the honest newcomer: on probation with a fresh AdamW state, but its honest work counts from its first
+    # update on (the probe-batch loss vouches for it; it must not be taken for an attacker)
+    late_verdicts = [e for e in events if e.get("peer") == late and e.get("type") in ("applied", "rejected")]
+    assert late_verdicts[0]["type"] == "applied", late_verdicts[0]
+    kinds = [e["type"] for e in late_verdicts]
+    assert kinds.count("applied") >= kinds.count("rejected"), [e.get("reason") for e in late_verdicts if e["type"] == "rejected"]
 
+    # ---- the ghosts: two honest peers of speeds 1 and 1/1.5 and a newcomer; DyLU gives the fastest H, the
+    # others their share — a believed 1e12 claim would cut every honest lease to MIN_STEPS (the median lease
+    # stays at least H/2, at most a quarter are that short)
+    assert forged <= honest_ids and forged, forged
+    after = [e for e in events if e.get("type") == "assign" and e.get("peer") in honest_ids and e.get("issued_at", 0) > since + 3.0]
+    steps = sorted(e["steps"] for e in after)
+    # (a lease may be cut short to re-train a range given back — the insider's rejected leases — never by a claim)
+    assert len(after) >= 8 and steps[len(steps) // 2] >= H // 2, [(e["peer"][-6:], e["steps"]) for e in after]
+    assert sum(s <= MIN_STEPS for s in steps) <= len(steps) // 4, [(e["peer"][-6:], e["steps"], e.get("start_offset")) for e in after]
+    assert all(row.get("speed", 0) < 1e9 for row in ghost_status.get("peers", {}).values()), ghost_status.get("peers")
 
-# ------------------------------------------------------------------------------------- ghosts
-
-
-@pytest.mark.timeout(400)
-def test_ghost_speed_claims_do_not_change_honest_steps(tmp_path: Path) -> None:
-    config = write_config(tmp_path)  # open admission: the ghosts are insiders as far as admission goes
-    cluster = LocalCluster(config, tmp_path / "run", threads=1)
-    try:
-        cluster.start_coordinator()
-        cluster.start_peer("a", 1.0)
-        cluster.start_peer("b", 1.0)
-        ids = peer_ids(cluster, ["a", "b"])
-        cluster.wait_for(lambda: cluster.status().get("version", 0) >= 4, 240, "4 updates")
-        journal = str(cluster.checkpoint_dir / "events.jsonl")
-        ghost, ghost_summary = start_hostile(cluster, "ghost", "ghost", "--duration", "60")
-        forger, forge_summary = start_hostile(cluster, "forger", "ghost-forge", "--spy-journal", journal, "--duration", "60")
-
-        def published() -> float | None:
-            calls = [c for path in (ghost_summary, forge_summary) for c in read_json(path).get("calls", [])
-                     if c["call"] == "publish_speed" and c["ok"]]
-            return min(c["time"] for c in calls) if len({c["claimed_peer"] for c in calls}) >= 2 else None
-
-        since = cluster.wait_for(published, 120, "both ghosts' records in the DHT")
-        # three speed-report periods for the coordinator to read the claims, then 8 more honest leases
-        cluster.wait_for(lambda: len([e for e in cluster.events() if e.get("type") == "assign"
-                                      and e.get("issued_at", 0) > since + 3.0]) >= 8, 240, "8 leases after the claims")
-        forged = {c["claimed_peer"] for c in read_json(forge_summary)["calls"] if c["call"] == "publish_speed"}
-        status = cluster.status()
-    finally:
-        cluster.close()
-    assert_all_gone(cluster)
-    assert forged <= set(ids.values()) and forged, forged
-    after = [e for e in cluster.events() if e.get("type") == "assign" and e.get("issued_at", 0) > since + 3.0]
-    # two honest peers of equal speed: DyLU gives both H; a believed 1e12 claim would cut one or both to MIN_STEPS
-    assert {e["peer"] for e in after} <= set(ids.values())
-    assert min(e["steps"] for e in after) >= H // 2, [(e["peer"][-6:], e["steps"]) for e in after]
-    assert all(row.get("speed", 0) < 1e9 for row in status.get("peers", {}).values()), status.get("peers")
-
-
-# -------------------------------------------------------------------------------------- flood
-
-
-@pytest.mark.timeout(500)
-def test_flood_of_malformed_messages(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
-    cluster = LocalCluster(config, tmp_path / "run", threads=1)
-    count = 2000
-    try:
-        cluster.start_coordinator()
-        cluster.start_peer("a", 1.0)
-        cluster.wait_for(lambda: cluster.status().get("version", 0) >= 2, 240, "2 updates")
-        assert cluster.coordinator is not None
-        pid = cluster.coordinator.pid
-        log = cluster.workdir / "coordinator.log"
-        rss_before, lines_before = rss_kb(pid), len(log.read_text().splitlines())
-        flood, summary_path = start_hostile(cluster, "flood", "flood", "--count", str(count), "--config", str(config))
-        cluster.wait_for(lambda: read_json(summary_path).get("finished") or flood.poll() is not None, 400, "the flood")
-        summary = read_json(summary_path)
-        assert summary.get("finished") and summary["flood"]["sent"] == count, summary
-        assert cluster.coordinator.poll() is None, "the coordinator died"
-        rss_after = rss_kb(pid)
-        new_lines = log.read_text().splitlines()[lines_before:]
-        version = cluster.status()["version"]
-        cluster.wait_for(lambda: cluster.status().get("version", 0) >= version + 2, 120, "2 more honest updates")
-    finally:
-        cluster.close()
-    assert_all_gone(cluster)
-    outcomes = summary["flood"]["outcomes"]
+    # ---- the flood
+    outcomes = flood_summary["flood"]["outcomes"]
     assert sum(sum(kind.values()) for kind in outcomes.values()) == count
     assert (rss_after - rss_before) < 150 * 1024, f"RSS grew by {(rss_after - rss_before) / 1024:.0f} MB"
     assert len(new_lines) < 300, f"{len(new_lines)} log lines for {count} malformed calls"
