@@ -499,7 +499,7 @@ def test_partition_longer_than_the_lease_deadline_then_heal(wan: Wan) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(480)
 def test_coordinator_restart_while_a_slow_link_uploads(wan: Wan) -> None:
-    wan.configure(lease_slack=60.0)  # the restart (~10-30 s on a busy machine) must fit in the lease
+    wan.configure(lease_slack=180.0)  # the restart must fit in the lease: 10-30 s on a busy machine, 69 s at load 20
     cluster = wan.cluster
     cluster.start_coordinator()
     cluster.start_peer("p")
