@@ -442,10 +442,16 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
         events = cluster.events()
         for name in ("group", "single"):
             assigned, applied = _leases_of(events, ids[name])
-            assert assigned and assigned == applied, name  # nothing dropped
+            # an assign reply lost in transit on a loaded machine (the peer logs "could not get a lease" and asks
+            # again): the coordinator gives that lease back when the peer asks again; the peer never held it
+            lost = {e["lease_id"] for e in events if e["type"] == "expired" and e.get("peer") == ids[name]
+                    and str(e.get("reason", "")).startswith("peer asked for new work before submitting")}
+            assert len(lost) <= (tmp_path / f"{name}.log").read_text().count("could not get a lease"), name
+            received = assigned - lost
+            assert received and received == applied, name  # nothing dropped
             summary = cluster.peer_summary(name)  # the peer's own count agrees exactly with the coordinator's
             applied_only = {e["lease_id"] for e in events if e["type"] == "applied" and e.get("peer") == ids[name]}
-            assert (summary["rounds"], summary["accepted"]) == (len(assigned), len(applied_only)), (name, summary)
+            assert (summary["rounds"], summary["accepted"]) == (len(received), len(applied_only)), (name, summary)
         log = (tmp_path / "group.log").read_text()
         assert "rank 1: the leader stopped the group" in log
         assert "rank 0: FSDP2 holds 184480 of the model's 368960 parameters" in log  # half each (even sizes)
