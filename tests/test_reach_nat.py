@@ -348,6 +348,10 @@ class NatLab:
         self.logs.clear()
         self.processes.clear()
 
+    def pids(self, role: str) -> list[int]:
+        listed = subprocess.run(["ip", "netns", "pids", self.ns[role]], capture_output=True, text=True).stdout.split()
+        return [int(pid) for pid in listed if _alive(int(pid))]
+
     def leftovers(self) -> list[str]:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -366,6 +370,14 @@ def nat_lab() -> Iterator[NatLab]:
     finally:
         lab.close()
         assert lab.leftovers() == []
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _wait(condition: Callable[[], Any], timeout: float, what: str, process: Optional[subprocess.Popen[bytes]] = None) -> Any:
@@ -451,8 +463,16 @@ def test_a_peer_behind_a_nat_trains_and_its_updates_are_applied(nat_lab: NatLab,
     assigned = [e for e in _events(checkpoint / "events.jsonl") if e["type"] == "assign" and e["peer"] == peer_id]
     assert [e["lease_id"] for e in applied] == [e["lease_id"] for e in assigned]
     assert (tmp_path / "peer.key").is_file()  # --identity created on first use
-    nat_lab.stop(coordinator, timeout=45.0)
+    # a clean stop on SIGTERM (it used to hang when its ping of the departed peer was in flight: transport/dht.py)
+    os.kill(coordinator.pid, signal.SIGTERM)
+    try:
+        coordinator.wait(timeout=60.0)
+    except subprocess.TimeoutExpired:
+        nat_lab.stop(coordinator, timeout=1.0)  # SIGABRT after SIGTERM: its stacks go to its log
+        raise AssertionError("the coordinator did not stop within 60 s of SIGTERM:\n" + (tmp_path / "coordinator.log").read_text()[-6000:])
     assert coordinator.returncode == 0
+    # nothing of it is left in its namespace (its DHT process and p2pd stopped with it), before any cleanup kill
+    _wait(lambda: nat_lab.pids("coord") == [], 30.0, "the coordinator's DHT process and p2pd to exit")
     final = json.loads(status_path.read_text())
     assert final["version"] == 2 and final["peers"][peer_id]["applied"] == 2
     assert final["peers"][peer_id]["name"] == "behind-nat"  # --name, shown in `asyncloco status`
