@@ -94,11 +94,11 @@ def test_probe_outside_the_gray_zone_and_on_probation() -> None:
     for peer in ("old", "new"):
         agrees = G.score(policy, state, with_cosine(0.35), 10, peer, probe=(5.0, 5.5))
         assert agrees.action == "accept" and "probe" not in agrees.reason
-    # before warm-up there is no consensus to judge by: a peer on probation is judged by the probe
+    # before warm-up the probe is not consulted either: a run's first updates, from random initialisation,
+    # overshoot (honest ones at cosine 0.75 raised the probe loss by 2 % in a clean benchmark run)
     cold = warm_state(accepted=3)
-    newcomer = G.score(policy, cold, with_cosine(0.35), 10, "new", probe=(5.0, 5.5))
-    assert (newcomer.action, newcomer.counts) == ("reject", True) and "(peer on probation)" in newcomer.reason
-    assert G.score(policy, cold, with_cosine(0.35), 10, "old", probe=(5.0, 5.5)).action == "accept"
+    for cosine in (0.35, -0.05):
+        assert G.score(policy, cold, with_cosine(cosine), 10, "new", probe=(5.0, 5.5)).action == "accept"
     # a sign-flipped newcomer update that agrees weakly (cosine 0.1) passes the cosine rule, not the probe
     flipped = with_cosine(0.1)
     assert G.score(policy, state, flipped, 10, "new").action == "accept"
