@@ -277,6 +277,7 @@ class CoordinatorService:
         self._download_slots = asyncio.Semaphore(limits.max_downloads)
         self._active: Dict[str, int] = {}
         self._streams = 0
+        self._lingering = 0  # streams answered with an error, reading what their caller still sends
         self._model_cache: OrderedDict[Tuple[int, str], Any] = OrderedDict()
         # issue 8 item 4: lossy downloads are full encodings (anchors) or deltas from the peer's anchor
         self.downloads = AnchorStore(model_numel, max_anchors=limits.download_anchors, max_bodies=limits.download_anchors)
@@ -369,8 +370,12 @@ class CoordinatorService:
         with those bytes unread resets it (ECONNRESET on p2pd's read); p2pd then *resets* the libp2p stream,
         and a reset can overtake the ERROR frame still on its way: the caller read the frame's 5-byte prefix,
         then "stream closed after 0 of 90 bytes" instead of the refusal. The caller closes the stream as
-        soon as it has read the error, so this wait is one round trip."""
+        soon as it has read the error, so this wait is one round trip. At most ``limits.max_streams`` streams
+        wait like this at once; beyond that (a flood of refused calls) they are closed at once."""
         discarded = 0
+        if self._lingering >= self.limits.max_streams:  # a flood of refused calls: close at once
+            return discarded
+        self._lingering += 1
         deadline = time.monotonic() + min(ERROR_LINGER_S, self.limits.idle_timeout)
         try:
             if writer.can_write_eof():
@@ -385,6 +390,8 @@ class CoordinatorService:
                 discarded += len(data)
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
+        finally:
+            self._lingering -= 1
         return discarded
 
     async def _call_handler(self, call: Awaitable[T]) -> T:
