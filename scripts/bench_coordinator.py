@@ -369,6 +369,39 @@ def report(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.3g} ms" if seconds < 0.1 else f"{seconds * 1e3:.0f} ms"
+    return f"{seconds:.2f} s"
+
+
+def readme_table(results: dict[str, dict[str, Any]]) -> str:
+    """The README's capacity table (units in each cell), from the same results."""
+    head = [
+        "size", "θ", "memcpy θ", "fsync of the int8 update", "decode", "validate", "apply (DN)", "log append + fsync",
+        "**ack**", "ack during a snapshot", "**lease**", "snapshot copy (under the lock)", "background snapshot",
+        "updates/s sustained", "peers at a 60 s round", "peak RSS",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for size, r in results.items():
+        during = r.get("ack_during_snapshot_s")
+        cells = [size, f"{r['numel'] / 1e6:.1f} M"] + [
+            _duration(r[k]) for k in ("memcpy_s", "fsync_update_s", "decode_s", "validate_s", "apply_s", "wal_append_s", "ack_latency_s")
+        ] + [
+            _duration(during) if during is not None else "-",
+            _duration(r["lease_latency_s"]),
+            _duration(r["snapshot_copy_s"]),
+            _duration(r["snapshot_s"]),
+            f"{r['updates_per_s']:.3g}",
+            str(r["peers_at_60s_round"]),
+            f"{r['peak_rss_mb'] / 1024:.1f} GB",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,150m", help=f"comma-separated, from {','.join(SIZES)}")
@@ -416,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             results[size]["wall_s"] = time.time() - t0
         print(f"{size}: done in {results[size]['wall_s']:.0f} s", file=sys.stderr)
     print(report(results))
+    print("\nREADME capacity table:\n" + readme_table(results))
     print(f"\ntotal {time.time() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
