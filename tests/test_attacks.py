@@ -136,13 +136,14 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
         journal = str(cluster.checkpoint_dir / "events.jsonl")
 
         # ---- phase 1, all at once (start-up is what costs): the update attacks, an honest newcomer, two
-        # ghosts. The insider's first updates meet a cold gate (the absolute norm bound, the probe); its
-        # direction attacks come when the statistics have warmed up.
-        hostile, summary_path = start_hostile(cluster, "mallory", ",".join(ATTACKS), "--token", tokens["mallory"],
-                                              "--spy-journal", journal, "--rounds", str(len(ATTACKS)))
+        # ghosts. The insider starts once the gate has warmed up (6 accepted honest updates): it judges
+        # directions against recently accepted updates; the others start meanwhile.
         cluster.start_peer("c", 1.0, ["--token", tokens["c"]])  # an honest newcomer, joining as late as mallory
         ghost, ghost_summary = start_hostile(cluster, "ghost", "ghost", "--duration", "45")
         forger, forge_summary = start_hostile(cluster, "forger", "ghost-forge", "--spy-journal", journal, "--duration", "45")
+        cluster.wait_for(lambda: cluster.status().get("version", 0) >= 6, 240, "6 honest updates")
+        hostile, summary_path = start_hostile(cluster, "mallory", ",".join(ATTACKS), "--token", tokens["mallory"],
+                                              "--spy-journal", journal, "--rounds", str(len(ATTACKS)))
         late = peer_ids(cluster, ["c"])["c"]
         honest_ids = {*ids.values(), late}
 
