@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per cell (default 3)")
     rep.add_argument("--speeds", help="seconds per step of each worker, 0.5,1.2,... or a file of them: replaces the four named levels")
     rep.add_argument("--total-local-updates", type=int, help="override the budget (sim.total_local_updates)")
-    rep.add_argument("--jobs", type=int, default=1, help="worker processes (2 helps on an otherwise idle 2-core machine)")
+    rep.add_argument("--jobs", type=int, default=0, help="worker processes (default 0: one per core)")
     rep.add_argument("--out", default="docs/reproduction.md", help="Markdown output (default docs/reproduction.md)")
     rep.add_argument("--figure", default="docs/figures/reproduction.png", help="figure output")
     rep.set_defaults(func=cmd_reproduce)

@@ -554,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         speeds=parse_speeds(args.speeds) if args.speeds else None, budget=args.total_local_updates,
         jobs=args.jobs, command=command.strip(),
     )
-    print(text)
+    sys.stdout.write(text + "\n")
     return 0
 
 
