@@ -116,9 +116,10 @@ def final_perplexity(config: Path, checkpoint_dir: Path) -> tuple[float, float]:
 
 
 def run_one(
-    base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int, updates: Optional[int] = None
+    base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int, updates: Optional[int] = None,
+    repeat: int = 0,
 ) -> Result:
-    name = f"{attack}-gate-{'on' if gate else 'off'}"
+    name = f"{attack}-gate-{'on' if gate else 'off'}" + (f"-{repeat}" if repeat else "")
     workdir = out / name
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -244,11 +245,35 @@ def probe_cost(preset: str, seq_len: int, sequences: int, repeats: int, threads:
     return result
 
 
+def geometric_mean(values: list[float]) -> float:
+    """Geometric mean of positive finite values; inf when one is not finite, nan when there are none."""
+    if not values:
+        return math.nan
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        return math.inf
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summary(results: list[Result]) -> str:
+    """One line per row and gate setting over repeated runs: geometric mean of × clean, and the spread."""
+    lines = ["| extra peer | gate | runs | × clean (geometric mean) | × clean per run |", "|---|---|---:|---:|---|"]
+    for gate in dict.fromkeys(r.gate for r in results):
+        for attack in dict.fromkeys(r.attack for r in results if r.gate == gate):
+            ratios = [r.ratio for r in results if r.gate == gate and r.attack == attack and r.ratio is not None]
+            per_run = ", ".join(f"{v:.3g}" for v in ratios)
+            lines.append(f"| {attack} | {'on' if gate else 'off'} | {len(ratios)} | {geometric_mean(ratios):.3g} | {per_run} |")
+    return "\n".join(lines)
+
+
 def acceptance(results: list[Result], bar: float = 1.25, honest_share: float = 0.02) -> list[str]:
     """The acceptance checks of issue 7 on the gate-on runs, one line each."""
     lines = []
     on = [r for r in results if r.gate]
     attacks = [r for r in on if r.attack not in ("clean", "honest")]
+    if len(attacks) > len({r.attack for r in attacks}):  # repeated runs: judge each attack by its geometric mean
+        attacks = [Result(attack=a, gate=True, duration_s=0.0, perplexity=math.nan, version=0, local_updates=0,
+                          ratio=geometric_mean([r.ratio for r in attacks if r.attack == a and r.ratio is not None]))
+                   for a in dict.fromkeys(r.attack for r in attacks)]
     if attacks:
         worst = max(attacks, key=lambda r: r.ratio if r.ratio is not None else math.inf)
         ok = all(r.ratio is not None and r.ratio <= bar for r in attacks)
@@ -277,8 +302,12 @@ def main() -> int:
     parser.add_argument("--probe-sequences", type=int, default=16, help="--probe-cost: probe rows (runtime.gate.probe_sequences)")
     parser.add_argument("--probe-repeats", type=int, default=3, help="--probe-cost: probed updates to time (the median is printed)")
     parser.add_argument("--updates", type=int, help="end each run at this many applied updates (--duration caps it)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per row, interleaved; each row is judged by the geometric mean of its ratios")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.probe_cost:
         cost = probe_cost(args.probe_cost, args.probe_seq_len, args.probe_sequences, args.probe_repeats, args.threads)
@@ -293,18 +322,23 @@ def main() -> int:
     out = Path(args.out)
     results: list[Result] = []
     for gate in gates:
-        clean: Optional[Result] = None
-        for attack in ["clean", *args.attacks]:
-            logger.info("run %s, gate %s, %.0f s", attack, "on" if gate else "off", args.duration)
-            result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates)
-            if attack == "clean":
-                clean = result
-            if clean is not None and clean.perplexity > 0:
-                result.ratio = result.perplexity / clean.perplexity
-            results.append(result)
-            logger.info("%s gate %s: perplexity %.4g (× clean %s)", attack, "on" if gate else "off", result.perplexity,
-                        f"{result.ratio:.3g}" if result.ratio is not None else "—")
+        runs: list[Result] = []
+        # rounds interleave the rows (clean, attack, ..., clean, attack, ...) so that every row sees the same load
+        for repeat in range(args.repeats):
+            for attack in ["clean", *args.attacks]:
+                logger.info("run %s, gate %s, repeat %d, %.0f s", attack, "on" if gate else "off", repeat, args.duration)
+                result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates, repeat)
+                runs.append(result)
+                logger.info("%s gate %s: perplexity %.4g", attack, "on" if gate else "off", result.perplexity)
+        # each run against the clean runs' geometric mean (one clean run without --repeats)
+        clean = geometric_mean([r.perplexity for r in runs if r.attack == "clean"])
+        for result in runs:
+            result.ratio = result.perplexity / clean if clean > 0 else None
+        results.extend(runs)
     print(table(results))
+    if args.repeats > 1:
+        print()
+        print(summary(results))
     for line in acceptance(results):
         print(line)
     if args.json:
