@@ -314,7 +314,7 @@ class CoordinatorService:
         if admitted:
             self._streams += 1
             self._active[peer_id] = self._active.get(peer_id, 0) + 1
-        answered_error = False  # an ERROR frame went out: close so that it arrives (_close_after_error)
+        answered_error = False  # a reply or an ERROR frame went out: close so that it arrives (_close_after_error)
         try:
             if not admitted:
                 raise _Busy(
@@ -322,6 +322,7 @@ class CoordinatorService:
                     f"{limits.max_calls_per_peer}; {self._streams} in all, at most {limits.max_streams}); retry later"
                 )
             await getattr(self, f"_serve_{rpc}")(peer_id, frames_in, frames_out, traffic)
+            answered_error = True  # a whole reply went out: it must arrive too (a reset overtook a θ body once)
         except asyncio.CancelledError:
             traffic.failures += 1
             raise
