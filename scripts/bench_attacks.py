@@ -279,13 +279,13 @@ def acceptance(results: list[Result], bar: float = 1.25, honest_share: float = 0
         ok = all(r.ratio is not None and r.ratio <= bar for r in attacks)
         lines.append(f"gate on: every attack ≤ {bar} × clean: {'yes' if ok else 'NO'} (worst: {worst.attack}, "
                      f"{worst.ratio if worst.ratio is not None else math.nan:.3g} ×)")
-    for r in on:
-        if r.attack == "clean":
-            total = r.honest.get("applied", 0) + r.honest.get("rejected", 0)
-            hit = r.honest.get("rejected", 0) + r.honest.get("clipped", 0)
-            share = hit / total if total else 0.0
-            lines.append(f"gate on, clean run: {hit} of {total} honest updates rejected or clipped ({100 * share:.1f} %, "
-                         f"limit {100 * honest_share:g} %): {'yes' if share <= honest_share else 'NO'}")
+    clean_runs = [r for r in on if r.attack == "clean"]
+    if clean_runs:  # summed over the clean runs (one per repeat)
+        total = sum(r.honest.get("applied", 0) + r.honest.get("rejected", 0) for r in clean_runs)
+        hit = sum(r.honest.get("rejected", 0) + r.honest.get("clipped", 0) for r in clean_runs)
+        share = hit / total if total else 0.0
+        lines.append(f"gate on, clean run{'s' if len(clean_runs) > 1 else ''}: {hit} of {total} honest updates rejected or "
+                     f"clipped ({100 * share:.1f} %, limit {100 * honest_share:g} %): {'yes' if share <= honest_share else 'NO'}")
     return lines
 
 
