@@ -348,9 +348,11 @@ class CoordinatorService:
                     self._active[peer_id] = left
                 else:
                     del self._active[peer_id]
-            discarded = await self._close_after_error(reader, writer) if answered_error else 0
-            traffic.bytes_received += frames_in.bytes_read + discarded
+            # counted before lingering: the call's bytes are known once its reply is written
+            traffic.bytes_received += frames_in.bytes_read
             traffic.bytes_sent += frames_out.bytes_written
+            if answered_error:
+                traffic.bytes_received += await self._close_after_error(reader, writer)
             writer.close()
 
     @staticmethod
