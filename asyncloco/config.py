@@ -232,6 +232,34 @@ class GateConfig(StrictModel):
         return self
 
 
+class VerifyConfig(StrictModel):
+    """Verification of the work itself (coordinator/verify.py, docs/threat-model.md): the coordinator re-runs a
+    sample of leases and expels a peer whose pseudo-gradient differs from the re-run."""
+
+    enabled: bool = Field(False, description="re-run a sample of leases and expel peers whose work does not reproduce")
+    inner_state: Literal["carry", "reset"] = Field(
+        "carry", description="reset: fresh inner AdamW state every lease (a re-run needs only θ_base + data); verification needs it"
+    )
+    fraction: float = Field(0.1, ge=0, le=1, description="share of a proven peer's leases re-run (HMAC of the lease id)")
+    probation_updates: int = Field(3, ge=0, description="every one of a peer's first N applied updates is re-run")
+    suspect_fraction: float = Field(0.5, ge=0, le=1, description="share re-run for a peer the gate refused recently")
+    tolerance: float = Field(
+        0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ (0: bitwise, right on CPU; ~1e-2 for bf16/GPU)"
+    )
+    min_cosine: float = Field(-1.0, ge=-1, le=1, description="also require this cosine with the re-run (with a tolerance > 0)")
+    queue: int = Field(16, ge=1, description="re-runs waiting at most; beyond it a check is skipped and counted")
+    horizon: int = Field(200, ge=1, description="applied updates between repair anchors: an expulsion undoes at least this far back")
+
+    @model_validator(mode="after")
+    def _check(self) -> "VerifyConfig":
+        if self.enabled and self.inner_state != "reset":
+            raise ValueError(
+                "runtime.verify.enabled needs runtime.verify.inner_state: reset (a re-run cannot know a peer's carried "
+                "inner AdamW state); set it to reset"
+            )
+        return self
+
+
 class RuntimeConfig(StrictModel):
     """The networked coordinator and peers."""
 
@@ -256,6 +284,7 @@ class RuntimeConfig(StrictModel):
     speed_report_period: float = Field(10.0, gt=0)
     max_update_norm: float | None = Field(None, gt=0, description="reject pseudo-gradients with a larger L2 norm")
     gate: GateConfig = Field(default_factory=GateConfig)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
     max_lease_s: float = Field(3600.0, gt=0, description="cap on any lease's deadline (a 'slow' peer cannot hold one for years)")
     transfer_allowance_s: float = Field(
         60.0, ge=0, description="added to a lease's deadline for θ down + Δ up until the peer's transfer time is measured"

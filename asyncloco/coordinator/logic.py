@@ -17,6 +17,14 @@ Events and what the coordinator decides:
 * :class:`Tick` — time passes: expired leases give their steps back (:class:`Expired`), held
   requests whose grace window closed are answered.
 * :class:`PeerLeft` — a peer is gone: its leases are given back, it leaves the DyLU max.
+* :class:`Verified` — a verifier re-ran a lease (coordinator/verify.py) and compared its pseudo-gradient with
+  the one submitted: a match counts toward the peer's probation; a mismatch expels the peer (:class:`Expelled`:
+  its leases are given back and everything it sends is turned away from then on). Which leases are re-run is
+  decided here, when a lease is issued (:func:`verify_reason`: HMAC of the lease id under the run secret below
+  ``fraction``, every update of a peer on probation, more for a peer the gate refused recently), and an applied
+  update of such a lease yields a :class:`Verify` action carrying θ at its base version and the update as
+  submitted. :class:`Discard` voids a lease's update (consumed, θ untouched): the repair after an expulsion
+  replays the log with the expelled peer's submissions discarded (coordinator/verify.py, ``repair``).
 * :class:`Admit` / :class:`Revoke` — admission (``runtime.admission: token``): a verified token
   binds to the libp2p peer id that first uses it (:class:`Admitted` or :class:`Refused`); a revoked
   token's peer loses its leases and its say in DyLU. In ``token`` and ``allowlist`` mode, speed
@@ -36,6 +44,7 @@ closes by time: everyone waits for every lease of the round.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import heapq
 import hmac
@@ -68,6 +77,8 @@ __all__ = [
     "Admit",
     "Revoke",
     "HoldDropped",
+    "Verified",
+    "Discard",
     "Event",
     "Assign",
     "Hold",
@@ -78,6 +89,14 @@ __all__ = [
     "Admitted",
     "Refused",
     "Revoked",
+    "Verify",
+    "Verdict",
+    "Expelled",
+    "VerifyPolicy",
+    "VerificationState",
+    "verify_reason",
+    "verify_draw",
+    "void_leases",
     "AdmissionRecord",
     "Action",
     "handle",
@@ -102,6 +121,7 @@ class Lease:
     expected_finish: float
     deadline: float
     fetched: bool = False  # the peer downloaded θ(base_version): the coordinator may stop retaining it
+    verify: str = ""  # why this lease's update will be re-run (verify_reason), "" if not; never sent to the peer
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -160,8 +180,44 @@ class CoordinatorPolicy:
     max_retained_versions: int = 8  # θ copies kept for leases whose θ was not downloaded yet
     buffer_size: int | None = None  # N of the outer optimizer (DN / buffer), to warn when the live peers differ
     # --- admission (coordinator/admission.py): "open" admits everyone (demos, the simulator)
+    verify: "VerifyPolicy | None" = None  # verification of the work (runtime.verify, coordinator/verify.py)
     admission: str = "open"  # "open" | "token" | "allowlist"
     allowlist: frozenset[str] = frozenset()  # libp2p peer ids admitted in "allowlist" mode
+
+
+@dataclass(frozen=True)
+class VerifyPolicy:
+    """Which leases are re-run (``runtime.verify``; docs/threat-model.md)."""
+
+    fraction: float = 0.1  # share of a proven peer's leases
+    probation_updates: int = 3  # every one of a peer's first N verified updates
+    suspect_fraction: float = 0.5  # share for a peer with a gate rejection among its recent verdicts
+
+
+@dataclass
+class VerificationState:
+    """Verdicts so far (checkpointed with the state)."""
+
+    passed: dict[str, int] = field(default_factory=dict)  # peer -> its updates whose re-run matched
+    expelled: dict[str, str] = field(default_factory=dict)  # peer -> why (the failed lease and the comparison)
+    pending: dict[str, str] = field(default_factory=dict)  # lease id -> peer: applied, re-run not yet judged
+    checked: int = 0
+    failed: int = 0
+    unverifiable: int = 0  # selected leases whose base θ was no longer retained at submission
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "passed": dict(self.passed), "expelled": dict(self.expelled), "pending": dict(self.pending),
+            "checked": self.checked, "failed": self.failed, "unverifiable": self.unverifiable,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "VerificationState":
+        return cls(
+            {k: int(v) for k, v in state["passed"].items()}, {k: str(v) for k, v in state["expelled"].items()},
+            {k: str(v) for k, v in state["pending"].items()}, int(state["checked"]), int(state["failed"]),
+            int(state["unverifiable"]),
+        )
 
 
 @dataclass
@@ -198,6 +254,7 @@ class CoordinatorState:
     admitted: dict[str, AdmissionRecord] = field(default_factory=dict)
     token_peers: dict[str, str] = field(default_factory=dict)
     revoked: dict[str, float] = field(default_factory=dict)
+    verification: VerificationState = field(default_factory=VerificationState)
 
     @property
     def needs_base_params(self) -> bool:
@@ -226,6 +283,7 @@ class CoordinatorState:
             "admitted": {k: dict(v.__dict__) for k, v in self.admitted.items()},
             "token_peers": dict(self.token_peers),
             "revoked": dict(self.revoked),
+            "verification": self.verification.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -263,6 +321,8 @@ class CoordinatorState:
         self.admitted = {k: AdmissionRecord(**v) for k, v in state.get("admitted", {}).items()}
         self.token_peers = dict(state.get("token_peers", {}))
         self.revoked = {k: float(v) for k, v in state.get("revoked", {}).items()}
+        verification = state.get("verification")
+        self.verification = VerificationState() if verification is None else VerificationState.from_state_dict(verification)
 
 
 # ---------------------------------------------------------------------------------------- events
@@ -358,8 +418,30 @@ class HoldDropped:
     peer: str
 
 
+@dataclass(frozen=True)
+class Verified:
+    """A verifier's verdict on lease ``lease_id`` of ``peer`` (coordinator/verify.py): ``ok`` when the re-run's
+    pseudo-gradient matched the submitted one within the tolerance; ``detail`` says how close it was."""
+
+    peer: str
+    lease_id: str
+    ok: bool
+    detail: str
+    anchor: int = -1  # the daemon's: the log record its repair replays from (coordinator/verify.py); unused here
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Void ``peer``'s update for ``lease_id``: the lease is consumed (its batches count as used, as for an update a
+    staleness policy drops), θ is untouched. Only the repair's replay feeds it (coordinator/verify.py)."""
+
+    peer: str
+    lease_id: str
+
+
 Event = Union[
-    SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped
+    SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped,
+    Verified, Discard,
 ]
 
 
@@ -474,8 +556,39 @@ class Notice:
     reason: str
 
 
+@dataclass(frozen=True)
+class Verify:
+    """Re-run this applied lease (the daemon hands it to its verifier): ``base`` is θ at the lease's base version,
+    ``update`` the pseudo-gradient as submitted (before any clipping). Neither tensor changes afterwards."""
+
+    peer: str
+    lease: Lease
+    base: torch.Tensor
+    update: torch.Tensor
+    reason: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    peer: str
+    lease_id: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Expelled:
+    """``peer`` failed a verification: it is out of the run for good. The daemon repairs θ: the log is replayed
+    without its updates (coordinator/verify.py, ``repair``)."""
+
+    peer: str
+    lease_id: str
+    reason: str
+
+
 Action = Union[
-    Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked, Quarantined, Released, Left, Notice
+    Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked, Quarantined, Released, Left, Notice,
+    Verify, Verdict, Expelled,
 ]
 
 
@@ -510,6 +623,10 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
     elif isinstance(event, HoldDropped):
         state.held.pop(event.peer, None)  # nothing to answer: the RPC that waited is gone
         actions = []
+    elif isinstance(event, Verified):
+        actions = _on_verified(state, event, now)
+    elif isinstance(event, Discard):
+        actions = _on_discard(state, event)
     else:
         raise TypeError(f"unknown event {event!r}")
     actions += _release_held(state, now)
@@ -746,7 +863,7 @@ def _version_needed(state: CoordinatorState, version: int) -> bool:
     while ids:
         lease_id = next(iter(ids))
         lease = state.leases.get(lease_id)
-        if lease is not None and lease.base_version == version and (needs_base or not lease.fetched):
+        if lease is not None and lease.base_version == version and (needs_base or not lease.fetched or lease.verify):
             return True
         del ids[lease_id]
     del book.by_version[version]
@@ -894,6 +1011,8 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
         expected_finish=now + duration,
         deadline=now + min(duration * policy.lease_timeout_factor + policy.lease_slack + transfer, policy.max_lease_s),
     )
+    if policy.verify is not None:
+        lease = dataclasses.replace(lease, verify=verify_reason(state, policy.verify, peer, lease.lease_id))
     state.leases[lease.lease_id] = lease
     _index_lease(state, lease)
     return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
@@ -1040,6 +1159,8 @@ def _on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[
 
 def is_admitted(state: CoordinatorState, peer: str, now: float) -> bool:
     """May ``peer`` (an authenticated libp2p peer id) take part at ``now``? Always True in ``open`` mode."""
+    if peer in state.verification.expelled:
+        return False  # failed a verification: out for good, whatever the admission mode
     mode = state.policy.admission
     if mode == "open":
         return True
@@ -1050,6 +1171,8 @@ def is_admitted(state: CoordinatorState, peer: str, now: float) -> bool:
 
 
 def admission_problem(state: CoordinatorState, peer: str, now: float) -> str:
+    if peer in state.verification.expelled:
+        return f"expelled from this run: {state.verification.expelled[peer]}"
     mode = state.policy.admission
     if mode == "allowlist":
         return "this peer id is not in the run's runtime.allowlist; send it to the organiser"
@@ -1112,6 +1235,82 @@ def _on_revoke(state: CoordinatorState, event: Revoke, now: float) -> list[Actio
     return actions
 
 
+# ---------------------------------------------------------------------------------- verification
+
+
+def verify_draw(secret: bytes, lease_id: str) -> float:
+    """A uniform number in [0, 1) from HMAC-SHA256(run secret, lease id): fixed by the lease, unknowable to a peer
+    (it never learns the secret), and the same again when the log is replayed."""
+    digest = hmac.new(secret, b"asyncloco-verify:" + lease_id.encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") / float(1 << 64)
+
+
+def verify_reason(state: CoordinatorState, policy: VerifyPolicy, peer: str, lease_id: str) -> str:
+    """Why ``peer``'s lease ``lease_id`` is to be re-run, or "" when it is not: every lease while the peer has
+    fewer than ``probation_updates`` verified updates, then ``suspect_fraction`` of them while the gate refused one
+    of its recent updates, else ``fraction``. Decided when the lease is issued, never told to the peer."""
+    passed = state.verification.passed.get(peer, 0)
+    if passed < policy.probation_updates:
+        return f"probation ({passed} of {policy.probation_updates} verified)"
+    draw = verify_draw(state.lease_secret, lease_id)
+    if any(state.gate.verdicts.get(peer, ())) and draw < policy.suspect_fraction:
+        return f"sampled at {policy.suspect_fraction:g} (recently refused by the gate)"
+    if draw < policy.fraction:
+        return f"sampled at {policy.fraction:g}"
+    return ""
+
+
+def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Action]:
+    book = state.verification
+    book.pending.pop(event.lease_id, None)
+    book.checked += 1
+    if event.peer in book.expelled:
+        return [Verdict(event.peer, event.lease_id, event.ok, f"{event.detail} (peer already expelled)")]
+    if event.ok:
+        book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
+        return [Verdict(event.peer, event.lease_id, True, event.detail)]
+    book.failed += 1
+    reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
+    book.expelled[event.peer] = reason
+    actions: list[Action] = [Verdict(event.peer, event.lease_id, False, event.detail), Expelled(event.peer, event.lease_id, reason)]
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.alive = False
+    state.held.pop(event.peer, None)
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if lease.peer == event.peer:
+            actions += _give_back(state, lease, "peer expelled")
+    return actions
+
+
+def _on_discard(state: CoordinatorState, event: Discard) -> list[Action]:
+    lease = state.leases.get(event.lease_id)
+    if lease is None or lease.peer != event.peer:
+        return []
+    del state.leases[lease.lease_id]
+    _unindex_lease(state, lease)
+    state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
+    _drop_unused_base_params(state)
+    return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled")]
+
+
+def void_leases(state: CoordinatorState, why: str) -> list[Action]:
+    """Give back every active lease and drop every held request (after a repair replaced θ: no lease's base
+    version means the same θ any more). Deterministic, so a replay of the log repeats it."""
+    actions: list[Action] = []
+    failed = {name: info.failed for name, info in state.peers.items()}
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        actions += _give_back(state, lease, why)
+    for name, info in state.peers.items():
+        info.failed = failed[name]  # not the peers' doing: their DyLU standing stays
+    for peer in sorted(state.held):
+        actions.append(Released(peer, why))
+    state.held.clear()
+    state.window_end = None
+    state.base_params.clear()
+    return actions
+
+
 def validate_update(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -> str | None:
     """Why this update must not touch θ, or None if it may."""
     update = event.pseudo_gradient
@@ -1155,6 +1354,12 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     update = event.pseudo_gradient
     policy = state.policy
     verdict = None
+    # a lease chosen for verification: keep θ at its base version and the update exactly as submitted (the gate may
+    # clip it in place, the optimizer step changes θ in place); Verify is emitted only if the update is applied
+    check: tuple[torch.Tensor | None, torch.Tensor] | None = None
+    if policy.verify is not None and lease.verify:
+        base_now = base_theta(state, lease.base_version)
+        check = (None if base_now is None else base_now.clone() if base_now is state.params else base_now, update.clone())
     if policy.gate is not None:
         probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
         verdict = update_gate.score(
@@ -1194,7 +1399,14 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
         update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, event.peer, now)
         gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
     _drop_unused_base_params(state)
-    return retained + [
+    verify: list[Action] = []
+    if check is not None:
+        if check[0] is None:
+            state.verification.unverifiable += 1
+        else:
+            state.verification.pending[lease.lease_id] = event.peer
+            verify = [Verify(event.peer, lease, check[0], check[1], lease.verify)]
+    return retained + verify + [
         Applied(
             event.peer,
             lease.lease_id,

@@ -31,7 +31,7 @@ from asyncloco.algo.staleness import (
 )
 
 from asyncloco.coordinator.gate import GatePolicy, adamw_norm_bound
-from asyncloco.coordinator.logic import CoordinatorPolicy
+from asyncloco.coordinator.logic import CoordinatorPolicy, VerifyPolicy
 
 if TYPE_CHECKING:
     from asyncloco.config import OuterConfig, RunConfig
@@ -191,8 +191,13 @@ def coordinator_policy(
     if gate is not None and numel is not None and cfg.inner.optimizer in ("adamw", "adamw8bit"):
         bound = adamw_norm_bound(cfg.inner.lr, numel, cfg.inner.weight_decay, cfg.inner.betas)
     hold_limit = 600.0 if spec.barrier else cfg.schedule.grace_period + 30.0
+    verify = None
+    if real and runtime.verify.enabled:  # verification of the work (coordinator/verify.py)
+        knobs_v = runtime.verify
+        verify = VerifyPolicy(knobs_v.fraction, knobs_v.probation_updates, knobs_v.suspect_fraction)
     return CoordinatorPolicy(
         gate=gate,
+        verify=verify,
         norm_bound_per_step=bound,
         trust_speeds=simulated,
         peer_timeout=3 * runtime.speed_report_period if real else math.inf,

@@ -2,7 +2,10 @@
 
 Start from θ(v0) exactly as received, run ``steps`` inner AdamW steps on the lease's batches with the
 shard's learning-rate schedule, and return the pseudo-gradient g = θ_start − θ_end. The inner
-optimizer state persists across rounds on the same trainer and is never sent (paper §10.1).
+optimizer state persists across rounds on the same trainer and is never sent (paper §10.1), unless
+``runtime.verify.inner_state`` is ``reset``: then every lease starts from a fresh state, so the lease is a
+deterministic function of θ_base, the shard's batches and the LR offset, which a verifier re-runs
+(asyncloco/coordinator/verify.py).
 
 On a GPU: ``precision="bf16"`` runs forward and loss under ``torch.autocast`` (bf16; weights, gradients
 and the optimizer stay fp32), θ goes host → device and the pseudo-gradient device → host through
@@ -90,6 +93,7 @@ class InnerTrainer:
         precision: str = "fp32",
         group: Optional["GroupContext"] = None,
         parallel: str = "ddp",
+        reset_state: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown inner.precision {precision!r}; use one of {list(PRECISIONS)}")
@@ -109,6 +113,9 @@ class InnerTrainer:
         self.seed = seed
         self.model = workload.build_model(seed).to(self.device)
         self.grad_clip = grad_clip
+        # runtime.verify.inner_state "reset": every lease starts from a fresh inner optimizer state, so a verifier
+        # re-runs it from θ_base and the data alone (coordinator/verify.py)
+        self.reset_state = reset_state
         # FSDP only means something on a group of 2 or more ranks; a single process trains the plain model
         self.sharded = group is not None and parallel == "fsdp"
         if self.sharded:
@@ -159,6 +166,7 @@ class InnerTrainer:
             precision=cfg.inner.precision,
             group=group,
             parallel=cfg.inner.parallel,
+            reset_state=cfg.runtime.verify.inner_state == "reset",
         )
 
     @property
@@ -249,6 +257,8 @@ class InnerTrainer:
             raise ValueError(f"a round needs at least one step, got {steps}")
         if params is None and (self.group is None or self.group.is_leader):
             raise ValueError("params (θ) are required, except on a follower rank of a group")
+        if self.reset_state:
+            self.optimizer.state.clear()  # a fresh AdamW state (step 0, zero moments), exactly as a new optimizer
         try:
             pseudo_gradient = self._load_sharded(params) if self.sharded else self._load(params)
             total = self._train_steps(shard, start_offset, steps, lr_offset, on_step, should_stop)

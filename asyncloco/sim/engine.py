@@ -276,7 +276,7 @@ class Simulation:
     def _train(self, worker: _Worker, shard: int, start_offset: int, steps: int, lr_offset: int) -> RoundResult:
         """Run one lease on the shared replica with ``worker``'s inner optimizer state swapped in."""
         if self.fast is not None:
-            if worker.fast_state is None:
+            if worker.fast_state is None or self.trainer.reset_state:  # runtime.verify.inner_state: reset
                 worker.fast_state = self.fast.new_state()
             return self.fast.run(worker.fast_state, self.state.params, shard, start_offset, steps, lr_offset)
         state = self.trainer.optimizer.state

@@ -1,0 +1,366 @@
+"""Verification of the work itself (issue 16; docs/threat-model.md, "Verified work").
+
+The update gate (coordinator/gate.py) judges an update's *shape*; a modified client can shape a poisoned update
+like an honest one. The one check it cannot shape its way past is doing the work again: with
+``runtime.verify.inner_state: reset`` every lease starts from a fresh inner AdamW state, so a lease is a
+deterministic function of θ at its base version, the shard's batches (``start_offset`` .. ``+ steps``), the LR
+offset and the run's config — exactly what the coordinator knows. This module:
+
+* :class:`Rerunner` — trains a lease again with the peers' own inner loop (:class:`~asyncloco.peer.inner.InnerTrainer`,
+  fresh optimizer state), encodes the result with the run's codec as a peer would, and :func:`compare` judges it
+  against the submitted pseudo-gradient: bitwise by default (CPU re-runs of a CPU peer's lease are bit-identical:
+  measured in tests/test_verify.py), or within ``runtime.verify.tolerance`` (relative L2 error) and
+  ``min_cosine`` for peers on GPUs / bf16 whose kernels differ from the verifier's.
+* :class:`Verifier` — the coordinator's background worker: a bounded queue of re-runs (``runtime.verify.queue``;
+  a full queue skips a check and counts it), one re-run at a time in a worker thread, so submissions and acks never
+  wait for it. Each verdict goes back through the daemon's single decision entry point as a
+  :class:`~asyncloco.coordinator.logic.Verified` event (write-ahead log, journal, status.json).
+* :func:`repair` — the exact remedy after a failed check: the logic expels the peer, and θ (with the outer
+  optimizer's state, the gate's statistics, every counter) is rebuilt by replaying the write-ahead log from an
+  *anchor* (a snapshot kept for this purpose) with the expelled peers' submissions turned into
+  :class:`~asyncloco.coordinator.logic.Discard` events. Honest submissions are replayed as they were (their base
+  version renumbered to the replayed lease's). Every lease still active afterwards is given back (its base θ no
+  longer exists) and the version jumps past the live one, so no version number ever names two different θ.
+  Deterministic: a ``--resume`` that meets the same ``Verified`` record in the log repeats the same repair.
+* :class:`Anchors` — which snapshots a repair may start from: a hard link of ``state.pt`` taken every
+  ``runtime.verify.horizon`` applied updates (and the initial one), the newest ``KEEP_ANCHORS`` kept; the log
+  segments after the oldest anchor stay in ``wal/archive/`` (the daemon archives instead of deleting while
+  verification is on) and older ones are pruned.
+
+Which leases are re-run is the logic's decision (:func:`~asyncloco.coordinator.logic.verify_reason`): HMAC of the
+lease id under the run secret below ``fraction``, every update of a peer on probation, ``suspect_fraction`` for a
+peer the gate refused recently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Optional
+
+import torch
+
+from asyncloco.coordinator.logic import (
+    Action,
+    CoordinatorState,
+    Discard,
+    Event,
+    Expelled,
+    Lease,
+    SubmitUpdate,
+    Verified,
+    Verify,
+    handle,
+    void_leases,
+)
+
+if TYPE_CHECKING:
+    from asyncloco.config import RunConfig
+    from asyncloco.models.workload import Workload
+    from asyncloco.peer.inner import InnerTrainer
+
+__all__ = [
+    "Comparison",
+    "compare",
+    "Rerunner",
+    "Verifier",
+    "VerifyStats",
+    "repair",
+    "Anchors",
+    "log_events",
+    "ANCHOR_DIR",
+    "KEEP_ANCHORS",
+]
+
+logger = logging.getLogger(__name__)
+
+ANCHOR_DIR = "verify-anchors"
+KEEP_ANCHORS = 3
+
+
+# ------------------------------------------------------------------------------------------- comparing
+
+
+@dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    bitwise: bool
+    rel_error: float  # ‖submitted − rerun‖ / ‖rerun‖
+    cosine: float
+    detail: str
+
+
+def compare(rerun: torch.Tensor, submitted: torch.Tensor, tolerance: float = 0.0, min_cosine: float = -1.0) -> Comparison:
+    """Judge a submitted pseudo-gradient against the verifier's re-run. ``tolerance`` 0: bitwise equality;
+    otherwise relative L2 error ≤ ``tolerance`` and cosine ≥ ``min_cosine``."""
+    if rerun.shape != submitted.shape:
+        return Comparison(False, False, math.inf, -1.0, f"shape {tuple(submitted.shape)} ≠ re-run {tuple(rerun.shape)}")
+    bitwise = bool(torch.equal(rerun, submitted))
+    if bitwise:
+        return Comparison(True, True, 0.0, 1.0, "bitwise equal to the re-run")
+    a, b = rerun.double(), submitted.double()
+    norm = float(a.norm())
+    diff = float((b - a).norm())
+    rel = diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+    denominator = norm * float(b.norm())
+    cosine = float(torch.dot(a, b)) / denominator if denominator > 0 else 0.0
+    if not (math.isfinite(rel) and math.isfinite(cosine)):
+        return Comparison(False, False, math.inf, -1.0, "non-finite difference from the re-run")
+    ok = tolerance > 0 and rel <= tolerance and cosine >= min_cosine
+    bound = "bitwise equality" if tolerance == 0 else f"≤ {tolerance:g}" + (f", cosine ≥ {min_cosine:g}" if min_cosine > -1 else "")
+    return Comparison(ok, False, rel, cosine, f"relative error {rel:.3g} (cosine {cosine:.6f}) vs the re-run; allowed: {bound}")
+
+
+# -------------------------------------------------------------------------------------------- re-running
+
+
+class Rerunner:
+    """Re-runs leases with the peers' own inner loop. One model replica, built on first use, reused for every
+    lease (its optimizer state is cleared before each: ``inner_state: reset``)."""
+
+    def __init__(self, cfg: "RunConfig", workload: "Workload", device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.device = device
+        self._trainer: Optional["InnerTrainer"] = None
+
+    @property
+    def trainer(self) -> "InnerTrainer":
+        if self._trainer is None:
+            from asyncloco.peer.inner import InnerTrainer
+
+            self._trainer = InnerTrainer.from_config(self.cfg, self.workload, device=self.device)
+            self._trainer.reset_state = True
+        return self._trainer
+
+    def rerun(self, lease: Lease, base: torch.Tensor) -> torch.Tensor:
+        """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it."""
+        from asyncloco.transport.codecs import decode, encode
+
+        result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+        codec = self.cfg.runtime.codec
+        if codec == "none":
+            return result.pseudo_gradient
+        return decode(encode(codec, result.pseudo_gradient), result.pseudo_gradient.numel())
+
+    def check(self, task: Verify) -> Comparison:
+        knobs = self.cfg.runtime.verify
+        return compare(self.rerun(task.lease, task.base), task.update, knobs.tolerance, knobs.min_cosine)
+
+
+@dataclass
+class VerifyStats:
+    """The worker's own measurements (status.json's ``verification``; not checkpointed)."""
+
+    queued: int = 0
+    skipped: int = 0  # the queue was full: the check was not done
+    rerun_steps: int = 0  # inner steps re-run
+    busy_s: float = 0.0  # seconds spent re-running
+    latencies: list[float] = field(default_factory=list)  # seconds from submission to verdict, the last 256
+
+    def as_dict(self) -> dict[str, Any]:
+        ordered = sorted(self.latencies)
+        median = ordered[len(ordered) // 2] if ordered else None
+        return {
+            "queued": self.queued, "skipped": self.skipped, "rerun_steps": self.rerun_steps,
+            "busy_s": round(self.busy_s, 3), "latency_median_s": median, "latency_max_s": ordered[-1] if ordered else None,
+        }
+
+
+class Verifier:
+    """The coordinator's background verification worker. :meth:`offer` never blocks (a full queue skips the
+    check); :meth:`run` re-runs one lease at a time in a worker thread and hands each verdict to ``on_verdict``
+    (the daemon: a :class:`~asyncloco.coordinator.logic.Verified` event through its decision entry point)."""
+
+    def __init__(
+        self,
+        rerunner: Rerunner,
+        on_verdict: Callable[[Verify, Comparison], Awaitable[None]],
+        capacity: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rerunner = rerunner
+        self.on_verdict = on_verdict
+        self.clock = clock
+        self.queue: "asyncio.Queue[tuple[Verify, float]]" = asyncio.Queue(maxsize=capacity)
+        self.stats = VerifyStats()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def offer(self, task: Verify) -> bool:
+        try:
+            self.queue.put_nowait((task, self.clock()))
+        except asyncio.QueueFull:
+            self.stats.skipped += 1
+            logger.warning("verification queue full: lease %s of %s is not re-run", task.lease.lease_id, task.peer[-8:])
+            return False
+        self.stats.queued += 1
+        self.idle.clear()
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            getter = asyncio.ensure_future(self.queue.get())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not getter.done():
+                getter.cancel()
+                break
+            task, queued_at = getter.result()
+            started = time.perf_counter()
+            try:
+                comparison = await asyncio.to_thread(self.rerunner.check, task)
+            except Exception as error:  # a bug or a lease the workload cannot serve: no verdict, never an expulsion
+                logger.error("re-running lease %s failed (%r); no verdict", task.lease.lease_id, error)
+                self._done()
+                continue
+            self.stats.busy_s += time.perf_counter() - started
+            self.stats.rerun_steps += task.lease.steps
+            await self.on_verdict(task, comparison)
+            self.stats.latencies = (self.stats.latencies + [self.clock() - queued_at])[-256:]
+            self._done()
+
+    def _done(self) -> None:
+        self.queue.task_done()
+        if self.queue.empty():
+            self.idle.set()
+
+
+# ------------------------------------------------------------------------------------------------ repair
+
+
+def repair(
+    anchor: CoordinatorState,
+    records: Iterable[tuple[Event, float]],
+    expelled: Collection[str],
+    live_version: int,
+) -> tuple[CoordinatorState, list[Action]]:
+    """θ and the whole coordinator state as if the expelled peers' updates had never been applied.
+
+    ``anchor`` (mutated and returned) is the state at some log record; ``records`` every later ``(event, now)`` up to
+    and including the ``Verified`` event that expelled the last of ``expelled``. Each submission of an expelled peer
+    becomes a :class:`Discard` (its lease is consumed, θ untouched, so every later lease is issued exactly as it was);
+    every other submission is replayed with its base version renumbered to the replayed lease's. Verdicts in the
+    records are replayed (counters, expulsions) but start no nested repair. Afterwards every active lease is given
+    back and the version jumps to ``live_version + 1``."""
+    state = anchor
+    out: list[Action] = []
+    excluded = set(expelled)
+    for event, now in records:
+        if isinstance(event, SubmitUpdate):
+            if event.peer in excluded:
+                event = Discard(event.peer, event.lease_id)
+            else:
+                lease = state.leases.get(event.lease_id)
+                if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
+                    event = dataclasses.replace(event, base_version=lease.base_version)
+        _, actions = handle(state, event, now)
+        out += [a for a in actions if not isinstance(a, (Verify, Expelled))]
+    out += void_leases(state, "θ was repaired after an expulsion: ask for a new lease")
+    state.verification.pending.clear()
+    state.version = max(state.version, live_version) + 1
+    return state, out
+
+
+def log_events(
+    wal_dir: Path,
+    after_seq: int,
+    upto_seq: int,
+    event_types: Mapping[str, type],
+    numel: int,
+) -> Iterator[tuple[Event, float]]:
+    """Events of log records ``after_seq < seq <= upto_seq``, from the archived and the live segments of
+    ``wal_dir``, oldest first, submissions decoded as the daemon decodes them."""
+    from asyncloco.coordinator.wal import ARCHIVE_DIR, decode_event, read_records
+    from asyncloco.transport.codecs import EncodedTensor, decode
+
+    def decode_blob(codec: str, count: int, data: memoryview) -> torch.Tensor:
+        return decode(EncodedTensor.from_bytes(codec, count, data), numel)
+
+    expected = after_seq + 1
+    for directory in (wal_dir / ARCHIVE_DIR, wal_dir):
+        if not directory.is_dir():
+            continue
+        for record in read_records(directory, expected - 1):
+            if record.seq > upto_seq:
+                return
+            if record.seq != expected:
+                raise ValueError(
+                    f"the repair needs log record {expected} but {directory} continues at {record.seq}: the log "
+                    "segments after the repair anchor are missing"
+                )
+            expected += 1
+            if record.kind == "event":
+                yield decode_event(record, event_types, decode_blob), record.now
+    if expected <= upto_seq:
+        raise ValueError(f"the repair needs log records {expected}..{upto_seq}, which are not in {wal_dir}")
+
+
+class Anchors:
+    """Snapshots a repair may start from, as hard links of ``state.pt`` under ``<checkpoint_dir>/verify-anchors/
+    <wal seq>/state.pt``. :meth:`note_snapshot` (after a durable snapshot) takes one every ``horizon`` applied
+    updates; the newest :data:`KEEP_ANCHORS` are kept and archived log segments older than the oldest are pruned
+    (unless ``keep_archive``: ``runtime.wal_archive`` wants them all)."""
+
+    def __init__(self, checkpoint_dir: Path, horizon: int, keep_archive: bool, keep: int = KEEP_ANCHORS) -> None:
+        self.dir = checkpoint_dir / ANCHOR_DIR
+        self.wal_dir = checkpoint_dir / "wal"
+        self.horizon = horizon
+        self.keep_archive = keep_archive
+        self.keep = keep
+        self._last_version: Optional[int] = None
+
+    def seqs(self) -> list[int]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.dir.iterdir() if p.name.isdigit() and (p / "state.pt").is_file())
+
+    def oldest(self) -> int:
+        """The anchor a repair starts from now (-1: none yet)."""
+        seqs = self.seqs()
+        return seqs[0] if seqs else -1
+
+    def path(self, seq: int) -> Path:
+        return self.dir / f"{seq:020d}"
+
+    def note_snapshot(self, snapshot: Path, wal_seq: int, version: int) -> bool:
+        """Called in the snapshot thread once ``snapshot`` (covering log records up to ``wal_seq``) is durable."""
+        if self._last_version is None:
+            seqs = self.seqs()
+            self._last_version = -self.horizon if not seqs else version  # a resumed run anchored before
+        if version - self._last_version < self.horizon and self.seqs():
+            return False
+        target = self.path(wal_seq)
+        if (target / "state.pt").is_file():
+            return False
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(snapshot, target / "state.pt")  # state.pt is replaced by rename: this inode stays as it is
+        except OSError:
+            shutil.copyfile(snapshot, target / "state.pt")
+        self._last_version = version
+        for old in self.seqs()[: -self.keep]:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+        self._prune_archive()
+        return True
+
+    def _prune_archive(self) -> None:
+        if self.keep_archive:
+            return
+        oldest = self.oldest()
+        archive = self.wal_dir / "archive"
+        if oldest < 0 or not archive.is_dir():
+            return
+        segments = sorted((int(p.name[:-4]), p) for p in archive.glob("*.wal") if p.name[:-4].isdigit())
+        for index, (first, path) in enumerate(segments):
+            following = segments[index + 1][0] if index + 1 < len(segments) else None
+            if following is not None and following - 1 <= oldest:
+                path.unlink(missing_ok=True)  # every record in it is covered by the oldest anchor

@@ -1,0 +1,242 @@
+"""Verification of the work itself (asyncloco/coordinator/verify.py; issue 16).
+
+* a lease trained by a peer with ``runtime.verify.inner_state: reset`` is reproduced bit for bit by the
+  coordinator's re-run (after the peer trained other leases first, and through the int8 codec); an honest update
+  plus a hidden direction of 0.1 % of its norm is caught; with the carried inner state (the paper's default) the
+  re-run does not reproduce the lease — which is why verification needs ``reset``;
+* the tolerance mode (GPU / bf16 peers) accepts a re-run within the relative error and refuses beyond it;
+* which leases are re-run: every lease of a peer on probation, then an HMAC draw below ``fraction`` (its rate
+  over 4,000 leases, and that another secret draws differently);
+* the logic's verdicts: a passed check counts toward probation; a failed one expels the peer (its lease given back,
+  everything it sends turned away) — in the state, its checkpoint and ``admission_problem``;
+* the repair: θ after replaying the log without the attacker's submissions equals, bitwise, an outer optimizer that
+  only ever stepped on the honest updates (the run that never saw the attacker, exactly defined when the honest
+  pseudo-gradients are fixed), for Nesterov and Delayed Nesterov; every lease is given back afterwards and the
+  version jumps past the live one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import pytest
+import torch
+
+from asyncloco.algo.outer import DelayedNesterov, OuterNesterov, OuterOptimizer
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.logic import (
+    Assign,
+    CoordinatorPolicy,
+    CoordinatorState,
+    Event,
+    Expelled,
+    Refused,
+    RequestWork,
+    SpeedReport,
+    SubmitUpdate,
+    Verdict,
+    Verified,
+    Verify,
+    VerifyPolicy,
+    admission_problem,
+    handle,
+    new_state,
+    verify_draw,
+)
+from asyncloco.coordinator.verify import Rerunner, compare, repair
+from asyncloco.peer.inner import InnerTrainer
+from asyncloco.transport.codecs import decode, encode
+from asyncloco.workloads import build_workload
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def toy_config(**runtime: Any) -> RunConfig:
+    return RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 16, "hidden": 8, "points": 1024, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "inner": {"lr": 1e-2, "weight_decay": 0.1, "grad_clip": 1.0},
+        "schedule": {"max_local_steps": 6},
+        "runtime": {"verify": {"enabled": True, "inner_state": "reset"}, **runtime},
+    })
+
+
+def peer_lease(trainer: InnerTrainer, theta: torch.Tensor) -> torch.Tensor:
+    """A peer that trained two other leases before (carried or reset state), then lease (shard 1, 5, 6 steps, lr 3)."""
+    trainer.run(theta, 0, 0, 6, 0)
+    trainer.run(theta + 0.01, 1, 0, 4, 0)
+    return trainer.run(theta, 1, 5, 6, 3).pseudo_gradient
+
+
+def lease_record(**fields: Any) -> Any:
+    from asyncloco.coordinator.logic import Lease
+
+    base = dict(lease_id="L1", peer="p", shard=1, start_offset=5, steps=6, lr_offset=3, base_version=0, issued_at=0.0,
+                expected_finish=1.0, deadline=10.0)
+    base.update(fields)
+    return Lease(**base)
+
+
+def test_rerun_reproduces_a_reset_lease_bitwise_and_catches_a_hidden_direction() -> None:
+    cfg = toy_config()
+    workload = build_workload(cfg)
+    peer = InnerTrainer.from_config(cfg, workload)
+    assert peer.reset_state
+    theta = peer.full_params()
+    submitted = peer_lease(peer, theta)
+    rerunner = Rerunner(cfg, workload)
+    rerun = rerunner.rerun(lease_record(), theta)
+    assert torch.equal(rerun, submitted)
+    verdict = compare(rerun, submitted)
+    assert verdict.ok and verdict.bitwise and verdict.rel_error == 0.0
+    # an honest update plus a hidden direction of 0.1 % of its norm
+    direction = torch.randn(submitted.numel(), generator=torch.Generator().manual_seed(1))
+    poisoned = submitted + 1e-3 * submitted.norm() * direction / direction.norm()
+    caught = compare(rerun, poisoned)
+    assert not caught.ok and caught.rel_error == pytest.approx(1e-3, rel=1e-3)
+    assert "bitwise equality" in caught.detail
+    # the wire: an int8 peer's update, as the coordinator decodes it, equals the re-run encoded the same way
+    int8 = toy_config(codec="int8")
+    wire = decode(encode("int8", submitted), submitted.numel())
+    assert torch.equal(Rerunner(int8, workload).rerun(lease_record(), theta), wire)
+
+
+def test_carried_inner_state_does_not_reproduce() -> None:
+    cfg = toy_config(verify={"inner_state": "carry"})
+    workload = build_workload(cfg)
+    peer = InnerTrainer.from_config(cfg, workload)
+    assert not peer.reset_state
+    theta = peer.full_params()
+    submitted = peer_lease(peer, theta)
+    verdict = compare(Rerunner(cfg, workload).rerun(lease_record(), theta), submitted, tolerance=0.01)
+    assert not verdict.ok and verdict.rel_error > 0.1
+
+
+def test_tolerance_mode() -> None:
+    rerun = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    near = rerun + 0.005 * rerun.norm() * noise / noise.norm()
+    assert compare(rerun, near, tolerance=0.01, min_cosine=0.999).ok
+    assert not compare(rerun, near).ok  # bitwise by default
+    far = rerun + 0.05 * rerun.norm() * noise / noise.norm()
+    verdict = compare(rerun, far, tolerance=0.01)
+    assert not verdict.ok and verdict.rel_error == pytest.approx(0.05, rel=1e-6)
+    assert not compare(rerun, torch.full_like(rerun, float("nan")), tolerance=0.01).ok
+
+
+def test_config_needs_reset_inner_state() -> None:
+    with pytest.raises(ValueError, match="inner_state: reset"):
+        RunConfig.model_validate({"runtime": {"verify": {"enabled": True}}})
+    with pytest.raises(ValueError, match="fraction"):
+        RunConfig.model_validate({"runtime": {"verify": {"fraction": 1.5}}})
+
+
+def test_selection_rate_and_secret() -> None:
+    secret = bytes(range(32))
+    ids = [f"L{i:08d}" for i in range(4000)]
+    draws = [verify_draw(secret, lease_id) for lease_id in ids]
+    chosen = sum(d < 0.1 for d in draws)
+    assert abs(chosen - 400) < 4 * (4000 * 0.1 * 0.9) ** 0.5  # binomial(4000, 0.1) within 4 σ
+    other = [verify_draw(b"another secret", lease_id) for lease_id in ids]
+    assert sum((a < 0.1) == (b < 0.1) for a, b in zip(draws, other)) < 4000  # a peer without the secret cannot tell
+    assert all(0.0 <= d < 1.0 for d in draws)
+
+
+# ------------------------------------------------------------------------------------------------- logic
+
+
+DIM = 6
+
+
+def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: int = 1) -> CoordinatorState:
+    policy = CoordinatorPolicy(
+        max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=100.0,
+        verify=VerifyPolicy(fraction=fraction, probation_updates=probation, suspect_fraction=0.5),
+    )
+    return new_state(torch.zeros(DIM), optimizer, [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+
+
+def test_verdicts_count_probation_and_expel() -> None:
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=1)
+    handle(state, SpeedReport("p", 10.0), 0.0)
+    _, actions = handle(state, RequestWork("p"), 0.0)
+    lease = next(a.lease for a in actions if isinstance(a, Assign))
+    assert lease.verify == "probation (0 of 1 verified)"
+    _, actions = handle(state, SubmitUpdate("p", lease.lease_id, 0, torch.ones(DIM)), 1.0)
+    checks = [a for a in actions if isinstance(a, Verify)]
+    assert len(checks) == 1 and torch.equal(checks[0].base, torch.zeros(DIM)) and torch.equal(checks[0].update, torch.ones(DIM))
+    assert state.verification.pending == {lease.lease_id: "p"}
+    _, actions = handle(state, Verified("p", lease.lease_id, True, "bitwise equal to the re-run"), 2.0)
+    assert actions == [Verdict("p", lease.lease_id, True, "bitwise equal to the re-run")]
+    assert state.verification.passed == {"p": 1} and not state.verification.pending
+    # past probation, fraction 0: nothing is re-run
+    _, actions = handle(state, RequestWork("p"), 3.0)
+    second = next(a.lease for a in actions if isinstance(a, Assign))
+    assert second.verify == ""
+    # a failed check expels: the active lease goes back, everything the peer sends is turned away
+    _, actions = handle(state, Verified("p", "Lx", False, "relative error 0.2"), 4.0)
+    assert [type(a).__name__ for a in actions] == ["Verdict", "Expelled", "Expired"]
+    assert isinstance(actions[1], Expelled) and actions[1].peer == "p"
+    assert second.lease_id not in state.leases
+    _, actions = handle(state, RequestWork("p"), 5.0)
+    assert len(actions) == 1 and isinstance(actions[0], Refused) and "expelled" in actions[0].reason
+    assert admission_problem(state, "p", 5.0) == "expelled from this run: lease Lx did not reproduce: relative error 0.2"
+    restored = verify_state(OuterNesterov(0.5, 0.9))
+    restored.load_state_dict(copy.deepcopy(state.state_dict()))
+    assert restored.verification == state.verification
+
+
+def scripted_run(optimizer: OuterOptimizer, rounds: int) -> tuple[CoordinatorState, list[tuple[Event, float]], list[torch.Tensor]]:
+    """Honest peers h0, h1 and attacker a take turns; every update is a fixed tensor. Returns the live state after
+    the attacker's failed check, the log, and the honest updates in the order they were applied."""
+    state = verify_state(optimizer, fraction=0.0, probation=0)
+    log: list[tuple[Event, float]] = []
+    honest: list[torch.Tensor] = []
+    generator = torch.Generator().manual_seed(7)
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(state, event, now)[1]
+
+    now = 0.0
+    for peer in ("h0", "h1", "a"):
+        feed(SpeedReport(peer, 10.0), now)
+    leases = {peer: next(x.lease for x in feed(RequestWork(peer), now) if isinstance(x, Assign)) for peer in ("h0", "h1", "a")}
+    for round_index in range(rounds):
+        for peer in ("h0", "a", "h1"):
+            now += 1.0
+            lease = leases[peer]
+            update = torch.randn(DIM, generator=generator)
+            if peer == "a":
+                update = update + 3.0 * torch.tensor([1.0, -1.0, 0.0, 0.0, 2.0, 0.0])  # a hidden direction
+            else:
+                honest.append(update.clone())
+            feed(SubmitUpdate(peer, lease.lease_id, lease.base_version, update), now)
+            leases[peer] = next(x.lease for x in feed(RequestWork(peer), now) if isinstance(x, Assign))
+    feed(Verified("a", "Lfailed", False, "relative error 1.9"), now + 1.0)
+    return state, log, honest
+
+
+@pytest.mark.parametrize("make", [lambda: OuterNesterov(0.7, 0.9), lambda: DelayedNesterov(0.7, 0.9, 2)], ids=["nesterov", "dn"])
+def test_repair_equals_a_run_that_never_saw_the_attacker(make: Any) -> None:
+    anchor = verify_state(make(), fraction=0.0, probation=0)
+    live, log, honest = scripted_run(make(), rounds=5)
+    contaminated = live.params.clone()
+    live_version = live.version
+    assert live_version == 15
+    repaired, actions = repair(anchor, log, live.verification.expelled, live_version)
+    # the reference: the outer optimizer stepping on the honest updates alone
+    reference_params = torch.zeros(DIM)
+    reference = make()
+    for update in honest:
+        reference.step(reference_params, update)
+    assert torch.equal(repaired.params, reference_params)
+    assert not torch.equal(contaminated, reference_params)
+    assert repaired.version == live_version + 1  # no version number names two θ
+    assert not repaired.leases and not repaired.held
+    assert repaired.verification.expelled == {"a": "lease Lfailed did not reproduce: relative error 1.9"}
+    assert sum(type(a).__name__ == "Rejected" and "discarded" in a.reason for a in actions) == 5
+    # deterministic: the same repair again (what --resume does when it meets the same record)
+    again, _ = repair(verify_state(make(), fraction=0.0, probation=0), log, ["a"], live_version)
+    assert torch.equal(again.params, repaired.params)
+    assert again.state_dict()["optimizer"].keys() == repaired.state_dict()["optimizer"].keys()
