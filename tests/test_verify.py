@@ -224,7 +224,8 @@ def test_repair_equals_a_run_that_never_saw_the_attacker(make: Any) -> None:
     contaminated = live.params.clone()
     live_version = live.version
     assert live_version == 15
-    repaired, actions = repair(anchor, log, live.verification.expelled, live_version)
+    result = repair(anchor, log, live.verification.expelled, live_version)
+    repaired = result.state
     # the reference: the outer optimizer stepping on the honest updates alone
     reference_params = torch.zeros(DIM)
     reference = make()
@@ -235,8 +236,10 @@ def test_repair_equals_a_run_that_never_saw_the_attacker(make: Any) -> None:
     assert repaired.version == live_version + 1  # no version number names two θ
     assert not repaired.leases and not repaired.held
     assert repaired.verification.expelled == {"a": "lease Lfailed did not reproduce: relative error 1.9"}
-    assert sum(type(a).__name__ == "Rejected" and "discarded" in a.reason for a in actions) == 5
+    assert result.discarded == 5 and result.replayed == len(log)
+    # the honest peers' active leases are given back (their base θ no longer exists); the attacker's went at its expulsion
+    assert sorted((type(a).__name__, a.peer) for a in result.voided) == [("Expired", "h0"), ("Expired", "h1")]
     # deterministic: the same repair again (what --resume does when it meets the same record)
-    again, _ = repair(verify_state(make(), fraction=0.0, probation=0), log, ["a"], live_version)
+    again = repair(verify_state(make(), fraction=0.0, probation=0), log, ["a"], live_version).state
     assert torch.equal(again.params, repaired.params)
     assert again.state_dict()["optimizer"].keys() == repaired.state_dict()["optimizer"].keys()

@@ -584,6 +584,7 @@ class Expelled:
     peer: str
     lease_id: str
     reason: str
+    anchor: int = -1  # the Verified event's: the log record the daemon's repair replays from
 
 
 Action = Union[
@@ -1272,7 +1273,7 @@ def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[A
     book.failed += 1
     reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
     book.expelled[event.peer] = reason
-    actions: list[Action] = [Verdict(event.peer, event.lease_id, False, event.detail), Expelled(event.peer, event.lease_id, reason)]
+    actions: list[Action] = [Verdict(event.peer, event.lease_id, False, event.detail), Expelled(event.peer, event.lease_id, reason, event.anchor)]
     info = state.peers.get(event.peer)
     if info is not None:
         info.alive = False

@@ -73,6 +73,8 @@ __all__ = [
     "Verifier",
     "VerifyStats",
     "repair",
+    "RepairResult",
+    "DaemonVerification",
     "Anchors",
     "log_events",
     "ANCHOR_DIR",
@@ -237,12 +239,20 @@ class Verifier:
 # ------------------------------------------------------------------------------------------------ repair
 
 
+@dataclass
+class RepairResult:
+    state: CoordinatorState
+    voided: list[Action]  # what the repair itself did after the replay: leases given back, held requests released
+    discarded: int  # submissions of expelled peers replayed as Discard
+    replayed: int  # events replayed
+
+
 def repair(
     anchor: CoordinatorState,
     records: Iterable[tuple[Event, float]],
     expelled: Collection[str],
     live_version: int,
-) -> tuple[CoordinatorState, list[Action]]:
+) -> RepairResult:
     """θ and the whole coordinator state as if the expelled peers' updates had never been applied.
 
     ``anchor`` (mutated and returned) is the state at some log record; ``records`` every later ``(event, now)`` up to
@@ -252,22 +262,23 @@ def repair(
     records are replayed (counters, expulsions) but start no nested repair. Afterwards every active lease is given
     back and the version jumps to ``live_version + 1``."""
     state = anchor
-    out: list[Action] = []
     excluded = set(expelled)
+    discarded = replayed = 0
     for event, now in records:
+        replayed += 1
         if isinstance(event, SubmitUpdate):
             if event.peer in excluded:
                 event = Discard(event.peer, event.lease_id)
+                discarded += 1
             else:
                 lease = state.leases.get(event.lease_id)
                 if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
                     event = dataclasses.replace(event, base_version=lease.base_version)
-        _, actions = handle(state, event, now)
-        out += [a for a in actions if not isinstance(a, (Verify, Expelled))]
-    out += void_leases(state, "θ was repaired after an expulsion: ask for a new lease")
+        handle(state, event, now)  # Verify and Expelled actions of the past start nothing here
+    voided = void_leases(state, "θ was repaired after an expulsion: ask for a new lease")
     state.verification.pending.clear()
     state.version = max(state.version, live_version) + 1
-    return state, out
+    return RepairResult(state, voided, discarded, replayed)
 
 
 def log_events(
@@ -364,3 +375,146 @@ class Anchors:
             following = segments[index + 1][0] if index + 1 < len(segments) else None
             if following is not None and following - 1 <= oldest:
                 path.unlink(missing_ok=True)  # every record in it is covered by the oldest anchor
+
+
+# ------------------------------------------------------------------------------------ the daemon's side
+
+
+class DaemonVerification:
+    """What the coordinator daemon does for verification, behind four hooks it calls (coordinator/daemon.py):
+    :meth:`record` for the actions Verify / Verdict / Expelled (live and in ``--resume`` replay alike, with
+    :attr:`replay_seq` set to the record being replayed), :meth:`note_snapshot` after a durable snapshot,
+    :meth:`status` for status.json and :meth:`close` at shutdown. Verdicts go back through the daemon's decision
+    entry point (``_decide`` under its lock) as :class:`~asyncloco.coordinator.logic.Verified` events."""
+
+    def __init__(self, daemon: Any, event_types: Mapping[str, type]) -> None:
+        cfg = daemon.cfg
+        self.daemon = daemon
+        self.knobs = cfg.runtime.verify
+        self.event_types = event_types
+        self.anchors = Anchors(Path(daemon.dir), self.knobs.horizon, keep_archive=cfg.runtime.wal_archive)
+        self.verifier = Verifier(Rerunner(cfg, daemon.workload, device=cfg.runtime.eval_device), self._verdict, self.knobs.queue)
+        self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
+        self.repairs: list[dict[str, Any]] = []
+        self._stop: Optional[asyncio.Event] = None
+        self._task: Optional["asyncio.Task[None]"] = None
+
+    # --- hooks
+
+    def record(self, action: Action, journal: Any) -> bool:
+        """Carry out one verification action; True when durable state changed."""
+        if isinstance(action, Verify):
+            if self.replay_seq is None:  # a replayed Verify was queued (or its verdict logged) in its own life
+                self._start()
+                self.verifier.offer(action)
+            return False
+        if isinstance(action, Verdict):
+            journal.write("verdict", peer=action.peer, lease_id=action.lease_id, ok=action.ok, detail=action.detail)
+            if not action.ok:
+                logger.warning("lease %s of %s failed verification: %s", action.lease_id, action.peer[-8:], action.detail)
+            return True
+        if isinstance(action, Expelled):
+            journal.write("expelled", peer=action.peer, lease_id=action.lease_id, reason=action.reason, anchor=action.anchor)
+            logger.warning("peer %s expelled: %s", action.peer[-8:], action.reason)
+            self._repair(action, journal)
+            return True
+        raise AssertionError(f"not a verification action: {action!r}")
+
+    def note_snapshot(self, path: Path, wal_seq: int, version: int) -> None:
+        if self.anchors.note_snapshot(path, wal_seq, version):
+            logger.info("repair anchor at log record %d (version %d)", wal_seq, version)
+
+    def status(self) -> dict[str, Any]:
+        book = self.daemon.state.verification
+        local_updates = max(1, int(self.daemon.state.local_updates))
+        return {
+            "fraction": self.knobs.fraction,
+            "probation_updates": self.knobs.probation_updates,
+            "tolerance": self.knobs.tolerance,
+            "checked": book.checked,
+            "failed": book.failed,
+            "passed": sum(book.passed.values()),
+            "pending": len(book.pending),
+            "unverifiable": book.unverifiable,
+            "expelled": dict(book.expelled),
+            "repairs": list(self.repairs),
+            "anchors": self.anchors.seqs(),
+            # re-run inner steps ÷ applied inner steps: verification's compute as a fraction of the run's training
+            "compute_fraction": self.verifier.stats.rerun_steps / local_updates,
+            **self.verifier.stats.as_dict(),
+        }
+
+    async def close(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def drain(self) -> None:
+        """Wait until every queued re-run has its verdict (tests, benchmarks)."""
+        await self.verifier.idle.wait()
+
+    # --- internals
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._stop = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self.verifier.run(self._stop))
+
+    async def _verdict(self, task: Verify, comparison: Comparison) -> None:
+        daemon = self.daemon
+        async with daemon.lock:
+            if daemon._stopping:
+                return
+            event = Verified(task.peer, task.lease.lease_id, comparison.ok, comparison.detail[:300], self.anchors.oldest())
+            await daemon._decide(event)
+
+    def _fresh_state(self) -> CoordinatorState:
+        from asyncloco.coordinator.logic import new_state
+        from asyncloco.coordinator.methods import build_method
+        from asyncloco.models.workload import param_groups
+
+        daemon = self.daemon
+        cfg = daemon.cfg
+        _, optimizer, transforms = build_method(
+            cfg.schedule.method, cfg.outer, cfg.outer.buffer_size or cfg.sim.workers, param_groups(daemon.model)
+        )
+        live = daemon.state
+        return new_state(torch.empty_like(live.params), optimizer, transforms, live.policy, [s.size for s in live.shards], cfg.seed)
+
+    def _repair(self, action: Expelled, journal: Any) -> None:
+        from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
+
+        daemon = self.daemon
+        upto = self.replay_seq if self.replay_seq is not None else daemon.wal.last_seq
+        anchor_dir = self.anchors.path(action.anchor)
+        if action.anchor < 0 or not (anchor_dir / "state.pt").is_file():
+            logger.critical(
+                "peer %s is expelled but θ cannot be repaired: no repair anchor %d in %s; its updates stay in θ",
+                action.peer[-8:], action.anchor, self.anchors.dir,
+            )
+            journal.write("repair_failed", peer=action.peer, anchor=action.anchor, reason="no repair anchor")
+            return
+        started = time.perf_counter()
+        snapshot = load_snapshot(anchor_dir)
+        state = self._fresh_state()
+        state.load_state_dict(snapshot["coordinator"])
+        after = snapshot_wal_seq(snapshot)
+        live = daemon.state
+        before_version = live.version
+        records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
+        result = repair(state, records, live.verification.expelled, live.version)
+        daemon.state = result.state
+        seconds = time.perf_counter() - started
+        summary = {
+            "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
+            "version_before": before_version, "version_after": result.state.version, "seconds": round(seconds, 3),
+        }
+        self.repairs.append(summary)
+        journal.write("repaired", **summary)
+        logger.warning(
+            "θ repaired without %s's updates: %d log records replayed from record %d, %d of its submissions discarded "
+            "(%.2f s); every active lease given back", action.peer[-8:], result.replayed, after, result.discarded, seconds,
+        )
+        daemon._bookkeep(result.voided)
