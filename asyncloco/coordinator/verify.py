@@ -55,6 +55,7 @@ from asyncloco.coordinator.logic import (
     Expelled,
     Lease,
     SubmitUpdate,
+    Verdict,
     Verified,
     Verify,
     handle,
@@ -163,6 +164,7 @@ class VerifyStats:
 
     queued: int = 0
     skipped: int = 0  # the queue was full: the check was not done
+    moot: int = 0  # dropped unrun: the peer had been expelled meanwhile
     rerun_steps: int = 0  # inner steps re-run
     busy_s: float = 0.0  # seconds spent re-running
     latencies: list[float] = field(default_factory=list)  # seconds from submission to verdict, the last 256
@@ -171,7 +173,7 @@ class VerifyStats:
         ordered = sorted(self.latencies)
         median = ordered[len(ordered) // 2] if ordered else None
         return {
-            "queued": self.queued, "skipped": self.skipped, "rerun_steps": self.rerun_steps,
+            "queued": self.queued, "skipped": self.skipped, "moot": self.moot, "rerun_steps": self.rerun_steps,
             "busy_s": round(self.busy_s, 3), "latency_median_s": median, "latency_max_s": ordered[-1] if ordered else None,
         }
 
@@ -187,9 +189,11 @@ class Verifier:
         on_verdict: Callable[[Verify, Comparison], Awaitable[None]],
         capacity: int = 16,
         clock: Callable[[], float] = time.monotonic,
+        moot: Callable[[Verify], bool] = lambda task: False,
     ) -> None:
         self.rerunner = rerunner
         self.on_verdict = on_verdict
+        self.moot = moot  # a queued check no longer needed (its peer was expelled meanwhile): dropped unrun
         self.clock = clock
         self.queue: "asyncio.Queue[tuple[Verify, float]]" = asyncio.Queue(maxsize=capacity)
         self.stats = VerifyStats()
@@ -217,6 +221,10 @@ class Verifier:
                 getter.cancel()
                 break
             task, queued_at = getter.result()
+            if self.moot(task):
+                self.stats.moot += 1
+                self._done()
+                continue
             started = time.perf_counter()
             try:
                 comparison = await asyncio.to_thread(self.rerunner.check, task)
@@ -226,7 +234,10 @@ class Verifier:
                 continue
             self.stats.busy_s += time.perf_counter() - started
             self.stats.rerun_steps += task.lease.steps
-            await self.on_verdict(task, comparison)
+            try:
+                await self.on_verdict(task, comparison)
+            except Exception as error:  # the daemon failed to decide (it fail-stops on its own); keep the worker alive
+                logger.error("the verdict on lease %s could not be decided: %r", task.lease.lease_id, error)
             self.stats.latencies = (self.stats.latencies + [self.clock() - queued_at])[-256:]
             self._done()
 
@@ -393,7 +404,10 @@ class DaemonVerification:
         self.knobs = cfg.runtime.verify
         self.event_types = event_types
         self.anchors = Anchors(Path(daemon.dir), self.knobs.horizon, keep_archive=cfg.runtime.wal_archive)
-        self.verifier = Verifier(Rerunner(cfg, daemon.workload, device=cfg.runtime.eval_device), self._verdict, self.knobs.queue)
+        self.verifier = Verifier(
+            Rerunner(cfg, daemon.workload, device=cfg.runtime.eval_device), self._verdict, self.knobs.queue,
+            moot=lambda task: task.peer in self.daemon.state.verification.expelled,
+        )
         self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
         self.repairs: list[dict[str, Any]] = []
         self._stop: Optional[asyncio.Event] = None
