@@ -14,6 +14,7 @@ them. Sections:
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -260,11 +261,19 @@ class VerifyConfig(StrictModel):
         return self
 
 
+# transport.codecs.CODECS as a pattern (this module imports no torch); tests/test_feedback.py checks they agree
+UPLOAD_CODEC_PATTERN = r"none|fp16|bf16|int8|int4|int2|topk(1|2|4|8|16|32|64)b(2|4)"
+
+
 class RuntimeConfig(StrictModel):
     """The networked coordinator and peers."""
 
     run_id: str = Field("asyncloco-demo", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    codec: Literal["none", "fp16", "bf16", "int8", "int4"] = "none"
+    # --- pseudo-gradient uploads (transport/codecs.py, docs/compression.md); the names are transport.codecs.CODECS
+    codec: str = Field("none", description="codec of pseudo-gradient uploads: none, fp16, bf16, int8, int4, int2, topk{k}b{bits}")
+    error_feedback: bool | None = Field(
+        None, description="carry what the codec dropped into the next upload (peer/feedback.py); None: on for lossy codecs"
+    )
     # --- θ downloads (transport, docs/transport.md): none = fp32; int8 ≈ 0.25 × fp32; no body when the peer holds the version
     download_codec: Literal["none", "bf16", "int8"] = Field("none", description="codec of θ downloads (none = fp32)")
     lease_timeout_factor: float = Field(3.0, gt=1, description="lease deadline = expected duration × this + slack")
@@ -300,6 +309,34 @@ class RuntimeConfig(StrictModel):
         "open", description="open: anyone with the address; token: signed tokens; allowlist: runtime.allowlist"
     )
     allowlist: list[str] = Field(default_factory=list, description="libp2p peer ids admitted in allowlist mode")
+
+    @field_validator("codec")
+    @classmethod
+    def _check_codec(cls, value: str) -> str:
+        if not re.fullmatch(UPLOAD_CODEC_PATTERN, value):
+            raise ValueError(
+                f"unknown codec {value!r}: use none, fp16, bf16, int8, int4, int2 or topk{{k}}b{{bits}} with k in "
+                "1, 2, 4, 8, 16, 32, 64 (values kept per 256) and bits 2 or 4, e.g. topk8b2 (docs/compression.md)"
+            )
+        return value
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        """Error feedback is on when asked for, or by default for a lossy codec without re-run verification
+        (a validator re-running a lease cannot know the peer's residual; docs/compression.md)."""
+        if self.error_feedback is not None:
+            return self.error_feedback and self.codec != "none"
+        return self.codec != "none" and not self.verify.enabled
+
+    @model_validator(mode="after")
+    def _check_feedback(self) -> "RuntimeConfig":
+        if self.error_feedback and self.verify.enabled:
+            raise ValueError(
+                "runtime.error_feedback: true cannot be combined with runtime.verify.enabled (a validator re-running a "
+                "lease cannot know the peer's error-feedback residual, so every check would fail); set error_feedback: "
+                "false or leave it unset"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_admission(self) -> "RuntimeConfig":

@@ -17,6 +17,7 @@ from asyncloco.transport.codecs import (
     decode,
     encode,
     meta_bytes,
+    topk_params,
     wire_bytes,
 )
 from asyncloco.transport.errors import CodecError, TransportError
@@ -38,7 +39,12 @@ def test_encoded_size_is_the_closed_form(codec: str, numel: int) -> None:
         "bf16": 2 * numel,
         "int8": numel + 4 * math.ceil(numel / INT8_BLOCKSIZE),
         "int4": (numel + 1) // 2 + 4 * math.ceil(numel / INT4_BLOCKSIZE),
-    }[codec]
+        "int2": (numel + 3) // 4 + 4 * math.ceil(numel / 256),
+    }.get(codec)
+    if expected is None:  # topk{k}b{b}: k uint8 indices and k b-bit codes per chunk of 256, one fp32 scale per chunk
+        k, bits = topk_params(codec)
+        kept = k * (numel // 256) + min(k, numel % 256)
+        expected = kept + math.ceil(kept * bits / 8) + 4 * math.ceil(numel / 256)
     assert wire_bytes(codec, numel) == expected
     decoded = decode(EncodedTensor.from_bytes(codec, numel, encoded.to_bytes()), numel)
     assert decoded.dtype == torch.float32 and decoded.shape == (numel,)
@@ -149,3 +155,97 @@ def test_finite_check_is_exact_at_the_float32_limits() -> None:
     assert float(decode(EncodedTensor("fp16", 1, b"\xff\x7b"), 1)) == 65504.0
     with pytest.raises(CodecError, match="NaN/Inf"):
         decode(EncodedTensor("fp16", 1, b"\x00\x7c"), 1)
+
+
+# --- issue 18: int2 and the sparse topk{k}b{b} codecs ---------------------------------------------------------
+
+
+def int2_reference(x: torch.Tensor) -> torch.Tensor:
+    """Per block of 256: levels ±0.4528σ / ±1.5104σ split at 0.9816σ, σ the block's RMS (plain loops)."""
+    out = torch.empty_like(x)
+    for start in range(0, x.numel(), 256):
+        block = x[start : start + 256].double()
+        sigma = float(block.square().mean().sqrt().float())
+        for i, v in enumerate(block.tolist()):
+            magnitude = 1.5104 if abs(v) > 0.9816 * sigma else 0.4528
+            out[start + i] = (-magnitude if v < 0 else magnitude) * sigma
+    return out
+
+
+def topk_reference(x: torch.Tensor, k: int, bits: int) -> torch.Tensor:
+    """Per chunk of 256: keep the k largest |x|; each becomes sign · (m + 1)/L · max|x|, L = 2^(b-1), m the
+    nearest level; everything else 0."""
+    levels = 2 ** (bits - 1)
+    out = torch.zeros_like(x)
+    for start in range(0, x.numel(), 256):
+        chunk = x[start : start + 256]
+        scale = float(chunk.abs().max())
+        for i in torch.topk(chunk.abs(), min(k, chunk.numel())).indices.tolist():
+            m = min(max(round(abs(float(chunk[i])) / scale * levels) - 1, 0), levels - 1)
+            out[start + i] = math.copysign((m + 1) / levels * scale, float(chunk[i]))
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel", [1, 3, 255, 257, 300, 1000])
+def test_int2_and_topk_match_plain_references(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    assert torch.allclose(decode(encode("int2", x), numel), int2_reference(x), rtol=1e-6, atol=0)
+    for codec in ("topk1b2", "topk8b2", "topk16b4", "topk64b2"):
+        k, bits = topk_params(codec)
+        got = decode(encode(codec, x), numel)
+        assert torch.allclose(got, topk_reference(x, k, bits), rtol=1e-6, atol=0), codec
+        assert int((got != 0).sum()) == k * (numel // 256) + min(k, numel % 256)
+
+
+@pytest.mark.timeout(30)
+def test_sparse_decode_into_a_reused_buffer_zeroes_it_first() -> None:
+    x = torch.randn(5000)
+    encoded = encode("topk4b2", x)
+    buffer = torch.full((5000,), 7.0)
+    assert decode(encoded, 5000, out=buffer) is buffer
+    assert torch.equal(buffer, decode(encoded, 5000))
+
+
+def _sparse_body(codec: str, numel: int) -> tuple[EncodedTensor, bytearray]:
+    encoded = encode(codec, torch.randn(numel, generator=torch.Generator().manual_seed(3)))
+    return encoded, bytearray(encoded.payload)
+
+
+@pytest.mark.timeout(30)
+def test_malformed_sparse_and_int2_bodies_are_refused() -> None:
+    numel = 256 * 3 + 100  # three full chunks and a short one
+    encoded, payload = _sparse_body("topk4b2", numel)
+    payload[0], payload[1] = payload[1], payload[0]  # chunk 0's indices out of order
+    with pytest.raises(CodecError, match="strictly increasing within each chunk"):
+        decode(EncodedTensor("topk4b2", numel, bytes(payload), encoded.meta), numel)
+    encoded, payload = _sparse_body("topk4b2", numel)
+    payload[1] = payload[0]  # a duplicate index
+    with pytest.raises(CodecError, match="strictly increasing"):
+        decode(EncodedTensor("topk4b2", numel, bytes(payload), encoded.meta), numel)
+    encoded, payload = _sparse_body("topk4b2", numel)
+    payload[3 * 4 + 3] = 100  # the short chunk holds positions 0..99 only
+    with pytest.raises(CodecError, match="below 100"):
+        decode(EncodedTensor("topk4b2", numel, bytes(payload), encoded.meta), numel)
+    for codec in ("topk4b2", "int2"):
+        good = encode(codec, torch.randn(numel))
+        for bad in (math.nan, math.inf, -1.0):
+            scales = np.frombuffer(bytes(good.meta), dtype="<f4").copy()
+            scales[2] = bad
+            with pytest.raises(CodecError, match="negative, NaN or Inf"):
+                decode(EncodedTensor(codec, numel, good.payload, scales.tobytes()), numel)
+        with pytest.raises(CodecError, match="expected payload"):
+            decode(EncodedTensor(codec, numel, bytes(good.payload)[:-1], good.meta), numel)
+    with pytest.raises(CodecError, match="topk\\{k\\}b\\{bits\\}"):
+        topk_params("topk3b2")  # k = 3 is not in the registry
+    with pytest.raises(CodecError, match="unknown codec"):
+        wire_bytes("topk3b2", 1000)
+
+
+@pytest.mark.timeout(30)
+def test_sparse_compression_ratios_at_150m() -> None:
+    numel = 151_000_000
+    ratios = {c: 4 * numel / wire_bytes(c, numel) for c in ("int2", "topk16b2", "topk8b2", "topk4b2", "topk2b2")}
+    # per 256 values: 1024 B of fp32 vs 64 + 4, 16 + 4 + 4, 8 + 2 + 4, 4 + 1 + 4, 2 + 0.5 + 4 bytes
+    for codec, per_chunk in (("int2", 68), ("topk16b2", 24), ("topk8b2", 14), ("topk4b2", 9), ("topk2b2", 6.5)):
+        assert ratios[codec] == pytest.approx(1024 / per_chunk, rel=1e-5)

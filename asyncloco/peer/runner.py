@@ -185,6 +185,7 @@ class PeerRunner:
         self._loop_started: Optional[float] = None
         self.clock = clock  # --- transport seam (issue 8): deadlines and pauses on this clock
         self.crash_hook = crash_hook
+        self.feedback: Any = None  # peer/feedback.py ErrorFeedback: this peer's residual, kept across leases and rejoins
 
     def stop(self) -> None:
         """Finish the current lease (train it, submit it), then leave."""
@@ -494,7 +495,6 @@ class PeerRunner:
         """The rounds (lease, download, train, submit) until stopped, over any transport: ``client`` is a
         transport.link.CoordinatorLink, ``publisher`` a transport.link.SpeedPublisher, ``counters`` the
         client's transport.rpc.TrafficCounters. The speed is measured first unless :attr:`speed` is set."""
-        from asyncloco.transport.codecs import encode
         from asyncloco.transport.errors import CodecError, TransportError
 
         publishing: Optional[asyncio.Task[None]] = None
@@ -588,7 +588,7 @@ class PeerRunner:
                 self.summary.tokens_per_s = self.speed
                 uploading = time.monotonic()
                 try:
-                    encoded = await asyncio.to_thread(encode, codec, pseudo_gradient)
+                    encoded = await asyncio.to_thread(self._error_feedback(cfg, codec).encode, pseudo_gradient)
                 except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
                     logger.warning("lease %s not submitted: %s", lease["lease_id"], error)
                     continue
@@ -598,6 +598,7 @@ class PeerRunner:
                 self._update_timing("upload", time.monotonic() - uploading)
                 self.summary.rounds += 1
                 self.summary.steps += int(lease["steps"])
+                self.feedback.settle(bool(ack and ack["accepted"]))  # not applied: the residual is dropped
                 if not ack:
                     continue
                 if self.options.prefetch and not self._stop.is_set():
@@ -625,6 +626,15 @@ class PeerRunner:
                 await asyncio.gather(publishing, return_exceptions=True)
             self._update_idle()
             self._write_summary()
+
+    def _error_feedback(self, cfg: RunConfig, codec: str) -> Any:
+        """This peer's error feedback (peer/feedback.py), made anew only when the run's codec changes."""
+        from asyncloco.peer.feedback import ErrorFeedback
+
+        enabled = cfg.runtime.uses_error_feedback
+        if self.feedback is None or self.feedback.codec != codec or self.feedback.enabled != (enabled and codec != "none"):
+            self.feedback = ErrorFeedback(codec, enabled)
+        return self.feedback
 
     def _release_group(self, phase: str) -> None:
         """Tell the followers to stop (unless the group is broken), then leave it."""

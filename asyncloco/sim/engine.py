@@ -105,6 +105,7 @@ class SimResult:
     local_updates: int = 0
     sim_time: float = 0.0
     staleness: list[int] = field(default_factory=list)
+    upload_bytes: int = 0  # wire_bytes(runtime.codec, numel) per submitted update
 
     @property
     def final(self) -> dict[str, float]:
@@ -133,6 +134,7 @@ class _Worker:
     base_version: int = 0
     steps: int = 0
     result: RoundResult | None = None
+    feedback: Any = None  # peer/feedback.py ErrorFeedback: runtime.codec + error feedback, exactly as a peer applies them
 
 
 class Simulation:
@@ -182,6 +184,17 @@ class Simulation:
                 self.workload, cfg.inner.schedule(), cfg.inner.betas, cfg.inner.weight_decay, cfg.inner.grad_clip
             )
         self.workers = {f"w{i}": _Worker(f"w{i}", s) for i, s in enumerate(speeds)}
+        # runtime.codec: every upload goes through the peer's own encode → decode (peer/feedback.py), with the
+        # residual when runtime.error_feedback is on; "none" is fp32 and skips the round trip (bit-identical)
+        self.upload_bytes = 4 * theta.numel()
+        if cfg.runtime.codec != "none":
+            # imported only here: the codecs live in transport/ (whose package imports hivemind), which the
+            # simulator does not need for fp32 uploads
+            from asyncloco.peer.feedback import ErrorFeedback, upload_bytes
+
+            self.upload_bytes = upload_bytes(cfg.runtime.codec, theta.numel())
+            for worker in self.workers.values():
+                worker.feedback = ErrorFeedback(cfg.runtime.codec, cfg.runtime.uses_error_feedback)
         self._queue: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._next_eval = cfg.sim.eval_every
@@ -325,11 +338,19 @@ class Simulation:
             if kind == "complete":
                 worker = self.workers[name]
                 assert worker.result is not None and worker.lease_id is not None
-                submit = SubmitUpdate(name, worker.lease_id, worker.base_version, worker.result.pseudo_gradient)
+                update = worker.result.pseudo_gradient
+                if worker.feedback is not None:
+                    update = worker.feedback.roundtrip(update)
+                self.result.upload_bytes += self.upload_bytes
+                submit = SubmitUpdate(name, worker.lease_id, worker.base_version, update)
                 if self.state.local_updates + worker.steps > self.cfg.sim.total_local_updates:
                     self._score_at_budget(now)  # this update would cross the budget: score θ before it
+                lease_id = worker.lease_id
                 worker.result, worker.lease_id = None, None
-                self._dispatch(handle(self.state, submit, now)[1], now)
+                actions = handle(self.state, submit, now)[1]
+                if worker.feedback is not None:
+                    worker.feedback.settle(any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions))
+                self._dispatch(actions, now)
                 if self._finished(now):
                     break
                 self._dispatch(handle(self.state, RequestWork(name), now)[1], now)

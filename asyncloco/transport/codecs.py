@@ -14,15 +14,28 @@ count from the header before it allocates anything, and benchmarks can assert by
 | "int4" | bitsandbytes blockwise NF4,   | absmax per 256 values          | ceil(n / 2) + 4·ceil(n / 256)      |
 |        | two values per byte           |                                |                                    |
 
+| "int2" | 2-bit Lloyd-Max levels for a   | RMS per 256 values             | ceil(n / 4) + 4·ceil(n / 256)      |
+|        | Gaussian: ±0.4528σ, ±1.510σ   |                                |                                    |
+| "topk{k}b{b}" | per chunk of 256 values the | max kept |x| per chunk        | K + ceil(K·b / 8) + 4·chunks       |
+|        | k largest |x| (uint8 local    |                                | K = k·full chunks + min(k, tail)   |
+|        | index), b-bit sign+magnitude  |                                |                                    |
+
 The 8-bit dynamic code book and the NF4 table are constants of bitsandbytes, not sent. Decoding never
 unpickles and validates the codec name, ``numel`` against the caller's expectation, and both lengths
 before it allocates the output. See docs/transport.md for why bitsandbytes and why NF4.
+
+The sparse family ``topk{k}b{b}`` (k in :data:`TOPK_KS`, b in :data:`TOPK_BITS`; density k/256, e.g.
+``topk8b2``: 8 of every 256 values, 2 bits each, ≈ 73× fewer bytes than fp32) and ``int2`` are meant
+for pseudo-gradients with error feedback (asyncloco/peer/feedback.py, docs/compression.md): on their
+own they drop most of the update. A sparse body's local indices must be strictly increasing within each
+chunk and inside the chunk (the last chunk may be short); decoding refuses anything else.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Union
@@ -47,12 +60,28 @@ __all__ = [
     "meta_bytes",
     "value_bytes",
     "all_finite",
+    "TOPK_CHUNK",
+    "TOPK_KS",
+    "TOPK_BITS",
+    "INT2_BLOCKSIZE",
+    "LOSSLESS",
+    "decodes_into",
+    "topk_params",
 ]
 
 if sys.byteorder != "little":  # the raw formats below are little-endian views of native tensors
     raise ImportError("asyncloco.transport.codecs supports little-endian hosts only")
 
-CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4")
+TOPK_CHUNK = 256  # a local index fits one byte
+TOPK_KS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # values kept per chunk of 256 (density 0.4 % .. 25 %)
+TOPK_BITS: tuple[int, ...] = (2, 4)  # bits per kept value: a sign and (b - 1) magnitude bits
+INT2_BLOCKSIZE = 256
+CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "int2") + tuple(
+    f"topk{k}b{b}" for b in TOPK_BITS for k in TOPK_KS
+)
+LOSSLESS: tuple[str, ...] = ("none",)  # every other codec drops something: error feedback applies
+# Lloyd-Max 4-level quantizer of a unit Gaussian (levels ±0.4528, ±1.510; threshold 0.9816), times the block RMS
+INT2_INNER, INT2_OUTER, INT2_THRESHOLD = 0.4528, 1.5104, 0.9816
 INT8_BLOCKSIZE = 4096  # bitsandbytes' default for blockwise 8-bit; absmax overhead 0.1 %
 INT4_BLOCKSIZE = 256  # NF4: 3 % absmax overhead; relative error 0.099 vs 0.092 at blocksize 64 (12.5 % overhead)
 MAX_NUMEL = 2**31 - 1  # bitsandbytes kernels index with int32
@@ -107,7 +136,13 @@ def value_bytes(name: str, numel: int) -> int:
         return 2 * numel
     if name == "int8":
         return numel
-    return (numel + 1) // 2  # int4: two values per byte
+    if name == "int4":
+        return (numel + 1) // 2  # two values per byte
+    if name == "int2":
+        return (numel + 3) // 4  # four values per byte
+    k, bits = topk_params(name)
+    kept = _topk_kept(k, numel)
+    return kept + (kept * bits + 7) // 8  # uint8 local indices, then the packed codes
 
 
 def meta_bytes(name: str, numel: int) -> int:
@@ -117,7 +152,33 @@ def meta_bytes(name: str, numel: int) -> int:
         return 4 * math.ceil(numel / INT8_BLOCKSIZE)
     if name == "int4":
         return 4 * math.ceil(numel / INT4_BLOCKSIZE)
+    if name == "int2":
+        return 4 * math.ceil(numel / INT2_BLOCKSIZE)
+    if name.startswith("topk"):
+        return 4 * math.ceil(numel / TOPK_CHUNK)
     return 0
+
+
+def topk_params(name: str) -> tuple[int, int]:
+    """``(k, bits)`` of a sparse codec name ``topk{k}b{bits}``; :class:`CodecError` for any other name."""
+    match = re.fullmatch(r"topk([0-9]+)b([0-9])", name)
+    if match is None or name not in CODECS:
+        raise CodecError(
+            f"{name!r} is not a sparse codec; expected topk{{k}}b{{bits}} with k in {TOPK_KS} and bits in {TOPK_BITS} "
+            "(e.g. topk8b2: 8 of every 256 values, 2 bits each)"
+        )
+    return int(match.group(1)), int(match.group(2))
+
+
+def _topk_kept(k: int, numel: int) -> int:
+    """Values kept: k per full chunk of 256, min(k, tail) in a short last chunk."""
+    full, tail = divmod(numel, TOPK_CHUNK)
+    return k * full + min(k, tail)
+
+
+def decodes_into(name: str) -> bool:
+    """Whether :func:`decode` can write into a caller's preallocated buffer (``out=``) for codec ``name``."""
+    return name == "int8" or name.startswith("topk")
 
 
 def wire_bytes(name: str, numel: int) -> int:
@@ -174,6 +235,11 @@ def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
     if name == "bf16":
         return EncodedTensor(name, numel, tensor.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
 
+    if name == "int2":
+        return _encode_int2(tensor)
+    if name.startswith("topk"):
+        return _encode_topk(name, tensor)
+
     import bitsandbytes.functional as bnbf  # imported lazily: it logs a kernel notice at import on CPU
 
     if name == "int8":
@@ -189,6 +255,128 @@ def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
     assert encoded.nbytes == wire_bytes(name, numel), (name, numel, encoded.nbytes)
     return encoded
 
+
+
+# --- 2-bit and sparse codecs (issue 18): pure torch, vectorised ----------------------------------------------
+
+
+def _pack(codes: torch.Tensor, bits: int) -> bytes:
+    """Pack uint8 codes of ``bits`` bits (2 or 4), first code in the lowest bits of each byte."""
+    per_byte = 8 // bits
+    padded = torch.zeros(-(-codes.numel() // per_byte) * per_byte, dtype=torch.uint8)
+    padded[: codes.numel()] = codes
+    grouped = padded.view(-1, per_byte)
+    packed = grouped[:, 0].clone()
+    for slot in range(1, per_byte):
+        packed |= grouped[:, slot] << (bits * slot)
+    return packed.numpy().tobytes()
+
+
+def _unpack(buffer: Buffer, count: int, bits: int) -> torch.Tensor:
+    """The first ``count`` codes of a packed buffer, as uint8 (inverse of :func:`_pack`)."""
+    per_byte = 8 // bits
+    packed = _uint8_tensor(buffer)
+    mask = (1 << bits) - 1
+    codes = torch.stack([(packed >> (bits * slot)) & mask for slot in range(per_byte)], dim=1).reshape(-1)
+    return codes[:count]
+
+
+def _padded_blocks(tensor: torch.Tensor, block: int, fill: float) -> torch.Tensor:
+    numel = tensor.numel()
+    rows = -(-numel // block)
+    if rows * block == numel:
+        return tensor.view(rows, block)
+    padded = torch.full((rows * block,), fill, dtype=torch.float32)
+    padded[:numel] = tensor
+    return padded.view(rows, block)
+
+
+def _encode_int2(tensor: torch.Tensor) -> EncodedTensor:
+    numel = tensor.numel()
+    blocks = _padded_blocks(tensor, INT2_BLOCKSIZE, 0.0)
+    # the RMS over the block's real values (padding is zero, so only the count needs correcting)
+    counts = torch.full((blocks.shape[0],), float(INT2_BLOCKSIZE))
+    counts[-1] = numel - (blocks.shape[0] - 1) * INT2_BLOCKSIZE
+    rms = (blocks.double().square().sum(dim=1) / counts).sqrt().float()
+    outer = blocks.abs() > (INT2_THRESHOLD * rms).unsqueeze(1)
+    codes = (blocks < 0).to(torch.uint8) << 1 | outer.to(torch.uint8)
+    encoded = EncodedTensor("int2", numel, payload=_pack(codes.reshape(-1)[:numel], 2), meta=rms.numpy().tobytes())
+    assert encoded.nbytes == wire_bytes("int2", numel), (numel, encoded.nbytes)
+    return encoded
+
+
+def _decode_int2(encoded: EncodedTensor) -> torch.Tensor:
+    numel = encoded.numel
+    rms = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
+    if not bool((torch.isfinite(rms) & (rms >= 0)).all()):
+        raise CodecError("codec 'int2': a block RMS is negative, NaN or Inf")
+    codes = _unpack(encoded.payload, numel, 2)
+    levels = torch.tensor([INT2_INNER, INT2_OUTER, -INT2_INNER, -INT2_OUTER], dtype=torch.float32)
+    values = levels[codes.long()]
+    values *= rms.repeat_interleave(INT2_BLOCKSIZE)[:numel]
+    return values
+
+
+def _encode_topk(name: str, tensor: torch.Tensor) -> EncodedTensor:
+    k, bits = topk_params(name)
+    numel = tensor.numel()
+    magnitude = _padded_blocks(tensor.abs(), TOPK_CHUNK, -1.0)  # padding (-1) is never above a real |x|
+    chunks = magnitude.shape[0]
+    local = torch.topk(magnitude, min(k, TOPK_CHUNK), dim=1, sorted=False).indices.sort(dim=1).values
+    kept = _topk_kept(k, numel)
+    tail = numel - (chunks - 1) * TOPK_CHUNK
+    if tail < k:  # a short last chunk: only its real positions (the padding's indices sort last)
+        local_flat = torch.cat([local[:-1].reshape(-1), local[-1, :tail]])
+    else:
+        local_flat = local.reshape(-1)
+    chunk_of = torch.arange(chunks).repeat_interleave(k)
+    if tail < k:
+        chunk_of = torch.cat([chunk_of[: (chunks - 1) * k], torch.full((tail,), chunks - 1, dtype=torch.long)])
+    values = tensor[chunk_of * TOPK_CHUNK + local_flat]
+    scale = magnitude.amax(dim=1).clamp(min=0.0)  # the largest |x| of each chunk is always kept
+    levels = 1 << (bits - 1)  # magnitudes (m + 1) / levels · scale, m in [0, levels)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[chunk_of]
+    magnitude_code = (values.abs() / safe * levels).round().sub(1).clamp(0, levels - 1).to(torch.uint8)
+    codes = (values < 0).to(torch.uint8) << (bits - 1) | magnitude_code
+    assert local_flat.numel() == kept
+    encoded = EncodedTensor(
+        name,
+        numel,
+        payload=local_flat.to(torch.uint8).numpy().tobytes() + _pack(codes, bits),
+        meta=scale.numpy().tobytes(),
+    )
+    assert encoded.nbytes == wire_bytes(name, numel), (name, numel, encoded.nbytes)
+    return encoded
+
+
+def _decode_topk(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
+    """Scatter the kept values into ``out`` (zeroed first). Validates scales and indices before writing."""
+    name, numel = encoded.codec, encoded.numel
+    k, bits = topk_params(name)
+    scale = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
+    if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+        raise CodecError(f"codec {name!r}: a chunk scale is negative, NaN or Inf")
+    kept = _topk_kept(k, numel)
+    payload = memoryview(encoded.payload)
+    local = torch.from_numpy(np.frombuffer(payload[:kept], dtype=np.uint8).astype(np.int64))
+    full, tail = divmod(numel, TOPK_CHUNK)
+    # strictly increasing within each chunk (no duplicates) and inside it: a uint8 is always inside a full
+    # chunk of 256; the short last chunk's indices must be below its length
+    rows = local[: full * k].view(full, k)
+    if k > 1 and full and not bool((rows[:, 1:] > rows[:, :-1]).all()):
+        raise CodecError(f"codec {name!r}: local indices must be strictly increasing within each chunk of {TOPK_CHUNK}")
+    if tail:
+        last = local[full * k :]
+        if bool((last >= tail).any()) or (last.numel() > 1 and not bool((last[1:] > last[:-1]).all())):
+            raise CodecError(f"codec {name!r}: the last chunk's indices must be strictly increasing and below {tail}")
+    chunk_of = torch.arange(full + (1 if tail else 0)).repeat_interleave(k)[:kept]
+    codes = _unpack(payload[kept:], kept, bits).long()
+    levels = 1 << (bits - 1)
+    magnitude = ((codes & (levels - 1)) + 1).float() / levels * scale[chunk_of]
+    values = torch.where(codes >= levels, -magnitude, magnitude)
+    out.zero_()
+    out[chunk_of * TOPK_CHUNK + local] = values
+    return out
 
 # --- int8 decoding into a preallocated tensor (issue 8: the coordinator's ack latency) -----------------------
 # bitsandbytes 0.50 registers only the allocating CPU op. Its cost is mostly the fresh θ-sized allocation
@@ -252,14 +440,23 @@ def _uint8_tensor(buffer: Buffer) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def _check_out(out: torch.Tensor, numel: int) -> None:
+    if out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous() or out.device.type != "cpu":
+        raise CodecError(
+            f"out must be a contiguous fp32 CPU tensor of shape ({numel},), got dtype={out.dtype} "
+            f"shape={tuple(out.shape)}; allocate it with torch.empty({numel})"
+        )
+
+
 def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode to a new flat fp32 tensor of ``expected_numel`` elements (for int8, into ``out`` when given: a
-    preallocated contiguous fp32 tensor of that size, which is returned).
+    """Decode to a new flat fp32 tensor of ``expected_numel`` elements (for int8 and the sparse codecs, into
+    ``out`` when given: a preallocated contiguous fp32 tensor of that size, which is returned).
 
     Validates, before allocating: the codec name, ``encoded.numel == expected_numel``, and the exact
     lengths of payload and meta. Raises :class:`CodecError` when the result would hold a NaN or Inf:
     for int8/int4 a non-finite block absmax (the code books are finite, so finite scales give finite
-    values), for none/fp16/bf16 a non-finite value. A NaN on the wire never becomes a finite number.
+    values), for int2/topk* a negative or non-finite scale (and, for topk*, indices out of order or out of
+    their chunk), for none/fp16/bf16 a non-finite value. A NaN on the wire never becomes a finite number.
     """
     name, numel = encoded.codec, encoded.numel
     _check_codec_and_numel(name, expected_numel)
@@ -270,8 +467,8 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             f"codec {name!r} numel={numel}: expected payload {value_bytes(name, numel)} B and meta "
             f"{meta_bytes(name, numel)} B, got {len(encoded.payload)} B and {len(encoded.meta)} B"
         )
-    if out is not None and name != "int8":
-        raise CodecError(f"decode(out=...) is implemented for codec 'int8' only, not {name!r}; leave out=None")
+    if out is not None and not decodes_into(name):
+        raise CodecError(f"decode(out=...) is implemented for codec 'int8' and topk* only, not {name!r}; leave out=None")
     if name in ("none", "fp16", "bf16"):
         if name == "none":
             values = torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f4").copy())
@@ -284,17 +481,22 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             raise CodecError(f"codec {name!r}: {_count_non_finite(values)} NaN/Inf values in payload")
         return values
 
+    if name == "int2":
+        return _decode_int2(encoded)
+    if name.startswith("topk"):
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32)
+        else:
+            _check_out(out, numel)
+        return _decode_topk(encoded, out)
     absmax = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
     if not bool(torch.isfinite(absmax).all()):
         raise CodecError(f"codec {name!r}: non-finite block absmax in payload")
     if name == "int8":
         if out is None:
             out = torch.empty(numel, dtype=torch.float32)
-        elif out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous() or out.device.type != "cpu":
-            raise CodecError(
-                f"out must be a contiguous fp32 CPU tensor of shape ({numel},), got dtype={out.dtype} "
-                f"shape={tuple(out.shape)}; allocate it with torch.empty({numel})"
-            )
+        else:
+            _check_out(out, numel)
         _decode_int8_into(encoded.payload, absmax.numpy(), numel, out)
         return out
     quantized = _uint8_tensor(encoded.payload)
