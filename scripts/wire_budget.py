@@ -13,6 +13,10 @@ of what the peer trains from: ``relative_error(codec) × max|θ|`` for a full do
 ``--measure``) is ``max|θ_v − F_a| / max|θ|``. ``--measure`` builds the preset's model (fp32 θ in memory),
 encodes θ once per download codec and reports the measured max-abs and relative L2 error of a full
 download next to the bound.
+
+The first table (issue 18) is the upload alone for every upload codec, including the 2-bit and sparse
+ones meant for error feedback (docs/compression.md): bytes per round, the factor fewer than fp32, and the
+minutes one upload takes at ``--uplink-mbit`` (default 10 Mbit/s, a common home uplink).
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ from asyncloco.transport.codecs import decode, encode, wire_bytes
 from asyncloco.transport.delta import relative_error
 
 UPLOADS = ("none", "bf16", "int8", "int4")
+UPLOADS_EF = ("none", "bf16", "int8", "int4", "int2", "topk32b2", "topk16b4", "topk16b2", "topk8b2", "topk4b2", "topk2b2")
+
+
+def upload_table(numel: int, uplink_mbit: float) -> List[Dict[str, Any]]:
+    """One upload per codec: exact bytes, × fewer than fp32, minutes at ``uplink_mbit`` Mbit/s."""
+    fp32 = wire_bytes("none", numel)
+    return [
+        {"upload": up, "bytes": wire_bytes(up, numel), "x_fewer": fp32 / wire_bytes(up, numel),
+         "minutes": wire_bytes(up, numel) * 8 / (uplink_mbit * 1e6) / 60}
+        for up in UPLOADS_EF
+    ]
 DOWNLOADS = ("none", "bf16", "int8")
 
 
@@ -70,11 +85,18 @@ def main() -> None:
     parser.add_argument("--preset", default="150m")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--uplink-mbit", type=float, default=10.0, help="uplink for the upload-minutes column")
     parser.add_argument("--measure", action="store_true", help="build the model and measure full-download errors")
     args = parser.parse_args()
     numel = count_parameters(args.preset, args.vocab_size)
     rows = table(numel)
     print(f"preset {args.preset}: {numel:,} parameters; fp32 θ = {wire_bytes('none', numel) / 1e6:.1f} MB\n")
+    uploads = upload_table(numel, args.uplink_mbit)
+    print(f"| upload codec | MB per round | × fewer than fp32 | minutes per upload at {args.uplink_mbit:g} Mbit/s |")
+    print("|---|---:|---:|---:|")
+    for up in uploads:
+        print(f"| {up['upload']} | {up['bytes'] / 1e6:.2f} | {up['x_fewer']:.1f} | {up['minutes']:.2f} |")
+    print()
     print("| upload | download | up MB | down MB | up + down vs fp32 | if the peer holds θ |")
     print("|---|---|---:|---:|---:|---:|")
     for row in rows:
@@ -95,7 +117,7 @@ def main() -> None:
             print(f"| {codec} | {row['max_abs_error']:.3g} | {row['bound']:.3g} | {row['relative_l2']:.3g} |")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"preset": args.preset, "numel": numel, "rows": rows,
+            json.dump({"preset": args.preset, "numel": numel, "rows": rows, "uploads": uploads, "uplink_mbit": args.uplink_mbit,
                        "relative_error": {down: relative_error(down) for down in DOWNLOADS}, "measured": measured}, handle, indent=1)
 
 
