@@ -1,0 +1,182 @@
+"""Swarm downloads (issue 19, asyncloco/transport/swarm.py): signed manifests, verified chunks, a hostile holder.
+
+The P2P test runs four real p2pd daemons (seed + three peers) in one process: an honest holder, a holder that
+serves corrupted chunks and a downloader. Exact: the seed sends the body once in all, the downloader rejects
+exactly the corrupted chunks it received (none stored), reports the hostile holder once, and ends with the
+coordinator's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any, Awaitable, Callable, List, Optional, Tuple
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
+from asyncloco.transport.errors import MessageError, ProtocolError
+from asyncloco.transport.swarm import (
+    MAX_CHUNKS,
+    BodyStore,
+    ChunkRequest,
+    ChunkServer,
+    Manifest,
+    SignedManifest,
+    SwarmDownloader,
+    SwarmSeed,
+    chunk_size_for,
+    public_key_bytes,
+)
+
+NUMEL = 50_000
+CHUNK = 4096
+
+
+def make_body(version: int) -> bytes:
+    theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(version))
+    return encode("int8", theta).to_bytes()
+
+
+def test_manifest_signature_and_chunks() -> None:
+    body = make_body(1)
+    key = Ed25519PrivateKey.generate()
+    manifest = Manifest.build("run", 1, "int8", NUMEL, body, CHUNK)
+    assert manifest.body_bytes == len(body) == wire_bytes("int8", NUMEL) == 50_052
+    assert manifest.chunks == 13 and manifest.span(12) == (12 * CHUNK, 50_052)
+    assert manifest.digest == hashlib.sha256(body).digest()
+    for i in range(manifest.chunks):
+        start, end = manifest.span(i)
+        assert manifest.chunk_ok(i, body[start:end])
+        assert not manifest.chunk_ok(i, bytes([body[start] ^ 1]) + body[start + 1 : end])
+    assert not manifest.chunk_ok(0, body[: CHUNK - 1])
+    signed = SignedManifest.sign(manifest, key)
+    assert signed.verify(key.public_key()) == manifest
+    with pytest.raises(ProtocolError, match="signature"):
+        signed.verify(Ed25519PrivateKey.generate().public_key())
+    tampered = bytearray(signed.manifest)
+    tampered[-1] ^= 1
+    with pytest.raises(ProtocolError, match="signature"):
+        SignedManifest(bytes(tampered), signed.signature).verify(key.public_key())
+    # sizes: a body never needs more than MAX_CHUNKS chunks; the manifest checks its own fields
+    assert chunk_size_for(2 * 10**9, 1 << 20) == -(-2 * 10**9 // MAX_CHUNKS) == 1_953_125
+    assert chunk_size_for(10**9, 1 << 20) == 1 << 20
+    with pytest.raises(MessageError, match="body_bytes"):
+        Manifest("run", 1, "int8", NUMEL + 1, manifest.body_bytes, CHUNK, manifest.digests, manifest.digest)
+    assert ChunkRequest(1, "int8", ChunkRequest.bitmap([0, 9, 12], 13)).wanted(13) == [0, 9, 12]
+
+
+def test_seed_serves_each_chunk_once_while_others_hold_it() -> None:
+    async def main() -> None:
+        body = make_body(3)
+        key = Ed25519PrivateKey.generate()
+
+        async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:
+            return 3, body
+
+        seed = SwarmSeed(BodyStore(NUMEL), "run", key, body_for, chunk_bytes=CHUNK, refill_s=10.0)
+        signed, entry = await seed.publish(None, "int8")
+        assert signed.verify(key.public_key()).version == 3 and entry.complete
+        everything = list(range(13))
+        # alone: the seed serves whatever is asked, fewest copies first
+        served = [seed.choose("a", entry, everything) for _ in range(13)]
+        assert sorted(i for _, i in served if i is not None) == everything
+        # with another serving peer listed, a chunk already sent is "busy" until refill_s has passed
+        from asyncloco.transport.swarm import Holder
+
+        seed._swarms[(3, "int8")].members["a"] = Holder("a", ("/ip4/127.0.0.1/tcp/1",))
+        assert seed.choose("b", entry, everything) == ("busy", None)
+        assert seed.choose("a", entry, [4]) == ("ok", 4)  # a's only other holder is itself
+        seed._swarms[(3, "int8")].served_at[5] -= 10.0  # as if 10 s had passed for chunk 5
+        assert seed.choose("b", entry, everything) == ("ok", 5)
+        assert seed.choose("b", entry, [5]) == ("busy", None)  # its second refill waits 2 × refill_s
+
+    asyncio.run(main())
+
+
+class CorruptServer(ChunkServer):
+    """Serves the right chunk index with one bit flipped."""
+
+    def payload(self, entry: Any, index: int) -> Any:
+        data = bytearray(super().payload(entry, index))
+        data[len(data) // 2] ^= 0x10
+        return bytes(data)
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.timeout(240)
+def test_corrupt_holder_is_detected_skipped_reported_and_download_completes() -> None:
+    from hivemind.p2p import P2P
+
+    async def main() -> None:
+        body = make_body(7)
+        key = Ed25519PrivateKey.generate()
+        reports: List[Tuple[str, str, int, str]] = []
+
+        async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:
+            return 7, body
+
+        nodes: List[Any] = []
+        try:
+            seed_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+            nodes.append(seed_p2p)
+            seed = SwarmSeed(BodyStore(NUMEL), "run", key, body_for, chunk_bytes=CHUNK, refill_s=600.0,
+                             on_report=lambda *r: reports.append(r))
+            await seed.add_handlers(seed_p2p, "run")
+            seed_maddrs = await seed_p2p.get_visible_maddrs()
+            seed_id = seed_p2p.peer_id.to_base58()
+
+            async def peer(server_type: type) -> Tuple[Any, SwarmDownloader, ChunkServer]:
+                p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=seed_maddrs, startup_timeout=120.0)
+                nodes.append(p2p)
+                store = BodyStore(NUMEL)
+                server = server_type(store)
+                await server.add_handlers(p2p, "run")
+                maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+                return p2p, SwarmDownloader(p2p, seed_id, store, namespace="run", maddrs=maddrs,
+                                            chunk_timeout_base=20.0), server
+
+            honest_p2p, honest, _ = await peer(ChunkServer)
+            hostile_p2p, hostile, hostile_server = await peer(CorruptServer)
+            fresh_p2p, fresh, _ = await peer(ChunkServer)
+            fresh_id = fresh_p2p.peer_id.to_base58()
+            hostile_id = hostile_p2p.peer_id.to_base58()
+
+            first = await honest.download(None, "int8")  # alone: everything from the seed
+            assert (first.chunks_from_seed, first.chunks_from_peers) == (13, 0)
+            second = await hostile.download(7, "int8")  # the honest holder has it all: nothing from the seed
+            assert (second.chunks_from_seed, second.chunks_from_peers) == (13 - second.chunks_from_peers, 13)
+            assert bytes(first.body) == bytes(second.body) == body
+
+            result = await fresh.download(7, "int8")  # holders: honest + hostile (serving corrupted chunks)
+            served_bad = hostile_server.counters.per_peer.get(fresh_id, 0)
+            assert served_bad >= 1  # the downloader's first requests go to both holders
+            assert result.rejected == {hostile_id: served_bad}
+            assert set(result.skipped) == {hostile_id} and "SHA-256" in result.skipped[hostile_id]
+            assert (result.chunks_from_seed, result.chunks_from_peers) == (0, 13)
+            assert bytes(result.body) == body and result.manifest.digest == hashlib.sha256(body).digest()
+            theta = decode(EncodedTensor.from_bytes("int8", NUMEL, result.body), NUMEL)
+            assert torch.equal(theta, decode(EncodedTensor.from_bytes("int8", NUMEL, body), NUMEL))
+            entry = fresh.store.get((7, "int8"))
+            assert entry is not None and bytes(entry.data) == body  # nothing corrupted was ever stored
+            # the seed sent the body exactly once in all, and heard exactly one report, about the hostile holder
+            assert seed.counters.bytes_sent == len(body) and seed.counters.chunks_sent == 13
+            await fresh.close()
+            await wait_for(lambda: len(reports) >= 1, 30.0, "the report")
+            assert [(r[0], r[1], r[2]) for r in reports] == [(fresh_id, hostile_id, 7)] and "SHA-256" in reports[0][3]
+            assert fresh.reports_sent == 1
+        finally:
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    asyncio.run(main())
