@@ -457,10 +457,11 @@ class _TokenBucket:
 
 @dataclass
 class ServeCounters:
-    """What a chunk server did: chunks and body bytes sent, answers ``none``/``busy``, calls refused."""
+    """What a chunk server did: chunks and body bytes sent, all bytes written, answers ``none``/``busy``, calls refused."""
 
     chunks_sent: int = 0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # chunk bodies
+    stream_bytes_sent: int = 0  # every frame written (headers, manifests, chunks, errors): the egress
     none: int = 0
     busy: int = 0
     refused: int = 0
@@ -513,6 +514,7 @@ class ChunkServer:
             except Exception as error:  # a bug: one line, never the server
                 logger.warning("swarm call from %s failed: %r", peer_id, error)
             finally:
+                self.counters.stream_bytes_sent += frames_out.bytes_written
                 if admitted:
                     self._streams -= 1
                     left = self._active[peer_id] - 1

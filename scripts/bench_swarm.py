@@ -1,0 +1,316 @@
+"""Coordinator egress per θ version: everyone from the coordinator (today) vs the swarm (issue 19), in one run.
+
+A coordinator process part (this process: one p2pd, the real ``CoordinatorService`` serving ``get_model``
+beside a ``SwarmSeed`` of asyncloco/transport/swarm.py) and ``max(--clients)`` light download-only clients
+spread over ``--processes`` client processes, one p2pd each (several per process, as scripts/load_test.py
+does). Nothing is trained: a stand-in publishes one new θ version per round (θ + 0.001·N(0, 1), the size of
+``--preset``), then
+
+- **today**: the first N clients download it with ``CoordinatorClient.get_model`` (a full download each:
+  a delta from an anchor costs the same bytes);
+- **swarm**: the same N clients download it with ``SwarmDownloader`` (manifest from the seed, chunks from
+  each other, the seed only for what no holder has), each serving what it holds.
+
+The order of the two alternates per round. Reported per N: bytes out of the coordinator per version over
+the encoding's size (``coordinator_egress_per_version_over_encoding``: framed bytes of every stream the
+coordinator wrote, get_model or swarm), download seconds per client, and whether every client's θ is
+bitwise equal to ``decode(encode(θ_v))``, what the coordinator would have sent (SHA-256 of the body and of
+the decoded θ, compared with the coordinator's own).
+
+Usage: ``python scripts/bench_swarm.py --clients 8,16,32 --json out.json`` (heavy: run it under
+``flock /tmp/asyncloco-heavy.lock nice -n 5``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger("bench_swarm")
+
+
+def sha(data: Any) -> str:
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+def theta_sha(theta: torch.Tensor) -> str:
+    return sha(theta.detach().contiguous().numpy().view("u1"))
+
+
+# ------------------------------------------------------------------------------------------ clients
+
+
+async def _client_main(first: int, count: int, maddrs: List[str], coordinator_id: str, namespace: str, numel: int, codec: str,
+                       commands: Any, results: Any) -> None:
+    from hivemind.p2p import P2P
+
+    from asyncloco.transport.codecs import EncodedTensor, decode
+    from asyncloco.transport.rpc import CoordinatorClient
+    from asyncloco.transport.swarm import BodyStore, ChunkServer, SwarmDownloader
+
+    nodes: List[Any] = []
+    clients: List[Tuple[CoordinatorClient, SwarmDownloader]] = []
+    from asyncloco.transport.codecs import encode
+
+    decode(encode(codec, torch.ones(8)), 8)  # import the codec's kernels now, not in the first timed download
+    try:
+        for _ in range(count):
+            p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+            nodes.append(p2p)
+            store = BodyStore(numel, keep_versions=2)
+            await ChunkServer(store).add_handlers(p2p, namespace)
+            visible = [str(m) for m in await p2p.get_visible_maddrs()]
+            clients.append((
+                CoordinatorClient(p2p, coordinator_id, numel, namespace=namespace, download_codec=codec),
+                SwarmDownloader(p2p, coordinator_id, store, namespace=namespace, maddrs=visible),
+            ))
+        results.put(("ready", first, count))
+
+        async def one(index: int, mode: str, version: int) -> Dict[str, Any]:
+            direct, swarm = clients[index - first]
+            started = time.perf_counter()
+            out: Dict[str, Any] = {"index": index, "mode": mode, "version": version}
+            try:
+                if mode == "today":
+                    direct.held = direct.anchor = None  # a full download, as a peer without this version gets
+                    got, theta = await direct.get_model(version)
+                    out["seconds"] = time.perf_counter() - started
+                    out["body_sha"] = None
+                else:
+                    result = await swarm.download(version, codec)
+                    got = result.manifest.version
+                    theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(codec, numel, result.body), numel)
+                    out["seconds"] = time.perf_counter() - started  # both designs: until θ is decoded
+                    out["body_sha"] = sha(result.body)
+                    out.update(seed_chunks=result.chunks_from_seed, peer_chunks=result.chunks_from_peers,
+                               rejected=sum(result.rejected.values()), skipped=len(result.skipped))
+                out["theta_sha"] = await asyncio.to_thread(theta_sha, theta)
+                out["version_ok"] = got == version
+            except Exception as error:  # counted: the benchmark requires zero
+                out["error"] = repr(error)
+            return out
+
+        while True:
+            command = await asyncio.to_thread(commands.get)
+            if command[0] == "stop":
+                break
+            _, mode, version, active = command
+            mine = [i for i in range(first, first + count) if i < active]
+            for out in await asyncio.gather(*(one(i, mode, version) for i in mine)):
+                results.put(("result", out))
+            results.put(("round", first))
+    finally:
+        for p2p in nodes:
+            await p2p.shutdown()
+
+
+def client_process(first: int, count: int, maddrs: List[str], coordinator_id: str, namespace: str, numel: int, codec: str,
+                   commands: Any, results: Any) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    asyncio.run(_client_main(first, count, maddrs, coordinator_id, namespace, numel, codec, commands, results))
+
+
+# -------------------------------------------------------------------------------------- coordinator
+
+
+class StandInHandler:
+    """The coordinator's ``get_model`` over the published versions (nothing else is used here)."""
+
+    def __init__(self) -> None:
+        self.thetas: Dict[int, torch.Tensor] = {}
+
+    async def assign(self, request: Any, peer_id: str) -> Any:
+        raise RuntimeError("download-only benchmark")
+
+    async def get_model(self, version: Optional[int], peer_id: str) -> Tuple[int, torch.Tensor]:
+        version = max(self.thetas) if version is None else version
+        return version, self.thetas[version]
+
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+        raise RuntimeError("download-only benchmark")
+
+
+def summary(values: List[float]) -> Dict[str, float]:
+    ordered = sorted(values)
+    return {"mean": statistics.fmean(ordered), "p50": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+
+async def run(args: argparse.Namespace) -> Dict[str, Any]:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from hivemind.p2p import P2P
+
+    from asyncloco.models.presets import count_parameters, get_preset
+    from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
+    from asyncloco.transport.rpc import CoordinatorService
+    from asyncloco.transport.swarm import BodyStore, SwarmSeed
+
+    sizes = sorted({int(n) for n in str(args.clients).split(",")})
+    numel = args.numel or count_parameters(get_preset(args.preset))
+    codec, encoding = args.codec, wire_bytes(args.codec, numel)
+    namespace = f"swarm-{uuid.uuid4().hex[:8]}"
+    handler = StandInHandler()
+    bodies: Dict[int, bytes] = {}
+
+    async def body_for(version: Optional[int], wanted: str) -> Tuple[int, Any]:
+        version = max(bodies) if version is None else version
+        return version, bodies[version]
+
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+    service = CoordinatorService(handler, numel, model_codecs=(codec,))
+    seed = SwarmSeed(BodyStore(numel, keep_versions=2), namespace, Ed25519PrivateKey.generate(), body_for, chunk_bytes=args.chunk_bytes)
+    await service.add_p2p_handlers(p2p, namespace=namespace)
+    await seed.add_handlers(p2p, namespace)
+    maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+    context = mp.get_context("spawn")
+    results: Any = context.Queue()
+    total = max(sizes)
+    per = -(-total // args.processes)
+    procs, queues = [], []
+    for first in range(0, total, per):
+        commands: Any = context.Queue()
+        proc = context.Process(target=client_process, args=(first, min(per, total - first), maddrs, p2p.peer_id.to_base58(),
+                                                              namespace, numel, codec, commands, results), daemon=True)
+        proc.start()
+        procs.append(proc)
+        queues.append(commands)
+    rows: List[Dict[str, Any]] = []
+    errors: List[str] = []
+    started = time.monotonic()
+    try:
+        ready = 0
+        while ready < len(procs):
+            message = await asyncio.to_thread(results.get, True, 600)
+            ready += message[0] == "ready"
+        logger.info("%d clients up in %.0f s", total, time.monotonic() - started)
+        generator = torch.Generator().manual_seed(0)
+        theta = torch.randn(numel, generator=generator) * 0.02
+        version = 0
+        for n in sizes:
+            per_mode: Dict[str, Dict[str, Any]] = {m: {"egress": [], "seconds": [], "equal": 0, "downloads": 0, "seed_chunks": 0,
+                                                       "peer_chunks": 0, "rejected": 0} for m in ("today", "swarm")}
+            for round_index in range(args.versions):
+                version += 1
+                theta = theta + 0.001 * torch.randn(numel, generator=generator)
+                handler.thetas = {version: theta}
+                bodies.clear()
+                bodies[version] = encode(codec, theta).to_bytes()  # what get_model sends on a full download
+                want_body, want_theta = sha(bodies[version]), theta_sha(decode(EncodedTensor.from_bytes(codec, numel, bodies[version]), numel))
+                # both designs encode (and the seed hashes) each version once before the clients ask: not timed
+                if codec == "none":
+                    await service._encoded_model(version, codec, theta)
+                else:
+                    await asyncio.to_thread(service.downloads.serve, version, codec, theta, None)
+                await seed.publish(version, codec)
+                for mode in (("today", "swarm") if round_index % 2 == 0 else ("swarm", "today")):
+                    before = service.counters.get_model.bytes_sent + seed.counters.stream_bytes_sent
+                    for commands in queues:
+                        commands.put(("download", mode, version, n))
+                    done = 0
+                    while done < len(queues):
+                        message = await asyncio.to_thread(results.get, True, 600)
+                        if message[0] == "round":
+                            done += 1
+                            continue
+                        out = message[1]
+                        if "error" in out:
+                            errors.append(f"N={n} v{version} {mode} client {out['index']}: {out['error']}")
+                            continue
+                        stats = per_mode[mode]
+                        stats["downloads"] += 1
+                        stats["seconds"].append(out["seconds"])
+                        stats["equal"] += bool(out["version_ok"] and out["theta_sha"] == want_theta
+                                               and out["body_sha"] in (None, want_body))
+                        for key in ("seed_chunks", "peer_chunks", "rejected"):
+                            stats[key] += out.get(key, 0)
+                    egress = service.counters.get_model.bytes_sent + seed.counters.stream_bytes_sent - before
+                    per_mode[mode]["egress"].append(egress / encoding)
+                    logger.info("N=%d v%d %s: coordinator egress %.2f encodings", n, version, mode, egress / encoding)
+            row: Dict[str, Any] = {"clients": n}
+            for mode, stats in per_mode.items():
+                row[mode] = {
+                    "coordinator_egress_per_version_over_encoding": statistics.fmean(stats["egress"]),
+                    "egress_per_round": stats["egress"],
+                    "download_s": summary(stats["seconds"]) if stats["seconds"] else None,
+                    "downloads": stats["downloads"],
+                    "bitwise_equal": stats["equal"],
+                    "all_bitwise_equal": stats["equal"] == n * args.versions,
+                }
+                if mode == "swarm":
+                    row[mode].update(chunks_from_seed=stats["seed_chunks"], chunks_from_peers=stats["peer_chunks"],
+                                     chunks_rejected=stats["rejected"])
+            rows.append(row)
+    finally:
+        for commands in queues:
+            commands.put(("stop",))
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+        await seed.remove_handlers(p2p, namespace)
+        await service.remove_p2p_handlers(p2p, namespace=namespace)
+        await p2p.shutdown()
+    return {
+        "preset": None if args.numel else args.preset,
+        "numel": numel,
+        "codec": codec,
+        "encoding_bytes": encoding,
+        "chunk_bytes": args.chunk_bytes,
+        "versions_per_size": args.versions,
+        "processes": args.processes,
+        "training": "stand-in: one new θ version per round (no training peers)",
+        "coordinator_egress_per_version_over_encoding": {
+            mode: {str(r["clients"]): r[mode]["coordinator_egress_per_version_over_encoding"] for r in rows} for mode in ("today", "swarm")
+        },
+        "rows": rows,
+        "errors": errors,
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", default="8,16,32", help="comma-separated numbers of download-only clients (default 8,16,32)")
+    parser.add_argument("--processes", type=int, default=4, help="client processes (clients are spread over them)")
+    parser.add_argument("--versions", type=int, default=2, help="versions downloaded per N and design")
+    parser.add_argument("--preset", default="20m", help="θ of this preset's size (default 20m: 21.2M values)")
+    parser.add_argument("--numel", type=int, default=0, help="θ size instead of --preset")
+    parser.add_argument("--codec", default="int8", choices=("none", "bf16", "int8"), help="download codec")
+    parser.add_argument("--chunk-bytes", type=int, default=256 << 10, help="swarm chunk size")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    result = asyncio.run(run(args))
+    print(f"θ: {result['numel']:,} values, {result['codec']} encoding {result['encoding_bytes']:,} B; "
+          f"{result['versions_per_size']} versions per N; chunks {result['chunk_bytes']:,} B")
+    print(f"{'N':>4} | {'today egress':>12} {'swarm egress':>12} {'ratio':>7} | {'today s p50/max':>15} {'swarm s p50/max':>15} | bitwise today/swarm")
+    for row in result["rows"]:
+        today, swarm = row["today"], row["swarm"]
+        t, s = today["coordinator_egress_per_version_over_encoding"], swarm["coordinator_egress_per_version_over_encoding"]
+        td, sd = today["download_s"] or {"p50": 0, "max": 0}, swarm["download_s"] or {"p50": 0, "max": 0}
+        print(f"{row['clients']:>4} | {t:>12.2f} {s:>12.2f} {s / t:>7.3f} | {td['p50']:>7.2f}/{td['max']:<7.2f} {sd['p50']:>7.2f}/{sd['max']:<7.2f} | "
+              f"{today['bitwise_equal']}/{today['downloads']} {swarm['bitwise_equal']}/{swarm['downloads']}")
+    print(f"errors: {len(result['errors'])}; wall {result['wall_s']:.0f} s")
+    for line in result["errors"][:10]:
+        print("  ", line)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    ok = not result["errors"] and all(r[m]["all_bitwise_equal"] for r in result["rows"] for m in ("today", "swarm"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
