@@ -180,3 +180,70 @@ def test_corrupt_holder_is_detected_skipped_reported_and_download_completes() ->
                 await node.shutdown()
 
     asyncio.run(main())
+
+
+class StallingServer(ChunkServer):
+    """Accepts chunk calls and never answers (until released at teardown)."""
+
+    release: Optional[asyncio.Event] = None
+
+    async def _serve_chunk(self, peer_id: str, frames_in: Any, frames_out: Any) -> None:
+        await frames_in.read_header()
+        assert self.release is not None
+        await self.release.wait()
+
+
+@pytest.mark.timeout(240)
+def test_slow_holder_is_skipped_and_the_seed_serves_the_rest() -> None:
+    from hivemind.p2p import P2P
+
+    async def main() -> None:
+        body = make_body(9)
+        key = Ed25519PrivateKey.generate()
+        reports: List[Tuple[str, str, int, str]] = []
+
+        async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:
+            return 9, body
+
+        nodes: List[Any] = []
+        release = asyncio.Event()
+        try:
+            seed_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+            nodes.append(seed_p2p)
+            seed = SwarmSeed(BodyStore(NUMEL), "run", key, body_for, chunk_bytes=CHUNK, refill_s=600.0,
+                             on_report=lambda *r: reports.append(r))
+            await seed.add_handlers(seed_p2p, "run")
+            seed_maddrs = await seed_p2p.get_visible_maddrs()
+            seed_id = seed_p2p.peer_id.to_base58()
+            downloaders = []
+            for server in (StallingServer, ChunkServer):
+                p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=seed_maddrs, startup_timeout=120.0)
+                nodes.append(p2p)
+                store = BodyStore(NUMEL)
+                chunk_server = server(store)
+                if isinstance(chunk_server, StallingServer):
+                    chunk_server.release = release
+                await chunk_server.add_handlers(p2p, "run")
+                maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+                downloaders.append(SwarmDownloader(p2p, seed_id, store, namespace="run", maddrs=maddrs,
+                                                   chunk_timeout_base=1.0, min_rate=1e12))
+            staller, fresh = downloaders
+            staller_id = staller.p2p.peer_id.to_base58()
+            manifest, holders = await staller.manifest(9, "int8")  # listed as a holder; holds nothing, answers nothing
+            assert holders == [] and manifest.chunks == 13
+            started = time.monotonic()
+            result = await fresh.download(9, "int8")
+            assert set(result.skipped) == {staller_id} and "Timeout" in result.skipped[staller_id]
+            assert (result.chunks_from_seed, result.chunks_from_peers, result.rejected) == (13, 0, {})
+            assert bytes(result.body) == body
+            assert time.monotonic() - started < 30.0  # two 1 s timeouts, not the 600 s download limit
+            await fresh.close()
+            await wait_for(lambda: len(reports) >= 1, 30.0, "the report")
+            assert [(r[1], r[2]) for r in reports] == [(staller_id, 9)]
+            assert seed.counters.chunks_sent == 13
+        finally:
+            release.set()
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    asyncio.run(main())

@@ -596,6 +596,7 @@ class SwarmSeed(ChunkServer):
     :param refill_s: while other serving peers are listed, each chunk is served at most once per this.
     :param on_report: ``(reporter, source, version, reason)`` for every report (journal it).
     :param drop_after_reports: a source reported by this many distinct peers is no longer listed.
+    :param admit: ``async (peer_id)``, raises to refuse an unadmitted caller (manifests and the seed's chunks).
 
     Holders are soft state (not the coordinator's WAL): after a restart the swarm starts again from the
     seed, which costs bytes, never correctness.
@@ -615,8 +616,10 @@ class SwarmSeed(ChunkServer):
         max_members: int = 256,
         drop_after_reports: int = 2,
         on_report: Optional[Callable[[str, str, int, str], None]] = None,
+        admit: Optional[Callable[[str], Awaitable[None]]] = None,
     ) -> None:
         super().__init__(store, limits if limits is not None else ServeLimits(max_streams=64, max_per_peer=8))
+        self.admit = admit  # raises to refuse a caller (the coordinator's admission check), before anything is served
         self.run_id, self.key, self.body_for = run_id, key, body_for
         self.public_key = public_key_bytes(key)
         self.chunk_bytes, self.refill_s = chunk_bytes, refill_s
@@ -681,8 +684,40 @@ class SwarmSeed(ChunkServer):
         swarm.copies[index] += 1
         return ("ok", index)
 
+    async def _admit(self, peer_id: str) -> None:
+        if self.admit is not None:
+            try:
+                await self.admit(peer_id)
+            except Exception as error:
+                raise RemoteError(f"refused: {error}") from None
+
+    async def _serve_chunk(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter) -> None:
+        await self._admit(peer_id)
+        await super()._serve_chunk(peer_id, frames_in, frames_out)
+
+    def status(self) -> Dict[str, Any]:
+        """Who serves what (for ``asyncloco status``/the dashboard): per body, the listed holders, the chunks
+        the seed sent and the reports; plus the seed's counters."""
+        bodies = []
+        for (version, codec), swarm in sorted(self._swarms.items()):
+            bodies.append({
+                "version": version,
+                "codec": codec,
+                "holders": [p for p in swarm.members if len(swarm.reports.get(p, ())) < self.drop_after_reports],
+                "dropped": sorted(p for p, r in swarm.reports.items() if len(r) >= self.drop_after_reports),
+                "seed_copies": sum(swarm.copies),
+                "chunks": len(swarm.copies),
+            })
+        return {
+            "bodies": bodies,
+            "seed_bytes_sent": self.counters.stream_bytes_sent,
+            "seed_chunks_sent": self.counters.chunks_sent,
+            "reports": [{"reporter": r, "source": s, "version": v, "reason": why} for r, s, v, why in self.reports[-10:]],
+        }
+
     async def _serve_manifest(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter) -> None:
         request = ManifestRequest.from_wire(await frames_in.read_header())
+        await self._admit(peer_id)
         signed, entry = await self.publish(request.version, request.codec)
         key = entry.manifest.key
         holders = [h.to_wire() for h in self.holders(key, exclude=peer_id)]
