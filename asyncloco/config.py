@@ -262,7 +262,7 @@ class VerifyConfig(StrictModel):
 
 
 # transport.codecs.CODECS as a pattern (this module imports no torch); tests/test_feedback.py checks they agree
-UPLOAD_CODEC_PATTERN = r"none|fp16|bf16|int8|int4|int2|topk(1|2|4|8|16|32|64)b(2|4)"
+UPLOAD_CODEC_PATTERN = r"none|fp16|bf16|int8|int4|int2|topk(1|2|4|8|16|32|64)b(2|4)|grp(4|8|16|32)b(1|2)"
 
 
 class RuntimeConfig(StrictModel):
@@ -270,7 +270,7 @@ class RuntimeConfig(StrictModel):
 
     run_id: str = Field("asyncloco-demo", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # --- pseudo-gradient uploads (transport/codecs.py, docs/compression.md); the names are transport.codecs.CODECS
-    codec: str = Field("none", description="codec of pseudo-gradient uploads: none, fp16, bf16, int8, int4, int2, topk{k}b{bits}")
+    codec: str = Field("none", description="codec of pseudo-gradient uploads: none, fp16, bf16, int8, int4, int2, topk{k}b{bits}, grp{G}b{bits}")
     error_feedback: bool | None = Field(
         None, description="carry what the codec dropped into the next upload (peer/feedback.py); None: on for lossy codecs"
     )
@@ -316,7 +316,8 @@ class RuntimeConfig(StrictModel):
         if not re.fullmatch(UPLOAD_CODEC_PATTERN, value):
             raise ValueError(
                 f"unknown codec {value!r}: use none, fp16, bf16, int8, int4, int2 or topk{{k}}b{{bits}} with k in "
-                "1, 2, 4, 8, 16, 32, 64 (values kept per 256) and bits 2 or 4, e.g. topk8b2 (docs/compression.md)"
+                "1, 2, 4, 8, 16, 32, 64 (values kept per 256) and bits 2 or 4, or grp{{G}}b{{bits}} with G in 4, 8, 16, 32 and "
+                "bits 1 or 2, e.g. grp8b1 or topk8b2 (docs/compression.md)"
             )
         return value
 

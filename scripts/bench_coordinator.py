@@ -33,6 +33,9 @@ the two yardsticks the targets are stated in:
 
 Targets (issue 8, at 150m): ack ≤ 1.5 × fsync_update + 4 × memcpy; lease ≤ 50 ms; validate ≤ 2 × memcpy.
 
+``--codecs int8,topk16b2`` measures only decode + apply per upload codec, interleaved, with the ratio to
+int8 (issue 18; docs/compression.md).
+
 Usage: ``python scripts/bench_coordinator.py --sizes tiny,150m --json out.json`` (≈ 4 min on 2 cores;
 20m and 60m add ≈ 1 min each). Prints a table and the ratios; the README's capacity table comes from it.
 """
@@ -331,6 +334,56 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
 # -------------------------------------------------------------------------------------------- main
 
 
+def bench_codecs(size: str, codecs: list[str], repeats: int, workdir: Path) -> dict[str, Any]:
+    """Issue 18: decode (into the reused buffer where the codec allows, as the daemon does) + apply (the outer
+    optimizer's step) of one pseudo-gradient per upload codec, measured interleaved in one process."""
+    from asyncloco.transport.codecs import decodes_into
+
+    overrides = {"schedule.grace_period": 0.0, "outer.buffer_size": 4, "runtime.codec": "int8", "runtime.eval_every": 10**9,
+                 "runtime.snapshot_every": 10**9, "runtime.snapshot_every_s": 1e9, "runtime.gate.probe": False}
+    cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
+    daemon = CoordinatorDaemon(cfg, checkpoint_dir=workdir, workload=SizedWorkload(size))
+    numel, state = daemon.numel, daemon.state
+    generator = torch.Generator().manual_seed(1)
+    update = torch.randn(numel, generator=generator).mul_(0.05 * cfg.inner.lr * 10)
+    wires = {codec: encode(codec, update) for codec in codecs}
+    buffer = torch.empty(numel)
+    samples: dict[str, dict[str, list[float]]] = {c: {"decode": [], "apply": [], "decode_apply": []} for c in codecs}
+    scratch = torch.empty_like(state.params)
+    memcpy = median_time(lambda: scratch.copy_(state.params), repeats)
+    del scratch
+    for _ in range(repeats):
+        for codec in codecs:  # interleaved: load on a shared machine drifts
+            out = buffer if decodes_into(codec) else None
+            start = time.perf_counter()
+            tensor = decode(wires[codec], numel, out)
+            mid = time.perf_counter()
+            state.optimizer.step(state.params, tensor, 1.0)
+            end = time.perf_counter()
+            samples[codec]["decode"].append(mid - start)
+            samples[codec]["apply"].append(end - mid)
+            samples[codec]["decode_apply"].append(end - start)
+            del tensor
+    result: dict[str, Any] = {"numel": numel, "memcpy_s": memcpy, "codecs": {}}
+    for codec in codecs:
+        result["codecs"][codec] = {
+            "wire_bytes": wire_bytes(codec, numel),
+            **{f"{k}_s": statistics.median(v) for k, v in samples[codec].items()},
+        }
+    return result
+
+
+def codec_report(size: str, r: dict[str, Any]) -> str:
+    lines = [f"{size} ({r['numel'] / 1e6:.1f} M parameters): decode + apply per upload codec, medians, interleaved",
+             "", "| codec | MB | decode | apply | decode + apply | vs int8 |", "|---|---:|---:|---:|---:|---:|"]
+    base = r["codecs"].get("int8", {}).get("decode_apply_s")
+    for codec, c in r["codecs"].items():
+        ratio = f"{c['decode_apply_s'] / base:.2f}" if base else "-"
+        lines.append(f"| {codec} | {c['wire_bytes'] / 1e6:.2f} | {_duration(c['decode_s'])} | {_duration(c['apply_s'])} | "
+                     f"{_duration(c['decode_apply_s'])} | {ratio} |")
+    return "\n".join(lines)
+
+
 def fmt(value: Any) -> str:
     if value is None:
         return "-"
@@ -411,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the coordinator's CLI default on this machine)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one size in this process
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--codecs", help="only decode + apply per upload codec, side by side (e.g. int8,topk16b2; issue 18)")
     parser.add_argument("--dir", type=Path, help="where checkpoints are written (default: a temporary dir on the same disk as runs/)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -421,7 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         sustain = args.sustain or (5.0 if args.one == "tiny" else 25.0)
         workdir = Path(tempfile.mkdtemp(prefix=f"bench-{args.one}-", dir=args.dir))
         try:
-            result = bench_size(args.one, repeats, sustain, workdir)
+            if args.codecs:
+                result = bench_codecs(args.one, [c.strip() for c in args.codecs.split(",") if c.strip()], args.repeats or 5, workdir)
+            else:
+                result = bench_size(args.one, repeats, sustain, workdir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         assert args.out is not None
@@ -443,13 +500,19 @@ def main(argv: list[str] | None = None) -> int:
                 command += ["--repeats", str(args.repeats)]
             if args.sustain:
                 command += ["--sustain", str(args.sustain)]
+            if args.codecs:
+                command += ["--codecs", args.codecs]
             t0 = time.time()
             subprocess.run(command, check=True)
             results[size] = json.loads(Path(tmp.name).read_text())
             results[size]["wall_s"] = time.time() - t0
         print(f"{size}: done in {results[size]['wall_s']:.0f} s", file=sys.stderr)
-    print(report(results))
-    print("\nREADME capacity table:\n" + readme_table(results))
+    if args.codecs:
+        for size, result in results.items():
+            print(codec_report(size, result) + "\n")
+    else:
+        print(report(results))
+        print("\nREADME capacity table:\n" + readme_table(results))
     print(f"\ntotal {time.time() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -56,7 +56,9 @@ def test_config_accepts_exactly_the_codec_registry() -> None:
     assert all(re.fullmatch(UPLOAD_CODEC_PATTERN, name) for name in CODECS)
     # every name the pattern could accept is in the registry
     ks, bits = (1, 2, 4, 8, 16, 32, 64), (2, 4)
-    assert {f"topk{k}b{b}" for k in ks for b in bits} | {"none", "fp16", "bf16", "int8", "int4", "int2"} == set(CODECS)
+    grouped = {f"grp{g}b{b}" for g in (4, 8, 16, 32) for b in (1, 2)}
+    assert {f"topk{k}b{b}" for k in ks for b in bits} | grouped | {"none", "fp16", "bf16", "int8", "int4", "int2"} == set(CODECS)
+    assert not re.fullmatch(UPLOAD_CODEC_PATTERN, "grp6b1") and not re.fullmatch(UPLOAD_CODEC_PATTERN, "topk3b2")
     cfg = RunConfig.model_validate({"runtime": {"codec": "topk8b2"}})
     assert cfg.runtime.uses_error_feedback
     assert not RunConfig.model_validate({"runtime": {"codec": "none"}}).runtime.uses_error_feedback

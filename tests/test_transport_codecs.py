@@ -16,6 +16,7 @@ from asyncloco.transport.codecs import (
     all_finite,
     decode,
     encode,
+    group_params,
     meta_bytes,
     topk_params,
     wire_bytes,
@@ -41,6 +42,9 @@ def test_encoded_size_is_the_closed_form(codec: str, numel: int) -> None:
         "int4": (numel + 1) // 2 + 4 * math.ceil(numel / INT4_BLOCKSIZE),
         "int2": (numel + 3) // 4 + 4 * math.ceil(numel / 256),
     }.get(codec)
+    if expected is None and codec.startswith("grp"):  # one (log2 G + b)-bit code per group of G, fp32 scale per 256
+        group, bits = group_params(codec)
+        expected = math.ceil(math.ceil(numel / group) * (int(math.log2(group)) + bits) / 8) + 4 * math.ceil(numel / 256)
     if expected is None:  # topk{k}b{b}: k uint8 indices and k b-bit codes per chunk of 256, one fp32 scale per chunk
         k, bits = topk_params(codec)
         kept = k * (numel // 256) + min(k, numel % 256)
@@ -249,3 +253,54 @@ def test_sparse_compression_ratios_at_150m() -> None:
     # per 256 values: 1024 B of fp32 vs 64 + 4, 16 + 4 + 4, 8 + 2 + 4, 4 + 1 + 4, 2 + 0.5 + 4 bytes
     for codec, per_chunk in (("int2", 68), ("topk16b2", 24), ("topk8b2", 14), ("topk4b2", 9), ("topk2b2", 6.5)):
         assert ratios[codec] == pytest.approx(1024 / per_chunk, rel=1e-5)
+
+
+def group_reference(x: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    """Per group of G: only the largest |x| survives. 1 bit: its sign × the mean kept |x| of its block of 256;
+    2 bits: sign × (max kept |x| of the block, or half of it when |x| ≤ 0.75 × that max)."""
+    out = torch.zeros_like(x)
+    kept = [(start + int(x[start : start + group].abs().argmax())) for start in range(0, x.numel(), group)]
+    per_block = 256 // group
+    for b in range(0, len(kept), per_block):
+        members = kept[b : b + per_block]
+        magnitudes = [abs(float(x[i])) for i in members]
+        for i, m in zip(members, magnitudes):
+            if bits == 1:
+                value = float(torch.tensor(magnitudes, dtype=torch.float64).mean().float())
+            else:
+                top = max(magnitudes)
+                value = top if top > 0 and m / top > 0.75 else top * 0.5
+            out[i] = -value if float(x[i]) < 0 else value
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel", [1, 3, 255, 257, 1001])
+def test_grouped_codecs_match_a_plain_reference(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    for codec in ("grp4b1", "grp4b2", "grp8b1", "grp32b2"):
+        group, bits = group_params(codec)
+        got = decode(encode(codec, x), numel)
+        assert torch.allclose(got, group_reference(x, group, bits), rtol=1e-6, atol=0), codec
+        buffer = torch.full((numel,), 3.0)
+        assert torch.equal(decode(encode(codec, x), numel, out=buffer), got)
+
+
+@pytest.mark.timeout(30)
+def test_malformed_grouped_bodies_are_refused() -> None:
+    numel = 256 + 2  # the last group of 4 holds two values: positions 2 and 3 do not exist
+    good = encode("grp4b1", torch.randn(numel))
+    payload = bytearray(good.payload)
+    last = 64  # group 64 is the short one: its 3-bit code (2-bit position, sign) starts at bit 192 = byte 24
+    assert len(payload) == math.ceil(65 * 3 / 8)
+    payload[24] = (payload[24] & ~0b110) | (3 << 1)  # position 3
+    with pytest.raises(CodecError, match="last group's position 3 is not below its length 2"):
+        decode(EncodedTensor("grp4b1", numel, bytes(payload), good.meta), numel)
+    assert last * 3 == 192
+    for bad in (math.nan, -math.inf, -2.0):
+        scales = np.frombuffer(bytes(good.meta), dtype="<f4").copy()
+        scales[0] = bad
+        with pytest.raises(CodecError, match="negative, NaN or Inf"):
+            decode(EncodedTensor("grp4b1", numel, good.payload, scales.tobytes()), numel)
+    with pytest.raises(CodecError, match="grp\\{G\\}b\\{bits\\}"):
+        group_params("grp6b1")

@@ -67,6 +67,9 @@ __all__ = [
     "LOSSLESS",
     "decodes_into",
     "topk_params",
+    "group_params",
+    "GROUP_SIZES",
+    "GROUP_BITS",
 ]
 
 if sys.byteorder != "little":  # the raw formats below are little-endian views of native tensors
@@ -76,8 +79,13 @@ TOPK_CHUNK = 256  # a local index fits one byte
 TOPK_KS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # values kept per chunk of 256 (density 0.4 % .. 25 %)
 TOPK_BITS: tuple[int, ...] = (2, 4)  # bits per kept value: a sign and (b - 1) magnitude bits
 INT2_BLOCKSIZE = 256
-CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "int2") + tuple(
-    f"topk{k}b{b}" for b in TOPK_BITS for k in TOPK_KS
+GROUP_SIZES: tuple[int, ...] = (4, 8, 16, 32)  # grp{G}b{B}: the largest |x| of every G values
+GROUP_BITS: tuple[int, ...] = (1, 2)  # 1: its sign (magnitude = the block's mean kept |x|); 2: sign + magnitude bit
+GROUP_BLOCK = 256  # values per fp32 scale
+CODECS: tuple[str, ...] = (
+    ("none", "fp16", "bf16", "int8", "int4", "int2")
+    + tuple(f"topk{k}b{b}" for b in TOPK_BITS for k in TOPK_KS)
+    + tuple(f"grp{g}b{b}" for b in GROUP_BITS for g in GROUP_SIZES)
 )
 LOSSLESS: tuple[str, ...] = ("none",)  # every other codec drops something: error feedback applies
 # Lloyd-Max 4-level quantizer of a unit Gaussian (levels ±0.4528, ±1.510; threshold 0.9816), times the block RMS
@@ -140,6 +148,9 @@ def value_bytes(name: str, numel: int) -> int:
         return (numel + 1) // 2  # two values per byte
     if name == "int2":
         return (numel + 3) // 4  # four values per byte
+    if name.startswith("grp"):
+        group, bits = group_params(name)
+        return (math.ceil(numel / group) * (_log2(group) + bits) + 7) // 8  # one (position, value) code per group
     k, bits = topk_params(name)
     kept = _topk_kept(k, numel)
     return kept + (kept * bits + 7) // 8  # uint8 local indices, then the packed codes
@@ -156,7 +167,24 @@ def meta_bytes(name: str, numel: int) -> int:
         return 4 * math.ceil(numel / INT2_BLOCKSIZE)
     if name.startswith("topk"):
         return 4 * math.ceil(numel / TOPK_CHUNK)
+    if name.startswith("grp"):
+        return 4 * math.ceil(numel / GROUP_BLOCK)
     return 0
+
+
+def _log2(group: int) -> int:
+    return group.bit_length() - 1
+
+
+def group_params(name: str) -> tuple[int, int]:
+    """``(group, bits)`` of a grouped codec name ``grp{G}b{B}``; :class:`CodecError` for any other name."""
+    match = re.fullmatch(r"grp([0-9]+)b([0-9])", name)
+    if match is None or name not in CODECS:
+        raise CodecError(
+            f"{name!r} is not a grouped codec; expected grp{{G}}b{{bits}} with G in {GROUP_SIZES} and bits in "
+            f"{GROUP_BITS} (e.g. grp8b1: the largest of every 8 values, its sign)"
+        )
+    return int(match.group(1)), int(match.group(2))
 
 
 def topk_params(name: str) -> tuple[int, int]:
@@ -178,7 +206,7 @@ def _topk_kept(k: int, numel: int) -> int:
 
 def decodes_into(name: str) -> bool:
     """Whether :func:`decode` can write into a caller's preallocated buffer (``out=``) for codec ``name``."""
-    return name == "int8" or name.startswith("topk")
+    return name == "int8" or name.startswith(("topk", "grp"))
 
 
 def wire_bytes(name: str, numel: int) -> int:
@@ -239,6 +267,8 @@ def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
         return _encode_int2(tensor)
     if name.startswith("topk"):
         return _encode_topk(name, tensor)
+    if name.startswith("grp"):
+        return _encode_group(name, tensor)
 
     import bitsandbytes.functional as bnbf  # imported lazily: it logs a kernel notice at import on CPU
 
@@ -310,11 +340,13 @@ def _decode_int2(encoded: EncodedTensor) -> torch.Tensor:
     rms = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
     if not bool((torch.isfinite(rms) & (rms >= 0)).all()):
         raise CodecError("codec 'int2': a block RMS is negative, NaN or Inf")
+    blocks = rms.numel()
     codes = _unpack(encoded.payload, numel, 2)
+    if numel % INT2_BLOCKSIZE:  # a short last block: pad its codes to the block
+        codes = torch.cat([codes, torch.zeros(blocks * INT2_BLOCKSIZE - numel, dtype=torch.uint8)])
     levels = torch.tensor([INT2_INNER, INT2_OUTER, -INT2_INNER, -INT2_OUTER], dtype=torch.float32)
-    values = levels[codes.long()]
-    values *= rms.repeat_interleave(INT2_BLOCKSIZE)[:numel]
-    return values
+    values = levels[codes.long()].view(blocks, INT2_BLOCKSIZE).mul_(rms.unsqueeze(1))
+    return values.view(-1)[:numel].clone() if numel % INT2_BLOCKSIZE else values.view(-1)
 
 
 def _encode_topk(name: str, tensor: torch.Tensor) -> EncodedTensor:
@@ -376,6 +408,71 @@ def _decode_topk(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     values = torch.where(codes >= levels, -magnitude, magnitude)
     out.zero_()
     out[chunk_of * TOPK_CHUNK + local] = values
+    return out
+
+
+def _pack_bits(codes: torch.Tensor, width: int) -> bytes:
+    """Pack codes of ``width`` bits into a little-endian bit stream (code i at bits [i·width, (i+1)·width))."""
+    if 8 % width == 0:
+        return _pack(codes.to(torch.uint8), width)
+    array = codes.to(torch.uint8).numpy()
+    bits = (array[:, None] >> np.arange(width, dtype=np.uint8)) & 1
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_bits(buffer: Buffer, count: int, width: int) -> torch.Tensor:
+    if 8 % width == 0:
+        return _unpack(buffer, count, width)
+    bits = np.unpackbits(np.frombuffer(buffer, dtype=np.uint8), count=count * width, bitorder="little").reshape(count, width)
+    return torch.from_numpy((bits << np.arange(width, dtype=np.uint8)).sum(axis=1, dtype=np.uint8))
+
+
+def _encode_group(name: str, tensor: torch.Tensor) -> EncodedTensor:
+    group, bits = group_params(name)
+    numel = tensor.numel()
+    groups = _padded_blocks(tensor, group, 0.0)
+    magnitude = _padded_blocks(tensor.abs(), group, -1.0)  # padding is never the largest of its group
+    kept_abs, position = magnitude.max(dim=1)
+    negative = groups.gather(1, position.unsqueeze(1)).squeeze(1) < 0
+    per_block = GROUP_BLOCK // group
+    blocks = _padded_blocks(kept_abs, per_block, 0.0)
+    count = torch.full((blocks.shape[0],), float(per_block))
+    count[-1] = kept_abs.numel() - (blocks.shape[0] - 1) * per_block
+    if bits == 1:  # sign only: the magnitude minimising the squared error is the mean kept |x|
+        scale = (blocks.double().sum(dim=1) / count).float()
+        codes = negative.to(torch.uint8)
+    else:  # sign and one magnitude bit: levels max/2 and max
+        scale = blocks.amax(dim=1)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).repeat_interleave(per_block)[: kept_abs.numel()]
+        high = (kept_abs / safe) > 0.75
+        codes = negative.to(torch.uint8) << 1 | high.to(torch.uint8)
+    packed = _pack_bits(position.to(torch.uint8) << bits | codes, _log2(group) + bits)
+    encoded = EncodedTensor(name, numel, payload=packed, meta=scale.numpy().tobytes())
+    assert encoded.nbytes == wire_bytes(name, numel), (name, numel, encoded.nbytes)
+    return encoded
+
+
+def _decode_group(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
+    name, numel = encoded.codec, encoded.numel
+    group, bits = group_params(name)
+    scale = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
+    if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+        raise CodecError(f"codec {name!r}: a block scale is negative, NaN or Inf")
+    count = math.ceil(numel / group)
+    codes = _unpack_bits(encoded.payload, count, _log2(group) + bits).long()
+    position = codes >> bits
+    tail = numel - (count - 1) * group
+    if tail < group and int(position[-1]) >= tail:  # a full group's position is always inside it
+        raise CodecError(f"codec {name!r}: the last group's position {int(position[-1])} is not below its length {tail}")
+    per_block = GROUP_BLOCK // group
+    block_scale = scale.repeat_interleave(per_block)[:count]
+    if bits == 1:
+        values = torch.where(codes & 1 == 1, -block_scale, block_scale)
+    else:
+        magnitude = torch.where(codes & 1 == 1, block_scale, block_scale * 0.5)
+        values = torch.where(codes & 2 == 2, -magnitude, magnitude)
+    out.zero_()
+    out[torch.arange(count) * group + position] = values
     return out
 
 # --- int8 decoding into a preallocated tensor (issue 8: the coordinator's ack latency) -----------------------
@@ -483,12 +580,12 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
 
     if name == "int2":
         return _decode_int2(encoded)
-    if name.startswith("topk"):
+    if name.startswith(("topk", "grp")):
         if out is None:
             out = torch.empty(numel, dtype=torch.float32)
         else:
             _check_out(out, numel)
-        return _decode_topk(encoded, out)
+        return _decode_topk(encoded, out) if name.startswith("topk") else _decode_group(encoded, out)
     absmax = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
     if not bool(torch.isfinite(absmax).all()):
         raise CodecError(f"codec {name!r}: non-finite block absmax in payload")

@@ -1,0 +1,191 @@
+"""Upload codecs + error feedback in the simulator: bytes vs quality (issue 18; docs/compression.md).
+
+For each task (``configs/toy.yaml``, ``configs/lm-tiny.yaml``) and seed, one θ0 is pretrained and shared by
+every run. Sync DiLoCo with fp32 uploads sets the target (its final loss) and the time limit (its simulated
+time); then Async DN + DyLU runs once per upload codec (``runtime.codec``, error feedback on for lossy codecs:
+asyncloco/peer/feedback.py, applied by asyncloco/sim/engine.py exactly as a peer applies it). Each run stops
+at ``sim.total_local_updates`` local updates for its final loss (the same count for every codec) and goes on
+until it reaches sync's final loss or sync's simulated time, for the time-to-target column.
+
+The table gives, per codec: the upload bytes relative to fp32 (exact, transport/codecs.wire_bytes), the
+final loss (toy) and perplexity (lm-tiny) as the mean over seeds, their change vs fp32 uploads (mean of the
+per-seed ratios), and the simulated time to sync DiLoCo's final loss (mean over the seeds that reach it).
+
+    flock /tmp/asyncloco-heavy.lock nice -n 5 python scripts/compression_study.py --seeds 3 \\
+        --out docs/compression-study.md --plot docs/figures/compression.png --json runs/compression.json
+
+``--toy-updates`` / ``--lm-updates`` shorten the budgets (the configs' own budgets by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncloco.config import load_config
+from asyncloco.sim.engine import Simulation, build_workload, pretrain
+from asyncloco.transport.codecs import wire_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CODECS = "none,int8,int2,grp4b2,grp4b1,grp8b2,topk16b2,topk8b2,topk4b2"
+logger = logging.getLogger("compression_study")
+
+
+def run_task(task: str, seeds: int, codecs: list[str], updates: int | None, ef: bool, results: list[dict[str, Any]],
+             save: Any) -> None:
+    for seed in range(seeds):
+        overrides: dict[str, Any] = {"seed": seed, "sim": {"seed": seed}}
+        if updates:
+            overrides["sim"]["total_local_updates"] = updates
+        base = load_config(ROOT / "configs" / f"{task}.yaml", overrides)
+        workload = build_workload(base)
+        started = time.monotonic()
+        theta0 = pretrain(base, workload)
+        sync = Simulation(base, "sync_diloco", workload, initial_params=theta0).run()
+        target, limit = sync.final["loss"], sync.sim_time
+        results.append({"task": task, "seed": seed, "method": "sync_diloco", "codec": "none", "loss": target,
+                        "time": sync.final["time"], "wall_s": time.monotonic() - started})
+        logger.info("%s seed %d sync: loss %.4f at t=%.0f (%.0f s wall)", task, seed, target, sync.final["time"],
+                    time.monotonic() - started)
+        numel = theta0.numel()
+        for codec in codecs:
+            started = time.monotonic()
+            cfg = load_config(ROOT / "configs" / f"{task}.yaml",
+                              {**overrides, "runtime": {"codec": codec, "error_feedback": ef}})
+            sim = Simulation(cfg, "async_dn_dylu", workload, target_loss=target, time_limit=limit, initial_params=theta0)
+            result = sim.run()
+            reached = result.time_to_reach(target)
+            row = {"task": task, "seed": seed, "method": "async_dn_dylu", "codec": codec, "error_feedback": ef,
+                   "loss": result.final["loss"], "local_updates": result.final["local_updates"],
+                   "time_to_sync": reached, "sync_time": sync.final["time"],
+                   "x_fewer": 4 * numel / wire_bytes(codec, numel), "wall_s": time.monotonic() - started}
+            results.append(row)
+            logger.info("%s seed %d %s: loss %.4f (×%.1f fewer bytes) to sync's loss at %s (%.0f s wall)", task, seed, codec,
+                        row["loss"], row["x_fewer"], reached, row["wall_s"])
+            save()
+
+
+def summarise(results: list[dict[str, Any]], codecs: list[str], tasks: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for task in tasks:
+        rows = [r for r in results if r["task"] == task]
+        fp32 = {r["seed"]: r["loss"] for r in rows if r["method"] == "async_dn_dylu" and r["codec"] == "none"}
+        sync = [r for r in rows if r["method"] == "sync_diloco"]
+        table[task] = {}
+        for codec in codecs:
+            mine = [r for r in rows if r["method"] == "async_dn_dylu" and r["codec"] == codec]
+            if not mine:
+                continue
+            metric = [math.exp(r["loss"]) if task != "toy" else r["loss"] for r in mine]
+            base = [math.exp(fp32[r["seed"]]) if task != "toy" else fp32[r["seed"]] for r in mine if r["seed"] in fp32]
+            change = [100 * (m / b - 1) for m, b in zip(metric, base)] if len(base) == len(metric) else []
+            times = [r["time_to_sync"] for r in mine if r["time_to_sync"] is not None]
+            table[task][codec] = {
+                "x_fewer": mine[0]["x_fewer"], "metric": statistics.mean(metric),
+                "metric_sd": statistics.stdev(metric) if len(metric) > 1 else 0.0,
+                "change_pct": statistics.mean(change) if change else None, "seeds": len(mine),
+                "reached": len(times), "time_to_sync": statistics.mean(times) if times else None,
+                "sync_time": statistics.mean(r["time"] for r in sync) if sync else None,
+            }
+    return table
+
+
+def markdown(table: dict[str, dict[str, dict[str, Any]]], codecs: list[str], tasks: list[str]) -> str:
+    lines = []
+    for task in tasks:
+        if not table.get(task):
+            continue
+        metric = "final loss" if task == "toy" else "final perplexity"
+        sync_time = next(iter(table[task].values()))["sync_time"]
+        lines += [f"**{task}** ({metric}, mean ± sd over {next(iter(table[task].values()))['seeds']} seeds; sync DiLoCo "
+                  f"reaches its final loss at t = {sync_time:.0f} s simulated)", "",
+                  f"| upload codec | × fewer bytes than fp32 | {metric} | vs fp32 uploads | time to sync's final loss (seeds reaching it) |",
+                  "|---|---:|---:|---:|---:|"]
+        for codec in codecs:
+            row = table[task].get(codec)
+            if row is None:
+                continue
+            change = "-" if row["change_pct"] is None else f"{row['change_pct']:+.2f} %"
+            reach = "-" if row["time_to_sync"] is None else f"{row['time_to_sync']:.0f} s ({row['reached']}/{row['seeds']})"
+            lines.append(f"| {codec} | {row['x_fewer']:.1f} | {row['metric']:.4f} ± {row['metric_sd']:.4f} | {change} | {reach} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(table: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for task, rows in table.items():
+        points = sorted((r["x_fewer"], r["change_pct"], codec) for codec, r in rows.items() if r["change_pct"] is not None)
+        if not points:
+            continue
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{task} ({'loss' if task == 'toy' else 'perplexity'})")
+        for x, y, codec in points:
+            ax.annotate(codec, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axvline(32, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("upload bytes: × fewer than fp32")
+    ax.set_ylabel("final metric vs fp32 uploads (%)")
+    ax.set_title("Async DN + DyLU, error feedback on: bytes vs quality")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="toy,lm-tiny")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--codecs", default=DEFAULT_CODECS, help="'none' (fp32) first: the reference")
+    parser.add_argument("--toy-updates", type=int, default=None)
+    parser.add_argument("--lm-updates", type=int, default=None)
+    parser.add_argument("--no-error-feedback", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="markdown table")
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="raw per-run results (written after every run)")
+    parser.add_argument("--from-json", type=Path, default=None, help="only tabulate/plot earlier results")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(1)
+    tasks = [t for t in args.tasks.split(",") if t]
+    codecs = [c for c in args.codecs.split(",") if c]
+    results: list[dict[str, Any]] = json.loads(args.from_json.read_text())["runs"] if args.from_json else []
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "out": str(args.out),
+                                                                   "plot": str(args.plot), "from_json": None},
+                                             "runs": results}, indent=1, default=str))
+
+    started = time.monotonic()
+    if not args.from_json:
+        for task in tasks:
+            updates = args.toy_updates if task == "toy" else args.lm_updates
+            run_task(task, args.seeds, codecs, updates, not args.no_error_feedback, results, save)
+    table = summarise(results, codecs, tasks)
+    text = markdown(table, codecs, tasks)
+    print(text)
+    print(f"total {time.monotonic() - started:.0f} s wall")
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.plot:
+        plot(table, args.plot)
+
+
+if __name__ == "__main__":
+    main()
