@@ -247,3 +247,71 @@ def test_slow_holder_is_skipped_and_the_seed_serves_the_rest() -> None:
                 await node.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+def test_swarm_link_gets_theta_from_the_swarm_and_the_coordinator_sends_no_body() -> None:
+    """Two peers with a SwarmLink beside the real CoordinatorService: the first gets v5 from the seed, the
+    second from the first; both hold decode(encode(θ)) bit for bit, and the coordinator's get_model sends
+    only "unchanged" headers (its handler still sees every fetch)."""
+    from hivemind.p2p import P2P
+
+    from asyncloco.transport.rpc import CoordinatorClient, CoordinatorService
+    from asyncloco.transport.swarm import SwarmLink
+
+    theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
+    body = encode("int8", theta).to_bytes()
+    fetched: List[Tuple[str, Optional[int]]] = []
+
+    class Handler:
+        async def assign(self, request: Any, peer_id: str) -> Any:
+            raise RuntimeError("unused")
+
+        async def get_model(self, version: Optional[int], peer_id: str) -> Tuple[int, torch.Tensor]:
+            fetched.append((peer_id, version))
+            return 5, theta
+
+        async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+            raise RuntimeError("unused")
+
+    async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:
+        return 5, encode(codec, theta).to_bytes()
+
+    async def main() -> None:
+        nodes: List[Any] = []
+        links: List[SwarmLink] = []
+        try:
+            seed_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+            nodes.append(seed_p2p)
+            service = CoordinatorService(Handler(), NUMEL, model_codecs=("int8",))
+            await service.add_p2p_handlers(seed_p2p, namespace="run")
+            seed = SwarmSeed(BodyStore(NUMEL), "run", Ed25519PrivateKey.generate(), body_for, chunk_bytes=CHUNK, refill_s=600.0)
+            await seed.add_handlers(seed_p2p, "run")
+            maddrs = await seed_p2p.get_visible_maddrs()
+            for _ in range(2):
+                p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs, startup_timeout=120.0)
+                nodes.append(p2p)
+                client = CoordinatorClient(p2p, seed_p2p.peer_id, NUMEL, namespace="run", download_codec="int8")
+                link = SwarmLink(client, p2p, "run")
+                await link.start()
+                links.append(link)
+            expected = decode(EncodedTensor.from_bytes("int8", NUMEL, body), NUMEL)
+            for link in links:
+                version, got = await link.get_model(5)
+                assert version == 5 and torch.equal(got, expected)
+                assert link.swarm_downloads == 1 and link.fallbacks == 0
+                assert link.client.anchor is not None and bytes(link.client.anchor[2]) == body
+            assert service.counters.get_model.payload_bytes_sent == 0 and service.counters.get_model.calls == 2
+            assert [peer for peer, _ in fetched] == [link.p2p.peer_id.to_base58() for link in links]
+            # the seed sent the body once; the second peer took all 13 chunks from the first
+            assert seed.counters.chunks_sent == 13 and links[0].server is not None
+            assert links[0].server.counters.chunks_sent == 13
+            version, again = await links[1].get_model(5)  # held: no swarm call, an "unchanged" reply
+            assert links[1].swarm_downloads == 1 and torch.equal(again, expected)
+        finally:
+            for link in links:
+                await link.close()
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    asyncio.run(main())

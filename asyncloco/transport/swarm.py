@@ -76,6 +76,7 @@ __all__ = [
     "DownloadResult",
     "chunk_size_for",
     "swarm_handle",
+    "SwarmLink",
 ]
 
 DIGEST_BYTES = 32  # SHA-256
@@ -997,3 +998,73 @@ class SwarmDownloader:
         # p2pd's connect wants transport addresses: drop a trailing /p2p/<id> (get_visible_maddrs adds it)
         maddrs = [Multiaddr(m.split("/p2p/")[0]) for m in holder.maddrs]
         await self.p2p._client.connect(PeerID.from_base58(holder.peer_id), maddrs)
+
+
+# ------------------------------------------------------------------------------------------- peer side
+
+
+class SwarmLink:
+    """A peer's :class:`~asyncloco.transport.link.CoordinatorLink` whose ``get_model`` fetches the body from
+    the swarm first: it wraps a :class:`~asyncloco.transport.rpc.CoordinatorClient` (every other call goes
+    to it unchanged).
+
+    ``get_model(version)``: the swarm's verified full body of that version in the client's download codec,
+    decoded, becomes the client's held θ (and, for a lossy codec, its anchor); then the client's own
+    ``get_model`` asks the coordinator, which answers "unchanged" (no body) and records the fetch (the
+    logic's ``Fetched``), or sends a newer θ if ``version`` was ``None`` and one appeared meanwhile. Any
+    swarm failure (no seed, a timeout, a refused manifest) falls back to the coordinator's full download.
+    θ comes from verified bytes only: the swarm's ``download`` returns once every chunk and the body
+    digest matched the signed manifest.
+
+    :param serve: run a :class:`ChunkServer` on this peer (``--no-serve`` turns it off; a peer that is not
+        reachable should not serve, see docs/transport.md); :param bandwidth: its upload cap in bytes/s.
+    """
+
+    def __init__(self, client: Any, p2p: Any, namespace: Optional[str], *, serve: bool = True,
+                 bandwidth: Optional[float] = None, keep_versions: int = 2, maddrs: Sequence[str] = ()) -> None:
+        self.client, self.p2p, self.namespace = client, p2p, namespace
+        self.store = BodyStore(int(client.model_numel), keep_versions)
+        self.server: Optional[ChunkServer] = ChunkServer(self.store, ServeLimits(bandwidth=bandwidth)) if serve else None
+        seed_id = client.coordinator_peer_id
+        self.downloader = SwarmDownloader(p2p, seed_id if isinstance(seed_id, str) else seed_id.to_base58(), self.store,
+                                          namespace=namespace, serve=serve, maddrs=maddrs)
+        self.swarm_downloads = 0
+        self.fallbacks = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def start(self) -> None:
+        """Register the chunk server (when serving) and learn this peer's own addresses."""
+        if self.server is not None:
+            await self.server.add_handlers(self.p2p, self.namespace)
+            if not self.downloader.maddrs:
+                self.downloader.maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()][:MAX_MADDRS]
+
+    async def close(self) -> None:
+        await self.downloader.close()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await self.server.remove_handlers(self.p2p, self.namespace)
+
+    async def get_model(self, version: Optional[int] = None, *, codec: Optional[str] = None,
+                        timeout: Optional[float] = None) -> Tuple[int, Any]:
+        from asyncloco.transport.codecs import EncodedTensor, decode
+        from asyncloco.transport.delta import DELTA_CODECS
+
+        chosen = str(self.client.download_codec if codec is None else codec)
+        held = self.client.held
+        if held is None or held[1] != chosen or version is None or held[0] != version:
+            try:
+                result = await asyncio.wait_for(self.downloader.download(version, chosen), timeout=timeout or self.downloader.timeout)
+                numel = int(self.client.model_numel)
+                theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(chosen, numel, result.body), numel)
+                self.client.held = (result.manifest.version, chosen, theta)
+                if chosen in DELTA_CODECS:
+                    self.client.anchor = (result.manifest.version, chosen, result.body)
+                self.swarm_downloads += 1
+            except (TransportError, asyncio.TimeoutError, OSError, ValueError) as error:
+                self.fallbacks += 1
+                logger.info("swarm download of v%s failed (%s); downloading from the coordinator", version, error)
+        reply: Tuple[int, Any] = await self.client.get_model(version, codec=codec, timeout=timeout)
+        return reply
