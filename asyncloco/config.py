@@ -316,8 +316,8 @@ class RuntimeConfig(StrictModel):
         if not re.fullmatch(UPLOAD_CODEC_PATTERN, value):
             raise ValueError(
                 f"unknown codec {value!r}: use none, fp16, bf16, int8, int4, int2 or topk{{k}}b{{bits}} with k in "
-                "1, 2, 4, 8, 16, 32, 64 (values kept per 256) and bits 2 or 4, or grp{{G}}b{{bits}} with G in 4, 8, 16, 32 and "
-                "bits 1 or 2, e.g. grp8b1 or topk8b2 (docs/compression.md)"
+                "1, 2, 4, 8, 16, 32, 64 (values kept per 256) and bits 2 or 4, or grp{G}b{bits} with G in 4, 8, 16, 32 and "
+                "bits 1 or 2, e.g. topk8b2 or grp8b1 (docs/compression.md)"
             )
         return value
 
