@@ -243,3 +243,31 @@ def test_repair_equals_a_run_that_never_saw_the_attacker(make: Any) -> None:
     again = repair(verify_state(make(), fraction=0.0, probation=0), log, ["a"], live_version).state
     assert torch.equal(again.params, repaired.params)
     assert again.state_dict()["optimizer"].keys() == repaired.state_dict()["optimizer"].keys()
+
+
+def test_a_pending_check_never_costs_a_peer_its_lease() -> None:
+    """θ versions kept only for a pending re-run (the lease downloaded its θ) do not count toward
+    max_retained_versions: slow peers keep their leases; past 5 × the cap the oldest check is dropped instead."""
+    policy = CoordinatorPolicy(
+        max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=1e6, max_retained_versions=2,
+        verify=VerifyPolicy(fraction=0.0, probation_updates=100),
+    )
+    state = new_state(torch.zeros(DIM), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=0, lease_secret=b"k" * 32)
+    from asyncloco.coordinator.logic import Fetched
+
+    slow = [f"s{i}" for i in range(11)]
+    for peer in [*slow, "b"]:
+        handle(state, SpeedReport(peer, 10.0), 0.0)
+    expired = []
+    for i, peer in enumerate(slow):
+        _, actions = handle(state, RequestWork(peer), float(i))
+        lease = next(a.lease for a in actions if isinstance(a, Assign))
+        assert lease.base_version == i and lease.verify
+        handle(state, Fetched(peer, i), float(i))
+        _, actions = handle(state, RequestWork("b"), float(i))
+        mine = next(a.lease for a in actions if isinstance(a, Assign))
+        _, actions = handle(state, SubmitUpdate("b", mine.lease_id, mine.base_version, torch.ones(DIM)), i + 0.5)
+        expired += [a for a in actions if type(a).__name__ == "Expired"]
+    assert expired == [] and all(any(l.peer == p for l in state.leases.values()) for p in slow)
+    assert sorted(state.base_params) == list(range(1, 11)) and state.verification.unverifiable == 1
+    assert next(l for l in state.leases.values() if l.peer == "s0").verify == ""

@@ -1044,13 +1044,38 @@ def _retain_before_step(state: CoordinatorState) -> list[Action]:
     if state.version not in state.base_params and _version_needed(state, state.version):
         state.base_params[state.version] = state.params.clone()
     actions: list[Action] = []
-    while len(state.base_params) > state.policy.max_retained_versions:
-        oldest = min(state.base_params)
+    cap = state.policy.max_retained_versions
+    while len(state.base_params) > cap:
+        # Versions kept only for a pending verification (the lease downloaded its θ long ago) never cost a peer its
+        # lease: up to VERIFY_PIN_FACTOR × cap of them are kept beside the cap, and beyond that the oldest one's checks
+        # are dropped (counted as unverifiable), not the leases.
+        serving = sorted(v for v in state.base_params if _serves_download(state, v))
+        if len(serving) <= cap and len(state.base_params) <= cap * (1 + VERIFY_PIN_FACTOR):
+            break
+        oldest = serving[0] if len(serving) > cap else min(state.base_params)
         for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
-            if lease.base_version == oldest:
+            if lease.base_version != oldest:
+                continue
+            if lease.fetched and not state.needs_base_params and lease.verify:
+                lease.verify = ""  # its check is dropped: the base it would re-run from is gone
+                state.verification.unverifiable += 1
+            else:
                 actions += _give_back(state, lease, f"θ of version {oldest} is no longer retained")
         state.base_params.pop(oldest, None)
     return actions
+
+
+VERIFY_PIN_FACTOR = 4
+
+
+def _serves_download(state: CoordinatorState, version: int) -> bool:
+    """Does a lease still need θ(``version``) for a download or a staleness transform (not only for its check)?"""
+    ids = _book(state).by_version.get(version, {})
+    for lease_id in ids:
+        lease = state.leases.get(lease_id)
+        if lease is not None and lease.base_version == version and (state.needs_base_params or not lease.fetched):
+            return True
+    return False
 
 
 def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
