@@ -77,6 +77,7 @@ __all__ = [
     "chunk_size_for",
     "swarm_handle",
     "SwarmLink",
+    "start_seed",
 ]
 
 DIGEST_BYTES = 32  # SHA-256
@@ -598,6 +599,7 @@ class SwarmSeed(ChunkServer):
     :param on_report: ``(reporter, source, version, reason)`` for every report (journal it).
     :param drop_after_reports: a source reported by this many distinct peers is no longer listed.
     :param admit: ``async (peer_id)``, raises to refuse an unadmitted caller (manifests and the seed's chunks).
+    :param current: the latest version (a cheap call); bodies already published are then not asked again.
 
     Holders are soft state (not the coordinator's WAL): after a restart the swarm starts again from the
     seed, which costs bytes, never correctness.
@@ -618,8 +620,10 @@ class SwarmSeed(ChunkServer):
         drop_after_reports: int = 2,
         on_report: Optional[Callable[[str, str, int, str], None]] = None,
         admit: Optional[Callable[[str], Awaitable[None]]] = None,
+        current: Optional[Callable[[], int]] = None,
     ) -> None:
         super().__init__(store, limits if limits is not None else ServeLimits(max_streams=64, max_per_peer=8))
+        self.current = current  # the latest version, cheaply (else body_for(None, codec) is asked each time)
         self.admit = admit  # raises to refuse a caller (the coordinator's admission check), before anything is served
         self.run_id, self.key, self.body_for = run_id, key, body_for
         self.public_key = public_key_bytes(key)
@@ -644,10 +648,13 @@ class SwarmSeed(ChunkServer):
     async def publish(self, version: Optional[int], codec: str) -> Tuple[SignedManifest, _Body]:
         """The signed manifest of (``version``, ``codec``), building it (and storing the body) once."""
         async with self._lock:
-            version, body = await self.body_for(version, codec)
-            key = (version, codec)
-            entry = self.store.get(key)
+            if version is None and self.current is not None:
+                version = self.current()
+            key = (version, codec) if version is not None else None
+            entry = self.store.get(key) if key is not None else None
             if entry is None or key not in self._signed:
+                version, body = await self.body_for(version, codec)
+                key = (version, codec)
                 manifest = await asyncio.to_thread(Manifest.build, self.run_id, version, codec, self.store.numel, body, self.chunk_bytes)
                 entry = self.store.open(manifest, body)
                 self._signed[key] = SignedManifest.sign(manifest, self.key)
@@ -655,6 +662,8 @@ class SwarmSeed(ChunkServer):
                 for old in [k for k in self._signed if self.store.get(k) is None]:
                     del self._signed[old]
                     self._swarms.pop(old, None)
+            entry = self.store.get(key)
+            assert entry is not None and key is not None
             return self._signed[key], entry
 
     def holders(self, key: Tuple[int, str], exclude: str = "") -> List[Holder]:
@@ -998,6 +1007,36 @@ class SwarmDownloader:
         # p2pd's connect wants transport addresses: drop a trailing /p2p/<id> (get_visible_maddrs adds it)
         maddrs = [Multiaddr(m.split("/p2p/")[0]) for m in holder.maddrs]
         await self.p2p._client.connect(PeerID.from_base58(holder.peer_id), maddrs)
+
+
+async def start_seed(
+    p2p: Any,
+    run_id: str,
+    numel: int,
+    key: Ed25519PrivateKey,
+    get_model: Callable[[Optional[int]], Awaitable[Tuple[int, Any]]],
+    *,
+    current: Optional[Callable[[], int]] = None,
+    admit: Optional[Callable[[str], Awaitable[None]]] = None,
+    on_report: Optional[Callable[[str, str, int, str], None]] = None,
+    keep_versions: int = 2,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> SwarmSeed:
+    """The coordinator's seed on ``p2p``, serving the bodies of ``get_model(version) -> (version, θ)`` (a θ
+    snapshot, never mutated) encoded exactly as ``CoordinatorService`` encodes a full download
+    (``encode(codec, θ).to_bytes()``; fp32: θ's bytes). Remove with ``seed.remove_handlers(p2p, run_id)``."""
+    from asyncloco.transport.codecs import encode
+
+    async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:
+        version, theta = await get_model(version)
+        if codec == "none":
+            return version, theta.detach().contiguous().numpy().view("u1").data
+        return version, (await asyncio.to_thread(encode, codec, theta)).to_bytes()
+
+    seed = SwarmSeed(BodyStore(numel, keep_versions), run_id, key, body_for, chunk_bytes=chunk_bytes,
+                     on_report=on_report, admit=admit, current=current)
+    await seed.add_handlers(p2p, run_id)
+    return seed
 
 
 # ------------------------------------------------------------------------------------------- peer side
