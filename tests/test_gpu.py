@@ -9,7 +9,7 @@ Tests marked ``gpu`` need a CUDA device and skip without one, saying so; ``scrip
   validation perplexity is finite and falls.
 * ``test_bf16_autocast_round[cuda]`` — the inner loop under bf16 autocast on the GPU: the model's linear
   layers really compute in bf16, weights and the pseudo-gradient stay fp32, and the update stays within
-  the AdamW bound (``steps × lr`` per value) of the fp32 one on the CPU.
+  the AdamW bound (``2 × steps × lr`` per value) of the fp32 one on the CPU.
 * ``test_pinned_copies_carry_theta_and_the_pseudo_gradient_exactly`` — θ goes in and the pseudo-gradient
   comes out through pinned host buffers; an fp32 round on the GPU equals the CPU's round to float rounding.
 * ``test_adamw8bit_trains_the_20m_preset`` — bitsandbytes' 8-bit AdamW (its state really uint8) trains the
@@ -106,8 +106,9 @@ def test_bf16_autocast_round(device: str) -> None:
     delta = result.pseudo_gradient
     assert delta.dtype == torch.float32 and delta.device.type == "cpu" and delta.shape == theta.shape
     assert not torch.equal(delta, reference.pseudo_gradient)  # the rounding really differs
-    # AdamW moves each value by about lr per step whatever the gradient's rounding: STEPS × lr bounds the gap
-    assert float((delta - reference.pseudo_gradient).abs().max()) <= STEPS * LR * 1.01
+    # AdamW moves each value by at most about lr per step whatever the gradient's rounding, so two trajectories
+    # of STEPS steps end at most 2 × STEPS × lr apart (on the CPU the gap is within STEPS × lr)
+    assert float((delta - reference.pseudo_gradient).abs().max()) <= 2 * STEPS * LR
     assert abs(result.mean_loss - reference.mean_loss) < 0.05 * reference.mean_loss
 
 
