@@ -248,6 +248,9 @@ class VerifyConfig(StrictModel):
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ (0: bitwise, right on CPU; ~1e-2 for bf16/GPU)"
     )
     min_cosine: float = Field(-1.0, ge=-1, le=1, description="also require this cosine with the re-run (with a tolerance > 0)")
+    lease_warmup: int = Field(
+        0, ge=0, description="with inner_state reset: ramp the LR linearly over each lease's first N steps (a fresh AdamW's first steps are large)"
+    )
     queue: int = Field(16, ge=1, description="re-runs waiting at most; beyond it a check is skipped and counted")
     horizon: int = Field(200, ge=1, description="applied updates between repair anchors: an expulsion undoes at least this far back")
 

@@ -26,13 +26,13 @@ from asyncloco.sim.engine import Simulation
 logger = logging.getLogger("verify_inner_state")
 
 
-def run_one(path: str, seed: int, mode: str, method: str, updates: int | None) -> dict[str, Any]:
+def run_one(path: str, seed: int, mode: str, method: str, updates: int | None, warmup: int = 0) -> dict[str, Any]:
     raw = load_config(path).model_dump(mode="json")
     raw["seed"] = seed
     raw["sim"]["seed"] = seed
     if updates is not None:
         raw["sim"]["total_local_updates"] = updates
-    raw["runtime"]["verify"] = {"inner_state": mode}
+    raw["runtime"]["verify"] = {"inner_state": mode, "lease_warmup": warmup if mode == "reset" else 0}
     cfg = RunConfig.model_validate(raw)
     started = time.perf_counter()
     sim = Simulation(cfg, method)
@@ -47,17 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--method", default="async_dn_dylu")
     parser.add_argument("--updates", type=int, default=None, help="sim.total_local_updates (default: the config's)")
+    parser.add_argument("--lease-warmup", type=int, default=0, help="runtime.verify.lease_warmup of the reset runs")
+    parser.add_argument("--modes", nargs="+", default=["carry", "reset"], choices=["carry", "reset"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rows: list[dict[str, Any]] = []
     for path in args.configs:
         for seed in args.seeds:
-            for mode in ("carry", "reset"):  # interleaved per seed
-                rows.append(run_one(path, seed, mode, args.method, args.updates))
+            for mode in args.modes:  # interleaved per seed
+                rows.append(run_one(path, seed, mode, args.method, args.updates, args.lease_warmup))
                 if args.json is not None:
                     args.json.write_text(json.dumps(rows, indent=1))
     out = sys.stdout
+    if args.modes != ["carry", "reset"]:
+        for row in rows:
+            out.write(f"{row['config']} seed {row['seed']} {row['inner_state']}: {row['final']}\n")
+        return 0
     out.write(f"{'config':<22} {'seed':>4} {'carry loss':>11} {'reset loss':>11} {'reset/carry':>11}  metric\n")
     for path in args.configs:
         ratios = []

@@ -77,11 +77,12 @@ def lease_record(**fields: Any) -> Any:
     return Lease(**base)
 
 
-def test_rerun_reproduces_a_reset_lease_bitwise_and_catches_a_hidden_direction() -> None:
-    cfg = toy_config()
+@pytest.mark.parametrize("warmup", [0, 3], ids=["plain", "lease_warmup"])
+def test_rerun_reproduces_a_reset_lease_bitwise_and_catches_a_hidden_direction(warmup: int) -> None:
+    cfg = toy_config(verify={"enabled": True, "inner_state": "reset", "lease_warmup": warmup})
     workload = build_workload(cfg)
     peer = InnerTrainer.from_config(cfg, workload)
-    assert peer.reset_state
+    assert peer.reset_state and peer.lease_warmup == warmup
     theta = peer.full_params()
     submitted = peer_lease(peer, theta)
     rerunner = Rerunner(cfg, workload)
@@ -96,7 +97,7 @@ def test_rerun_reproduces_a_reset_lease_bitwise_and_catches_a_hidden_direction()
     assert not caught.ok and caught.rel_error == pytest.approx(1e-3, rel=1e-3)
     assert "bitwise equality" in caught.detail
     # the wire: an int8 peer's update, as the coordinator decodes it, equals the re-run encoded the same way
-    int8 = toy_config(codec="int8")
+    int8 = toy_config(codec="int8", verify={"enabled": True, "inner_state": "reset", "lease_warmup": warmup})
     wire = decode(encode("int8", submitted), submitted.numel())
     assert torch.equal(Rerunner(int8, workload).rerun(lease_record(), theta), wire)
 

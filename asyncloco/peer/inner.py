@@ -94,6 +94,7 @@ class InnerTrainer:
         group: Optional["GroupContext"] = None,
         parallel: str = "ddp",
         reset_state: bool = False,
+        lease_warmup: int = 0,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown inner.precision {precision!r}; use one of {list(PRECISIONS)}")
@@ -116,6 +117,7 @@ class InnerTrainer:
         # runtime.verify.inner_state "reset": every lease starts from a fresh inner optimizer state, so a verifier
         # re-runs it from θ_base and the data alone (coordinator/verify.py)
         self.reset_state = reset_state
+        self.lease_warmup = lease_warmup  # with reset_state: LR × (j + 1) / lease_warmup on a lease's first steps
         # FSDP only means something on a group of 2 or more ranks; a single process trains the plain model
         self.sharded = group is not None and parallel == "fsdp"
         if self.sharded:
@@ -167,6 +169,7 @@ class InnerTrainer:
             group=group,
             parallel=cfg.inner.parallel,
             reset_state=cfg.runtime.verify.inner_state == "reset",
+            lease_warmup=cfg.runtime.verify.lease_warmup if cfg.runtime.verify.inner_state == "reset" else 0,
         )
 
     @property
@@ -354,6 +357,8 @@ class InnerTrainer:
         for j in range(steps):
             step_started = time.perf_counter()
             lr = self.schedule.lr(lr_offset + j)
+            if self.lease_warmup > j:
+                lr *= (j + 1) / self.lease_warmup
             for param_group in self.optimizer.param_groups:
                 param_group["lr"] = lr
             batch = self.workload.batch(shard, start_offset + j)

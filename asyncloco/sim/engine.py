@@ -179,7 +179,8 @@ class Simulation:
         # The toy MLP with plain fp32 AdamW trains on a hand-written loop, ~3× faster per step, same update
         # (asyncloco/sim/fast_toy.py); ``fast=False`` keeps the autograd path (tests compare the two).
         self.fast: FastToyTrainer | None = None
-        if fast and isinstance(self.workload, ToyWorkload) and cfg.inner.optimizer == "adamw" and cfg.inner.precision == "fp32":
+        if (fast and isinstance(self.workload, ToyWorkload) and cfg.inner.optimizer == "adamw" and cfg.inner.precision == "fp32"
+                and not self.trainer.lease_warmup):  # runtime.verify.lease_warmup: only the autograd path ramps the LR
             self.fast = FastToyTrainer(
                 self.workload, cfg.inner.schedule(), cfg.inner.betas, cfg.inner.weight_decay, cfg.inner.grad_clip
             )
