@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
@@ -272,3 +273,25 @@ def test_a_pending_check_never_costs_a_peer_its_lease() -> None:
     assert expired == [] and all(any(l.peer == p for l in state.leases.values()) for p in slow)
     assert sorted(state.base_params) == list(range(1, 11)) and state.verification.unverifiable == 1
     assert next(l for l in state.leases.values() if l.peer == "s0").verify == ""
+
+
+def test_anchors_rotate_and_prune_the_archived_log(tmp_path: Path) -> None:
+    """An anchor every `horizon` versions (the first at once), the newest 3 kept; archived log segments wholly
+    before the oldest anchor are deleted, the one that reaches past it stays."""
+    from asyncloco.coordinator.verify import Anchors
+
+    archive = tmp_path / "wal" / "archive"
+    archive.mkdir(parents=True)
+    for first in (1, 11, 21, 31, 41):
+        (archive / f"{first:020d}.wal").write_bytes(b"x")
+    anchors = Anchors(tmp_path, horizon=10, keep_archive=False)
+    snapshot = tmp_path / "state.pt"
+    taken = []
+    for seq, version in [(0, 0), (5, 4), (12, 10), (20, 19), (25, 20), (33, 30), (44, 41)]:
+        (tmp_path / "tmp").write_bytes(f"v{version}".encode())
+        (tmp_path / "tmp").replace(snapshot)  # as checkpoint.save_snapshot: a new file renamed over state.pt
+        taken.append(anchors.note_snapshot(snapshot, seq, version))
+    assert taken == [True, False, True, False, True, True, True]
+    assert anchors.seqs() == [25, 33, 44] and anchors.oldest() == 25
+    assert (anchors.path(25) / "state.pt").read_bytes() == b"v20"  # a link to the snapshot as it was then
+    assert sorted(p.name[:-4].lstrip("0") for p in archive.glob("*.wal")) == ["21", "31", "41"]

@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,6 +340,8 @@ class Anchors:
         self.keep_archive = keep_archive
         self.keep = keep
         self._last_version: Optional[int] = None
+        # held while a snapshot thread rotates anchors / prunes segments and while a repair reads them
+        self.lock = threading.Lock()
 
     def seqs(self) -> list[int]:
         if not self.dir.is_dir():
@@ -355,6 +358,10 @@ class Anchors:
 
     def note_snapshot(self, snapshot: Path, wal_seq: int, version: int) -> bool:
         """Called in the snapshot thread once ``snapshot`` (covering log records up to ``wal_seq``) is durable."""
+        with self.lock:
+            return self._note(snapshot, wal_seq, version)
+
+    def _note(self, snapshot: Path, wal_seq: int, version: int) -> bool:
         if self._last_version is None:
             seqs = self.seqs()
             self._last_version = -self.horizon if not seqs else version  # a resumed run anchored before
@@ -511,14 +518,15 @@ class DaemonVerification:
             journal.write("repair_failed", peer=action.peer, anchor=action.anchor, reason="no repair anchor")
             return
         started = time.perf_counter()
-        snapshot = load_snapshot(anchor_dir)
-        state = self._fresh_state()
-        state.load_state_dict(snapshot["coordinator"])
-        after = snapshot_wal_seq(snapshot)
         live = daemon.state
         before_version = live.version
-        records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
-        result = repair(state, records, live.verification.expelled, live.version)
+        with self.anchors.lock:  # no anchor rotation or segment pruning while the repair reads them
+            snapshot = load_snapshot(anchor_dir)
+            state = self._fresh_state()
+            state.load_state_dict(snapshot["coordinator"])
+            after = snapshot_wal_seq(snapshot)
+            records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
+            result = repair(state, records, live.verification.expelled, live.version)
         daemon.state = result.state
         seconds = time.perf_counter() - started
         summary = {
