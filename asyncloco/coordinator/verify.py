@@ -342,6 +342,22 @@ class Anchors:
         self._last_version: Optional[int] = None
         # held while a snapshot thread rotates anchors / prunes segments and while a repair reads them
         self.lock = threading.Lock()
+        self._pinned: dict[int, int] = {}  # anchor seq -> verdicts being decided that name it (never rotated away)
+
+    def pin_oldest(self) -> int:
+        """The anchor a verdict names (the oldest), kept until :meth:`unpin` even if newer anchors arrive meanwhile."""
+        with self.lock:
+            seq = self.oldest()
+            if seq >= 0:
+                self._pinned[seq] = self._pinned.get(seq, 0) + 1
+            return seq
+
+    def unpin(self, seq: int) -> None:
+        with self.lock:
+            if seq in self._pinned:
+                self._pinned[seq] -= 1
+                if not self._pinned[seq]:
+                    del self._pinned[seq]
 
     def seqs(self) -> list[int]:
         if not self.dir.is_dir():
@@ -377,7 +393,8 @@ class Anchors:
             shutil.copyfile(snapshot, target / "state.pt")
         self._last_version = version
         for old in self.seqs()[: -self.keep]:
-            shutil.rmtree(self.path(old), ignore_errors=True)
+            if old not in self._pinned:
+                shutil.rmtree(self.path(old), ignore_errors=True)
         self._prune_archive()
         return True
 
@@ -485,11 +502,14 @@ class DaemonVerification:
 
     async def _verdict(self, task: Verify, comparison: Comparison) -> None:
         daemon = self.daemon
-        async with daemon.lock:
-            if daemon._stopping:
-                return
-            event = Verified(task.peer, task.lease.lease_id, comparison.ok, comparison.detail[:300], self.anchors.oldest())
-            await daemon._decide(event)
+        anchor = self.anchors.pin_oldest()  # a failed check's repair replays from it
+        try:
+            async with daemon.lock:  # the node's decision entry point (decide(event) takes the same lock)
+                if daemon._stopping:
+                    return
+                await daemon._decide(Verified(task.peer, task.lease.lease_id, comparison.ok, comparison.detail[:300], anchor))
+        finally:
+            self.anchors.unpin(anchor)
 
     def _fresh_state(self) -> CoordinatorState:
         from asyncloco.coordinator.logic import new_state
