@@ -62,7 +62,9 @@ def test_config_accepts_exactly_the_codec_registry() -> None:
     cfg = RunConfig.model_validate({"runtime": {"codec": "topk8b2"}})
     assert cfg.runtime.uses_error_feedback
     assert not RunConfig.model_validate({"runtime": {"codec": "none"}}).runtime.uses_error_feedback
-    assert not RunConfig.model_validate({"runtime": {"codec": "int8", "error_feedback": False}}).runtime.uses_error_feedback
+    assert not RunConfig.model_validate({"runtime": {"codec": "int4", "error_feedback": False}}).runtime.uses_error_feedback
+    assert not RunConfig.model_validate({"runtime": {"codec": "int8"}}).runtime.uses_error_feedback  # as before issue 18
+    assert RunConfig.model_validate({"runtime": {"codec": "int8", "error_feedback": True}}).runtime.uses_error_feedback
     with pytest.raises(ValueError, match="unknown codec 'topk3b2'.*e.g. topk8b2"):
         RunConfig.model_validate({"runtime": {"codec": "topk3b2"}})
 
@@ -71,7 +73,7 @@ def test_config_accepts_exactly_the_codec_registry() -> None:
 def test_error_feedback_is_off_by_default_and_refused_explicitly_with_verification() -> None:
     verify = {"enabled": True, "inner_state": "reset"}
     try:
-        cfg = RunConfig.model_validate({"runtime": {"codec": "int8", "verify": verify}})
+        cfg = RunConfig.model_validate({"runtime": {"codec": "int2", "verify": verify}})
     except ValueError as error:  # pragma: no cover - the verify section's own checks (issue 16) may ask for more
         pytest.skip(f"verify config needs more keys here: {error}")
     assert not cfg.runtime.uses_error_feedback
