@@ -19,6 +19,8 @@ count from the header before it allocates anything, and benchmarks can assert by
 | "topk{k}b{b}" | per chunk of 256 values the | max kept |x| per chunk        | K + ceil(K·b / 8) + 4·chunks       |
 |        | k largest |x| (uint8 local    |                                | K = k·full chunks + min(k, tail)   |
 |        | index), b-bit sign+magnitude  |                                |                                    |
+| "grp{G}b{b}" | per group of G values the | mean (b=1) or max (b=2) kept   | ceil(ceil(n/G)·(log2 G + b) / 8)    |
+|        | largest |x|: position + b bits | |x| per 256 values             | + 4·ceil(n / 256)                  |
 
 The 8-bit dynamic code book and the NF4 table are constants of bitsandbytes, not sent. Decoding never
 unpickles and validates the codec name, ``numel`` against the caller's expectation, and both lengths
@@ -28,7 +30,8 @@ The sparse family ``topk{k}b{b}`` (k in :data:`TOPK_KS`, b in :data:`TOPK_BITS`;
 ``topk8b2``: 8 of every 256 values, 2 bits each, ≈ 73× fewer bytes than fp32) and ``int2`` are meant
 for pseudo-gradients with error feedback (asyncloco/peer/feedback.py, docs/compression.md): on their
 own they drop most of the update. A sparse body's local indices must be strictly increasing within each
-chunk and inside the chunk (the last chunk may be short); decoding refuses anything else.
+chunk and inside the chunk (the last chunk may be short); decoding refuses anything else. ``grp{G}b{b}``
+(G in :data:`GROUP_SIZES`, b in :data:`GROUP_BITS`) keeps one value per group of G: ``grp4b1`` is 36.6×.
 """
 
 from __future__ import annotations
