@@ -48,9 +48,10 @@ def test_probe_decides_the_gray_zone() -> None:
     policy = G.GatePolicy()
     state = warm_state()
     weak = with_cosine(-0.05)  # an established peer, weakly against the consensus (gray: < 0.5 × 0.4)
-    # without the probe: the cosine rule refuses it (threshold = min(cap 0.05, ...)) without counting it
+    # without the probe: below the cosine bar (min(cap 0.05, ...)) but not pointing away (≥ −0.1): an established
+    # peer's update is taken with weak agreement, at the median norm (already there: scale 1)
     plain = G.score(policy, state, weak, 10, "old")
-    assert (plain.action, plain.counts) == ("reject", False) and "not counted" in plain.reason
+    assert (plain.action, plain.scale, plain.weak) == ("accept", 1.0, True) and "weak agreement" in plain.reason
     # the probe lowers by more than the margin (0.05 %): accepted despite the negative cosine
     lowers = G.score(policy, state, weak, 10, "old", probe=(5.0, 4.99))
     assert lowers.action == "accept" and lowers.scale == 1.0
@@ -58,26 +59,32 @@ def test_probe_decides_the_gray_zone() -> None:
     # raises by more than the margin: rejected; by more than 4 × the margin it counts toward quarantine
     raises = G.score(policy, state, weak, 10, "old", probe=(5.0, 5.02))
     assert (raises.action, raises.counts) == ("reject", True) and "(+0.4 %, limit 0.05 %)" in raises.reason
+    # a rise within 4 × the margin is the probe's noise: an established peer's update is taken with weak agreement
     slightly = G.score(policy, state, weak, 10, "old", probe=(5.0, 5.005))
-    assert (slightly.action, slightly.counts) == ("reject", False) and "(+0.1 %, limit 0.05 %)" in slightly.reason
-    # within ±margin (5.0 × 0.0005 = 0.0025): no evidence that it helps — refused, not counted
+    assert (slightly.action, slightly.weak) == ("accept", True) and "(+0.1 %, within 4 × the 0.05 % margin" in slightly.reason
+    # within ±margin (5.0 × 0.0005 = 0.0025): no evidence that it helps — taken with weak agreement
     for after in (5.002, 4.998):
         inconclusive = G.score(policy, state, weak, 10, "old", probe=(5.0, after))
-        assert (inconclusive.action, inconclusive.counts) == ("reject", False)
+        assert (inconclusive.action, inconclusive.weak) == ("accept", True)
         assert "does not lower the probe-batch loss by more than 0.05 %" in inconclusive.reason
+    # the same from a peer on probation (no honest work shown yet): refused, not counted
+    for after in (5.005, 5.002):
+        newcomer = G.score(policy, state, weak, 10, "new", probe=(5.0, after))
+        assert (newcomer.action, newcomer.counts, newcomer.weak) == ("reject", False, False), newcomer.reason
     # ... even where the cosine rule alone would let it in: honest cosines spread out (median 0.2, MAD 0.1:
     # threshold max(0.2 − 0.6, −0.05) = −0.05), a random direction (cosine 0.01) passes without the probe
     spread = warm_state(center=0.2)
     spread.cosines = [0.1, 0.3] * 5
     random_like = with_cosine(0.01)
     assert G.score(policy, spread, random_like, 10, "old").action == "accept"
-    assert G.score(policy, spread, random_like, 10, "old", probe=(5.0, 4.9995)).action == "reject"
+    assert G.score(policy, spread, random_like, 10, "old", probe=(5.0, 4.9995)).weak
+    assert G.score(policy, spread, random_like, 10, "new", probe=(5.0, 5.0001)).action == "reject"
     assert G.score(policy, spread, random_like, 10, "old", probe=(5.0, 4.99)).action == "accept"
     # the margin is for a lease of full_steps: a 10-step update of a 20-step schedule needs half of it (0.025 %)
     half = G.GatePolicy(full_steps=20)
     assert G.score(half, state, weak, 10, "old", probe=(5.0, 4.9985)).action == "accept"  # −0.03 %
-    assert G.score(policy, state, weak, 10, "old", probe=(5.0, 4.9985)).action == "reject"
-    assert G.score(half, state, weak, 10, "old", probe=(5.0, 5.0015)).action == "reject"  # +0.03 % > 0.025 %
+    assert G.score(policy, state, weak, 10, "old", probe=(5.0, 4.9985)).weak
+    assert G.score(half, state, weak, 10, "new", probe=(5.0, 5.0015)).action == "reject"  # +0.03 % > 0.025 %
     # pointing away (below −0.25 × 0.4 = −0.1) is not gray: rejected and counted whatever the probe says
     away = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 4.9))
     assert (away.action, away.counts) == ("reject", True) and "direction disagrees" in away.reason
@@ -118,6 +125,41 @@ def test_probe_outside_the_gray_zone_and_on_probation() -> None:
     # turned off in the policy, the probe is ignored
     off = G.GatePolicy(probe=False)
     assert G.score(off, state, with_cosine(-0.08), 10, "newer", probe=(5.0, 4.98)).action == "reject"
+
+
+@pytest.mark.timeout(30)
+def test_honest_weak_agreement_is_not_wasted_exact_counts() -> None:
+    """Issue 16: an established peer's weakly agreeing updates (a slow peer's stale lease: cosine ≈ 0 with a
+    consensus the fast peer dominates) are applied at ≤ the median norm and leave the statistics alone; a peer
+    on probation is still refused for it, and pointing away is still rejected and counted."""
+    policy = G.GatePolicy()
+    state = warm_state()  # consensus e0, 10 cosines 0.4, per-step norms 1, peer "old" established
+    before = (list(state.norms), list(state.cosines), state.reference.clone())  # type: ignore[union-attr]
+    verdicts = []
+    # 20 updates of "old": cosines −0.09 … 0.04 (all below the 0.05 bar, none below −0.25 × 0.4 = −0.1), norms
+    # 0.5 … 3 × the median per step, probe flat (no evidence either way)
+    for i in range(20):
+        cosine = -0.09 + 0.13 * i / 19
+        update = with_cosine(cosine, norm=10.0 * (0.5 + 2.5 * i / 19))
+        verdict = G.score(policy, state, update, 10, "old", probe=(5.0, 5.0))
+        assert G.record(policy, state, verdict, None if verdict.action == "reject" else update * verdict.scale, 10, "old", 0.0) is None
+        verdicts.append(verdict)
+    assert [v.action for v in verdicts].count("reject") == 0
+    assert all(v.weak for v in verdicts)
+    # at most the median norm: those above it scaled down to exactly it, those below kept as they are
+    assert [round(v.norm * v.scale / 10, 5) for v in verdicts] == [round(min(1.0, 0.5 + 2.5 * i / 19), 5) for i in range(20)]
+    assert [v.action for v in verdicts].count("clip") == sum(0.5 + 2.5 * i / 19 > 1.0 for i in range(20)) == 16
+    # booked as accepted (20 more), but the statistics the bar is computed from are untouched
+    assert (state.accepted, state.peer_accepted["old"]) == (30, 30) and state.verdicts["old"] == [False] * 6
+    assert (state.norms, state.cosines) == before[:2] and torch.equal(state.reference, before[2])  # type: ignore[arg-type]
+    # a peer on probation: the same updates refused (not counted), pointing away rejected and counted
+    refused = [G.score(policy, state, with_cosine(-0.09 + 0.13 * i / 19), 10, "new", probe=(5.0, 5.0)) for i in range(20)]
+    assert [(v.action, v.counts) for v in refused] == [("reject", False)] * 20
+    away = G.score(policy, state, with_cosine(-0.11), 10, "old", probe=(5.0, 5.0))
+    assert (away.action, away.counts) == ("reject", True)
+    # and without the probe (models above probe_max_params) the cosine rule alone: the same split
+    plain = [G.score(policy, state, with_cosine(c), 10, p) for c, p in ((0.0, "old"), (0.0, "new"), (-0.11, "old"))]
+    assert [(v.action, v.counts, v.weak) for v in plain] == [("accept", True, True), ("reject", False, False), ("reject", True, False)]
 
 
 @pytest.mark.timeout(30)

@@ -17,6 +17,11 @@ An update is judged against statistics of recently *accepted* updates, so no per
   recent accepted cosines is rejected: a sign-flipped or random update points away from (or orthogonally to) where everyone
   else is going, while honest updates of one run agree with each other.
 
+**weak agreement** — below that bar but not pointing away (cosine ≥ −flip_margin × median), and not clearly uphill
+on the probe: from a peer past probation the update is *accepted*, scaled down to at most the median per-step
+norm and kept out of the statistics (see ``_weak``; issue 16: refusing it wasted honest work and stopped no
+shaped attack); from a peer on probation it is refused without counting.
+
 Until ``warmup`` updates have been accepted the relative checks have no statistics; the norm is then
 judged against the median of what was accepted so far, with ``reject_factor`` only (so the first
 update of a run is taken as it is, and one early hostile update cannot be far above its peers).
@@ -158,6 +163,27 @@ class GateVerdict:
     cosine: float | None
     reason: str
     counts: bool = True  # a rejection that counts toward quarantine (False: merely weak agreement)
+    weak: bool = False  # accepted with weak agreement (see _weak): applied, but kept out of the gate's statistics
+
+
+def _weak(policy: GatePolicy, per_step: float, typical: float, norm: float, cosine: float | None, why: str) -> GateVerdict:
+    """The verdict for an established peer's update that agrees only weakly with the consensus and that the probe
+    does not show making the model worse: accepted, scaled down to at most the recent median per-step norm.
+
+    Refusing it wasted honest work (issue 16: 11 honest refusals at cosine −0.01 in one run of the attack suite —
+    a slow peer's stale or short lease, judged against a consensus dominated by the fastest peer, agrees weakly
+    and is still honest) and bought no safety: an attacker shapes its update to pass any such bar (a few % of
+    the consensus direction added is enough), which is what verification (coordinator/verify.py) is for. What
+    stays refused: directions pointing *away* (counted), updates that clearly raise the probe loss (counted),
+    norms beyond the bounds, and weak agreement from a peer on probation (it has shown no honest work yet)."""
+    # (a float32 norm a rounding above the median is taken as it is)
+    scale = typical / per_step if typical > 0 and per_step > typical * (1.0 + 1e-6) else 1.0
+    shown = "" if cosine is None else f" (cosine {cosine:.3f} with the consensus)"
+    return GateVerdict(
+        "clip" if scale < 1.0 else "accept", scale, norm, cosine,
+        f"accepted with weak agreement{shown}: {why}; at most the median norm, kept out of the gate's statistics",
+        weak=True,
+    )
 
 
 def _mad(values: list[float], center: float) -> float:
@@ -247,6 +273,10 @@ def score(
                 agreement = "" if cosine is None else f", cosine {cosine:.3f} with the consensus"
                 # a small rise can be the probe batch's noise on honest work: only a clear one counts
                 counted = rise > policy.probe_count_factor * margin
+                if not counted and not probation:
+                    return _weak(policy, per_step, typical, norm, cosine,
+                                 f"probe-batch loss {before:.5f} → {after:.5f} (+{100 * rise:.3g} %, within "
+                                 f"{policy.probe_count_factor:g} × the {100 * margin:.3g} % margin: the probe's noise)")
                 return GateVerdict(
                     "reject", 0.0, norm, cosine,
                     f"raises the probe-batch loss {before:.5f} → {after:.5f} (+{100 * rise:.3g} %, limit "
@@ -257,6 +287,11 @@ def score(
             # a short lease) move θ little and noisily — but downhill, where a sign-flipped one goes uphill. An
             # established peer in the gray zone must lower it by the margin.
             wanted = before if probation else before * (1.0 - margin)
+            if not (math.isfinite(before) and after < wanted) and not probation and math.isfinite(before):
+                # an established peer's weakly agreeing update that does not help measurably: honest work of a
+                # slow or short lease often lands here (issue 16) — taken at no more than the median norm
+                return _weak(policy, per_step, typical, norm, cosine,
+                             f"does not lower the probe-batch loss by more than {100 * margin:.3g} % ({before:.5f} → {after:.5f})")
             if not (math.isfinite(before) and after < wanted):
                 # no evidence that it helps: a random direction lands here (±0.01 % where honest updates lower the
                 # loss by 0.1-0.4 %) — refused like a weakly agreeing direction, not counted toward quarantine
@@ -287,6 +322,9 @@ def score(
             # one (≈ 0: a random direction, but also an honest newcomer's first updates or a stale one after a
             # restart) is refused without counting, so an honest peer is never quarantined for it.
             away = cosine < (-policy.flip_margin * center if center > 0 else threshold)
+            if not away and not probation:
+                return _weak(policy, per_step, typical, norm, cosine,
+                             f"cosine {cosine:.3f} < {threshold:.3f} (median {center:.3f}, MAD {spread:.3f})")
             return GateVerdict(
                 "reject", 0.0, norm, cosine,
                 f"direction disagrees with the recent consensus: cosine {cosine:.3f} < {threshold:.3f} "
@@ -319,6 +357,12 @@ def record(
     probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
     history.extend([counted, counted] if (counted and probation) else [counted])
     del history[: max(0, len(history) - policy.quarantine_window)]
+    if not rejected and update is not None and verdict.weak:
+        # applied, but not part of the consensus the gate judges others by (a weakly agreeing stream must not
+        # pull the bar down for everyone)
+        gate.accepted += 1
+        gate.peer_accepted[peer] = gate.peer_accepted.get(peer, 0) + 1
+        return None
     if not rejected and update is not None:
         norm = verdict.norm * verdict.scale
         gate.norms.append(norm / max(1, steps))
