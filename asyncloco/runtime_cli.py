@@ -129,6 +129,9 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         identity_path=args.identity,  # admission: a token binds to this identity
         dht_server=args.dht_server,  # reach
         name=args.name,
+        swarm=args.swarm,  # issue 19 (transport/swarm.py)
+        serve=args.serve,
+        serve_bandwidth=None if args.serve_bandwidth is None else args.serve_bandwidth * 125_000.0,
     )
     try:
         runner = PeerRunner(options, group=group)
@@ -163,6 +166,17 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
 
 
 # ---- admission tokens (asyncloco/coordinator/admission.py) ----
+
+
+def _positive_mbit(text: str) -> float:
+    """``--serve-bandwidth``: a positive number of Mbit/s."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of Mbit/s (e.g. 20)") from None
+    if not 0 < value < 1e7:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of Mbit/s (e.g. 20)")
+    return value
 
 
 def _read_token(value: str | None) -> str | None:
@@ -302,6 +316,15 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
         "which works behind a home NAT",
     )
     join.add_argument("--name", help="a name for this peer in the organiser's status table (1-64 of A-Z a-z 0-9 _ . -)")
+    # --- swarm downloads (transport/swarm.py; docs/transport.md "Swarm downloads")
+    join.add_argument("--swarm", action="store_true",
+                      help="download θ from other peers (every chunk checked against the coordinator's signed digests; "
+                      "the coordinator is the seed and the fallback)")
+    join.add_argument("--serve", dest="serve", action="store_true", default=None,
+                      help="with --swarm: serve the versions this peer holds (default: only with --dht-server, i.e. when reachable)")
+    join.add_argument("--no-serve", dest="serve", action="store_false", help="with --swarm: download only, serve nothing")
+    join.add_argument("--serve-bandwidth", type=_positive_mbit, metavar="MBIT",
+                      help="with --swarm: cap the upload of served chunks at this many Mbit/s (default: no cap)")
     join.set_defaults(func=cmd_peer_join)
 
     demo = sub.add_parser("demo", help="coordinator + heterogeneous peers on this machine, then a summary")

@@ -280,15 +280,14 @@ def test_swarm_link_gets_theta_from_the_swarm_and_the_coordinator_sends_no_body(
     async def main() -> None:
         nodes: List[Any] = []
         links: List[SwarmLink] = []
+        late: Optional[SwarmLink] = None
         try:
             seed_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
             nodes.append(seed_p2p)
             service = CoordinatorService(Handler(), NUMEL, model_codecs=("int8",))
             await service.add_p2p_handlers(seed_p2p, namespace="run")
-            seed = SwarmSeed(BodyStore(NUMEL), "run", Ed25519PrivateKey.generate(), body_for, chunk_bytes=CHUNK, refill_s=600.0)
-            await seed.add_handlers(seed_p2p, "run")
             maddrs = await seed_p2p.get_visible_maddrs()
-            for _ in range(2):
+            for _ in range(3):
                 p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs, startup_timeout=120.0)
                 nodes.append(p2p)
                 client = CoordinatorClient(p2p, seed_p2p.peer_id, NUMEL, namespace="run", download_codec="int8")
@@ -296,12 +295,20 @@ def test_swarm_link_gets_theta_from_the_swarm_and_the_coordinator_sends_no_body(
                 await link.start()
                 links.append(link)
             expected = decode(EncodedTensor.from_bytes("int8", NUMEL, body), NUMEL)
+            # a coordinator without a seed: the link falls back to a full download
+            late = links.pop()
+            version, got = await late.get_model(5)
+            assert (version, late.swarm_downloads, late.fallbacks) == (5, 0, 1) and torch.equal(got, expected)
+            assert service.counters.get_model.payload_bytes_sent == len(body)
+            fetched.clear()
+            seed = SwarmSeed(BodyStore(NUMEL), "run", Ed25519PrivateKey.generate(), body_for, chunk_bytes=CHUNK, refill_s=600.0)
+            await seed.add_handlers(seed_p2p, "run")
             for link in links:
                 version, got = await link.get_model(5)
                 assert version == 5 and torch.equal(got, expected)
                 assert link.swarm_downloads == 1 and link.fallbacks == 0
                 assert link.client.anchor is not None and bytes(link.client.anchor[2]) == body
-            assert service.counters.get_model.payload_bytes_sent == 0 and service.counters.get_model.calls == 2
+            assert service.counters.get_model.payload_bytes_sent == len(body) and service.counters.get_model.calls == 3
             assert [peer for peer, _ in fetched] == [link.p2p.peer_id.to_base58() for link in links]
             # the seed sent the body once; the second peer took all 13 chunks from the first
             assert seed.counters.chunks_sent == 13 and links[0].server is not None
@@ -309,7 +316,7 @@ def test_swarm_link_gets_theta_from_the_swarm_and_the_coordinator_sends_no_body(
             version, again = await links[1].get_model(5)  # held: no swarm call, an "unchanged" reply
             assert links[1].swarm_downloads == 1 and torch.equal(again, expected)
         finally:
-            for link in links:
+            for link in links + ([late] if late is not None else []):
                 await link.close()
             for node in reversed(nodes):
                 await node.shutdown()

@@ -111,6 +111,10 @@ class PeerOptions:
     # --- reach (README "Behind a NAT"): outbound connections only unless asked; a name for the status table
     dht_server: bool = False  # serve the DHT (needs inbound connections); default: a DHT client
     name: Optional[str] = None  # shown in `asyncloco status`; 1-64 of [A-Za-z0-9_.-]
+    # --- swarm downloads (issue 19, transport/swarm.py): θ from other peers, verified chunk by chunk
+    swarm: bool = False  # --swarm: download θ from the swarm (the coordinator is the seed and the fallback)
+    serve: Optional[bool] = None  # --serve/--no-serve; default: serve only when reachable (--dht-server)
+    serve_bandwidth: Optional[float] = None  # --serve-bandwidth, bytes/s of chunks served (None: no cap)
 
 
 @dataclass
@@ -438,6 +442,7 @@ class PeerRunner:
         group_phase = "config"  # what the followers wait for: the config, then commands
         dht = None
         p2p = None
+        swarm: Any = None
         try:
             dht = self._start_dht()
             self.summary.peer_id = dht.peer_id.to_base58()
@@ -471,6 +476,12 @@ class PeerRunner:
                 download_codec=str(hello.get("download_codec", "none")),
                 link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
             )
+            if self.options.swarm:  # issue 19: θ from other peers (transport/swarm.py; docs/transport.md "Swarm")
+                from asyncloco.transport.swarm import SwarmLink
+
+                serve = self.options.dht_server if self.options.serve is None else self.options.serve
+                swarm = client = SwarmLink(client, p2p, namespace, serve=serve, bandwidth=self.options.serve_bandwidth)
+                await swarm.start()
             records = RunRecords(dht, namespace)
             publisher = DhtSpeedPublisher(
                 records, self.coordinator_id, self.summary.peer_id, self.options.device, __version__,
@@ -482,6 +493,8 @@ class PeerRunner:
             self._closing.set()
             self._update_idle()
             self._write_summary()
+            if swarm is not None:
+                await swarm.close()
             if p2p is not None:
                 await p2p.shutdown()
             if dht is not None:

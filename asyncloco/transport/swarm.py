@@ -1102,7 +1102,7 @@ class SwarmLink:
                 if chosen in DELTA_CODECS:
                     self.client.anchor = (result.manifest.version, chosen, result.body)
                 self.swarm_downloads += 1
-            except (TransportError, asyncio.TimeoutError, OSError, ValueError) as error:
+            except Exception as error:  # no seed, a refusal, a timeout, p2pd errors: the coordinator serves it
                 self.fallbacks += 1
                 logger.info("swarm download of v%s failed (%s); downloading from the coordinator", version, error)
         reply: Tuple[int, Any] = await self.client.get_model(version, codec=codec, timeout=timeout)
