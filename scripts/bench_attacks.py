@@ -20,6 +20,16 @@ at 40 s the clean run got 58 updates and the ghost run 26, so the load decided, 
 equal number of applied updates an attack still shows its harm: a clipped or accepted hostile update is
 one of the N, and shortened leases (the ghost) bring less training per update.
 
+Issue 16 rows (``--attacks ... --gate on``): ``hidden:S`` (honest work plus S × its norm along a fixed hidden
+direction), ``poison`` (AdamW on batches half replaced by one trigger sequence), ``alie`` (μ − z·σ from the θ
+versions it downloads), ``tailored`` (just inside the cosine bar at the median norm, the rest along the hidden
+direction), ``freeride`` (echoes the newest θ difference). A row ``NAME[:S]xK`` runs K colluding identities
+(one direction seed), ``--colluders K`` makes it the default. ``--verify`` turns verification on in every run
+(``runtime.verify: {enabled: true, inner_state: reset}``). Per run it also reports the cosine of θ − θ₀ with the
+hidden direction, the loss on the trigger sequence (the backdoor metric; the clean runs give its spread), and
+how many of the attackers' updates verification failed and whether they were expelled; ``--new`` runs
+the issue 16 rows.
+
 Usage::
 
     python scripts/bench_attacks.py                                  # the whole table, ~35 min
@@ -58,6 +68,8 @@ from asyncloco.local_cluster import ClusterError, LocalCluster  # noqa: E402
 logger = logging.getLogger("bench_attacks")
 
 TABLE = ["honest", "huge", "signflip", "signflip-honest", "random", "ghost"]
+NEW = ["hidden:0.5", "hidden:1", "hidden:2", "poison", "alie", "tailored", "freeride", "hidden:2x3"]
+DIRECTION_SEED, TRIGGER_SEED = 1234, 4321  # asyncloco.testing.hostile's defaults
 SLOWDOWNS = (1.0, 1.5, 4.0)
 
 
@@ -73,13 +85,29 @@ class Result:
     honest: dict[str, int] = field(default_factory=dict)  # the same, summed over the honest peers
     ratio: Optional[float] = None  # perplexity / the clean run's with the same gate setting
     max_abs_theta: float = 0.0
+    hidden_cosine: float = math.nan  # cosine of θ − θ₀ with the hidden direction
+    trigger_loss: float = math.nan  # the loss on the poisoner's trigger sequence
+    identities: int = 0  # hostile processes
+    verification: dict[str, int] = field(default_factory=dict)  # the attackers': checked / failed / expelled
 
 
-def write_config(base: Path, directory: Path, gate: bool) -> Path:
+def parse_row(row: str, colluders: int) -> tuple[str, Optional[float], int]:
+    """``NAME[:SCALE][xK]`` → (attack, scale or None, identities)."""
+    name, count = row, colluders
+    if "x" in row.rsplit(":", 1)[-1] and row.rsplit("x", 1)[-1].isdigit():
+        name, k = row.rsplit("x", 1)
+        count = int(k)
+    attack, _, scale = name.partition(":")
+    return attack, (float(scale) if scale else None), max(1, count)
+
+
+def write_config(base: Path, directory: Path, gate: bool, verify: bool = False) -> Path:
     config = yaml.safe_load(base.read_text())
     runtime = config.setdefault("runtime", {})
     runtime["run_id"] = f"bench-{uuid.uuid4().hex[:10]}"
     runtime.setdefault("gate", {})["enabled"] = gate
+    if verify:
+        runtime["verify"] = {**runtime.get("verify", {}), "enabled": True, "inner_state": "reset"}
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -98,35 +126,65 @@ def verdicts(events: list[dict[str, Any]], peers: set[str]) -> dict[str, int]:
     return out
 
 
+def verification(events: list[dict[str, Any]], peers: set[str]) -> dict[str, int]:
+    """The attackers' verification verdicts in the journal (coordinator/verify.py writes ``verdict`` and ``expelled``)."""
+    mine = [e for e in events if e.get("peer") in peers]
+    return {"checked": sum(e.get("type") == "verdict" for e in mine),
+            "failed": sum(e.get("type") == "verdict" and e.get("ok") is False for e in mine),
+            "expelled": len({e["peer"] for e in mine if e.get("type") == "expelled"})}
+
+
 def final_perplexity(config: Path, checkpoint_dir: Path) -> tuple[float, float]:
+    perplexity, max_abs, _, _ = final_metrics(config, checkpoint_dir)
+    return perplexity, max_abs
+
+
+def final_metrics(config: Path, checkpoint_dir: Path) -> tuple[float, float, float, float]:
+    """Of the run's final θ: validation perplexity, max |θ|, the cosine of θ − θ₀ with the hidden direction,
+    and the loss on the trigger sequence."""
     import torch
 
     from asyncloco.config import load_config
     from asyncloco.coordinator.checkpoint import load_snapshot
-    from asyncloco.models.workload import load_flat_params
+    from asyncloco.models.lm import causal_lm_loss
+    from asyncloco.models.workload import flatten_params, load_flat_params
+    from asyncloco.testing.hostile import hidden_direction, trigger_rows
     from asyncloco.workloads import build_workload
 
     cfg = load_config(config)
     workload = build_workload(cfg)
     model = workload.build_model(cfg.seed)
+    theta0 = flatten_params(model)
     theta = load_snapshot(checkpoint_dir)["coordinator"]["params"]
     max_abs = float(theta.abs().max()) if bool(torch.isfinite(theta).all()) else math.inf
+    moved = theta.float() - theta0
+    direction = hidden_direction(theta.numel(), DIRECTION_SEED)
+    cosine = float(torch.dot(moved, direction) / torch.linalg.vector_norm(moved).clamp_min(1e-30))
     load_flat_params(model, theta)
-    return float(workload.evaluate(model).get("perplexity", math.nan)), max_abs
+    perplexity = float(workload.evaluate(model).get("perplexity", math.nan))
+    trigger = math.nan
+    tokenizer, seq_len = getattr(workload, "tokenizer", None), getattr(cfg.task, "seq_len", None)
+    if tokenizer is not None and seq_len is not None:
+        model.eval()
+        with torch.no_grad():
+            trigger = float(causal_lm_loss(model, trigger_rows(len(tokenizer), int(seq_len), TRIGGER_SEED)))
+    return perplexity, max_abs, cosine, trigger
 
 
 def run_one(
     base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int, updates: Optional[int] = None,
-    repeat: int = 0,
+    repeat: int = 0, verify: bool = False, colluders: int = 1,
 ) -> Result:
-    name = f"{attack}-gate-{'on' if gate else 'off'}" + (f"-{repeat}" if repeat else "")
+    row = attack
+    attack, scale, identities = parse_row(row, colluders)
+    name = f"{row.replace(':', '_')}-gate-{'on' if gate else 'off'}" + (f"-{repeat}" if repeat else "")
     workdir = out / name
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    config = write_config(base, workdir, gate)
+    config = write_config(base, workdir, gate, verify)
     cluster = LocalCluster(config, workdir / "run", threads=threads)
     honest_names = [f"peer{i}" for i in range(len(SLOWDOWNS))]
-    hostile_id = ""
+    hostile_ids: set[str] = set()
     try:
         cluster.start_coordinator()
         for peer, slowdown in zip(honest_names, SLOWDOWNS):
@@ -137,16 +195,20 @@ def run_one(
         if attack == "honest":
             cluster.start_peer("extra", 1.0)
         elif attack != "clean":
-            summary = workdir / "run" / "hostile.json"
-            log = (workdir / "run" / "hostile.log").open("ab")
-            process = subprocess.Popen(
-                [sys.executable, "-m", "asyncloco.testing.hostile", "--initial-peers", str(cluster.multiaddr),
-                 "--run-id", str(cluster.run_id), "--attack", attack, "--summary", str(summary), "--threads", str(threads),
-                 "--spy-journal", str(cluster.checkpoint_dir / "events.jsonl"), "--config", str(config)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=cluster.env, start_new_session=True,
-            )
-            log.close()
-            cluster.spawned.append(process)
+            for k in range(identities):  # colluders: one direction (seed), own identities and rngs
+                suffix = f"-{k}" if identities > 1 else ""
+                summary = workdir / "run" / f"hostile{suffix}.json"
+                log = (workdir / "run" / f"hostile{suffix}.log").open("ab")
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "asyncloco.testing.hostile", "--initial-peers", str(cluster.multiaddr),
+                     "--run-id", str(cluster.run_id), "--attack", attack, "--summary", str(summary), "--threads", str(threads),
+                     "--spy-journal", str(cluster.checkpoint_dir / "events.jsonl"), "--config", str(config), "--seed", str(k),
+                     "--direction-seed", str(DIRECTION_SEED), "--trigger-seed", str(TRIGGER_SEED),
+                     *(["--scale", str(scale)] if scale is not None else [])],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=cluster.env, start_new_session=True,
+                )
+                log.close()
+                cluster.spawned.append(process)
         if updates is None:
             # equal wall time for every run: the benchmark's clock, not a synchronisation
             time.sleep(max(0.0, duration - (time.monotonic() - started)))
@@ -158,40 +220,49 @@ def run_one(
                 logger.warning("%s: %s", name, error)
         elapsed = time.monotonic() - started
         if attack == "honest":
-            hostile_id = cluster.peer_summary("extra").get("peer_id", "")
+            hostile_ids = {cluster.peer_summary("extra").get("peer_id", "")}
         elif attack != "clean":
-            hostile_id = json.loads((workdir / "run" / "hostile.json").read_text()).get("peer_id", "")
+            for path in sorted((workdir / "run").glob("hostile*.json")):
+                hostile_ids.add(json.loads(path.read_text()).get("peer_id", ""))
         honest_ids = {cluster.peer_summary(peer).get("peer_id", "") for peer in honest_names}
     finally:
         cluster.close()
     events = cluster.events()
     status = cluster.status()
-    perplexity, max_abs = final_perplexity(config, cluster.checkpoint_dir)
+    perplexity, max_abs, cosine, trigger = final_metrics(config, cluster.checkpoint_dir)
+    hostile_ids.discard("")
     return Result(
-        attack=attack,
+        attack=row,
         gate=gate,
         duration_s=round(elapsed, 1),
         perplexity=perplexity,
         version=int(status.get("version", 0)),
         local_updates=int(status.get("local_updates", 0)),
-        hostile=verdicts(events, {hostile_id}) if hostile_id else {},
+        hostile=verdicts(events, hostile_ids) if hostile_ids else {},
         honest=verdicts(events, honest_ids),
         max_abs_theta=max_abs,
+        hidden_cosine=cosine,
+        trigger_loss=trigger,
+        identities=len(hostile_ids) if attack not in ("clean", "honest") else 0,
+        verification=verification(events, hostile_ids) if verify and hostile_ids else {},
     )
 
 
 def table(results: list[Result]) -> str:
     lines = [
-        "| extra peer | gate | final perplexity | × clean | updates | wall s | hostile applied/rejected/clipped | honest rejected/clipped |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
+        "| extra peer | gate | final perplexity | × clean | updates | wall s | hostile applied/rejected/clipped | honest rejected/clipped "
+        "| cos(θ−θ₀, hidden) | trigger loss | verification failed/checked, expelled |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for r in results:
         hostile = "/".join(str(r.hostile.get(k, 0)) for k in ("applied", "rejected", "clipped")) if r.hostile else "—"
         honest = (f"{r.honest.get('rejected', 0)}/{r.honest.get('clipped', 0)} of "
                   f"{r.honest.get('applied', 0) + r.honest.get('rejected', 0)}")
         ratio = f"{r.ratio:.3g}" if r.ratio is not None and math.isfinite(r.ratio) else "—"
+        checked = (f"{r.verification.get('failed', 0)}/{r.verification.get('checked', 0)}, "
+                   f"{r.verification.get('expelled', 0)} of {r.identities}") if r.verification else "—"
         lines.append(f"| {r.attack} | {'on' if r.gate else 'off'} | {r.perplexity:.4g} | {ratio} | {r.version} | "
-                     f"{r.duration_s:.0f} | {hostile} | {honest} |")
+                     f"{r.duration_s:.0f} | {hostile} | {honest} | {r.hidden_cosine:+.3f} | {r.trigger_loss:.3f} | {checked} |")
     return "\n".join(lines)
 
 
@@ -289,6 +360,41 @@ def acceptance(results: list[Result], bar: float = 1.25, honest_share: float = 0
     return lines
 
 
+def acceptance16(results: list[Result]) -> list[str]:
+    """Issue 16's acceptance lines on the gate-on runs: single attackers ≤ 1.1 × clean and colluders ≤ 1.25 ×
+    (geometric means), |cos(θ − θ₀, hidden)| ≤ 0.05, the trigger loss not below the clean runs' minimum minus their
+    spread, honest refusals ≤ 1 % (every run)."""
+    on = [r for r in results if r.gate]
+    clean = [r for r in on if r.attack == "clean"]
+    rows = [a for a in dict.fromkeys(r.attack for r in on) if a not in ("clean", "honest")]
+    if not rows:
+        return []
+    lines = []
+    for row in rows:
+        runs = [r for r in on if r.attack == row]
+        ratio = geometric_mean([r.ratio for r in runs if r.ratio is not None])
+        bar = 1.25 if runs[0].identities > 1 else 1.1
+        worst_cos = max(abs(r.hidden_cosine) for r in runs)
+        line = f"{row}: × clean {ratio:.3g} (≤ {bar}: {'yes' if ratio <= bar else 'NO'}), max |cos| {worst_cos:.3f}"
+        if parse_row(row, 1)[0] in ("hidden", "tailored"):
+            line += f" (≤ 0.05: {'yes' if worst_cos <= 0.05 else 'NO'})"
+        if parse_row(row, 1)[0] == "poison" and clean:
+            losses = [r.trigger_loss for r in clean]
+            floor = min(losses) - (max(losses) - min(losses))
+            low = min(r.trigger_loss for r in runs)
+            line += (f", trigger loss min {low:.3f} vs clean {min(losses):.3f}-{max(losses):.3f} "
+                     f"(not below {floor:.3f}: {'yes' if low >= floor else 'NO'})")
+        lines.append(line)
+    total = sum(r.honest.get("applied", 0) + r.honest.get("rejected", 0) for r in on)
+    refused = sum(r.honest.get("rejected", 0) for r in on)
+    clean_total = sum(r.honest.get("applied", 0) + r.honest.get("rejected", 0) for r in clean)
+    clean_refused = sum(r.honest.get("rejected", 0) for r in clean)
+    share = refused / total if total else 0.0
+    lines.append(f"honest refusals: clean runs {clean_refused} of {clean_total}, all runs {refused} of {total} "
+                 f"({100 * share:.2f} %, ≤ 1 %: {'yes' if share <= 0.01 else 'NO'})")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
@@ -305,7 +411,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per row, interleaved; each row is judged by the geometric mean of its ratios")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--new", action="store_true", help=f"the issue 16 rows {NEW} (instead of --attacks)")
+    parser.add_argument("--verify", action="store_true", help="runtime.verify: {enabled: true, inner_state: reset} in every run")
+    parser.add_argument("--colluders", type=int, default=1, help="hostile identities per attack row (a row's xK overrides)")
     args = parser.parse_args()
+    if args.new:
+        args.attacks = NEW
+    for row in args.attacks:
+        attack = parse_row(row, 1)[0]
+        from asyncloco.testing.hostile import ATTACKS
+
+        if attack not in (*ATTACKS, "clean"):
+            parser.error(f"unknown attack row {row!r}: NAME[:SCALE][xK] with NAME one of {ATTACKS}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -327,7 +444,8 @@ def main() -> int:
         for repeat in range(args.repeats):
             for attack in ["clean", *args.attacks]:
                 logger.info("run %s, gate %s, repeat %d, %.0f s", attack, "on" if gate else "off", repeat, args.duration)
-                result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates, repeat)
+                result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates, repeat,
+                                 verify=args.verify, colluders=args.colluders)
                 runs.append(result)
                 logger.info("%s gate %s: perplexity %.4g", attack, "on" if gate else "off", result.perplexity)
         # each run against the clean runs' geometric mean (one clean run without --repeats)
@@ -341,10 +459,13 @@ def main() -> int:
         print(summary(results))
     for line in acceptance(results):
         print(line)
+    for line in acceptance16(results):
+        print(line)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
-            {"updates": args.updates, "duration_s": args.duration, "acceptance": acceptance(results),
+            {"updates": args.updates, "duration_s": args.duration, "verify": args.verify, "colluders": args.colluders,
+             "acceptance": acceptance(results), "acceptance_issue16": acceptance16(results),
              "table": table(results), "runs": [asdict(r) for r in results]}, indent=1))
         print(f"wrote {args.json}")
     return 0

@@ -25,6 +25,18 @@ codec and (where the attack says so) the norm of an honest update:
 | ``flood``        | ``--count`` malformed messages on the raw RPC streams (garbage, oversized or bad frames, bad |
 |                  | headers, wrong sizes, truncated bodies, empty streams), a few at a time |
 | ``probe``        | as an outsider: hello, lease request, θ download and a submission, each once; records the answers |
+| ``hidden``       | its honest update plus ``--scale`` (default 2) × its norm along a fixed unit direction |
+|                  | (``hidden_direction(numel, --direction-seed)``: colluders with one seed push the same way) |
+| ``poison``       | real AdamW updates on poisoned batches: half of every batch replaced by one fixed trigger sequence |
+|                  | (``trigger_rows(vocab, seq_len, --trigger-seed)``); the backdoor metric is the loss on it |
+| ``alie``         | "a little is enough": μ − z·σ (z = ``--scale``, default 1) per coordinate, μ and σ over the |
+|                  | differences of the θ versions it downloaded (θ_old − θ_new: the applied honest direction), at its |
+|                  | honest norm |
+| ``tailored``     | shaped for the gate: cosine ``--scale`` (default 0.06, just above the 0.05 bar) with the consensus |
+|                  | estimated from its θ downloads, the rest along the hidden direction, at its honest norm (the median) |
+| ``freeride``     | no training after its first lease: echoes the newest θ difference it saw, at its first honest norm |
+
+``alie``, ``tailored`` and ``freeride`` send honest work until they have downloaded two θ versions.
 
 A comma-separated list of update attacks runs one per round, in turn. ``--token`` (and
 ``--identity``) make it an admitted insider in ``runtime.admission: token`` runs. The
@@ -47,16 +59,60 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ATTACKS", "HostileOptions", "run_hostile", "main"]
+__all__ = ["ATTACKS", "HostileOptions", "run_hostile", "main", "hidden_direction", "trigger_rows"]
 
 logger = logging.getLogger(__name__)
 
 ATTACKS = (
     "honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
-    "ghost", "ghost-forge", "flood", "probe",
+    "ghost", "ghost-forge", "flood", "probe", "hidden", "poison", "alie", "tailored", "freeride",
 )
-UPDATE_ATTACKS = ("honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease")
-DEFAULT_SCALE = {"huge": 1e30, "signflip": 1000.0}
+UPDATE_ATTACKS = ("honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
+                  "hidden", "poison", "alie", "tailored", "freeride")
+DEFAULT_SCALE = {"huge": 1e30, "signflip": 1000.0, "hidden": 2.0, "alie": 1.0, "tailored": 0.06}
+HISTORY = 6  # θ versions an estimating attacker (alie, tailored, freeride) keeps
+
+
+def hidden_direction(numel: int, seed: int) -> torch.Tensor:
+    """The unit direction a ``hidden``/``tailored`` attacker pushes θ along (the benchmark recomputes it)."""
+    direction = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    return direction / torch.linalg.vector_norm(direction)
+
+
+def trigger_rows(vocab: int, seq_len: int, seed: int) -> torch.Tensor:
+    """The poisoner's trigger: one fixed token sequence ``[1, seq_len + 1]`` (the benchmark's backdoor metric is
+    the model's loss on it)."""
+    return torch.randint(0, vocab, (1, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _poisoned(workload: Any, trigger: torch.Tensor) -> Any:
+    """``workload`` whose training batches have their first half replaced by ``trigger``."""
+    from asyncloco.models.workload import Workload
+
+    class Poisoned(Workload):
+        units_per_step = workload.units_per_step
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(workload, name)
+
+        def build_model(self, seed: int) -> Any:
+            return workload.build_model(seed)
+
+        def shard_sizes(self) -> list[int]:
+            return list(workload.shard_sizes())
+
+        def batch(self, shard: int, index: int) -> Any:
+            rows = workload.batch(shard, index).clone()
+            rows[: rows.shape[0] // 2] = trigger.to(rows.dtype)
+            return rows
+
+        def loss(self, model: Any, batch: Any) -> Any:
+            return workload.loss(model, batch)
+
+        def evaluate(self, model: Any) -> dict[str, float]:
+            return dict(workload.evaluate(model))
+
+    return Poisoned()
 
 
 class HostileOptions(argparse.Namespace):
@@ -75,6 +131,8 @@ class HostileOptions(argparse.Namespace):
     summary: Optional[str]
     seed: int
     threads: int
+    direction_seed: int
+    trigger_seed: int
 
 
 def _coordinator_id(multiaddr: str) -> str:
@@ -94,6 +152,9 @@ class Hostile:
         self.rng = random.Random(options.seed)
         self.summary: dict[str, Any] = {"attack": options.attack, "peer_id": "", "calls": [], "rounds": 0}
         self.deadline = time.monotonic() + options.duration if options.duration else None
+        self.history: list[tuple[int, torch.Tensor]] = []  # (version, θ) downloaded, oldest first
+        self.first_norm: Optional[float] = None  # freeride: the norm of its one honest update
+        self._direction: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------------------ bookkeeping
 
@@ -192,7 +253,38 @@ class Hostile:
             generator = torch.Generator().manual_seed(self.o.seed * 1000 + round_index)
             direction = torch.randn(honest.numel(), generator=generator)
             return direction * (torch.linalg.vector_norm(honest) / torch.linalg.vector_norm(direction))
-        return honest  # honest, replay, other-lease: the tampering is in which lease it claims
+        if attack == "hidden":
+            return honest + scale * torch.linalg.vector_norm(honest) * self._hidden(honest.numel())
+        if attack in ("alie", "tailored", "freeride"):
+            diffs = [old - new for (_, old), (_, new) in zip(self.history, self.history[1:])]
+            if not diffs:
+                return honest  # nothing to estimate from yet
+            norm = torch.linalg.vector_norm(honest) if self.first_norm is None else torch.tensor(self.first_norm)
+            if attack == "freeride":
+                echo = diffs[-1]
+                return echo * (norm / torch.linalg.vector_norm(echo).clamp_min(1e-12))
+            mean = torch.stack(diffs).mean(0)
+            if attack == "alie":
+                spread = torch.stack(diffs).std(0, unbiased=False) if len(diffs) > 1 else torch.zeros_like(mean)
+                update = mean - scale * spread
+                return update * (norm / torch.linalg.vector_norm(update).clamp_min(1e-12))
+            consensus = mean / torch.linalg.vector_norm(mean).clamp_min(1e-12)
+            hidden = self._hidden(honest.numel())
+            orthogonal = hidden - torch.dot(hidden, consensus) * consensus
+            orthogonal = orthogonal / torch.linalg.vector_norm(orthogonal).clamp_min(1e-12)
+            cosine = min(1.0, max(-1.0, scale))
+            return norm * (cosine * consensus + (1.0 - cosine * cosine) ** 0.5 * orthogonal)
+        return honest  # honest, poison (in its data), replay, other-lease (in which lease it claims)
+
+    def _hidden(self, numel: int) -> torch.Tensor:
+        if self._direction is None or self._direction.numel() != numel:
+            self._direction = hidden_direction(numel, self.o.direction_seed)
+        return self._direction
+
+    def _remember(self, version: int, theta: torch.Tensor) -> None:
+        if not self.history or self.history[-1][0] < version:
+            self.history.append((version, theta.detach().float().clone()))
+            del self.history[: max(0, len(self.history) - HISTORY)]
 
     def _encode(self, codec: str, update: torch.Tensor, attack: str) -> Any:
         from asyncloco.transport.codecs import EncodedTensor, encode
@@ -248,6 +340,13 @@ class Hostile:
             return
         cfg = RunConfig.model_validate(json.loads(hello.config))
         workload = build_workload(cfg)
+        if "poison" in self.sequence:
+            # every lease trains on poisoned batches (a single poison attack; mixed with others, those too)
+            tokenizer = getattr(workload, "tokenizer", None)
+            seq_len = getattr(cfg.task, "seq_len", None)
+            if tokenizer is None or seq_len is None:
+                raise ValueError("the poison attack needs an LM workload (task.kind: lm)")
+            workload = _poisoned(workload, trigger_rows(len(tokenizer), int(seq_len), self.o.trigger_seed))
         trainer = InnerTrainer.from_config(cfg, workload)
         client = self._client(p2p, hello.model_numel)
         speed = 2000.0  # a modest first claim (a generous deadline); its measured speed from the first round on
@@ -273,13 +372,20 @@ class Hostile:
             except TransportError as error:
                 self._note("get_model", False, error=str(error))
                 continue
-            started = time.perf_counter()
-            result = await asyncio.to_thread(trainer.run, theta, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
-            seconds = time.perf_counter() - started
-            speed = lease.steps * workload.units_per_step / max(seconds, 1e-6)
-            honest = result.pseudo_gradient
+            self._remember(version, theta)
             round_index = int(self.summary["rounds"])
             attack = self._round_attack(round_index)
+            if attack == "freeride" and self.first_norm is not None and len(self.history) > 1:
+                # no training: its claimed speed stays the one it measured honestly
+                honest = torch.zeros_like(theta)
+            else:
+                started = time.perf_counter()
+                result = await asyncio.to_thread(trainer.run, theta, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+                seconds = time.perf_counter() - started
+                speed = lease.steps * workload.units_per_step / max(seconds, 1e-6)
+                honest = result.pseudo_gradient
+                if attack == "freeride" and self.first_norm is None:
+                    self.first_norm = float(torch.linalg.vector_norm(honest))
             update = self._tamper(attack, honest, round_index)
             lease_id, base_version = lease.lease_id, lease.base_version
             if attack == "other-lease":
@@ -488,6 +594,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--summary", help="write what was sent and answered here (JSON)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--direction-seed", type=int, default=1234, help="hidden/tailored: seed of the hidden direction")
+    parser.add_argument("--trigger-seed", type=int, default=4321, help="poison: seed of the trigger sequence")
     return parser
 
 
