@@ -175,6 +175,18 @@ def test_corrupt_holder_is_detected_skipped_reported_and_download_completes() ->
             await wait_for(lambda: len(reports) >= 1, 30.0, "the report")
             assert [(r[0], r[1], r[2]) for r in reports] == [(fresh_id, hostile_id, 7)] and "SHA-256" in reports[0][3]
             assert fresh.reports_sent == 1
+            # `asyncloco status` shows who serves what (coordinator/status.py swarm_lines over SwarmSeed.status)
+            from asyncloco.coordinator.status import swarm_lines
+
+            honest_id = honest_p2p.peer_id.to_base58()
+            status = seed.status()
+            assert status["bodies"] == [{"version": 7, "codec": "int8", "holders": [honest_id, hostile_id, fresh_id],
+                                         "dropped": [], "seed_copies": 13, "chunks": 13}]
+            assert swarm_lines(status) == [
+                f"swarm v7 int8: 3 serving peer(s) {honest_id[-10:]} {hostile_id[-10:]} {fresh_id[-10:]}; "
+                "the coordinator sent 1.00 × the body",
+                f"swarm report: {fresh_id[-10:]} says {hostile_id[-10:]} (v7): {reports[0][3]}",
+            ]
         finally:
             for node in reversed(nodes):
                 await node.shutdown()

@@ -158,6 +158,30 @@ def _ago(now: float, then: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+def swarm_lines(swarm: Optional[dict[str, Any]]) -> list[str]:
+    """Who serves what (issue 19, transport/swarm.py ``SwarmSeed.status``): one line per version the seed
+    holds — its holders (last 10 characters of their ids), the chunks the seed sent per chunk of the
+    body — and one per recent report of a bad or slow source."""
+    if not swarm:
+        return []
+    lines = []
+    for body in swarm.get("bodies", []):
+        holders = body.get("holders", [])
+        shown = " ".join(str(h)[-10:] for h in holders[:8]) + (f" +{len(holders) - 8}" if len(holders) > 8 else "")
+        chunks = max(1, int(body.get("chunks", 1)))
+        lines.append(
+            f"swarm v{body.get('version')} {body.get('codec')}: {len(holders)} serving peer(s) {shown or '-'}; "
+            f"the coordinator sent {fixed(int(body.get('seed_copies', 0)) / chunks, 2)} × the body"
+            + (f"; unlisted after reports: {' '.join(str(p)[-10:] for p in body.get('dropped', []))}" if body.get("dropped") else "")
+        )
+    for report in swarm.get("reports", [])[-3:]:
+        lines.append(
+            f"swarm report: {str(report.get('reporter'))[-10:]} says {str(report.get('source'))[-10:]} "
+            f"(v{report.get('version')}): {str(report.get('reason'))[:120]}"
+        )
+    return lines
+
+
 def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     """The human-readable ``asyncloco status`` output: a header and one table row per peer."""
     now = time.time() if now is None else now
@@ -177,6 +201,7 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     ]
     if status.get("dashboard"):
         lines.append(f"dashboard {status['dashboard']}")
+    lines += swarm_lines(status.get("swarm"))
     header = (
         f"{'name':12s} {'id':10s} {'device':8s} {'speed ' + unit:>16s} {'DyLU steps':>10s} {'leases':>6s} "
         f"{'applied':>7s} {'mean stale':>10s} {'last seen':>10s} {'inner loss':>10s}"
