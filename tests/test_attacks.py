@@ -221,7 +221,8 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
                 # probation, by any amount): at the honest norm, with a bounded effect.
                 [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
                 cosine = float(re.search(r"cosine (-?[0-9.]+)", applied["gate"])[1])  # type: ignore[index]
-                assert abs(cosine) < 0.25 and (cosine > 0 or "lowers the probe-batch loss" in applied["gate"]), (attack, applied)
+                assert abs(cosine) < 0.25 and (cosine > 0 or "lowers the probe-batch loss" in applied["gate"]
+                                               or "weak agreement" in applied["gate"]), (attack, applied)
             else:
                 assert outcome == ["rejected"], (attack, call, outcome)
                 [rejected] = [e for e in verdicts[call["lease_id"]] if e["type"] == "rejected"]
@@ -251,7 +252,15 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
     honest_rejected = [e for e in events if e.get("type") == "rejected" and e.get("peer") in ids.values()]
     honest_applied = [e for e in events if e.get("type") == "applied" and e.get("peer") in ids.values()]
     assert len(honest_applied) >= version_before_flood // 2
-    assert len(honest_rejected) <= max(1, len(honest_applied) // 20), honest_rejected
+    # What the gate guarantees (issue 16): a peer past probation is never refused for merely agreeing weakly (its
+    # update is taken at ≤ the median norm, "weak agreement"); only for pointing away, clearly raising the probe
+    # loss or an out-of-bounds norm — none of which honest work does. So no "not counted" refusal after a peer's
+    # first 3 accepted updates, and ≤ 1 % refused in all (one allowed: a first update in the gray zone).
+    for peer in ids.values():
+        mine = [e for e in events if e.get("peer") == peer and e.get("type") in ("applied", "rejected")]
+        established = [e for i, e in enumerate(mine) if sum(x["type"] == "applied" for x in mine[:i]) >= 3]
+        assert not [e for e in established if e["type"] == "rejected" and "not counted" in e["reason"]], established
+    assert len(honest_rejected) <= max(1, len(honest_applied) // 100), [e["reason"] for e in honest_rejected]
     # the honest newcomer: on probation with a fresh AdamW state, but its honest work counts from its first
     # update on (the probe-batch loss vouches for it; it must not be taken for an attacker)
     late_verdicts = [e for e in events if e.get("peer") == late and e.get("type") in ("applied", "rejected")]

@@ -307,11 +307,12 @@ def test_gate_direction_bar_never_lets_a_flipped_update_in_when_honest_cosines_a
 
 
 def test_weak_agreement_is_refused_without_quarantine_but_pointing_away_quarantines() -> None:
-    pol = GatePolicy(warmup=1, probation_updates=1, quarantine_after=3, quarantine_window=6)  # both on probation
+    # "weak" on probation (weak agreement from an established peer is taken, at ≤ the median norm: issue 16)
+    pol = GatePolicy(warmup=1, probation_updates=1, quarantine_after=3, quarantine_window=6)
     reference = torch.zeros(DIM)
     reference[0] = 1.0
     gate = GateState(norms=[1.0] * 8, cosines=[0.33, 0.34, 0.34, 0.35, 0.35, 0.36, 0.36, 0.37], reference=reference,
-                     reference_norm=1.0, accepted=8)
+                     reference_norm=1.0, accepted=8, peer_accepted={"away": 1})
 
     def at_cosine(cosine: float) -> torch.Tensor:
         update = torch.zeros(DIM)

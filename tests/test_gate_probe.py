@@ -281,3 +281,35 @@ def run_newcomer_and_attacker() -> None:
     assert state.accepted == 7 and state.peer_accepted == {"a": 3, "b": 3, "c": 1}
     assert verdicts["mallory"] == ["reject"] and state.verdicts["mallory"] == [True, True]
     assert bool(torch.isfinite(theta).all())
+
+
+@pytest.mark.timeout(30)
+def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
+    """The cheap signal verification uses (logic.verify_reason → suspect_fraction): a peer with an update taken with
+    weak agreement among its last ``quarantine_window`` verdicts, or a counted rejection; it survives a snapshot."""
+    policy = G.GatePolicy()
+    state = warm_state()
+    assert G.suspect(state, "old") == ""
+    weak = with_cosine(0.0)
+    verdict = G.score(policy, state, weak, 10, "old")
+    assert verdict.weak
+    G.record(policy, state, verdict, weak * verdict.scale, 10, "old", 0.0)
+    assert G.suspect(state, "old") == "recently agreed only weakly with the consensus"
+    restored = G.GateState.from_state_dict(state.state_dict())
+    assert restored.weak == {"old": [True]} and G.suspect(restored, "old") == G.suspect(state, "old")
+    # six agreeing updates later (quarantine_window) the mark is gone
+    for _ in range(policy.quarantine_window):
+        good = with_cosine(0.4)
+        G.record(policy, state, G.score(policy, state, good, 10, "old"), good, 10, "old", 0.0)
+    assert state.weak["old"] == [False] * 6 and G.suspect(state, "old") == ""
+    # a counted rejection marks it too (and takes precedence in the reason)
+    fresh = warm_state()
+    away = G.score(policy, fresh, with_cosine(-0.3), 10, "old")
+    assert (away.action, away.counts) == ("reject", True)
+    G.record(policy, fresh, away, None, 10, "old", 0.0)
+    fresh.weak["old"] = [True]
+    assert G.suspect(fresh, "old") == "recently refused by the gate"
+    # a snapshot written before issue 16 (no "weak" key) still loads
+    old = state.state_dict()
+    del old["weak"]
+    assert G.GateState.from_state_dict(old).weak == {}

@@ -65,7 +65,9 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "wants_probe"]
+__all__ = [
+    "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "wants_probe", "suspect",
+]
 
 
 def adamw_norm_bound(lr_max: float, numel: int, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> float:
@@ -125,6 +127,7 @@ class GateState:
     verdicts: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent: True = rejected
     quarantined_until: dict[str, float] = field(default_factory=dict)
     quarantines: dict[str, int] = field(default_factory=dict)
+    weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -137,6 +140,7 @@ class GateState:
             "verdicts": {k: list(v) for k, v in self.verdicts.items()},
             "quarantined_until": dict(self.quarantined_until),
             "quarantines": dict(self.quarantines),
+            "weak": {k: list(v) for k, v in self.weak.items()},
         }
 
     @classmethod
@@ -152,6 +156,7 @@ class GateState:
             verdicts={k: [bool(x) for x in v] for k, v in state["verdicts"].items()},
             quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
             quarantines={k: int(v) for k, v in state["quarantines"].items()},
+            weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent before issue 16
         )
 
 
@@ -188,6 +193,18 @@ def _weak(policy: GatePolicy, per_step: float, typical: float, norm: float, cosi
 
 def _mad(values: list[float], center: float) -> float:
     return median(abs(v - center) for v in values)
+
+
+def suspect(gate: GateState, peer: str) -> str:
+    """Why ``peer`` deserves more verification (coordinator/logic.py's ``verify_reason``), or "": a counted
+    rejection among its recent verdicts, or an update taken with weak agreement (a cheap signal: where an
+    attacker shaped to pass the gate lands, and honest work rarely — the false-positive rate measured on
+    honest peers is in docs/threat-model.md)."""
+    if any(gate.verdicts.get(peer, ())):
+        return "recently refused by the gate"
+    if any(gate.weak.get(peer, ())):
+        return "recently agreed only weakly with the consensus"
+    return ""
 
 
 def is_quarantined(gate: GateState, peer: str, now: float) -> bool:
@@ -357,6 +374,9 @@ def record(
     probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
     history.extend([counted, counted] if (counted and probation) else [counted])
     del history[: max(0, len(history) - policy.quarantine_window)]
+    weak = gate.weak.setdefault(peer, [])
+    weak.append(verdict.weak and not rejected)
+    del weak[: max(0, len(weak) - policy.quarantine_window)]
     if not rejected and update is not None and verdict.weak:
         # applied, but not part of the consensus the gate judges others by (a weakly agreeing stream must not
         # pull the bar down for everyone)

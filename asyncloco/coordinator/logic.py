@@ -1279,8 +1279,9 @@ def verify_reason(state: CoordinatorState, policy: VerifyPolicy, peer: str, leas
     if passed < policy.probation_updates:
         return f"probation ({passed} of {policy.probation_updates} verified)"
     draw = verify_draw(state.lease_secret, lease_id)
-    if any(state.gate.verdicts.get(peer, ())) and draw < policy.suspect_fraction:
-        return f"sampled at {policy.suspect_fraction:g} (recently refused by the gate)"
+    suspect = update_gate.suspect(state.gate, peer)  # a counted gate rejection or weak agreement, recently
+    if suspect and draw < policy.suspect_fraction:
+        return f"sampled at {policy.suspect_fraction:g} ({suspect})"
     if draw < policy.fraction:
         return f"sampled at {policy.fraction:g}"
     return ""
