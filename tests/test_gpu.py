@@ -140,7 +140,7 @@ def test_pinned_copies_carry_theta_and_the_pseudo_gradient_exactly() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 def test_adamw8bit_trains_the_20m_preset(tmp_path: Path) -> None:
     bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (scripts/gpu_wheels.sh)")
     from asyncloco.models.config import LMTaskConfig
@@ -223,7 +223,7 @@ def test_world_size_one_group(backend: str, parallel: str, tmp_path: Path) -> No
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.integration
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(150)
 def test_peer_on_cuda_trains_against_a_cpu_coordinator_evaluating_on_cuda(tmp_path: Path) -> None:
     from asyncloco.local_cluster import LocalCluster
 
@@ -250,7 +250,7 @@ def test_peer_on_cuda_trains_against_a_cpu_coordinator_evaluating_on_cuda(tmp_pa
             status = cluster.status()
             return status.get("version", 0) >= 6 and len(status.get("evals", [])) >= 3
 
-        cluster.wait_for(trained, 240.0, "six updates from the CUDA peer and three evaluations")
+        cluster.wait_for(trained, 110.0, "six updates from the CUDA peer and three evaluations")
         assert cluster.stop(cluster.peers["gpu"], timeout=60.0) == 0
         assert cluster.stop_coordinator(timeout=60.0) == 0
         status, summary = cluster.status(), cluster.peer_summary("gpu")
