@@ -84,6 +84,9 @@ from asyncloco.coordinator.logic import (
     SpeedReport,
     SubmitUpdate,
     Tick,
+    Verdict,
+    Verify,
+    Expelled,
     handle,
     base_theta,
     new_state,
@@ -91,6 +94,7 @@ from asyncloco.coordinator.logic import (
 from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.probe import Probe
+from asyncloco.coordinator.verify import DaemonVerification
 from asyncloco.coordinator.wal import (
     WAL_DIR,
     WalRecord,
@@ -303,6 +307,11 @@ class CoordinatorDaemon:
         self._updates_since_snapshot = 0
         self._changed_since_snapshot = False
         self._last_snapshot_at = time.monotonic()
+        # --- verification of the work (issue 16; coordinator/verify.py): re-runs, verdicts, repairs after an expulsion
+        self.verification: Optional[DaemonVerification] = (
+            DaemonVerification(self, EVENT_TYPES) if cfg.runtime.verify.enabled else None
+        )
+        archive = cfg.runtime.wal_archive or cfg.runtime.verify.enabled  # a repair replays from its anchor's log
         if resume:
             self._load()
         else:
@@ -311,7 +320,7 @@ class CoordinatorDaemon:
                     f"{self.dir} holds a write-ahead log ({WAL_DIR}/) but no snapshot: continue it with --resume if "
                     "it has a state.pt elsewhere, or choose a new runtime.checkpoint_dir"
                 )
-            self.wal = open_log(self.dir, 0, archive=cfg.runtime.wal_archive, stamp=SOFTWARE_STAMP)
+            self.wal = open_log(self.dir, 0, archive=archive, stamp=SOFTWARE_STAMP)
         self.journal = Journal(self.dir / JOURNAL_FILE)
         self.lock = asyncio.Lock()
         self.waiters: dict[str, _Waiter] = {}
@@ -338,7 +347,8 @@ class CoordinatorDaemon:
             self.stats.peers[name] = PeerStats(**{k: v for k, v in values.items() if k in known})
         self.stats.evals = list(snapshot.get("evals", []))
         self._snapshot_seq = snapshot_wal_seq(snapshot)
-        self.wal = open_log(self.dir, self._snapshot_seq, archive=self.cfg.runtime.wal_archive, stamp=SOFTWARE_STAMP)
+        archive = self.cfg.runtime.wal_archive or self.cfg.runtime.verify.enabled
+        self.wal = open_log(self.dir, self._snapshot_seq, archive=archive, stamp=SOFTWARE_STAMP)
         self.replayed = self.replay(read_records(self.dir / WAL_DIR, self._snapshot_seq))
         # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
         # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
@@ -376,11 +386,15 @@ class CoordinatorDaemon:
                 if record.kind == "event":
                     event = decode_event(record, EVENT_TYPES, decode_blob)
                     _, actions = handle(self.state, event, record.now)
+                    if self.verification is not None:
+                        self.verification.replay_seq = record.seq  # a repair replays up to this record
                     self._bookkeep(actions)
                 else:  # e.g. the "HoldDropped" marks of older logs, which stamps refuse before this point
                     raise ValueError(f"log record {record.seq}: unknown mark {record.type!r}")
                 count += 1
         finally:
+            if self.verification is not None:
+                self.verification.replay_seq = None
             if journal is not None:
                 self.journal = journal
         return count
@@ -432,6 +446,8 @@ class CoordinatorDaemon:
             self.wal.archive_dir.mkdir(exist_ok=True)
             shutil.copyfile(path, self.wal.archive_dir / INITIAL_SNAPSHOT)
         self.snapshots_written += 1
+        if self.verification is not None:  # repair anchors (coordinator/verify.py)
+            self.verification.note_snapshot(path, int(payload["wal_seq"]), int(payload["coordinator"]["version"]))
         self._snapshot_seq = int(payload["wal_seq"])
         self.wal.drop_covered(self._snapshot_seq)
 
@@ -507,6 +523,7 @@ class CoordinatorDaemon:
             "evals": list(self.stats.evals),
             "history": list(self.stats.history.samples),
             "traffic": self.counters.as_dict() if hasattr(self, "counters") else {},
+            "verification": self.verification.status() if self.verification is not None else None,
             "updated": now,
         }
 
@@ -692,6 +709,8 @@ class CoordinatorDaemon:
             self.journal.write("peer_left", peer=action.peer, reason=action.reason)
             logger.warning("peer %s left: %s", action.peer[-8:], action.reason)
             return True
+        if isinstance(action, (Verify, Verdict, Expelled)):  # verification (coordinator/verify.py)
+            return self.verification.record(action, self.journal) if self.verification is not None else False
         if isinstance(action, Notice):
             self.journal.write("notice", reason=action.reason)
             logger.warning("%s", action.reason)
@@ -1230,5 +1249,7 @@ class CoordinatorDaemon:
             if p2p is not None:
                 await p2p.shutdown()
             stop_dht(dht)
+            if self.verification is not None:
+                await self.verification.close()
             self.wal.close()
             self.journal.close()

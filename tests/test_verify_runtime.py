@@ -1,0 +1,184 @@
+"""Verification end to end in the real runtime: the real coordinator daemon and real peer runners over the in-memory
+transport (asyncloco/transport/memory.py), with ``runtime.verify`` on (asyncloco/coordinator/verify.py).
+
+Three honest peers and one hostile peer. The hostile peer trains its leases honestly (it passes its probation),
+then adds a hidden direction of 5 % of the update's norm — a cosine of 0.999 with its honest work, inside every
+statistical test of the gate. The coordinator re-runs a sample of the leases (fraction 0.5 after a probation of 2
+verified updates; the draw is an HMAC under a secret the peers never see). What this pins:
+
+* the hostile peer is caught on a sampled lease and expelled (its next call is refused, naming the expulsion);
+* honest peers are never flagged: every verdict on an honest lease is a match (bitwise), and every applied honest
+  lease chosen for verification got its verdict;
+* the exact remedy: θ was repaired by replaying the log without the attacker's submissions — every one of its
+  applied updates discarded — and the live coordinator's final θ (with the outer optimizer's state, the version and
+  the local-update count) equals, bitwise, an independent replay of the whole write-ahead log from the initial
+  anchor with the attacker's submissions discarded at the expulsion;
+* verdicts are in the journal and in status.json (checked / failed / expelled / repairs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from asyncloco.clock import FakeClock
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.checkpoint import load_snapshot
+from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE
+from asyncloco.coordinator.logic import Verified, handle
+from asyncloco.coordinator.verify import ANCHOR_DIR, log_events, repair
+from asyncloco.peer.inner import InnerTrainer
+from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
+from asyncloco.transport.memory import MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.transport.rpc import TrafficCounters
+
+pytestmark = pytest.mark.timeout(240)
+
+SPEED = 1000.0
+HONEST = ("h0", "h1", "h2")
+HOSTILE = "mal"
+
+
+def config() -> RunConfig:
+    return RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "inner": {"lr": 1e-2},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},
+        "outer": {"buffer_size": 4},
+        "sim": {"workers": 4},
+        "runtime": {
+            "snapshot_every": 4, "eval_every": 100000, "lease_slack": 30.0, "speed_report_period": 600.0,
+            "gate": {"enabled": False},  # the hidden direction is shaped to pass it anyway; verification does not need it
+            "verify": {"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2, "horizon": 100000,
+                       "queue": 256},
+        },
+    })
+
+
+class HostileRunner(PeerRunner):
+    """Honest for its first ``honest_leases`` leases, then honest work plus a hidden direction of 5 % of its norm."""
+
+    def __init__(self, *args: Any, honest_leases: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.honest_leases = honest_leases
+        self.trained = 0
+        self.tampered: list[str] = []
+
+    def _train(self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], bar: Any) -> tuple[torch.Tensor, float, list[float]]:
+        update, seconds, steps = super()._train(trainer, theta, lease, bar)
+        self.trained += 1
+        if self.trained > self.honest_leases:
+            direction = torch.randn(update.numel(), generator=torch.Generator().manual_seed(99))
+            update = update + 0.05 * update.norm() * direction / direction.norm()
+            self.tampered.append(str(lease["lease_id"]))
+        return update, seconds, steps
+
+
+def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: Any = PeerRunner, **kwargs: Any) -> tuple[PeerRunner, "asyncio.Task[Any]"]:
+    cfg = transport.cfg
+    options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
+                          progress=False, max_rounds=rounds)
+    runner = runner_cls(options, clock=transport.clock, **kwargs)
+    runner.summary.peer_id = name
+    runner.speed = SPEED
+    counters = TrafficCounters()
+    client = MemoryClient(transport, name, counters=counters, download_codec=cfg.runtime.download_codec)
+    trainer = InnerTrainer.from_config(cfg, transport.workload)
+    assert trainer.reset_state  # the peers read runtime.verify.inner_state from the run's config
+    task = as_actor(name, runner.serve(client, transport.publisher(name, signer=f"key-{name}"), cfg, transport.workload,
+                                       trainer, cfg.runtime.codec, counters))
+    return runner, task
+
+
+def read_journal(run_dir: Path, kind: Optional[str] = None) -> list[dict[str, Any]]:
+    lines = (run_dir / JOURNAL_FILE).read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [r for r in records if kind is None or r["type"] == kind]
+
+
+def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Path) -> None:
+    cfg = config()
+    clock = FakeClock()
+    run_dir = tmp_path / "run"
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        daemon = await transport.start()
+        try:
+            peers = {name: start_peer(transport, name, rounds=12) for name in HONEST}
+            hostile, hostile_task = start_peer(transport, HOSTILE, rounds=40, runner_cls=HostileRunner, honest_leases=2)
+            tasks = {name: task for name, (_, task) in peers.items()} | {HOSTILE: hostile_task}
+            await drive(clock, tasks, real_timeout=150.0)
+            verification = transport.daemon.verification if transport.daemon is not None else None
+            assert verification is not None
+            await asyncio.wait_for(verification.drain(), timeout=60.0)
+            daemon = transport.daemon
+            assert daemon is not None
+            daemon._write_status()
+            with pytest.raises(PeerError, match="expelled from this run"):
+                hostile_task.result()
+            for name, (runner, task) in peers.items():
+                task.result()
+            return {
+                "hostile": hostile,
+                "honest": {name: runner.summary for name, (runner, _) in peers.items()},
+                "state": daemon.state,
+                "last_seq": daemon.wal.last_seq,
+                "numel": daemon.numel,
+                "status": json.loads((run_dir / STATUS_FILE).read_text()),
+                "fresh": daemon.verification._fresh_state if daemon.verification is not None else None,
+            }
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    out = asyncio.run(asyncio.wait_for(scenario(), timeout=200.0))
+    live = out["state"]
+    hostile: HostileRunner = out["hostile"]
+    book = live.verification
+    # caught on a tampered lease, expelled; nobody else
+    assert list(book.expelled) == [HOSTILE] and book.failed == 1
+    verdicts = [v for v in read_journal(run_dir, "verdict") if "(peer already expelled)" not in v["detail"]]
+    failed = [v for v in verdicts if not v["ok"]]
+    assert len(failed) == 1 and failed[0]["peer"] == HOSTILE and failed[0]["lease_id"] in hostile.tampered
+    assert "bitwise equality" in failed[0]["detail"]
+    # honest peers are never flagged, and every applied honest lease chosen for verification got a match
+    honest_verdicts = [v for v in verdicts if v["peer"] in HONEST]
+    assert honest_verdicts and all(v["ok"] and v["detail"] == "bitwise equal to the re-run" for v in honest_verdicts)
+    assigned = {a["lease_id"]: a for a in read_journal(run_dir, "assign")}
+    applied_honest = [a for a in read_journal(run_dir, "applied") if a["peer"] in HONEST]
+    chosen = {a["lease_id"] for a in applied_honest if assigned[a["lease_id"]]["verify"]}
+    assert {v["lease_id"] for v in honest_verdicts} == chosen and len(honest_verdicts) == len(chosen)
+    assert sum(book.passed.get(name, 0) for name in HONEST) == len(chosen) and not book.pending
+    # the repair: every applied update of the attacker before the expulsion was discarded
+    repairs = read_journal(run_dir, "repaired")
+    assert len(repairs) == 1 and repairs[0]["peer"] == HOSTILE and repairs[0]["anchor"] == 0
+    expelled_at = next(r for r in read_journal(run_dir) if r["type"] == "expelled")["time"]
+    hostile_applied = [a for a in read_journal(run_dir, "applied") if a["peer"] == HOSTILE and a["time"] <= expelled_at]
+    assert repairs[0]["discarded"] >= len(hostile_applied) > 2
+    # status.json
+    section = out["status"]["verification"]
+    assert section["failed"] == 1 and list(section["expelled"]) == [HOSTILE] and len(section["repairs"]) == 1
+    assert section["checked"] == book.checked and section["skipped"] == 0 and section["compute_fraction"] > 0
+
+    # an independent replay of the whole log: from the initial anchor, the attacker's submissions discarded up to its
+    # expulsion (verify.repair), then every later record as it was — equals the live coordinator, bitwise
+    anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
+    state = out["fresh"]()
+    state.load_state_dict(anchor["coordinator"])
+    events = list(log_events(run_dir / "wal", 0, out["last_seq"], EVENT_TYPES, out["numel"]))
+    cut = next(i for i, (e, _) in enumerate(events) if isinstance(e, Verified) and not e.ok)
+    replayed = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"]).state
+    for event, now in events[cut + 1 :]:
+        handle(replayed, event, now)
+    assert torch.equal(replayed.params, live.params)
+    assert replayed.version == live.version and replayed.local_updates == live.local_updates
+    for key, value in live.optimizer.state_dict().items():
+        other = replayed.optimizer.state_dict()[key]
+        assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value
