@@ -285,6 +285,11 @@ class RuntimeConfig(StrictModel):
     # --- durability (coordinator/wal.py): every event is in the write-ahead log; full snapshots in the background
     snapshot_every: int = Field(100, ge=1, description="applied updates between background snapshots")
     snapshot_every_s: float = Field(120.0, gt=0, description="seconds between background snapshots (if anything changed)")
+    swarm: bool = Field(
+        True,
+        description="serve θ to peers that join with --swarm through the chunk swarm (transport/swarm.py): signed "
+        "manifests, peers serve each other; peers without --swarm are unaffected",
+    )
     wal_archive: bool = Field(False, description="keep log segments a snapshot covers in wal/archive/ (audits, replay tests)")
     eval_every: int = Field(10, ge=1, description="applied updates between validation evaluations")
     host: str = "127.0.0.1"

@@ -352,3 +352,36 @@ def test_coordinator_restart_resumes_and_peers_carry_on(harness: Harness, tmp_pa
     # evaluations from before the restart are kept and continue
     assert [e["version"] for e in status["evals"]][0] == 0
     assert any(e["version"] > version_before for e in status["evals"])
+
+
+@pytest.mark.timeout(300)
+def test_swarm_peers_take_theta_from_the_seed_and_each_other(harness: Harness, tmp_path: Path) -> None:
+    """Issue 19 in real processes: ``asyncloco coordinator`` starts the swarm's seed (transport/swarm.py), two
+    ``peer join --swarm --serve`` peers take every θ body from the swarm, verified chunk by chunk, and the
+    coordinator's ``get_model`` sends no body at all (it answers "unchanged" and records the fetch); training goes
+    on; status.json lists the serving peers per version."""
+    cluster = harness.cluster(write_config(tmp_path, codec="int8"))
+    with cluster:
+        cluster.start_coordinator()
+        names = ["a", "b"]
+        for name in names:
+            cluster.start_peer(name, extra=("--swarm", "--serve"))
+        ids = peer_ids(cluster, names)
+        cluster.wait_for(lambda: len(of_type(cluster.events(), "applied")) >= 6, 180, "6 applied updates")
+        stop_all(cluster)
+        status, events = cluster.status(), cluster.events()
+        summaries = {name: cluster.peer_summary(name) for name in names}
+
+    version = assert_versions_applied_once(events)
+    assert version >= 6
+    for name, summary in summaries.items():
+        assert summary["swarm_fallbacks"] == 0 and summary["swarm_downloads"] >= 1, (name, summary)
+        assert summary["accepted"] == status["peers"][ids[name]]["applied"], name
+    # every body came through the swarm: the coordinator's get_model sent none, its seed sent the chunks
+    assert status["traffic"]["get_model"]["payload_bytes_sent"] == 0, status["traffic"]
+    assert status["traffic"]["get_model"]["calls"] >= sum(s["swarm_downloads"] for s in summaries.values())
+    swarm = status["swarm"]
+    assert swarm["seed_chunks_sent"] >= 1 and swarm["seed_bytes_sent"] > 0, swarm
+    served = {holder for body in swarm["bodies"] for holder in body["holders"]}
+    assert served <= set(ids.values()) and served, swarm
+    assert not swarm["reports"] and not of_type(events, "swarm_report")

@@ -308,6 +308,7 @@ class CoordinatorDaemon:
         self._changed_since_snapshot = False
         self._last_snapshot_at = time.monotonic()
         # --- verification of the work (issue 16; coordinator/verify.py): re-runs, verdicts, repairs after an expulsion
+        self.swarm_seed: Any = None  # transport/swarm.py SwarmSeed while serving (run), if runtime.swarm
         self.verification: Optional[DaemonVerification] = (
             DaemonVerification(self, EVENT_TYPES) if cfg.runtime.verify.enabled else None
         )
@@ -524,6 +525,7 @@ class CoordinatorDaemon:
             "history": list(self.stats.history.samples),
             "traffic": self.counters.as_dict() if hasattr(self, "counters") else {},
             "verification": self.verification.status() if self.verification is not None else None,
+            "swarm": self.swarm_seed.status() if self.swarm_seed is not None else None,
             "updated": now,
         }
 
@@ -1137,6 +1139,30 @@ class CoordinatorDaemon:
         else:
             logger.warning("%s", self.reach_problem)
 
+    async def _start_swarm_seed(self, p2p: Any) -> Any:
+        """The θ swarm's seed (transport/swarm.py; issue 19): serves θ's bodies in signed chunks to peers that
+        join with ``--swarm`` and lists them as holders for each other, so the coordinator sends each body about
+        once per version instead of once per peer. Manifests are signed with the coordinator's Ed25519 key (the
+        one admission tokens are signed with); only admitted peers are served; reports of bad or slow sources go
+        to the journal. Peers without ``--swarm`` never touch it. ``runtime.swarm: false`` turns it off."""
+        if not self.cfg.runtime.swarm:
+            return None
+        from asyncloco.transport.swarm import start_seed
+
+        async def serve_model(version: Optional[int]) -> tuple[int, torch.Tensor]:
+            return await self.get_model(version)  # no peer id: the fetch is recorded when the peer asks (SwarmLink)
+
+        async def admit(peer_id: str) -> None:
+            await self.check_admitted(peer_id)
+
+        def on_report(reporter: str, source: str, version: int, reason: str) -> None:
+            self.journal.write("swarm_report", peer=reporter, source=source, version=version, reason=reason)
+
+        return await start_seed(
+            p2p, self.cfg.runtime.run_id, self.numel, load_or_create_key(self.dir), serve_model,
+            current=lambda: self.state.version, admit=admit, on_report=on_report,
+        )
+
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
         self._stop_event = stop
         from asyncloco.transport.dht import start_dht, stop_dht
@@ -1166,6 +1192,7 @@ class CoordinatorDaemon:
         )
         p2p = None
         service = None
+        seed = None
         try:
             if dht.pid is not None:
                 record_children(self.dir, [dht.pid, *child_pids(dht.pid)])  # reaped by the next start if orphaned
@@ -1189,6 +1216,7 @@ class CoordinatorDaemon:
                 on_protocol_error=lambda peer, reason: self.journal.write("protocol_error", peer=peer, reason=reason),
             )
             await service.add_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
+            seed = self.swarm_seed = await self._start_swarm_seed(p2p)
             # --- which run this is, and the peers' compatibility check (transport/discovery.py, fingerprint.py)
             self.fingerprint = await asyncio.to_thread(run_fingerprint, self.cfg, self.workload, self.model)
             await serve_run_info(p2p, RunInfo(self.cfg.runtime.run_id, __version__), self._check_fingerprint)
@@ -1244,6 +1272,8 @@ class CoordinatorDaemon:
             if service is not None and p2p is not None:
                 try:
                     await service.remove_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
+                    if seed is not None:
+                        await seed.remove_handlers(p2p, self.cfg.runtime.run_id)
                 except Exception as error:  # shutting down anyway
                     logger.debug("removing handlers failed: %r", error)
             if p2p is not None:

@@ -136,6 +136,8 @@ class PeerSummary:
     wall_seconds: float = 0.0
     idle_fraction: float = 0.0
     prefetch_hits: int = 0
+    swarm_downloads: int = 0  # --swarm: θ bodies taken from the swarm (transport/swarm.py)
+    swarm_fallbacks: int = 0  # --swarm: downloads the coordinator served after the swarm failed
     prefetch_misses: int = 0
 
 
@@ -492,6 +494,8 @@ class PeerRunner:
             self._stop.set()
             self._closing.set()
             self._update_idle()
+            if swarm is not None:
+                self.summary.swarm_downloads, self.summary.swarm_fallbacks = swarm.swarm_downloads, swarm.fallbacks
             self._write_summary()
             if swarm is not None:
                 await swarm.close()
