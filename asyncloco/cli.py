@@ -67,6 +67,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         overrides["sim.profile"] = args.profile
     if args.workers is not None:
         overrides["sim.workers"] = args.workers
+    from asyncloco.overrides import overrides_from_args
+
+    overrides.update(overrides_from_args(args))
     cfg = load_config(_resolve_config(args.config), overrides)
     methods = args.method or list(cfg.sim.methods)
     out_dir = Path(args.out) / cfg.name
@@ -130,6 +133,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from asyncloco.overrides import add_override_arguments
+
     parser = argparse.ArgumentParser(prog="asyncloco", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"asyncloco {__version__}")
@@ -147,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--total-local-updates", type=int, help="override sim.total_local_updates")
     sim.add_argument("--profile", choices=["none", "slight", "moderate", "very"], help="override sim.profile")
     sim.add_argument("--workers", type=int, help="override sim.workers")
+    add_override_arguments(sim)
     sim.set_defaults(func=cmd_simulate)
 
     # --- asyncloco reproduce (sim/reproduce.py) ---

@@ -415,6 +415,29 @@ def _yaml_error_line(path: Path, error: yaml.YAMLError) -> str:
     return f"{where}: YAML syntax error: {detail}; fix the file at that line (indentation, a missing ':' or quote)"
 
 
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any], path: str | Path = "the config") -> None:
+    """Set each dotted key of ``overrides`` in the raw YAML mapping ``raw`` (validation comes after)."""
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for depth, key in enumerate(parents):
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                section = ".".join(parents[: depth + 1])
+                raise ValueError(f"cannot set {dotted}: {section} in {path} is a value ({child!r}), not a section")
+            node = child
+        node[leaf] = value
+
+
+def load_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The YAML mapping of a run config with ``overrides`` applied, validated (raises ``ValueError`` like
+    :func:`load_config`); for writing the effective config a subprocess loads (the demo)."""
+    load_config(path, overrides)
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    apply_overrides(raw, overrides or {}, path)
+    return dict(raw)
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Load and validate a YAML run config; raises ``ValueError`` naming every bad key."""
     path = Path(path)
@@ -426,12 +449,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         raise ValueError(_yaml_error_line(path, error)) from None
     if not isinstance(raw, dict):
         raise ValueError(f"config {path} must be a YAML mapping at the top level")
-    for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    apply_overrides(raw, overrides or {}, path)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as error:

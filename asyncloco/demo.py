@@ -12,7 +12,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ class DemoOptions:
     duration: float
     slowdowns: list[float]
     out: Path
+    overrides: dict[str, Any] = field(default_factory=dict)  # --model / --set (asyncloco/overrides.py)
 
 
 def _resolve(path: str) -> Path:
@@ -94,9 +95,20 @@ def run_demo(options: DemoOptions) -> int:
     if options.duration <= 0:
         raise ValueError("--duration must be positive")
     config = _resolve(options.config)
+    raw = None
+    if options.overrides:  # validated here, before anything starts; the processes load the effective config
+        from asyncloco.config import load_raw_config
+
+        raw = load_raw_config(config, options.overrides)
     if options.out.exists():
         shutil.rmtree(options.out)  # a demo always starts fresh
     options.out.mkdir(parents=True)
+    if raw is not None:
+        import yaml
+
+        effective = options.out / f"{config.stem}.yaml"
+        effective.write_text(yaml.safe_dump(raw, sort_keys=False))
+        config = effective
     names = [f"peer{i}" for i in range(len(options.slowdowns))]
     slowdowns = dict(zip(names, options.slowdowns))
     with LocalCluster(config, options.out) as cluster:

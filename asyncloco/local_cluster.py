@@ -24,7 +24,21 @@ logger = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
-    pass
+    """A process of the cluster failed; ``exit_code`` is its exit status when it exited (2: a usage or config
+    error, which its log's ``asyncloco: error:`` line names)."""
+
+    def __init__(self, message: str, exit_code: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def last_error_line(log: Path) -> Optional[str]:
+    """The last ``asyncloco: error: ...`` line a process wrote to ``log`` (the CLI's one-line errors), if any."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line for line in reversed(lines) if line.startswith("asyncloco: error:")), None)
 
 
 class LocalCluster:
@@ -84,7 +98,11 @@ class LocalCluster:
 
         def up() -> bool:
             if self.coordinator is not None and self.coordinator.poll() is not None:
-                raise ClusterError(f"the coordinator exited with {self.coordinator.returncode}; see {self.workdir / 'coordinator.log'}")
+                log = self.workdir / "coordinator.log"
+                said = last_error_line(log)
+                said = f": {said[len('asyncloco: error: '):]}" if said else ""
+                raise ClusterError(f"the coordinator exited with {self.coordinator.returncode}{said} (log: {log})",
+                                   self.coordinator.returncode)
             status = self.status()
             return bool(status) and status.get("updated", 0) >= launched and bool(status.get("multiaddrs"))
 

@@ -72,6 +72,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         from asyncloco.transport.reach import validate_announce_addr
 
         overrides["runtime.announce_addr"] = validate_announce_addr(args.announce_addr)
+    from asyncloco.overrides import overrides_from_args
+
+    overrides.update(overrides_from_args(args))
     cfg = load_config(_resolve_config(args.config), overrides)
     daemon = CoordinatorDaemon(cfg, resume=args.resume, initial_peers=tuple(args.initial_peers or ()))
 
@@ -252,18 +255,26 @@ def _add_token_commands(coordinator: argparse.ArgumentParser) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from asyncloco.demo import DemoOptions, run_demo
+    from asyncloco.local_cluster import ClusterError
+    from asyncloco.overrides import overrides_from_args
 
-    return run_demo(
-        DemoOptions(
-            config=args.config,
-            duration=args.duration,
-            slowdowns=[float(x) for x in args.slowdowns.split(",")],
-            out=Path(args.out),
-        )
+    options = DemoOptions(
+        config=args.config,
+        overrides=overrides_from_args(args),
+        duration=args.duration,
+        slowdowns=[float(x) for x in args.slowdowns.split(",")],
+        out=Path(args.out),
     )
+    try:
+        return run_demo(options)
+    except ClusterError as error:  # one line, not a traceback: the coordinator's own error is in it
+        print(f"asyncloco: error: {error}", file=sys.stderr)
+        return 2 if error.exit_code == 2 else 1
 
 
 def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from asyncloco.overrides import add_override_arguments
+
     coordinator = sub.add_parser("coordinator", help="run a coordinator daemon (holds θ, applies updates)")
     coordinator.add_argument("--config", help="run config: a YAML path or a shipped config's name, e.g. demo")
     coordinator.add_argument("--resume", action="store_true", help="continue the run in runtime.checkpoint_dir")
@@ -279,6 +290,7 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     coordinator.add_argument("--threads", type=int, help="torch CPU threads")
     coordinator.add_argument("--dashboard-port", type=int, help="serve the live web dashboard on this port (0: any free port)")
     coordinator.add_argument("--dashboard-host", help="dashboard address (default 127.0.0.1; a public one only on purpose)")
+    add_override_arguments(coordinator)
     coordinator.set_defaults(func=cmd_coordinator)
     _add_token_commands(coordinator)
 
@@ -332,4 +344,5 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     demo.add_argument("--duration", type=float, default=150.0, help="seconds of training")
     demo.add_argument("--slowdowns", default="1,1.5,4", help="comma-separated slowdown factor of each peer")
     demo.add_argument("--out", default="runs/demo", help="output directory")
+    add_override_arguments(demo)
     demo.set_defaults(func=cmd_demo)

@@ -91,10 +91,15 @@ def test_hub_source_streams_with_the_same_load_dataset_call(monkeypatch, tokeniz
     import datasets
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    from asyncloco.models import hub
+
+    checked = []  # the hub's reachability is checked first (one line and exit 2 offline: tests/test_overrides.py)
+    monkeypatch.setattr(hub, "require_hub", lambda resource, kind: checked.append((resource, kind)))
     cfg = LMTaskConfig(source="hub", path="allenai/c4", name="en", seq_len=15, batch_size=1, num_shards=2,
                        max_train_sequences=4, val_sequences=2, cache_dir=str(tmp_path))
     rows = load_packed_rows(cfg, tokenizer)
     assert calls == [("allenai/c4", "en", {"split": "train", "streaming": True})]
+    assert checked == [("allenai/c4", "dataset")]
     assert torch.equal(rows, pack_documents(DOCUMENTS, tokenizer, 15)[:6])  # 4 train + 2 held out
 
 

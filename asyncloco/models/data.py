@@ -68,6 +68,9 @@ def iter_documents(cfg: LMTaskConfig) -> Iterator[str]:
     from datasets import load_dataset  # heavy import, only when data is actually read
 
     if cfg.source == "hub":
+        from asyncloco.models.hub import require_hub
+
+        require_hub(str(cfg.path), "dataset")  # one line and exit 2 instead of a minute of retries (models/hub.py)
         dataset = load_dataset(str(cfg.path), cfg.name, split=cfg.split, streaming=True)
     else:
         builder = "json" if cfg.source == "embedded" else cfg.source

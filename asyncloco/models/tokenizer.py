@@ -76,8 +76,16 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> PreTrainedTokenize
             raise ValueError(f"the project tokenizer is missing from {DEFAULT_TOKENIZER_DIR}; "
                              "rebuild it with `python scripts/train_tokenizer.py`")
         tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_TOKENIZER_DIR), local_files_only=True)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    elif Path(name_or_path).is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True)
+    else:  # a hub name: the local cache first, then the hub — failing fast when it is unreachable (models/hub.py)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True)
+        except (OSError, ValueError):
+            from asyncloco.models.hub import require_hub
+
+            require_hub(str(name_or_path), "tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     if tokenizer.eos_token is None:
         raise ValueError(f"tokenizer {name_or_path!r} has no eos token, which packing needs between documents; "
                          "pick a causal-LM tokenizer (e.g. 'gpt2') or the project default (tokenizer: null)")
