@@ -85,7 +85,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
         if ready.is_set():
             address = daemon.multiaddrs[0] if daemon.multiaddrs else "?"
-            print(f"Coordinator of run '{cfg.runtime.run_id}' is up. Peer id: {daemon.peer_id}", flush=True)
+            print(f"Coordinator of run '{cfg.runtime.run_id}' is up ({daemon.numel / 1e6:.1f} M-parameter model). "
+                  f"Peer id: {daemon.peer_id}", flush=True)
             print(f"Join it from another terminal with:\n  asyncloco peer join --initial-peers {address} --run-id {cfg.runtime.run_id}", flush=True)
             if daemon.reach_problem:
                 print(f"WARNING: {daemon.reach_problem}", flush=True)
@@ -307,7 +308,10 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     join.add_argument("--summary", help="write a JSON summary (rounds, bytes) here")
     join.add_argument("--no-progress", action="store_true", help="no progress bar")
     join.add_argument("--threads", type=int, help="torch CPU threads")
-    join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator")
+    join.add_argument("--join-timeout", "--connect-timeout", dest="connect_timeout", type=float, default=600.0,
+                      metavar="SECONDS",
+                      help="how long to wait for an unreachable or restarting coordinator, retrying with backoff "
+                      "(default 600)")
     join.add_argument("--nproc-per-node", type=int, default=1,
                       help="train as a torch.distributed group of this many ranks (launches torchrun; one GPU per rank on cuda)")
     join.add_argument(

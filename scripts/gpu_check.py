@@ -352,7 +352,7 @@ def run_bench(part: dict[str, Any], deadline: float, plan: Plan, work: Path, rep
             continue
         result = json.loads(out.read_text())
         entry.update(result)
-        flops = flops_per_token(model, bench_peer.VOCAB, int(result["seq_len"]))
+        flops = flops_per_token(model, bench_peer.vocab_for(model), int(result["seq_len"]))
         entry.update(flops)
         for loop in ("peer", "plain"):
             achieved = entry[f"{loop}_tokens_per_s"] * flops["flops_per_token"]

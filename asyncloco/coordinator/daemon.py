@@ -512,6 +512,7 @@ class CoordinatorDaemon:
             "peer_id": self.peer_id,
             "multiaddrs": self.multiaddrs,
             "method": self.spec.name,
+            "parameters": self.numel,  # θ's size: the model's parameter count (issue 22)
             "speed_unit": "tok/s" if self.cfg.task.kind == "lm" else "samples/s",
             "version": self.state.version,
             "local_updates": self.state.local_updates,
@@ -1237,7 +1238,8 @@ class CoordinatorDaemon:
             )
             self._write_status()
             self._maybe_evaluate(force=True)
-            logger.info("coordinator of run %r (%s) serving a %d-parameter model", self.cfg.runtime.run_id, self.spec.label, self.numel)
+            logger.info("coordinator of run %r (%s) serving a %.1f M-parameter model (%d)", self.cfg.runtime.run_id, self.spec.label,
+                        self.numel / 1e6, self.numel)
             for addr in self.multiaddrs:
                 logger.info("listening at %s", addr)
             if ready is not None:

@@ -34,7 +34,7 @@ tr.dead td { color: #aaa; }
 </style></head>
 <body>
 <h1>asyncloco run <span id="run-id">…</span> <span class="muted">(<span id="method"></span>,
-asyncloco <span id="software-version"></span>)</span></h1>
+<span id="parameters"></span> parameters, asyncloco <span id="software-version"></span>)</span></h1>
 <div class="muted"><span id="state">loading…</span> · status written <span id="updated">-</span></div>
 <div class="cards">
  <div class="card"><div class="label">model version (applied updates)</div><div class="num" id="version">-</div></div>
@@ -141,6 +141,7 @@ function render(status) {
   const now = Date.now() / 1000;
   document.getElementById("run-id").textContent = status.run_id;
   document.getElementById("method").textContent = status.method;
+  document.getElementById("parameters").textContent = status.parameters ? (status.parameters / 1e6).toFixed(1) + " M" : "?";
   document.getElementById("software-version").textContent = status.software_version || "?";
   document.getElementById("updated").textContent = ago(now, status.updated);
   document.getElementById("speed-unit").textContent = status.speed_unit || "units/s";

@@ -192,7 +192,9 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     at = f" (at version {evals[-1].get('version')})" if evals else ""
     metric = fixed(perplexity, 2) if perplexity is not None else (f"loss {fixed(loss, 4)}" if loss is not None else "-")
     lines = [
-        f"run {status.get('run_id', '?')} ({status.get('method', '?')}), asyncloco {status.get('software_version', '?')}, "
+        f"run {status.get('run_id', '?')} ({status.get('method', '?')}"
+        + (f", {status['parameters'] / 1e6:.1f} M parameters" if status.get("parameters") else "")
+        + f"), asyncloco {status.get('software_version', '?')}, "
         f"status written {_ago(now, float(status.get('updated', 0)))}",
         f"version {status.get('version', 0)}  local updates {status.get('local_updates', 0)}  "
         f"updates/s {fixed(status.get('updates_per_s', 0.0), 2)}  validation perplexity {metric}{at}",

@@ -32,7 +32,8 @@ __all__ = ["LMTaskConfig"]
 class LMTaskConfig(StrictModel):
     kind: Literal["lm"] = "lm"
     model: str = Field("tiny", description="model preset: tiny, small, 20m, 60m, 150m")
-    tokenizer: str | None = Field(None, description="AutoTokenizer name or path; None: the project BPE (4,096)")
+    tokenizer: str | None = Field(None, description="AutoTokenizer name or path, or a shipped one: embedded (4,096), "
+                                  "embedded-32k (32,000); None: the preset's (embedded-32k for 20m/60m/150m)")
     source: Literal["embedded", "text", "json", "parquet", "hub"] = "embedded"
     path: str | list[str] | None = Field(None, description="files/glob(s) for text/json/parquet, dataset id for hub")
     name: str | None = Field(None, description="hub dataset configuration, e.g. 'en' for allenai/c4")

@@ -32,7 +32,7 @@ from asyncloco.models.config import LMTaskConfig
 from asyncloco.models.data import epoch_permutation, load_packed_rows, split_rows
 from asyncloco.models.export import export_causal_lm
 from asyncloco.models.presets import build_causal_lm
-from asyncloco.models.tokenizer import load_tokenizer
+from asyncloco.models.tokenizer import default_tokenizer, load_tokenizer
 from asyncloco.models.workload import Workload, load_flat_params
 
 __all__ = ["LMWorkload", "build_lm_workload", "causal_lm_loss"]
@@ -141,6 +141,6 @@ class LMWorkload(Workload):
 
 def build_lm_workload(cfg: LMTaskConfig) -> LMWorkload:
     """Tokenizer + packed rows (cached) + shards for ``cfg``."""
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else default_tokenizer(cfg.model))
     rows = load_packed_rows(cfg, tokenizer)
     return LMWorkload(cfg, tokenizer, rows)

@@ -1,8 +1,12 @@
 """The project tokenizer: a byte-level BPE trained offline on the embedded corpus.
 
-``load_tokenizer()`` returns it (from ``asyncloco/data/tokenizer/``, no network); any other
-``AutoTokenizer`` name or local path works too (``load_tokenizer("gpt2")`` reads the hub cache or
-downloads). Retrain with ``python scripts/train_tokenizer.py`` (deterministic for a given corpus).
+Two are shipped (no network): ``embedded``, 4,096 entries (``asyncloco/data/tokenizer/``), for the CPU-sized
+presets ``tiny``/``small``, and ``embedded-32k``, 32,000 entries (``asyncloco/data/tokenizer-32k/``), the
+vocabulary size of the paper, so that its presets ``20m``/``60m``/``150m`` have the paper's parameter counts
+(21.2 M / 59.3 M / 151.2 M) offline. ``task.tokenizer: null`` picks the preset's (:func:`default_tokenizer`);
+any other ``AutoTokenizer`` name or local path works too (``load_tokenizer("gpt2")`` reads the hub cache or
+downloads). Retrain with ``python scripts/train_tokenizer.py [--vocab-size 32000 --out ...]`` (deterministic
+for a given corpus).
 
 Byte-level BPE round-trips every string exactly (``decode(encode(text)) == text``, unicode
 included) because it never produces an unknown token and adds no prefix space. One special token,
@@ -22,6 +26,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 __all__ = [
     "DEFAULT_TOKENIZER_DIR",
+    "PAPER_TOKENIZER_DIR",
+    "EMBEDDED_TOKENIZERS",
+    "default_tokenizer",
     "END_OF_TEXT",
     "load_tokenizer",
     "save_tokenizer",
@@ -32,6 +39,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
+PAPER_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tokenizer-32k"
+EMBEDDED_TOKENIZERS = {"embedded": DEFAULT_TOKENIZER_DIR, "embedded-32k": PAPER_TOKENIZER_DIR}
+
+
+def default_tokenizer(preset: str) -> str:
+    """The shipped tokenizer a preset uses when ``task.tokenizer`` is null: ``embedded-32k`` for a preset whose
+    shape names the paper's 32,000-entry vocabulary (20m, 60m, 150m), else the 4,096-entry ``embedded``."""
+    from asyncloco.models.presets import get_preset
+
+    return "embedded-32k" if get_preset(preset).vocab_size == 32_000 else "embedded"
 END_OF_TEXT = "<|endoftext|>"
 
 
@@ -71,11 +88,13 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> PreTrainedTokenize
 
     A tokenizer without a pad token gets ``pad_token = eos_token`` so batching code never has to ask.
     """
-    if name_or_path is None:
-        if not (DEFAULT_TOKENIZER_DIR / "tokenizer.json").is_file():
-            raise ValueError(f"the project tokenizer is missing from {DEFAULT_TOKENIZER_DIR}; "
-                             "rebuild it with `python scripts/train_tokenizer.py`")
-        tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_TOKENIZER_DIR), local_files_only=True)
+    if name_or_path is None or str(name_or_path) in EMBEDDED_TOKENIZERS:
+        directory = EMBEDDED_TOKENIZERS[str(name_or_path or "embedded")]
+        if not (directory / "tokenizer.json").is_file():
+            size = "--vocab-size 32000 " if directory == PAPER_TOKENIZER_DIR else ""
+            raise ValueError(f"the project tokenizer is missing from {directory}; "
+                             f"rebuild it with `python scripts/train_tokenizer.py {size}--out {directory}`")
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     elif Path(name_or_path).is_dir():
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True)
     else:  # a hub name: the local cache first, then the hub — failing fast when it is unreachable (models/hub.py)
