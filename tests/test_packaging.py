@@ -117,6 +117,15 @@ def test_non_editable_install_in_a_fresh_venv_outside_the_repo(tmp_path: Path) -
     work.mkdir()
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python, cli = venv / "bin" / "python", venv / "bin" / "asyncloco"
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    if sys.prefix != sys.base_prefix:
+        # this interpreter is itself a venv's: --system-site-packages shows the new venv the *base* interpreter's
+        # packages, not this venv's torch & co. A .pth line adds them after the new venv's own site-packages
+        # (a .pth in a directory added this way is not processed, so an editable asyncloco here stays out).
+        import sysconfig
+
+        parents = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+        (site / "_asyncloco_test_parent_venv.pth").write_text("".join(f"{path}\n" for path in parents))
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONNOUSERSITE": "1"}
     env.pop("PYTHONPATH", None)
     # the wheel is built by this interpreter's setuptools (a venv's bundled one may predate PEP 639)
@@ -134,7 +143,6 @@ def test_non_editable_install_in_a_fresh_venv_outside_the_repo(tmp_path: Path) -
         [str(python), "-c", "import asyncloco, asyncloco.cli as c; print(asyncloco.__file__); print(c.shipped_configs()['demo'])"],
         check=True, cwd=work, env=env, capture_output=True, text=True,
     ).stdout.split()
-    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     assert located == [str(site / "asyncloco" / "__init__.py"), str(site / "asyncloco" / "configs" / "demo.yaml")]
     assert not (site / "asyncloco" / "configs").is_symlink()  # real files, not a link back into the checkout
     assert (site / "asyncloco" / "data" / "corpus.jsonl.xz").is_file()

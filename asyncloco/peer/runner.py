@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -93,6 +94,23 @@ class PeerError(RuntimeError):
     """A condition the volunteer must fix (the message says how)."""
 
 
+def _reap_p2pd_zombies() -> None:
+    """Collect exited p2pd children (a failed DHT start leaves its daemon unreaped): retries must not pile up
+    zombies. Only this process's own exited ``p2pd`` children are touched."""
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if name == "p2pd" and fields[0] == "Z" and int(fields[1]) == os.getpid():
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(int(entry.name), os.WNOHANG)
+
+
 @dataclass
 class PeerOptions:
     initial_peers: list[str]
@@ -105,7 +123,7 @@ class PeerOptions:
     summary_path: Optional[Path] = None
     progress: bool = True
     identity_path: Optional[str] = None
-    connect_timeout: float = 30.0
+    connect_timeout: float = 30.0  # --join-timeout: how long to wait for an unreachable coordinator, with backoff
     token: Optional[str] = None  # admission token from the organiser (runtime.admission: token)
     prefetch: bool = False  # download the newest θ while asking for the next lease (--prefetch)
     # --- reach (README "Behind a NAT"): outbound connections only unless asked; a name for the status table
@@ -229,6 +247,30 @@ class PeerRunner:
                 "reachable from this machine"
             ) from error
 
+    async def _join_dht(self) -> Any:
+        """:meth:`_start_dht`, retried with backoff (1, 2, 4 ... 15 s) until ``connect_timeout`` (``--join-timeout``):
+        a coordinator that is restarting, or not up yet, is waited for, saying so; Ctrl+C stops the wait."""
+        deadline = time.monotonic() + self.options.connect_timeout
+        delay, attempt = 1.0, 0
+        while True:
+            attempt += 1
+            try:
+                return self._start_dht()
+            except PeerError as error:
+                _reap_p2pd_zombies()  # the failed attempt's p2pd
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    raise PeerError(f"{error} (gave up after {attempt} attempts in {self.options.connect_timeout:.0f} s, "
+                                    "--join-timeout)") from None
+                wait = min(delay, left)
+                logger.warning("waiting for the coordinator at %s: not reachable yet (attempt %d; next in %.0f s, "
+                               "giving up in %.0f s: --join-timeout)", " ".join(self.options.initial_peers), attempt, wait, left)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=wait)
+                if self._stop.is_set():
+                    raise PeerError("stopped while waiting for the coordinator") from None
+                delay = min(2 * delay, 15.0)
+
     async def _check_run_id(self, p2p: Any, namespace: str, deadline: float) -> None:
         """Ask the coordinator which run it serves (asyncloco/transport/discovery.py): a wrong ``--run-id``
         fails at once, naming the right one, instead of waiting out the connect timeout."""
@@ -262,14 +304,20 @@ class PeerRunner:
         from asyncloco.transport.errors import TransportError
 
         fingerprint = await asyncio.to_thread(run_fingerprint, cfg, workload, model)
-        try:
-            info = await ask_run_info(
-                p2p, self.coordinator_id, timeout=30.0, fingerprint=fingerprint, software_version=__version__
-            )
-        except TransportError as error:
-            if "protocols not supported" in str(error):
-                return  # an older coordinator: it does not check fingerprints
-            raise PeerError(f"the coordinator did not answer the compatibility check: {error}") from error
+        deadline = time.monotonic() + self.options.connect_timeout
+        while True:  # a coordinator restarting meanwhile is waited for (--join-timeout), like at the first contact
+            try:
+                info = await ask_run_info(
+                    p2p, self.coordinator_id, timeout=30.0, fingerprint=fingerprint, software_version=__version__
+                )
+                break
+            except TransportError as error:
+                if "protocols not supported" in str(error):
+                    return  # an older coordinator: it does not check fingerprints
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise PeerError(f"the coordinator did not answer the compatibility check: {error}") from error
+                logger.warning("waiting for the coordinator's compatibility check: %s", error)
+                await asyncio.sleep(2.0)
         if info.refused:
             raise PeerError(f"the coordinator refused this peer: {info.refused}")
 
@@ -446,7 +494,7 @@ class PeerRunner:
         p2p = None
         swarm: Any = None
         try:
-            dht = self._start_dht()
+            dht = await self._join_dht()
             self.summary.peer_id = dht.peer_id.to_base58()
             p2p = await dht.replicate_p2p()
             namespace = self.options.run_id
