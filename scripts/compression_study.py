@@ -42,7 +42,10 @@ logger = logging.getLogger("compression_study")
 def run_task(task: str, seeds: int, codecs: list[str], updates: int | None, ef: bool, results: list[dict[str, Any]],
              save: Any) -> None:
     for seed in range(seeds):
-        overrides: dict[str, Any] = {"seed": seed, "sim": {"seed": seed}}
+        # an override replaces a whole section: start from the config's own sim section
+        own = load_config(ROOT / "configs" / f"{task}.yaml")
+        sim_section, runtime_section = own.sim.model_dump(), own.runtime.model_dump()
+        overrides: dict[str, Any] = {"seed": seed, "sim": {**sim_section, "seed": seed}}
         if updates:
             overrides["sim"]["total_local_updates"] = updates
         base = load_config(ROOT / "configs" / f"{task}.yaml", overrides)
@@ -59,7 +62,7 @@ def run_task(task: str, seeds: int, codecs: list[str], updates: int | None, ef: 
         for codec in codecs:
             started = time.monotonic()
             cfg = load_config(ROOT / "configs" / f"{task}.yaml",
-                              {**overrides, "runtime": {"codec": codec, "error_feedback": ef}})
+                              {**overrides, "runtime": {**runtime_section, "codec": codec, "error_feedback": ef}})
             sim = Simulation(cfg, "async_dn_dylu", workload, target_loss=target, time_limit=limit, initial_params=theta0)
             result = sim.run()
             reached = result.time_to_reach(target)
