@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from asyncloco import __version__
+from asyncloco.shipped import resolve_config
+from asyncloco.shipped import shipped_configs as shipped_configs  # re-exported (tests, older callers)
 
 __all__ = ["main"]
 
@@ -28,32 +30,8 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def shipped_configs() -> dict[str, Path]:
-    """The configs that ship inside the package, by name (``toy`` → ``asyncloco/configs/toy.yaml``)."""
-    from importlib.resources import files
-
-    folder = Path(str(files("asyncloco") / "configs"))
-    return {path.stem: path for path in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
-
-
-def _resolve_config(path: str) -> Path:
-    """A run config by path (``my-run.yaml``, ``configs/toy.yaml``) or by the name of a shipped one (``toy``).
-
-    An existing file wins; otherwise a bare name, or ``configs/<name>.yaml`` outside the repository,
-    is looked up among the configs shipped in the package (so both spellings work from any install)."""
-    candidate = Path(path)
-    if candidate.is_file():
-        return candidate
-    shipped = shipped_configs()
-    name = path
-    if candidate.suffix in (".yaml", ".yml") and not candidate.is_absolute() and str(candidate.parent) in (".", "configs"):
-        name = candidate.stem
-    if name in shipped:
-        return shipped[name]
-    raise ValueError(
-        f"config {path!r} not found: no such file, and not the name of a shipped config "
-        f"({', '.join(shipped) or 'none installed'}); pass a YAML path or one of those names"
-    )
+# The shipped configs' lookup lives in asyncloco/shipped.py (shared with runtime_cli and demo, no import circle).
+_resolve_config = resolve_config
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -70,7 +48,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from asyncloco.overrides import overrides_from_args
 
     overrides.update(overrides_from_args(args))
-    cfg = load_config(_resolve_config(args.config), overrides)
+    cfg = load_config(resolve_config(args.config), overrides)
     methods = args.method or list(cfg.sim.methods)
     out_dir = Path(args.out) / cfg.name
     started = time.monotonic()
@@ -91,7 +69,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     speeds = parse_speeds(args.speeds) if args.speeds else None
     command = "asyncloco reproduce " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["reproduce"] else "asyncloco reproduce"
     text = reproduce(
-        tables, _resolve_config(config), args.seeds, Path(args.out), Path(args.figure),
+        tables, resolve_config(config), args.seeds, Path(args.out), Path(args.figure),
         speeds=speeds, budget=args.total_local_updates, jobs=args.jobs, command=command,
     )
     print(text)

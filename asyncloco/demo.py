@@ -33,9 +33,9 @@ class DemoOptions:
 
 
 def _resolve(path: str) -> Path:
-    from asyncloco.cli import _resolve_config
+    from asyncloco.shipped import resolve_config
 
-    return _resolve_config(path)
+    return resolve_config(path)
 
 
 def summary_table(status: dict[str, Any], peers: dict[str, dict[str, Any]], slowdowns: dict[str, float]) -> str:

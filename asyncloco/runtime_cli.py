@@ -48,7 +48,7 @@ def _limit_threads(threads: int | None) -> None:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from asyncloco.cli import _resolve_config
+    from asyncloco.shipped import resolve_config
     from asyncloco.config import load_config
     from asyncloco.coordinator.daemon import CoordinatorDaemon
 
@@ -75,7 +75,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from asyncloco.overrides import overrides_from_args
 
     overrides.update(overrides_from_args(args))
-    cfg = load_config(_resolve_config(args.config), overrides)
+    cfg = load_config(resolve_config(args.config), overrides)
     daemon = CoordinatorDaemon(cfg, resume=args.resume, initial_peers=tuple(args.initial_peers or ()))
 
     async def main(stop: asyncio.Event) -> None:

@@ -116,3 +116,21 @@ def test_the_bitsandbytes_kernel_notice_is_dropped_and_nothing_else(caplog: pyte
                        ModuleNotFoundError("No module named 'kernels'"))
         logger.warning("some other bitsandbytes warning")
     assert [r.getMessage() for r in caplog.records] == ["some other bitsandbytes warning"]
+
+
+def test_the_entry_points_do_not_import_each_other() -> None:
+    """cli imports runtime_cli (to add its commands); runtime_cli and demo take the config lookup from
+    asyncloco/shipped.py, not from cli, so there is no cli <-> runtime_cli <-> demo import circle."""
+    import ast
+
+    import asyncloco
+
+    root = Path(asyncloco.__file__).parent
+    for name in ("runtime_cli.py", "demo.py", "shipped.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert "asyncloco.cli" not in imported, name
+    assert "asyncloco.runtime_cli" not in {
+        node.module for node in ast.walk(ast.parse((root / "demo.py").read_text())) if isinstance(node, ast.ImportFrom)
+    }
