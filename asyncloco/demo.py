@@ -2,7 +2,8 @@
 
 Starts the coordinator (ports chosen by the OS), one peer per ``slowdowns`` entry (a peer with
 slowdown 4 emulates a device 4× slower), prints live progress, stops everything after
-``duration`` seconds (SIGTERM: the coordinator snapshots, every p2pd exits), then prints a summary
+``duration`` seconds of training — counted from when every peer has joined, so a large model's start-up
+(tokenizer, data, building it in each process) does not eat the demo (SIGTERM: the coordinator snapshots, every p2pd exits), then prints a summary
 table and writes a plot of validation perplexity against wall-clock time.
 """
 
@@ -14,13 +15,15 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping, Protocol
 
 from asyncloco.local_cluster import ClusterError, LocalCluster
 
-__all__ = ["DemoOptions", "run_demo", "summary_table"]
+__all__ = ["DemoOptions", "run_demo", "summary_table", "wait_for_peers"]
 
 logger = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT = 600.0  # seconds the demo waits for its peers to join before it starts counting --duration
 
 
 @dataclass
@@ -36,6 +39,33 @@ def _resolve(path: str) -> Path:
     from asyncloco.shipped import resolve_config
 
     return resolve_config(path)
+
+
+class _Process(Protocol):
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+
+def wait_for_peers(
+    status: Callable[[], dict[str, Any]], processes: Mapping[str, _Process], out: Path, timeout: float,
+    poll: float = 1.0,
+) -> bool:
+    """Wait until status.json counts as many live peers as ``processes`` has (each loads its data and builds
+    the model first: ~1 min for 60m with three peers on two cores). True when they all joined, False at
+    ``timeout`` (the demo then trains for its duration anyway); a peer that exits meanwhile is a
+    :class:`ClusterError` naming its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for name, process in processes.items():
+            if process.poll() is not None:
+                raise ClusterError(f"{name} exited early ({process.returncode}); see {out / (name + '.log')}")
+        peers = status().get("peers", {})
+        if sum(1 for row in peers.values() if row.get("alive")) >= len(processes):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)  # status.json is rewritten every few seconds by the coordinator
 
 
 def summary_table(status: dict[str, Any], peers: dict[str, dict[str, Any]], slowdowns: dict[str, float]) -> str:
@@ -123,6 +153,11 @@ def run_demo(options: DemoOptions) -> int:
         for name in names:
             cluster.start_peer(name, slowdown=slowdowns[name])
             print(f"started {name} (slowdown ×{slowdowns[name]:g})", flush=True)
+        print(f"waiting for the {len(names)} peers to join (each loads the data and builds the model) ...", flush=True)
+        if wait_for_peers(cluster.status, {name: cluster.peers[name] for name in names}, options.out, _JOIN_TIMEOUT):
+            print(f"[{time.time() - started:5.0f}s] all peers joined; training for {options.duration:g} s", flush=True)
+        else:
+            print(f"not every peer joined within {_JOIN_TIMEOUT:g} s; training for {options.duration:g} s anyway", flush=True)
         end = time.monotonic() + options.duration
         last_line = ""
         while time.monotonic() < end:
