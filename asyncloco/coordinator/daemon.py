@@ -940,7 +940,8 @@ class CoordinatorDaemon:
                 self._refuse_if_stopping()
                 probe = await self._gate_probe(peer_id, lease_id, base_version, update)  # the gate's gray-zone tie-breaker
                 event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6),
-                                     probe_before=probe[0], probe_after=probe[1])
+                                     probe_before=probe[0], probe_after=probe[1],
+                                     state_start=getattr(header, "state_start", None), state_end=getattr(header, "state_end", None))
                 actions = await self._decide(event, wire=pseudo_gradient)
         finally:
             if reuse and not self._decode_buffers:

@@ -192,6 +192,11 @@ class VerifyPolicy:
     fraction: float = 0.1  # share of a proven peer's leases
     probation_updates: int = 3  # every one of a peer's first N verified updates
     suspect_fraction: float = 0.5  # share for a peer with a gate rejection among its recent verdicts
+    commit: bool = False  # inner_state "carry": submissions carry chained digests of the inner state (Commitments)
+
+
+FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
+"""The commitment to a fresh inner optimizer state; the same value as peer/inner.py's (which computes the digests)."""
 
 
 @dataclass
@@ -204,11 +209,12 @@ class VerificationState:
     checked: int = 0
     failed: int = 0
     unverifiable: int = 0  # selected leases whose base θ was no longer retained at submission
+    chain: dict[str, str] = field(default_factory=dict)  # peer -> inner-state digest at the end of its last applied lease
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "passed": dict(self.passed), "expelled": dict(self.expelled), "pending": dict(self.pending),
-            "checked": self.checked, "failed": self.failed, "unverifiable": self.unverifiable,
+            "checked": self.checked, "failed": self.failed, "unverifiable": self.unverifiable, "chain": dict(self.chain),
         }
 
     @classmethod
@@ -216,7 +222,7 @@ class VerificationState:
         return cls(
             {k: int(v) for k, v in state["passed"].items()}, {k: str(v) for k, v in state["expelled"].items()},
             {k: str(v) for k, v in state["pending"].items()}, int(state["checked"]), int(state["failed"]),
-            int(state["unverifiable"]),
+            int(state["unverifiable"]), {k: str(v) for k, v in state.get("chain", {}).items()},
         )
 
 
@@ -375,6 +381,10 @@ class SubmitUpdate:
     # decides the same way without a model
     probe_before: float | None = None
     probe_after: float | None = None
+    # --- commitments (runtime.verify with inner_state "carry"): sha256 hex of the peer's inner optimizer state at the
+    # lease's start and end (peer/inner.py inner_state_digest); None from peers that do not commit
+    state_start: str | None = None
+    state_end: str | None = None
 
 
 @dataclass(frozen=True)
@@ -566,6 +576,9 @@ class Verify:
     base: torch.Tensor
     update: torch.Tensor
     reason: str
+    failed: str = ""  # already failed, nothing to re-run (a broken commitment chain): the verdict is this detail
+    state_start: str = ""  # the lease's committed inner-state digests ("" without commitments)
+    state_end: str = ""
 
 
 @dataclass(frozen=True)
@@ -1374,6 +1387,9 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     problem = validate_update(state, event, lease)
     if problem is not None:
         return [Rejected(event.peer, event.lease_id, problem)]
+    broken = _broken_chain(state, event)
+    if broken is not None:
+        return broken
     staleness = state.version - lease.base_version
     info = state.peers.get(event.peer)
     if info is not None:
@@ -1421,6 +1437,8 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     state.version += 1
     state.local_updates += lease.steps
     state.applied[lease.lease_id] = state.version
+    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
+        state.verification.chain[event.peer] = event.state_end  # the chain advances with applied leases only
     gate_note = ""
     if verdict is not None and policy.gate is not None:
         update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, event.peer, now)
@@ -1432,7 +1450,7 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
             state.verification.unverifiable += 1
         else:
             state.verification.pending[lease.lease_id] = event.peer
-            verify = [Verify(event.peer, lease, check[0], check[1], lease.verify)]
+            verify = [Verify(event.peer, lease, check[0], check[1], lease.verify, "", event.state_start or "", event.state_end or "")]
     return retained + verify + [
         Applied(
             event.peer,
@@ -1446,6 +1464,32 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
             gate_note,
         )
     ]
+
+
+def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
+    """With commitments (``VerifyPolicy.commit``): None when the submission's inner-state digests chain — its start
+    digest is the peer's end digest of its last *applied* lease, or the fresh state's (a peer resets its inner state
+    when it joins, restarts, or a submission of it was not applied). Otherwise the actions: a submission without
+    digests is refused; a broken chain is a failed check — the update is refused and a :class:`Verify` that has
+    already failed goes to the verifier, whose ``Verified`` expels the peer and repairs θ like any failed re-run."""
+    policy = state.policy.verify
+    if policy is None or not policy.commit:
+        return None
+    if event.state_start is None or event.state_end is None:
+        return [Rejected(event.peer, event.lease_id, "this run verifies carried inner state: the submission needs "
+                         "state_start and state_end digests; upgrade the peer (asyncloco peer join)")]
+    previous = state.verification.chain.get(event.peer, FRESH_STATE_DIGEST)
+    if event.state_start in (previous, FRESH_STATE_DIGEST):
+        return None
+    lease = state.leases[event.lease_id]
+    detail = (f"inner-state chain broken: lease starts from state {event.state_start[:16]}…, the peer's last applied "
+              f"lease ended at {previous[:16]}… (and it is not the fresh state)")
+    state.verification.pending[lease.lease_id] = event.peer
+    empty = torch.empty(0)
+    actions: list[Action] = [Rejected(event.peer, lease.lease_id, detail)]
+    actions += _give_back(state, lease, "its inner-state commitment did not chain")
+    actions.append(Verify(event.peer, lease, empty, empty, "chain check", detail, event.state_start, event.state_end))
+    return actions
 
 
 def _quarantine(state: CoordinatorState, peer: str, now: float, why: str) -> list[Action]:

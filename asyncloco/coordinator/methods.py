@@ -194,7 +194,8 @@ def coordinator_policy(
     verify = None
     if real and runtime.verify.enabled:  # verification of the work (coordinator/verify.py)
         knobs_v = runtime.verify
-        verify = VerifyPolicy(knobs_v.fraction, knobs_v.probation_updates, knobs_v.suspect_fraction)
+        verify = VerifyPolicy(knobs_v.fraction, knobs_v.probation_updates, knobs_v.suspect_fraction,
+                              commit=knobs_v.inner_state == "carry")
     return CoordinatorPolicy(
         gate=gate,
         verify=verify,

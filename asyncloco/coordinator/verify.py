@@ -158,6 +158,33 @@ class Rerunner:
         knobs = self.cfg.runtime.verify
         return compare(self.rerun(task.lease, task.base), task.update, knobs.tolerance, knobs.min_cosine)
 
+    def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
+        """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start in the
+        canonical layout (peer/inner.py ``inner_state_chunks``). It must hash to the committed ``state_start``; the
+        lease re-run from it must give the submitted pseudo-gradient and end at the committed ``state_end``."""
+        from asyncloco.peer.inner import inner_state_digest, load_inner_state, revealed_digest
+
+        if revealed_digest(revealed) != task.state_start:
+            return Comparison(False, False, math.inf, -1.0, "the revealed inner state does not match its commitment")
+        trainer = self.trainer
+        try:
+            load_inner_state(trainer.optimizer, revealed)
+        except ValueError as error:
+            return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
+        trainer.reset_state = False
+        try:
+            rerun = self.rerun(task.lease, task.base)
+        finally:
+            trainer.reset_state = True
+        end = inner_state_digest(trainer.optimizer)
+        trainer.reset_inner_state()
+        knobs = self.cfg.runtime.verify
+        comparison = compare(rerun, task.update, knobs.tolerance, knobs.min_cosine)
+        if comparison.ok and end != task.state_end:
+            return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine,
+                              "the re-run's inner state at the lease's end differs from the committed one")
+        return comparison
+
 
 @dataclass
 class VerifyStats:
@@ -436,6 +463,7 @@ class DaemonVerification:
         self.repairs: list[dict[str, Any]] = []
         self._stop: Optional[asyncio.Event] = None
         self._task: Optional["asyncio.Task[None]"] = None
+        self._decided: set["asyncio.Task[None]"] = set()  # verdicts known without a re-run, being decided
 
     # --- hooks
 
@@ -443,6 +471,12 @@ class DaemonVerification:
         """Carry out one verification action; True when durable state changed."""
         if isinstance(action, Verify):
             if self.replay_seq is None:  # a replayed Verify was queued (or its verdict logged) in its own life
+                if action.failed:  # a broken commitment chain: nothing to re-run, the verdict is already known
+                    failed = Comparison(False, False, math.inf, -1.0, action.failed)
+                    task = asyncio.get_running_loop().create_task(self._verdict(action, failed))
+                    self._decided.add(task)
+                    task.add_done_callback(self._decided.discard)
+                    return False
                 self._start()
                 self.verifier.offer(action)
             return False
@@ -483,6 +517,8 @@ class DaemonVerification:
         }
 
     async def close(self) -> None:
+        for task in list(self._decided):
+            task.cancel()  # they wait for the daemon's lock; a stopping daemon decides nothing more
         if self._stop is not None:
             self._stop.set()
         if self._task is not None:
@@ -491,6 +527,8 @@ class DaemonVerification:
 
     async def drain(self) -> None:
         """Wait until every queued re-run has its verdict (tests, benchmarks)."""
+        if self._decided:
+            await asyncio.gather(*self._decided, return_exceptions=True)
         await self.verifier.idle.wait()
 
     # --- internals

@@ -205,6 +205,8 @@ class PeerRunner:
         self._abort = asyncio.Event()  # second Ctrl+C: leave at once
         self._abort_flag = threading.Event()  # the same, for the training thread
         self._inner_loss: Optional[float] = None  # mean inner loss of the latest round (sent with its update)
+        self._digests: tuple[Optional[str], Optional[str]] = (None, None)  # inner-state commitments of the latest round
+        self._cfg: Optional[RunConfig] = None  # the run's config, once fetched
         self._closing = asyncio.Event()
         self._loop_started: Optional[float] = None
         self.clock = clock  # --- transport seam (issue 8): deadlines and pauses on this clock
@@ -366,10 +368,20 @@ class PeerRunner:
         shard, start, steps, lr_offset = (int(lease[k]) for k in ("shard", "start_offset", "steps", "lr_offset"))
         if self.group is not None:
             broadcast_command(self.group, Command(OP_TRAIN, shard, start, steps, lr_offset))
+        commit = self._commits(trainer)  # runtime.verify with carried inner state: digests before and after
+        state_start = trainer.state_digest() if commit else None
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
+        self._digests = (state_start, trainer.state_digest() if commit else None)
         loss = float(result.mean_loss)
         self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
+
+    def _commits(self, trainer: InnerTrainer) -> bool:
+        """Does this peer commit to its inner state (docs/threat-model.md, "Commitments")?"""
+        if self._cfg is None:
+            return False
+        verify = self._cfg.runtime.verify
+        return verify.enabled and verify.inner_state == "carry" and trainer.state_digest() is not None
 
     async def _submit_with_retry(self, client: Any, lease: dict[str, Any], encoded: Any) -> Optional[dict[str, Any]]:
         """Send the same encoded bytes until acknowledged or the lease's deadline passes. A first Ctrl+C
@@ -380,7 +392,9 @@ class PeerRunner:
         deadline = float(lease["deadline"])
         while not self._abort.is_set():
             try:
-                return await self._unless_aborted(client.submit(lease["lease_id"], int(lease["base_version"]), encoded, inner_loss=self._inner_loss))
+                return await self._unless_aborted(client.submit(
+                    lease["lease_id"], int(lease["base_version"]), encoded, inner_loss=self._inner_loss,
+                    state_start=self._digests[0], state_end=self._digests[1]))
             except _Aborted:
                 break
             except TransportError as error:
@@ -501,6 +515,7 @@ class PeerRunner:
             if namespace is None:
                 raise PeerError("internal: run id unknown")  # set by the CLI from the coordinator or --run-id
             cfg, hello = await self._fetch_config(p2p, namespace)
+            self._cfg = cfg
             if hello.get("run_id") != namespace:
                 raise PeerError(f"the coordinator serves run {hello.get('run_id')!r}, not {namespace!r}; check --run-id")
             from asyncloco.workloads import build_workload
@@ -656,6 +671,7 @@ class PeerRunner:
                     encoded = await asyncio.to_thread(self._error_feedback(cfg, codec).encode, pseudo_gradient)
                 except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
                     logger.warning("lease %s not submitted: %s", lease["lease_id"], error)
+                    trainer.reset_inner_state()  # the commitment chain goes on from the fresh state
                     continue
                 if self._stop.is_set():
                     logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease["lease_id"])
@@ -664,6 +680,8 @@ class PeerRunner:
                 self.summary.rounds += 1
                 self.summary.steps += int(lease["steps"])
                 self.feedback.settle(bool(ack and ack["accepted"]))  # not applied: the residual is dropped
+                if self._commits(trainer) and not (ack and ack["accepted"]):
+                    trainer.reset_inner_state()  # only applied leases advance the commitment chain (logic._broken_chain)
                 if not ack:
                     continue
                 if self.options.prefetch and not self._stop.is_set():

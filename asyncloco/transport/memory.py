@@ -486,6 +486,8 @@ class MemoryClient:
         codec: Optional[str] = None,
         inner_loss: Optional[float] = None,
         timeout: Optional[float] = None,
+        state_start: Optional[str] = None,
+        state_end: Optional[str] = None,
     ) -> Ack:
         if isinstance(pseudo_gradient, torch.Tensor):
             if codec is None:
@@ -495,7 +497,7 @@ class MemoryClient:
             raise ValueError(f"codec={codec!r} contradicts the EncodedTensor's {pseudo_gradient.codec!r}")
         body = pseudo_gradient.to_bytes()
         header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
-                              None if inner_loss is None else float(inner_loss))
+                              None if inner_loss is None else float(inner_loss), state_start, state_end)
 
         async def deliver(daemon: CoordinatorDaemon) -> Ack:
             await daemon.check_admitted(self.peer)

@@ -15,7 +15,7 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`Lease` map), ``reason`` |
 | :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
-| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``? |
+| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
 | :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate`` |
 
@@ -44,6 +44,7 @@ __all__ = [
     "Ready",
     "Ack",
     "NAME_PATTERN",
+    "DIGEST_PATTERN",
     "MAX_ID_CHARS",
     "MAX_REASON_CHARS",
     "MAX_CONFIG_CHARS",
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
 MAX_ID_CHARS = 128
 MAX_REASON_CHARS = 4096
 MAX_CONFIG_CHARS = 60_000  # the whole hello reply must fit one 64 KiB header frame
@@ -275,13 +277,17 @@ class ModelHeader(_Message):
 @dataclass(frozen=True)
 class SubmitHeader(_Message):
     """``submit`` header, followed (after :class:`Ready`) by exactly ``wire_bytes(codec, numel)`` bytes.
-    ``inner_loss``: the peer's mean inner training loss over the lease (optional, finite, in [0, 1e6])."""
+    ``inner_loss``: the peer's mean inner training loss over the lease (optional, finite, in [0, 1e6]).
+    ``state_start`` / ``state_end``: sha256 (hex) of the peer's inner optimizer state before and after the lease
+    (peer/inner.py ``inner_state_digest``; optional: peers that do not commit leave them out)."""
 
     lease_id: str
     base_version: int
     codec: str
     numel: int
     inner_loss: Optional[float] = None
+    state_start: Optional[str] = None
+    state_end: Optional[str] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("lease_id", "base_version", "codec", "numel")
 
     def __post_init__(self) -> None:
@@ -290,6 +296,10 @@ class SubmitHeader(_Message):
         self._str("codec", 8, choices=CODECS)
         self._int("numel", 1, MAX_NUMEL)
         self._float("inner_loss", 0.0, MAX_INNER_LOSS, optional=True)
+        for name in ("state_start", "state_end"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not DIGEST_PATTERN.fullmatch(value)):
+                raise _fail("SubmitHeader", name, f"must be a sha256 digest (64 lowercase hex characters), got {value!r:.80}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,206 @@
+"""Commitments to the carried inner state (issue 16, stage 1; docs/threat-model.md, "Commitments").
+
+* peer/inner.py: the digest of a fresh trainer is the fresh-state constant (the logic's copy agrees); it covers every
+  byte of the AdamW state in its canonical layout (1 + 8 + 2 × 4 × n bytes per parameter of n elements); two
+  trainers that ran the same leases have equal digests, and one that ran a different lease does not;
+* transport/wire.py: the submit header carries both digests (64 lowercase hex characters), optional for old peers,
+  and refuses anything else naming the field;
+* the logic, with ``VerifyPolicy.commit``: a submission without digests is refused; an honest chain (fresh, then
+  each start = the previous applied lease's end, and fresh again after a reset) is applied; a broken chain is
+  refused, its lease given back, and an already failed ``Verify`` goes to the verifier, whose ``Verified`` expels
+  the peer; the chain survives a checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import struct
+
+import pytest
+import torch
+
+from asyncloco.algo.outer import OuterNesterov
+from asyncloco.coordinator import logic
+from asyncloco.coordinator.logic import (
+    Applied,
+    Assign,
+    CoordinatorPolicy,
+    CoordinatorState,
+    Expelled,
+    Expired,
+    Rejected,
+    RequestWork,
+    SpeedReport,
+    SubmitUpdate,
+    Verified,
+    Verify,
+    VerifyPolicy,
+    handle,
+    new_state,
+)
+from asyncloco.config import RunConfig
+from asyncloco.peer.inner import FRESH_STATE_DIGEST, InnerTrainer, inner_state_chunks
+from asyncloco.transport.errors import MessageError
+from asyncloco.transport.wire import SubmitHeader
+from asyncloco.workloads import build_workload
+
+pytestmark = pytest.mark.timeout(120)
+
+DIM = 6
+A, B, C = ("a" * 64), ("b" * 64), ("c" * 64)
+
+
+def toy_config() -> RunConfig:
+    return RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 16, "hidden": 8, "points": 1024, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "inner": {"lr": 1e-2, "weight_decay": 0.1, "grad_clip": 1.0},
+        "schedule": {"max_local_steps": 6},
+    })
+
+
+def test_inner_state_digest() -> None:
+    assert logic.FRESH_STATE_DIGEST == FRESH_STATE_DIGEST
+    cfg = toy_config()
+    workload = build_workload(cfg)
+    one, two = InnerTrainer.from_config(cfg, workload), InnerTrainer.from_config(cfg, workload)
+    assert not one.reset_state
+    assert one.state_digest() == FRESH_STATE_DIGEST
+    theta = one.full_params()
+    for trainer in (one, two):
+        trainer.run(theta, 0, 0, 3, 0)
+    digest = one.state_digest()
+    assert digest is not None and digest != FRESH_STATE_DIGEST and digest == two.state_digest()
+    # the canonical layout: every parameter's marker, step (float64) and both moments (float32), nothing else
+    chunks = inner_state_chunks(one.optimizer)
+    assert chunks is not None
+    params = [p for group in one.optimizer.param_groups for p in group["params"]]
+    assert len(chunks) == 3 * len(params)
+    assert sum(len(c) for c in chunks) == sum(1 + 8 + 2 * 4 * p.numel() for p in params)
+    assert chunks[0] == b"\x01" + struct.pack("<d", 3.0)  # three steps taken
+    expected = hashlib.sha256(b"asyncloco inner state v1:")
+    for chunk in chunks:
+        expected.update(chunk)
+    assert digest == expected.hexdigest()
+    # one more lease on one trainer only: the digests part; a reset gives the fresh state back
+    one.run(theta, 1, 0, 2, 3)
+    assert one.state_digest() != two.state_digest()
+    one.reset_inner_state()
+    assert one.state_digest() == FRESH_STATE_DIGEST
+
+
+def test_submit_header_digests() -> None:
+    header = SubmitHeader("L1", 3, "int8", 10, 2.5, A, B)
+    assert SubmitHeader.from_wire(header.to_wire()) == header
+    old = SubmitHeader("L1", 3, "int8", 10)
+    assert "state_start" not in old.to_wire() and SubmitHeader.from_wire(old.to_wire()).state_end is None
+    for bad in ("A" * 64, "a" * 63, "a" * 65, "g" * 64, 7):
+        with pytest.raises(MessageError, match="SubmitHeader.state_start"):
+            SubmitHeader.from_wire({**old.to_wire(), "state_start": bad})
+
+
+def commit_state() -> CoordinatorState:
+    policy = CoordinatorPolicy(
+        max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=100.0,
+        verify=VerifyPolicy(fraction=0.0, probation_updates=0, suspect_fraction=0.0, commit=True),
+    )
+    state = new_state(torch.zeros(DIM), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+    handle(state, SpeedReport("p", 10.0), 0.0)
+    return state
+
+
+def lease_for(state: CoordinatorState, now: float) -> logic.Lease:
+    _, actions = handle(state, RequestWork("p"), now)
+    return next(a.lease for a in actions if isinstance(a, Assign))
+
+
+def submit(state: CoordinatorState, lease: logic.Lease, now: float, start: str | None, end: str | None) -> list[logic.Action]:
+    return handle(state, SubmitUpdate("p", lease.lease_id, lease.base_version, torch.ones(DIM), state_start=start, state_end=end), now)[1]
+
+
+def test_chain_of_commitments() -> None:
+    state = commit_state()
+    lease = lease_for(state, 0.0)
+    refused = submit(state, lease, 1.0, None, None)
+    assert len(refused) == 1 and isinstance(refused[0], Rejected) and "state_start and state_end" in refused[0].reason
+    assert state.version == 0 and lease.lease_id in state.leases and state.verification.chain == {}
+    # an honest chain: fresh → A, A → B, then a reset (fresh) → C
+    for now, (start, end) in enumerate([(FRESH_STATE_DIGEST, A), (A, B), (FRESH_STATE_DIGEST, C)], start=2):
+        actions = submit(state, lease, float(now), start, end)
+        assert [type(a) for a in actions] == [Applied], actions
+        assert state.verification.chain == {"p": end}
+        lease = lease_for(state, float(now))
+    assert state.version == 3
+    restored = commit_state()
+    restored.load_state_dict(copy.deepcopy(state.state_dict()))
+    assert restored.verification.chain == {"p": C}
+    # a broken chain: starts from A, but the last applied lease ended at C
+    actions = submit(state, lease, 10.0, A, B)
+    assert [type(a) for a in actions] == [Rejected, Expired, Verify]
+    check = actions[2]
+    assert isinstance(check, Verify) and check.failed.startswith("inner-state chain broken") and check.state_start == A
+    assert state.version == 3 and lease.lease_id not in state.leases and state.verification.chain == {"p": C}
+    assert state.verification.pending == {lease.lease_id: "p"}
+    _, actions = handle(state, Verified("p", lease.lease_id, False, check.failed), 11.0)
+    assert [type(a) for a in actions][:2] == [logic.Verdict, Expelled]
+    assert "p" in state.verification.expelled and not state.verification.pending
+
+
+def test_commit_off_ignores_digests() -> None:
+    state = commit_state()
+    state.policy = CoordinatorPolicy(
+        max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=100.0,
+        verify=VerifyPolicy(fraction=0.0, probation_updates=0, suspect_fraction=0.0, commit=False),
+    )
+    lease = lease_for(state, 0.0)
+    assert [type(a) for a in submit(state, lease, 1.0, A, B)] == [Applied]
+    assert state.verification.chain == {}
+
+
+def carried_config() -> RunConfig:
+    cfg = toy_config()
+    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"verify": cfg.runtime.verify.model_copy(update={"inner_state": "carry"})})})
+
+
+def test_rerun_from_a_revealed_carried_state() -> None:
+    from asyncloco.coordinator.verify import Rerunner
+    from asyncloco.peer.inner import inner_state_size, load_inner_state, revealed_digest
+
+    cfg = carried_config()
+    workload = build_workload(cfg)
+    peer = InnerTrainer.from_config(cfg, workload)
+    theta = peer.full_params()
+    peer.run(theta, 0, 0, 6, 0)  # earlier leases: the state the lease starts from is carried, not fresh
+    peer.run(theta + 0.01, 1, 0, 4, 0)
+    chunks = inner_state_chunks(peer.optimizer)
+    assert chunks
+    revealed = b"".join(chunks)
+    start = peer.state_digest()
+    assert revealed_digest(revealed) == start and len(revealed) == inner_state_size(peer.optimizer)
+    lease = logic.Lease("L1", "p", 1, 5, 6, 3, 0, 0.0, 1.0, 10.0)
+    submitted = peer.run(theta, 1, 5, 6, 3).pseudo_gradient
+    end = peer.state_digest()
+    assert start is not None and end is not None
+    rerunner = Rerunner(cfg, workload)
+    honest = Verify("p", lease, theta, submitted, "sampled", "", start, end)
+    verdict = rerunner.check_revealed(honest, revealed)
+    assert verdict.ok and verdict.bitwise, verdict.detail
+    # from θ alone (a fresh state) the lease does not reproduce: the revealed state is what makes it checkable
+    assert not rerunner.check(honest).ok
+    # a lie in a hidden direction of 0.1 % of the update's norm
+    direction = torch.randn(submitted.numel(), generator=torch.Generator().manual_seed(1))
+    lie = Verify("p", lease, theta, submitted + 1e-3 * submitted.norm() * direction / direction.norm(), "sampled", "", start, end)
+    caught = rerunner.check_revealed(lie, revealed)
+    assert not caught.ok and caught.rel_error == pytest.approx(1e-3, rel=1e-3)
+    # a revealed state that is not the committed one (one moment changed by one ulp), and a fabricated end digest
+    tampered = bytearray(revealed)
+    tampered[20] ^= 1
+    verdict = rerunner.check_revealed(honest, bytes(tampered))
+    assert not verdict.ok and "does not match its commitment" in verdict.detail
+    verdict = rerunner.check_revealed(Verify("p", lease, theta, submitted, "sampled", "", start, A), revealed)
+    assert not verdict.ok and "end differs" in verdict.detail
+    # the verifier's own trainer is fresh again afterwards; a malformed state is refused, the state untouched
+    assert rerunner.trainer.state_digest() == FRESH_STATE_DIGEST and rerunner.trainer.reset_state
+    with pytest.raises(ValueError, match="bytes past its last parameter"):
+        load_inner_state(peer.optimizer, revealed + b"\x00")
+    assert peer.state_digest() == end
