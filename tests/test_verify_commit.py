@@ -8,7 +8,10 @@
 * the logic, with ``VerifyPolicy.commit``: a submission without digests is refused; an honest chain (fresh, then
   each start = the previous applied lease's end, and fresh again after a reset) is applied; a broken chain is
   refused, its lease given back, and an already failed ``Verify`` goes to the verifier, whose ``Verified`` expels
-  the peer; the chain survives a checkpoint.
+  the peer; the chain survives a checkpoint, and the digests replay from the write-ahead log;
+* coordinator/verify.py ``Rerunner.check_revealed``: an honest carried-state lease re-run from its revealed start
+  state is bitwise equal (from θ alone it is not); a hidden direction, a revealed state one bit off its commitment
+  and a false end digest are each caught; a malformed state is refused, the trainer's state untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +208,35 @@ def test_rerun_from_a_revealed_carried_state() -> None:
     with pytest.raises(ValueError, match="bytes past its last parameter"):
         load_inner_state(peer.optimizer, revealed + b"\x00")
     assert peer.state_digest() == end
+
+
+def test_commitments_replay_from_the_log(tmp_path: Path) -> None:
+    """The digests are plain fields of the logged SubmitUpdate: a replay gives the same event back, and an event
+    logged without them, or by a version before they existed, decodes with both None."""
+    from asyncloco.coordinator.daemon import EVENT_TYPES
+    from asyncloco.coordinator.wal import WAL_DIR, decode_event, open_log, read_records
+    from asyncloco.transport.codecs import decode, encode
+
+    update = torch.arange(DIM, dtype=torch.float32)
+    log = open_log(tmp_path, 0, stamp="asyncloco test")
+    for start, end in ((FRESH_STATE_DIGEST, A), (None, None)):
+        event = SubmitUpdate("p", "L1", 0, update, state_start=start, state_end=end)
+        encoded = encode("none", update)
+        log.append_event(event, 1.0, {"pseudo_gradient": ("none", DIM, [encoded.to_bytes()])})
+    log.close()
+    records = list(read_records(tmp_path / WAL_DIR, 0))
+
+    def blob(codec: str, count: int, data: memoryview) -> torch.Tensor:
+        from asyncloco.transport.codecs import EncodedTensor
+
+        return decode(EncodedTensor.from_bytes(codec, count, bytes(data)), count)
+
+    replayed = [decode_event(record, EVENT_TYPES, blob) for record in records]
+    assert [(e.state_start, e.state_end) for e in replayed] == [(FRESH_STATE_DIGEST, A), (None, None)]
+    assert all(torch.equal(e.pseudo_gradient, update) for e in replayed)
+    # a record written before the fields existed has no such keys: the event decodes with both None
+    import dataclasses
+
+    old = dataclasses.replace(records[1], fields={k: v for k, v in records[1].fields.items() if not k.startswith("state_")})
+    assert "state_start" in records[1].fields and "state_start" not in old.fields
+    assert decode_event(old, EVENT_TYPES, blob).state_end is None
