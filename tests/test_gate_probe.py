@@ -313,3 +313,25 @@ def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
     old = state.state_dict()
     del old["weak"]
     assert G.GateState.from_state_dict(old).weak == {}
+
+
+@pytest.mark.timeout(30)
+def test_an_echo_of_the_consensus_is_refused_and_quarantines_but_close_honest_agreement_is_not() -> None:
+    """Free-riding (issue 16): the newest θ difference sent back at an honest norm agrees with the consensus at
+    cosine ≈ 0.96-1.0, honest work at ≤ 0.82 (the attack benchmark). Bar: max(echo_cosine 0.95, median + 6 MAD)."""
+    policy = G.GatePolicy()
+    state = warm_state(center=0.4)  # MAD 0 → floor 1e-3: bar = max(0.95, 0.406) = 0.95
+    assert G.score(policy, state, with_cosine(0.94), 10, "old").action == "accept"
+    for attempt in range(policy.quarantine_after):
+        verdict = G.score(policy, state, with_cosine(0.97), 10, "old")
+        assert (verdict.action, verdict.counts) == ("reject", True)
+        assert verdict.reason.startswith("echoes the consensus: cosine 0.970 >= 0.950 (median 0.400)"), verdict.reason
+        quarantined = G.record(policy, state, verdict, None, 10, "old", 0.0)
+    assert quarantined is not None and G.is_quarantined(state, "old", 1.0)
+    # where honest work itself agrees closely (a small model: cosines 0.97-0.99), the bar rises with it
+    close = warm_state(center=0.98)
+    close.cosines = [0.97, 0.975, 0.98, 0.98, 0.985, 0.99, 0.98, 0.98, 0.975, 0.985]
+    assert G.score(policy, close, with_cosine(0.99), 10, "old").action == "accept"  # bar min(0.999, 0.98 + 6 × 0.005)
+    assert G.score(policy, close, with_cosine(0.9995), 10, "old").action == "reject"
+    # before warm-up nothing is judged on direction
+    assert G.score(policy, warm_state(center=0.4, accepted=3), with_cosine(0.99), 10, "old").action == "accept"

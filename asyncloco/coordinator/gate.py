@@ -88,6 +88,8 @@ class GatePolicy:
     cosine_mads: float = 6.0
     cosine_cap: float = 0.05
     flip_margin: float = 0.25
+    echo_cosine: float = 0.95
+    echo_mads: float = 6.0
     window: int = 32
     warmup: int = 6
     reference_decay: float = 0.8
@@ -269,6 +271,21 @@ def score(
     if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
         cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
     warm = gate.accepted >= policy.warmup
+    if warm and cosine is not None and len(gate.cosines) >= 3:
+        # Free-riding (issue 16): an update that echoes the consensus — the newest θ difference, rescaled to an
+        # honest norm — is no work of its own, and fed back through the outer momentum it drove the demo's model
+        # to a perplexity of 1e16-1e22 in the attack benchmark (37 of 62 updates were the free-rider's: not
+        # training, it turns leases round at once). Honest updates never agree that closely: the highest cosine
+        # of an honest update over 18 benchmark runs was 0.82 (median 0.3), the echo's median 0.96. The bar is
+        # echo_cosine, raised to median + echo_mads × MAD where honest work itself agrees closely (a small model).
+        center = median(gate.cosines)
+        bar = min(0.999, max(policy.echo_cosine, center + policy.echo_mads * max(_mad(gate.cosines, center), 1e-3)))
+        if cosine >= bar:
+            return GateVerdict(
+                "reject", 0.0, norm, cosine,
+                f"echoes the consensus: cosine {cosine:.3f} >= {bar:.3f} (median {center:.3f}); no honest update "
+                f"agrees this closely — work of others sent as its own{on}",
+            )
     probed = ""  # set when the probe vouched for the update's direction
     if probe is not None and policy.probe:
         before, after = float(probe[0]), float(probe[1])
