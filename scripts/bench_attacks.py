@@ -134,6 +134,67 @@ def verification(events: list[dict[str, Any]], peers: set[str]) -> dict[str, int
             "expelled": len({e["peer"] for e in mine if e.get("type") == "expelled"})}
 
 
+def signal_marks(events: list[dict[str, Any]], hostile: set[str]) -> dict[str, dict[str, int]]:
+    """The cheap signals' marks (coordinator/gate.py ``suspect``) on the run's honest and hostile updates, from its
+    journal: ``refused`` (a counted rejection), ``weak`` (applied with weak agreement), ``close`` (applied at cosine
+    >= the smallest close bar, ``GatePolicy.suspect_cosine``: an upper bound on the close marks, whose bar can be
+    higher where the consensus is tight), ``any`` (an update with at least one)."""
+    import re
+
+    from asyncloco.coordinator.gate import GatePolicy
+
+    bar = GatePolicy().suspect_cosine
+    out = {who: {"updates": 0, "refused": 0, "weak": 0, "close": 0, "any": 0} for who in ("honest", "hostile")}
+    for event in events:
+        kind = event.get("type")
+        if kind not in ("applied", "rejected") or not event.get("peer") or (kind == "rejected" and not event.get("lease_id")):
+            continue
+        row = out["hostile" if event["peer"] in hostile else "honest"]
+        text = str(event.get("gate", "")) if kind == "applied" else str(event.get("reason", ""))
+        found = re.search(r"cosine (-?[0-9.]+)", text)
+        refused = kind == "rejected" and "not counted" not in text
+        weak = kind == "applied" and "weak agreement" in text
+        close = kind == "applied" and found is not None and float(found.group(1)) >= bar
+        row["updates"] += 1
+        row["refused"] += refused
+        row["weak"] += weak
+        row["close"] += close
+        row["any"] += refused or weak or close
+    return out
+
+
+def signals_table(directories: list[Path]) -> list[str]:
+    """``--signals``: every finished run under ``directories`` (their ``*/run`` folders), the signals' marks on honest
+    updates (the false positives) and on the attackers', per row."""
+    rows: dict[str, dict[str, dict[str, int]]] = {}
+    for directory in directories:
+        for run in sorted(directory.glob("*/run")):
+            journal = run / "coordinator" / "events.jsonl"
+            if not journal.exists():
+                continue
+            hostile = {json.loads(p.read_text()).get("peer_id", "") for p in run.glob("hostile*.json")} - {""}
+            events = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
+            row = run.parent.name.split("-gate-")[0]
+            total = rows.setdefault(row, {who: {} for who in ("honest", "hostile")})
+            for who, counts in signal_marks(events, hostile).items():
+                for key, value in counts.items():
+                    total[who][key] = total[who].get(key, 0) + value
+    lines = ["| row | who | updates | refused (counted) | weak agreement | close to an echo (≤) | any mark |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for row, whos in rows.items():
+        for who, c in whos.items():
+            if c.get("updates"):
+                lines.append(f"| {row} | {who} | {c['updates']} | {c['refused']} | {c['weak']} | {c['close']} | "
+                             f"{c['any']} ({100 * c['any'] / c['updates']:.1f} %) |")
+    honest = [c for whos in rows.values() for who, c in whos.items() if who == "honest" and c.get("updates")]
+    clean = [rows[r]["honest"] for r in rows if r == "clean" and rows[r]["honest"].get("updates")]
+    for name, group in (("clean runs", clean), ("all runs", honest)):
+        n, marked = sum(c["updates"] for c in group), sum(c["any"] for c in group)
+        if n:
+            lines.append(f"false positives on honest updates, {name}: {marked} of {n} ({100 * marked / n:.2f} %)")
+    return lines
+
+
 def final_perplexity(config: Path, checkpoint_dir: Path) -> tuple[float, float]:
     perplexity, max_abs, _, _ = final_metrics(config, checkpoint_dir)
     return perplexity, max_abs
@@ -414,7 +475,17 @@ def main() -> int:
     parser.add_argument("--new", action="store_true", help=f"the issue 16 rows {NEW} (instead of --attacks)")
     parser.add_argument("--verify", action="store_true", help="runtime.verify: {enabled: true, inner_state: reset} in every run")
     parser.add_argument("--colluders", type=int, default=1, help="hostile identities per attack row (a row's xK overrides)")
+    parser.add_argument("--signals", nargs="+", metavar="OUT", type=Path,
+                        help="only read the finished runs under these --out directories: the cheap signals' marks "
+                             "(gate.suspect) on honest and hostile updates, the honest ones being false positives")
     args = parser.parse_args()
+    if args.signals:
+        missing = [str(d) for d in args.signals if not d.is_dir()]
+        if missing:
+            parser.error(f"--signals: no such directory {', '.join(missing)} (give the --out of earlier runs)")
+        for line in signals_table(args.signals):
+            print(line)
+        return 0
     if args.new:
         args.attacks = NEW
     for row in args.attacks:

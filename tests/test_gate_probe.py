@@ -301,6 +301,7 @@ def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
     for _ in range(policy.quarantine_window):
         good = with_cosine(0.4)
         G.record(policy, state, G.score(policy, state, good, 10, "old"), good, 10, "old", 0.0)
+        state.reference = warm_state().reference  # keep the consensus at e0: the next cosine is exactly 0.4
     assert state.weak["old"] == [False] * 6 and G.suspect(state, "old") == ""
     # a counted rejection marks it too (and takes precedence in the reason)
     fresh = warm_state()
@@ -318,20 +319,20 @@ def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
 @pytest.mark.timeout(30)
 def test_an_echo_of_the_consensus_is_refused_and_quarantines_but_close_honest_agreement_is_not() -> None:
     """Free-riding (issue 16): the newest θ difference sent back at an honest norm agrees with the consensus at
-    cosine ≈ 0.96-1.0, honest work at ≤ 0.82 (the attack benchmark). Bar: max(echo_cosine 0.95, median + 6 MAD)."""
+    cosine ≈ 0.96-1.0, honest work at ≤ 0.82 (the attack benchmark). Fixed bar echo_cosine 0.95 — off only where
+    the recent median itself is ≥ 0.95 (a small model whose honest updates all agree that closely)."""
     policy = G.GatePolicy()
-    state = warm_state(center=0.4)  # MAD 0 → floor 1e-3: bar = max(0.95, 0.406) = 0.95
+    state = warm_state(center=0.4)
+    state.cosines = [0.3, 0.4, 0.5, 0.9, 0.93, 0.94, 0.94, 0.94, 0.94, 0.94]  # an echo's own accepted ones among them
     assert G.score(policy, state, with_cosine(0.94), 10, "old").action == "accept"
     for attempt in range(policy.quarantine_after):
         verdict = G.score(policy, state, with_cosine(0.97), 10, "old")
         assert (verdict.action, verdict.counts) == ("reject", True)
-        assert verdict.reason.startswith("echoes the consensus: cosine 0.970 >= 0.950 (median 0.400)"), verdict.reason
+        assert verdict.reason.startswith("echoes the consensus: cosine 0.970 >= 0.950 (median 0.935)"), verdict.reason
         quarantined = G.record(policy, state, verdict, None, 10, "old", 0.0)
     assert quarantined is not None and G.is_quarantined(state, "old", 1.0)
-    # where honest work itself agrees closely (a small model: cosines 0.97-0.99), the bar rises with it
+    # where honest work itself agrees that closely (median ≥ 0.95), the check is off
     close = warm_state(center=0.98)
-    close.cosines = [0.97, 0.975, 0.98, 0.98, 0.985, 0.99, 0.98, 0.98, 0.975, 0.985]
-    assert G.score(policy, close, with_cosine(0.99), 10, "old").action == "accept"  # bar min(0.999, 0.98 + 6 × 0.005)
-    assert G.score(policy, close, with_cosine(0.9995), 10, "old").action == "reject"
+    assert G.score(policy, close, with_cosine(0.999), 10, "old").action == "accept"
     # before warm-up nothing is judged on direction
     assert G.score(policy, warm_state(center=0.4, accepted=3), with_cosine(0.99), 10, "old").action == "accept"

@@ -66,7 +66,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
-    "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "wants_probe", "suspect",
+    "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "wants_probe", "suspect", "close_bar",
 ]
 
 
@@ -90,6 +90,8 @@ class GatePolicy:
     flip_margin: float = 0.25
     echo_cosine: float = 0.95
     echo_mads: float = 6.0
+    suspect_cosine: float = 0.85  # an applied update agreeing at least this closely marks its peer a verification suspect
+    suspect_mads: float = 4.0  # ... raised to median + suspect_mads × MAD where honest work agrees closely
     window: int = 32
     warmup: int = 6
     reference_decay: float = 0.8
@@ -130,6 +132,7 @@ class GateState:
     quarantined_until: dict[str, float] = field(default_factory=dict)
     quarantines: dict[str, int] = field(default_factory=dict)
     weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement
+    close: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = close to an echo
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -143,6 +146,7 @@ class GateState:
             "quarantined_until": dict(self.quarantined_until),
             "quarantines": dict(self.quarantines),
             "weak": {k: list(v) for k, v in self.weak.items()},
+            "close": {k: list(v) for k, v in self.close.items()},
         }
 
     @classmethod
@@ -159,6 +163,7 @@ class GateState:
             quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
             quarantines={k: int(v) for k, v in state["quarantines"].items()},
             weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent before issue 16
+            close={k: [bool(x) for x in v] for k, v in state.get("close", {}).items()},  # absent before its signal
         )
 
 
@@ -197,15 +202,33 @@ def _mad(values: list[float], center: float) -> float:
     return median(abs(v - center) for v in values)
 
 
+def close_bar(policy: GatePolicy, cosines: list[float]) -> float:
+    """The cosine from which an applied update counts as *close to an echo* of the consensus (:func:`suspect`):
+    ``suspect_cosine``, raised to median + ``suspect_mads`` × MAD of the recent accepted cosines where honest work
+    itself agrees closely, and never above the echo bar (:func:`score` refuses from there)."""
+    center = median(cosines)
+    spread = max(_mad(cosines, center), 1e-3)
+    echo = policy.echo_cosine if center < policy.echo_cosine else 1.0  # score's echo bar (off when the median is above it)
+    return min(echo, max(policy.suspect_cosine, center + policy.suspect_mads * spread))
+
+
 def suspect(gate: GateState, peer: str) -> str:
-    """Why ``peer`` deserves more verification (coordinator/logic.py's ``verify_reason``), or "": a counted
-    rejection among its recent verdicts, or an update taken with weak agreement (a cheap signal: where an
-    attacker shaped to pass the gate lands, and honest work rarely — the false-positive rate measured on
-    honest peers is in docs/threat-model.md)."""
+    """Why ``peer`` deserves more verification (coordinator/logic.py's ``verify_reason``), or "". Cheap signals, each
+    a reason to re-run more of the peer's leases, never to refuse its work (docs/threat-model.md has their
+    false-positive rates on the honest peers of the attack benchmark):
+
+    * a counted rejection among its recent verdicts;
+    * an update taken with weak agreement (where an attacker shaped to pass the gate lands, honest work rarely);
+    * an applied update close to an echo of the consensus (cosine ≥ :func:`close_bar`, below the echo bar that
+      refuses): a free-rider's echo scaled or noised to stay under the bar, and a peer that has steered the
+      consensus its own way (three colluding identities with one hidden direction agreed at 0.82-0.92 with the
+      consensus they dominated; honest updates at most 0.824, median 0.33, over the benchmark's runs)."""
     if any(gate.verdicts.get(peer, ())):
         return "recently refused by the gate"
     if any(gate.weak.get(peer, ())):
         return "recently agreed only weakly with the consensus"
+    if any(gate.close.get(peer, ())):
+        return "recently agreed with the consensus almost like an echo of it"
     return ""
 
 
@@ -276,15 +299,16 @@ def score(
         # honest norm — is no work of its own, and fed back through the outer momentum it drove the demo's model
         # to a perplexity of 1e16-1e22 in the attack benchmark (37 of 62 updates were the free-rider's: not
         # training, it turns leases round at once). Honest updates never agree that closely: the highest cosine
-        # of an honest update over 18 benchmark runs was 0.82 (median 0.3), the echo's median 0.96. The bar is
-        # echo_cosine, raised to median + echo_mads × MAD where honest work itself agrees closely (a small model).
+        # of an honest update over 18 benchmark runs was 0.82 (median 0.3), the echo's median 0.96. The bar is a
+        # fixed echo_cosine, not one that follows the recent cosines: the echo's own accepted updates fill the
+        # window (a bar at median + 6 MAD climbed to 0.999 in a benchmark run and let it through). Only where the
+        # run's consensus is itself that tight (median >= echo_cosine: a small model) is the check off.
         center = median(gate.cosines)
-        bar = min(0.999, max(policy.echo_cosine, center + policy.echo_mads * max(_mad(gate.cosines, center), 1e-3)))
-        if cosine >= bar:
+        if center < policy.echo_cosine <= cosine:
             return GateVerdict(
                 "reject", 0.0, norm, cosine,
-                f"echoes the consensus: cosine {cosine:.3f} >= {bar:.3f} (median {center:.3f}); no honest update "
-                f"agrees this closely — work of others sent as its own{on}",
+                f"echoes the consensus: cosine {cosine:.3f} >= {policy.echo_cosine:.3f} (median {center:.3f}); no "
+                f"honest update agrees this closely — work of others sent as its own{on}",
             )
     probed = ""  # set when the probe vouched for the update's direction
     if probe is not None and policy.probe:
@@ -387,6 +411,14 @@ def record(
     Returns the reason when this verdict put ``peer`` into quarantine."""
     rejected = verdict.action == "reject"
     counted = rejected and verdict.counts
+    # judged against the statistics before this update joins them (as score judged it)
+    close = (
+        not rejected and verdict.cosine is not None and gate.accepted >= policy.warmup and len(gate.cosines) >= 3
+        and verdict.cosine >= close_bar(policy, gate.cosines)
+    )
+    near = gate.close.setdefault(peer, [])
+    near.append(close)
+    del near[: max(0, len(near) - policy.quarantine_window)]
     history = gate.verdicts.setdefault(peer, [])
     probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
     history.extend([counted, counted] if (counted and probation) else [counted])

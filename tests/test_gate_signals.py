@@ -1,0 +1,111 @@
+"""Cheap signals for verification (issue 16): the gate marks a peer a *suspect* — more of its leases re-run
+(coordinator/logic.py ``verify_reason`` at ``suspect_fraction``) — without refusing its work.
+
+Pure: :func:`asyncloco.coordinator.gate.score` / ``record`` / ``suspect`` on a constructed gate state, exact
+verdicts and marks. The false-positive rates on honest peers measured in the attack benchmark are in
+docs/threat-model.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncloco.coordinator import gate as G
+
+N = 64
+
+
+def e0() -> torch.Tensor:
+    reference = torch.zeros(N)
+    reference[0] = 1.0
+    return reference
+
+
+def warm_state(center: float = 0.4, accepted: int = 10) -> G.GateState:
+    """A warmed-up gate: consensus e0, every recent cosine ``center`` (MAD 0), every per-step norm 1."""
+    return G.GateState(
+        norms=[1.0] * accepted, cosines=[center] * accepted, reference=e0(), reference_norm=1.0,
+        accepted=accepted, peer_accepted={"old": accepted},
+    )
+
+
+def with_cosine(cosine: float, norm: float = 10.0) -> torch.Tensor:
+    """A vector of ``norm`` whose cosine with e0 is exactly ``cosine`` (steps = 10 → per-step norm 1)."""
+    update = torch.zeros(N, dtype=torch.float64)
+    update[0] = cosine
+    update[1] = math.sqrt(1.0 - cosine * cosine)
+    return (update * norm).float()
+
+
+def submit(policy: G.GatePolicy, state: G.GateState, peer: str, cosine: float) -> G.GateVerdict:
+    """Score and book an update at ``cosine``; the consensus is put back to e0 (``record`` moves it towards every
+    accepted update) so the next cosine is exact."""
+    update = with_cosine(cosine)
+    verdict = G.score(policy, state, update, 10, peer)
+    G.record(policy, state, verdict, None if verdict.action == "reject" else update * verdict.scale, 10, peer, 0.0)
+    state.reference, state.reference_norm = e0(), 1.0
+    return verdict
+
+
+@pytest.mark.timeout(30)
+def test_close_to_an_echo_marks_a_peer_suspect_but_is_applied() -> None:
+    """An applied update at cosine ≥ max(suspect_cosine 0.85, median + 4 MAD) with the consensus — below the echo
+    bar (0.95) that refuses — marks its peer a suspect, and its work is applied. Honest updates of the attack
+    benchmark agreed at most 0.824; a free-rider's echoes at 0.96-1.0, three colluders' at 0.82-0.92."""
+    policy = G.GatePolicy()
+    state = warm_state(center=0.4)  # MAD stays 0 (floor 1e-3) below: the bar is 0.85 throughout
+    state.peer_accepted.update({"h": 10, "x": 10})
+    streams = {"h": [0.2, 0.82, 0.5, 0.849, 0.3], "x": [0.86, 0.9, 0.94]}
+    for peer, cosines in streams.items():
+        for cosine in cosines:
+            assert G.close_bar(policy, state.cosines) == pytest.approx(0.85)
+            verdict = submit(policy, state, peer, cosine)
+            assert (verdict.action, verdict.weak) == ("accept", False), verdict.reason
+    assert state.close == {"h": [False] * 5, "x": [True] * 3}
+    assert G.suspect(state, "h") == "" and state.accepted == 18
+    assert G.suspect(state, "x") == "recently agreed with the consensus almost like an echo of it"
+    # an echo at or above 0.95 is refused (counted), not marked close: the rejection is the stronger reason
+    echo = submit(policy, state, "h", 0.97)
+    assert (echo.action, echo.counts) == ("reject", True)
+    assert state.close["h"] == [False] * 6 and G.suspect(state, "h") == "recently refused by the gate"
+    # it survives a snapshot; one written before the signal (no "close" key) still loads
+    restored = G.GateState.from_state_dict(state.state_dict())
+    assert restored.close == state.close and G.suspect(restored, "x") == G.suspect(state, "x")
+    old = state.state_dict()
+    del old["close"]
+    assert G.GateState.from_state_dict(old).close == {}
+    # six ordinary updates later (quarantine_window) the mark is gone
+    for _ in range(policy.quarantine_window):
+        assert submit(policy, state, "x", 0.4).action == "accept"
+    assert state.close["x"] == [False] * 6 and G.suspect(state, "x") == ""
+
+
+@pytest.mark.timeout(30)
+def test_close_bar_follows_a_tight_consensus_and_waits_for_warm_up() -> None:
+    policy = G.GatePolicy()
+    # where honest work agrees closely the bar rises to median + 4 MAD (0.84 + 4 × 0.02), never above the echo bar
+    assert G.close_bar(policy, [0.8, 0.82, 0.84, 0.86, 0.88]) == pytest.approx(0.92)
+    assert G.close_bar(policy, [0.9, 0.92, 0.94, 0.96, 0.98]) == pytest.approx(0.95)
+    # before warm-up nothing is marked (and nothing is judged on direction)
+    early = warm_state(center=0.4, accepted=3)
+    assert submit(policy, early, "old", 0.9).action == "accept"
+    assert early.close == {"old": [False]} and G.suspect(early, "old") == ""
+
+
+@pytest.mark.timeout(30)
+def test_honest_stream_of_the_benchmark_marks_no_one() -> None:
+    """The per-peer median cosines of the honest peers of two clean benchmark runs (0.16-0.54, max single 0.82)
+    replayed through the gate: no close mark, no weak verdict, no refusal — 0 false positives of 30."""
+    policy = G.GatePolicy()
+    state = warm_state(center=0.33)
+    state.cosines = [0.16, 0.25, 0.54, 0.19, 0.27, 0.48, 0.3, 0.33, 0.41, 0.22]
+    state.peer_accepted.update({"a": 10, "b": 10, "c": 10})
+    pattern = {"a": [0.16, 0.05, 0.3, 0.12, 0.22], "b": [0.25, 0.4, 0.1, 0.33, 0.28], "c": [0.54, 0.82, 0.7, 0.45, 0.6]}
+    verdicts = [submit(policy, state, peer, c) for _ in range(2) for peer, cs in pattern.items() for c in cs]
+    assert [v.action for v in verdicts] == ["accept"] * 30
+    assert sum(v.weak for v in verdicts) == 0
+    assert {p: sum(marks) for p, marks in state.close.items()} == {"a": 0, "b": 0, "c": 0}
+    assert [G.suspect(state, p) for p in pattern] == ["", "", ""]
