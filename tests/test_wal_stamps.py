@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from asyncloco import __version__
-from asyncloco.coordinator import daemon as daemon_module
+from asyncloco.coordinator import durability as durability_module
+from asyncloco.coordinator import logic as logic_module
 from asyncloco.coordinator.checkpoint import SNAPSHOT_NAME, load_snapshot, save_snapshot
 from asyncloco.coordinator.daemon import EVENT_TYPES, SOFTWARE_STAMP, CoordinatorDaemon
 from asyncloco.coordinator.logic import Applied, HoldDropped, Hold, RequestWork
@@ -99,7 +100,7 @@ def test_resume_refuses_a_snapshot_of_another_version_and_accepts_its_own(tmp_pa
     snapshot = load_snapshot(run_dir)
     assert snapshot["stamp"] == SOFTWARE_STAMP and "model_snapshots" not in snapshot
     other = "asyncloco 0.0.1, events 000000000000"
-    monkeypatch.setattr(daemon_module, "SOFTWARE_STAMP", other)
+    monkeypatch.setattr(durability_module, "SOFTWARE_STAMP", other)  # what --resume accepts
     with pytest.raises(WalError) as refused:
         CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)
     message = str(refused.value)
@@ -182,13 +183,13 @@ def test_the_daemon_logs_a_dropped_hold_and_replay_feeds_it_to_handle(tmp_path: 
     records = list(read_records(run_dir / WAL_DIR, 0))
     assert [(r.kind, r.type, r.fields) for r in records if r.type == "HoldDropped"] == [("event", "HoldDropped", {"peer": "peer-a"})]
     assert all(r.kind == "event" for r in records)  # no daemon-side marks any more
-    real_handle = daemon_module.handle
+    real_handle = logic_module.handle
 
     def spy(state: Any, event: Any, now: float) -> Any:
         handled.append(event)
         return real_handle(state, event, now)
 
-    monkeypatch.setattr(daemon_module, "handle", spy)
+    monkeypatch.setattr(logic_module, "handle", spy)  # the node and the replay call it through the module
     resumed = CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)
     assert HoldDropped("peer-a") in handled and resumed.replayed == len(records)
     assert torch.equal(resumed.state.params, daemon.state.params)

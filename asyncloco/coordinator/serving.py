@@ -1,0 +1,271 @@
+"""The coordinator's RPC handlers: wire messages (transport/wire.py, served by transport/rpc.py's
+``CoordinatorService``) become events of the logic through the node (coordinator/node.py), and the
+logic's verdicts become replies. Admission (coordinator/admission.py) is checked before anything an
+outsider sent is decoded; the compatibility check (asyncloco/fingerprint.py) refuses mismatched peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+
+from asyncloco import __version__
+from asyncloco.config import RunConfig
+from asyncloco.coordinator import gate as update_gate
+from asyncloco.coordinator.admission import AdmissionError, verify_token
+from asyncloco.coordinator.logic import (
+    Admit,
+    Applied,
+    Duplicate,
+    Fetched,
+    Hello,
+    HoldDropped,
+    Lease,
+    Refused,
+    Rejected,
+    RequestWork,
+    SubmitUpdate,
+    admission_problem,
+    base_theta,
+    is_admitted,
+)
+from asyncloco.coordinator.monitoring import Monitoring, Waiter
+from asyncloco.coordinator.node import CoordinatorNode
+from asyncloco.coordinator.probe import Probe
+from asyncloco.fingerprint import mismatch_reason
+from asyncloco.models.workload import Workload
+
+__all__ = ["Serving", "lease_to_wire"]
+
+logger = logging.getLogger("asyncloco.coordinator.daemon")  # the coordinator's log lines keep their name (operators filter on it)
+
+
+def lease_to_wire(lease: Lease, batch_size: int) -> dict[str, Any]:
+    return {
+        "lease_id": lease.lease_id,
+        "base_version": lease.base_version,
+        "shard": lease.shard,
+        "start_offset": lease.start_offset,
+        "steps": lease.steps,
+        "lr_offset": lease.lr_offset,
+        "batch_size": batch_size,
+        "issued_at": lease.issued_at,
+        "deadline": lease.deadline,
+    }
+
+
+class Serving:
+    """``check_admitted``, ``assign``, ``get_model``, ``submit`` and the compatibility check."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        node: CoordinatorNode,
+        monitoring: Monitoring,
+        workload: Workload,
+        model: torch.nn.Module,
+        numel: int,
+        admission_key: Any,
+    ) -> None:
+        self.cfg = cfg
+        self.node = node
+        self.monitoring = monitoring
+        self.workload = workload
+        self.model = model
+        self.numel = numel
+        self.admission_key = admission_key  # the coordinator's public key (runtime.admission: token), else None
+        self.service: Any = None  # the transport service, once serving (upload times per submission)
+        self.fingerprint: dict[str, str] = {}  # this run's (asyncloco/fingerprint.py), computed at start-up
+        self.fingerprint_refusals: dict[str, str] = {}  # peer id → why its fingerprint was refused
+        self._decode_buffers: list[torch.Tensor] = []  # at most one idle θ-sized int8 decode buffer (submit)
+        self._probe: Optional[Probe] = None  # the update gate's probe (issue 7), built on first use
+
+    # --- admission (coordinator/admission.py): nothing is served to a peer the logic does not admit
+
+    async def check_admitted(self, peer_id: str, token: Any = None) -> None:
+        """Raise :class:`PermissionError` ("not admitted: ...") unless ``peer_id`` may be served now.
+
+        A token (``runtime.admission: token``) is verified here (signature, format: crypto, not the
+        logic's business) and becomes an :class:`Admit` event; the logic decides (expiry, revocation,
+        binding to the first peer id that used it). Refusals are journaled at a bounded rate and a
+        refused peer's further attempts within a few seconds are answered from a cache, so a flood of
+        unadmitted calls writes neither the write-ahead log nor unbounded log lines."""
+        node, refusals = self.node, self.monitoring.refusals
+        now = node.clock.time()
+        if is_admitted(node.state, peer_id, now):
+            return
+        if self.admission_key is None or token is None:
+            reason = admission_problem(node.state, peer_id, now)
+            raise PermissionError("not admitted: " + refusals.refuse(self.monitoring.journal, peer_id, reason, now))
+        cached = refusals.cached(peer_id, token, now)
+        if cached is not None:
+            raise PermissionError("not admitted: " + cached)
+        try:
+            claims = verify_token(self.admission_key, token)
+        except AdmissionError as error:
+            raise PermissionError("not admitted: " + refusals.refuse(self.monitoring.journal, peer_id, str(error), now, token)) from None
+        async with node.lock:
+            node.refuse_if_stopping()
+            actions = await node.decide(Admit(peer_id, claims.token_id, claims.name, claims.expires_at))
+        if is_admitted(node.state, peer_id, node.clock.time()):
+            return
+        reason = next((a.reason for a in actions if isinstance(a, Refused)), admission_problem(node.state, peer_id, now))
+        refusals.remember(peer_id, token, reason, now)
+        raise PermissionError("not admitted: " + reason)
+
+    async def assign(self, request: Any, peer_id: str) -> Any:
+        """The ``assign`` RPC: ``request`` is a transport.wire.AssignRequest; returns a HelloReply (kind
+        "config") or a LeaseReply."""
+        from asyncloco.transport.wire import HelloReply, LeaseReply
+        from asyncloco.transport.wire import Lease as WireLease
+
+        if peer_id in self.fingerprint_refusals:  # failed the compatibility check (check_fingerprint)
+            raise PermissionError(f"not admitted: {self.fingerprint_refusals[peer_id]}")
+        await self.check_admitted(peer_id, request.get("token") if isinstance(request, dict) else getattr(request, "token", None))
+        if request.kind == "config":
+            return HelloReply(
+                config=json.dumps(self.cfg.model_dump(mode="json")),
+                model_numel=self.numel,
+                codec=self.cfg.runtime.codec,
+                download_codec=self.cfg.runtime.download_codec,
+                run_id=self.cfg.runtime.run_id,
+                software_version=__version__,
+            )
+        node, stats, waiters = self.node, self.monitoring.stats, self.monitoring.waiters
+        speed = request.tokens_per_s  # a finite float ≥ 0 or None (checked by the transport)
+        signer = request.signer if request.signer is not None and 0 < len(request.signer) <= 64 else None
+        name = request.name or ""
+        async with node.lock:
+            node.refuse_if_stopping()
+            if name:  # the volunteer's --name (validated by the transport), for the status table
+                stats.peer(peer_id).name = name[:64]
+            info = node.state.peers.get(peer_id)
+            if info is None or not info.alive or (signer is not None and info.signer != signer) or (name and info.name != name):
+                # The authenticated hello: registers the peer with the speed from its request (before the
+                # DHT read loop saw its record) and binds its DHT signing key and name to this peer id.
+                await node.decide(Hello(peer_id, signer, name[:64], speed))
+                if name:
+                    stats.peer(peer_id).name = name[:64]
+            previous = waiters.pop(peer_id, None)
+            if previous is not None and not previous.future.done():
+                previous.future.cancel()
+            loop = asyncio.get_running_loop()
+            waiter = Waiter(loop.create_future(), node.clock.time())
+            waiters[peer_id] = waiter
+            actions = await node.decide(RequestWork(peer_id))
+            for action in actions:
+                if isinstance(action, Rejected) and action.peer == peer_id:
+                    waiters.pop(peer_id, None)
+                    return LeaseReply(None, action.reason)
+        try:
+            lease = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=self.hold_limit())
+            if lease is None:  # the logic released the held request (hold limit)
+                return LeaseReply(None, "held too long; ask again")
+        except asyncio.TimeoutError:
+            async with node.lock:
+                if waiters.get(peer_id) is waiter:
+                    del waiters[peer_id]
+                if not node.stopping:  # an event of the logic, logged like every other (replay drops it too)
+                    await node.decide(HoldDropped(peer_id))
+            return LeaseReply(None, "held too long; ask again")
+        except asyncio.CancelledError:
+            return LeaseReply(None, "superseded by a newer request")
+        return LeaseReply(WireLease.from_wire(lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))))
+
+    def hold_limit(self) -> float:
+        """How long an RPC waits on a held request: a little past the logic's hold limit, which answers it."""
+        return self.node.state.policy.hold_limit + 5.0
+
+    async def get_model(self, version: Optional[int], peer_id: Optional[str] = None) -> tuple[int, torch.Tensor]:
+        if peer_id is not None:
+            await self.check_admitted(peer_id)
+        node = self.node
+        async with node.lock:
+            if version is None:
+                version = node.state.version
+            theta = base_theta(node.state, version)
+            if theta is None:
+                raise ValueError(f"version {version} is no longer served (current {node.state.version}); ask for a new lease")
+            theta = theta.clone() if version == node.state.version else theta  # older versions never change
+            if peer_id is not None and not node.stopping:
+                # θ at this version is on its way to the peer: the logic may stop retaining it
+                await node.decide(Fetched(peer_id, version))
+        return version, theta
+
+    async def gate_probe(
+        self, peer_id: str, lease_id: str, base_version: int, update: torch.Tensor
+    ) -> tuple[Optional[float], Optional[float]]:
+        """The probe-batch losses at θ and θ − s·Δ for an update the gate may need them for (``gate.wants_probe``),
+        else (None, None). Call with the node's lock held: θ must not change until ``handle`` has judged it. Only a
+        live lease of this peer at its base version is probed (junk costs no forward pass)."""
+        state = self.node.state
+        gate = state.policy.gate
+        lease = state.leases.get(lease_id)
+        if gate is None or lease is None or lease.peer != peer_id or lease.base_version != base_version:
+            return None, None
+        if not update_gate.wants_probe(gate, state.gate, peer_id, self.numel):
+            return None, None
+        if self._probe is None:
+            self._probe = Probe(self.workload, self.model, self.cfg.runtime.gate.probe_sequences, self.cfg.runtime.eval_device)
+        started = time.perf_counter()
+        before, after = await asyncio.to_thread(self._probe.losses, state.version, state.params, update, gate.probe_step)
+        logger.debug("probe of %s: %.4f -> %.4f in %.3f s", lease_id, before, after, time.perf_counter() - started)
+        return before, after
+
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+        """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
+        optional ``inner_loss``); returns a transport.wire.Ack."""
+        from asyncloco.transport.codecs import decode
+        from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
+
+        lease_id, base_version = header.lease_id, header.base_version
+        node = self.node
+
+        await self.check_admitted(peer_id)  # before decoding anything an outsider sent
+        upload_s = self.service.upload_seconds.get(peer_id, 0.0) if self.service is not None else 0.0
+        # --- int8 is decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of page faults;
+        # issue 8's ack-latency target). The logic keeps no reference to the update after handle.
+        reuse = getattr(pseudo_gradient, "codec", None) == "int8"
+        buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
+        update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
+        try:
+            async with node.lock:
+                node.refuse_if_stopping()
+                probe = await self.gate_probe(peer_id, lease_id, base_version, update)  # the gate's gray-zone tie-breaker
+                event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6),
+                                     probe_before=probe[0], probe_after=probe[1],
+                                     state_start=getattr(header, "state_start", None), state_end=getattr(header, "state_end", None))
+                actions = await node.decide(event, wire=pseudo_gradient)
+        finally:
+            if reuse and not self._decode_buffers:
+                self._decode_buffers.append(update)
+        if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
+            self.monitoring.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
+        for action in actions:
+            if isinstance(action, Applied) and action.lease_id == lease_id:
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False)
+            if isinstance(action, Duplicate) and action.lease_id == lease_id:
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], True)
+            if isinstance(action, Rejected) and action.lease_id == lease_id:
+                return Ack(False, node.state.version, action.reason[:MAX_REASON_CHARS], False)
+        raise AssertionError(f"submit of {lease_id} produced no verdict: {actions}")
+
+    async def check_fingerprint(self, peer_id: str, fingerprint: dict[str, str], software_version: str) -> Optional[str]:
+        """The reason to refuse a peer whose model/tokenizer/data/codec differ from this run's (None: it fits).
+        A refused peer's lease requests are refused too (see :meth:`assign`)."""
+        reason = mismatch_reason(self.fingerprint, fingerprint, __version__, software_version[:64])
+        if reason is None:
+            self.fingerprint_refusals.pop(peer_id, None)
+            return None
+        differing = [name for name in self.fingerprint if self.fingerprint[name] != fingerprint.get(name)]
+        if peer_id not in self.fingerprint_refusals:
+            self.monitoring.journal.write("incompatible", peer=peer_id, differing=differing,
+                                          peer_version=software_version[:64], reason=reason)
+            logger.warning("refused %s: %s differ (peer runs asyncloco %s)", peer_id[-8:], ", ".join(differing), software_version[:64])
+        self.fingerprint_refusals[peer_id] = reason
+        return reason
