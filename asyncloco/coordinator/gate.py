@@ -208,7 +208,8 @@ def close_bar(policy: GatePolicy, cosines: list[float]) -> float:
     itself agrees closely, and never above the echo bar (:func:`score` refuses from there)."""
     center = median(cosines)
     spread = max(_mad(cosines, center), 1e-3)
-    echo = policy.echo_cosine if center < policy.echo_cosine else 1.0  # score's echo bar (off when the median is above it)
+    # score's echo bar; where the consensus itself is that tight (median >= echo_cosine) both are off
+    echo = policy.echo_cosine if center < policy.echo_cosine else math.inf
     return min(echo, max(policy.suspect_cosine, center + policy.suspect_mads * spread))
 
 
