@@ -163,6 +163,21 @@ def signal_marks(events: list[dict[str, Any]], hostile: set[str]) -> dict[str, d
     return out
 
 
+def verification_cost(events: list[dict[str, Any]]) -> dict[str, float]:
+    """From a run's journal with ``runtime.verify`` on: the steps re-run (leases with a verdict) and the steps of
+    every applied update (the run's training), and the seconds from an update's application to its verdict."""
+    applied = {e["lease_id"]: e for e in events if e.get("type") == "applied" and e.get("lease_id")}
+    verdicts = [e for e in events if e.get("type") == "verdict" and e.get("lease_id") in applied]
+    latency = sorted(float(v["time"]) - float(applied[v["lease_id"]]["time"]) for v in verdicts)
+    return {
+        "rerun_steps": float(sum(int(applied[v["lease_id"]].get("steps", 0)) for v in verdicts)),
+        "trained_steps": float(sum(int(e.get("steps", 0)) for e in applied.values())),
+        "verdicts": float(len(verdicts)),
+        "latency_median_s": latency[len(latency) // 2] if latency else math.nan,
+        "latency_max_s": latency[-1] if latency else math.nan,
+    }
+
+
 def signals_table(directories: list[Path]) -> list[str]:
     """``--signals``: every finished run under ``directories`` (their ``*/run`` folders), the signals' marks on honest
     updates (the false positives) and on the attackers', per row."""
@@ -186,6 +201,22 @@ def signals_table(directories: list[Path]) -> list[str]:
             if c.get("updates"):
                 lines.append(f"| {row} | {who} | {c['updates']} | {c['refused']} | {c['weak']} | {c['close']} | "
                              f"{c['any']} ({100 * c['any'] / c['updates']:.1f} %) |")
+    costs: dict[str, list[dict[str, float]]] = {}
+    for directory in directories:
+        for run in sorted(directory.glob("*/run")):
+            journal = run / "coordinator" / "events.jsonl"
+            if journal.exists():
+                cost = verification_cost([json.loads(x) for x in journal.read_text().splitlines() if x.strip()])
+                if cost["verdicts"]:
+                    costs.setdefault(run.parent.name.split("-gate-")[0], []).append(cost)
+    if costs:
+        lines += ["", "| row | runs | verdicts | re-run steps / trained steps | verdict latency median / max (s) |",
+                  "|---|---:|---:|---:|---|"]
+        for row, group in costs.items():
+            rerun, trained = sum(c["rerun_steps"] for c in group), sum(c["trained_steps"] for c in group)
+            lines.append(f"| {row} | {len(group)} | {sum(c['verdicts'] for c in group):.0f} | "
+                         f"{rerun:.0f} / {trained:.0f} ({100 * rerun / max(trained, 1):.0f} %) | "
+                         + ", ".join(f"{c['latency_median_s']:.1f} / {c['latency_max_s']:.1f}" for c in group) + " |")
     honest = [c for whos in rows.values() for who, c in whos.items() if who == "honest" and c.get("updates")]
     clean = [rows[r]["honest"] for r in rows if r == "clean" and rows[r]["honest"].get("updates")]
     for name, group in (("clean runs", clean), ("all runs", honest)):
