@@ -204,8 +204,7 @@ class GateConfig(StrictModel):
     cosine_cap: float = Field(0.05, le=1, description="never demand a higher cosine with the consensus than this")
     flip_margin: float = Field(0.25, ge=0, description="never accept a cosine below −this × the recent median")
     echo_cosine: float = Field(0.95, gt=0, le=1, description="refuse (counted) an update agreeing with the consensus "
-                               "at least this closely (and echo_mads above the recent cosines): an echo of others' work")
-    echo_mads: float = Field(6.0, gt=0, description="the echo bar is never below the recent median + this many MADs")
+                               "at least this closely, unless the recent median does too: an echo of others' work")
     window: int = Field(32, ge=3, description="accepted updates the statistics look back over")
     warmup: int = Field(6, ge=1, description="accepted updates before the direction and clip checks start")
     probation_updates: int = Field(3, ge=0, description="a new peer's first accepted updates are judged more strictly")

@@ -89,7 +89,6 @@ class GatePolicy:
     cosine_cap: float = 0.05
     flip_margin: float = 0.25
     echo_cosine: float = 0.95
-    echo_mads: float = 6.0
     suspect_cosine: float = 0.85  # an applied update agreeing at least this closely marks its peer a verification suspect
     suspect_mads: float = 4.0  # ... raised to median + suspect_mads × MAD where honest work agrees closely
     window: int = 32

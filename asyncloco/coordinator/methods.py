@@ -173,7 +173,6 @@ def coordinator_policy(
             cosine_mads=knobs.cosine_mads,
             cosine_cap=knobs.cosine_cap,
             echo_cosine=knobs.echo_cosine,
-            echo_mads=knobs.echo_mads,
             flip_margin=knobs.flip_margin,
             window=knobs.window,
             warmup=knobs.warmup,
