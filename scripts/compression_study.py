@@ -69,7 +69,8 @@ def run_task(task: str, seeds: int, codecs: list[str], updates: int | None, ef: 
             row = {"task": task, "seed": seed, "method": "async_dn_dylu", "codec": codec, "error_feedback": ef,
                    "loss": result.final["loss"], "local_updates": result.final["local_updates"],
                    "time_to_sync": reached, "sync_time": sync.final["time"],
-                   "x_fewer": 4 * numel / wire_bytes(codec, numel), "wall_s": time.monotonic() - started}
+                   "x_fewer": 4 * numel / wire_bytes(codec, numel), "parameters": numel,
+                   "wall_s": time.monotonic() - started}
             results.append(row)
             logger.info("%s seed %d %s: loss %.4f (×%.1f fewer bytes) to sync's loss at %s (%.0f s wall)", task, seed, codec,
                         row["loss"], row["x_fewer"], reached, row["wall_s"])
