@@ -145,7 +145,8 @@ def main() -> int:
             "ppl_at_budget": value_at(evals, args.budget), "ppl_at_equal_time": value_at(evals, equal_t),
             "time_to_sync_final_s": reach, "applied": r["applied"], "expired": r["expired"], "mb_uploaded": mb_up,
         })  # fmt: skip
-    summary = {"budget_s": args.budget, "peers": args.peers, "equal_time_s": equal_t, "sync_final_ppl": sync_final,
+    parameters = next((r.get("parameters") for r in results.values() if r.get("parameters")), None)
+    summary = {"budget_s": args.budget, "peers": args.peers, "parameters": parameters, "equal_time_s": equal_t, "sync_final_ppl": sync_final,
                "rows": rows, "runs": results}  # fmt: skip
     (out / "bench_wan.json").write_text(json.dumps(summary, indent=1))
 

@@ -124,6 +124,7 @@ def run_wan(
     python = sys.executable
     logs: list[Any] = []
     peer_processes: list[Any] = []
+    parameters: Optional[int] = None
     with tempfile.TemporaryDirectory(prefix="asyncloco-wan-") as scratch, WanNetwork() as net:
         try:
             coord = net.add_node("coord")
@@ -147,7 +148,9 @@ def run_wan(
                 return str(addresses[0]).rsplit("/p2p/", 1)[1] if addresses else None
 
             peer_id = _wait(coordinator_id, 300, "the coordinator to start", [coordinator])
-            run_id = json.loads(status_path.read_text()).get("run_id")
+            started_status = json.loads(status_path.read_text())
+            run_id = started_status.get("run_id")
+            parameters = started_status.get("parameters")
             for i, (spec, node) in enumerate(zip(peers, nodes)):
                 port_file = str(Path(scratch) / f"proxy{i}.port")
                 profile = spec.profile
@@ -209,6 +212,7 @@ def run_wan(
             summaries.append({})
     result = {
         "budget_s": budget_s,
+        "parameters": parameters,  # θ's size, from the coordinator's status.json
         "peers": [{"profile": s.profile.describe(), "slowdown": s.slowdown} for s in peers],
         "evals": evals,
         "applied": sum(1 for e in events if e["type"] == "applied"),
