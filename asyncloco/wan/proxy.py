@@ -387,7 +387,8 @@ class FaultProxy:
         finally:
             if not sender.done():
                 sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
+            # always collect the sender: a write that failed after the reader stopped is expected here, not news
+            await asyncio.gather(sender, return_exceptions=True)
 
 
 class ProxyThread:
