@@ -220,7 +220,7 @@ class Serving:
     async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
         """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
         optional ``inner_loss``); returns a transport.wire.Ack."""
-        from asyncloco.transport.codecs import decode
+        from asyncloco.transport.codecs import decode, decodes_into
         from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
 
         lease_id, base_version = header.lease_id, header.base_version
@@ -228,9 +228,9 @@ class Serving:
 
         await self.check_admitted(peer_id)  # before decoding anything an outsider sent
         upload_s = self.service.upload_seconds.get(peer_id, 0.0) if self.service is not None else 0.0
-        # --- int8 is decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of page faults;
-        # issue 8's ack-latency target). The logic keeps no reference to the update after handle.
-        reuse = getattr(pseudo_gradient, "codec", None) == "int8"
+        # --- int8, int2, topk*, grp* are decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of
+        # page faults; issue 8's ack-latency target). The logic keeps no reference to the update after handle.
+        reuse = decodes_into(str(getattr(pseudo_gradient, "codec", "")))
         buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
         try:

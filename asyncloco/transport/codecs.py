@@ -73,6 +73,7 @@ __all__ = [
     "group_params",
     "GROUP_SIZES",
     "GROUP_BITS",
+    "DECODE_SLAB",
 ]
 
 if sys.byteorder != "little":  # the raw formats below are little-endian views of native tensors
@@ -209,7 +210,7 @@ def _topk_kept(k: int, numel: int) -> int:
 
 def decodes_into(name: str) -> bool:
     """Whether :func:`decode` can write into a caller's preallocated buffer (``out=``) for codec ``name``."""
-    return name == "int8" or name.startswith(("topk", "grp"))
+    return name in ("int8", "int2") or name.startswith(("topk", "grp"))
 
 
 def wire_bytes(name: str, numel: int) -> int:
@@ -338,18 +339,79 @@ def _encode_int2(tensor: torch.Tensor) -> EncodedTensor:
     return encoded
 
 
-def _decode_int2(encoded: EncodedTensor) -> torch.Tensor:
+# Decoding int2 and grp* is a table look-up: every packed byte (int2: four 2-bit codes) or every code (grp*: a
+# position and its bits) indexes a small table of unit values (int2: 4 levels; grp*: a row of G values, zero
+# but at the position), and each block of 256 is then multiplied by its scale. Both run slab by slab
+# (DECODE_SLAB values: the codes, the slab of ``out`` and the temporaries stay in the CPU cache), so ``out`` is
+# written once and rescaled while still cached: one pass over θ, like bitsandbytes' int8 kernel.
+DECODE_SLAB = 1 << 16  # values per slab: a multiple of 256 (whole scale blocks) and of 8·32 (whole code words)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _int2_table() -> np.ndarray:
+    levels = np.array([INT2_INNER, INT2_OUTER, -INT2_INNER, -INT2_OUTER], dtype=np.float32)
+    byte = np.arange(256)
+    return np.stack([levels[(byte >> (2 * slot)) & 3] for slot in range(4)], axis=1)  # (256, 4): a byte's 4 values
+
+
+def _group_table(group: int, bits: int) -> np.ndarray:
+    """(2^(log2 G + bits), G): the unit row of each code — zero but at its position, where ±1 (bits 1) or
+    ±0.5/±1 (bits 2: bit 0 the magnitude, bit 1 the sign)."""
+    codes = np.arange(1 << (_log2(group) + bits))
+    value_bits, position = codes & ((1 << bits) - 1), codes >> bits
+    if bits == 1:
+        unit = np.where(value_bits == 1, -1.0, 1.0)
+    else:
+        unit = np.where(value_bits & 1 == 1, 1.0, 0.5) * np.where(value_bits & 2 == 2, -1.0, 1.0)
+    table = np.zeros((codes.size, group), dtype=np.float32)
+    table[codes, position] = unit
+    return table
+
+
+_TABLES: dict[str, np.ndarray] = {}
+
+
+def _table(name: str) -> np.ndarray:
+    if name not in _TABLES:
+        _TABLES[name] = _int2_table() if name == "int2" else _group_table(*group_params(name))
+    return _TABLES[name]
+
+
+def _scale_slab(out: np.ndarray, scale: np.ndarray, start: int, stop: int) -> None:
+    """Multiply the whole 256-value blocks of ``out[start:stop]`` (start a multiple of 256) by their scales."""
+    first, last = start // GROUP_BLOCK, stop // GROUP_BLOCK
+    if last > first:
+        rows = out[first * GROUP_BLOCK : last * GROUP_BLOCK].reshape(-1, GROUP_BLOCK)
+        np.multiply(rows, scale[first:last, None], out=rows)
+
+
+def _scale_tail(out: np.ndarray, scale: np.ndarray, numel: int) -> None:
+    """The short last block (numel not a multiple of 256) gets the last scale."""
+    if numel % GROUP_BLOCK:
+        tail = out[numel - numel % GROUP_BLOCK : numel]
+        np.multiply(tail, scale[-1], out=tail)
+
+
+def _decode_int2(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     numel = encoded.numel
-    rms = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
-    if not bool((torch.isfinite(rms) & (rms >= 0)).all()):
-        raise CodecError("codec 'int2': a block RMS is negative, NaN or Inf")
-    blocks = rms.numel()
-    codes = _unpack(encoded.payload, numel, 2)
-    if numel % INT2_BLOCKSIZE:  # a short last block: pad its codes to the block
-        codes = torch.cat([codes, torch.zeros(blocks * INT2_BLOCKSIZE - numel, dtype=torch.uint8)])
-    levels = torch.tensor([INT2_INNER, INT2_OUTER, -INT2_INNER, -INT2_OUTER], dtype=torch.float32)
-    values = levels[codes.long()].view(blocks, INT2_BLOCKSIZE).mul_(rms.unsqueeze(1))
-    return values.view(-1)[:numel].clone() if numel % INT2_BLOCKSIZE else values.view(-1)
+    rms = np.frombuffer(encoded.meta, dtype="<f4")
+    # finite and not negative, and small enough that the outer level (1.51 σ) stays finite
+    if not bool((np.isfinite(rms) & (rms >= 0) & (rms <= F32_MAX / INT2_OUTER)).all()):
+        raise CodecError(
+            f"codec 'int2': a block RMS is negative, NaN or Inf, or above {F32_MAX / INT2_OUTER:.4g} "
+            "(its outer level would overflow)"
+        )
+    packed = np.frombuffer(encoded.payload, dtype=np.uint8)
+    table, values = _table("int2"), out.numpy()
+    whole = numel // 4  # bytes holding four real values
+    for start in range(0, 4 * whole, DECODE_SLAB):
+        stop = min(start + DECODE_SLAB, 4 * whole)
+        np.take(table, packed[start // 4 : stop // 4], axis=0, out=values[start:stop].reshape(-1, 4))
+        _scale_slab(values, rms, start, stop)
+    if numel % 4:  # the last byte's first values
+        values[4 * whole :] = table[packed[whole], : numel % 4]
+    _scale_tail(values, rms, numel)  # the short last block: its whole-byte part and its last values
+    return out
 
 
 def _encode_topk(name: str, tensor: torch.Tensor) -> EncodedTensor:
@@ -423,13 +485,6 @@ def _pack_bits(codes: torch.Tensor, width: int) -> bytes:
     return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
 
 
-def _unpack_bits(buffer: Buffer, count: int, width: int) -> torch.Tensor:
-    if 8 % width == 0:
-        return _unpack(buffer, count, width)
-    bits = np.unpackbits(np.frombuffer(buffer, dtype=np.uint8), count=count * width, bitorder="little").reshape(count, width)
-    return torch.from_numpy((bits << np.arange(width, dtype=np.uint8)).sum(axis=1, dtype=np.uint8))
-
-
 def _encode_group(name: str, tensor: torch.Tensor) -> EncodedTensor:
     group, bits = group_params(name)
     numel = tensor.numel()
@@ -455,27 +510,52 @@ def _encode_group(name: str, tensor: torch.Tensor) -> EncodedTensor:
     return encoded
 
 
+def _code_words(buffer: Buffer, width: int) -> np.ndarray:
+    """The bit stream of ``width``-bit codes as 64-bit little-endian words, one per 8 codes: word m is the 8
+    bytes from byte m·width (overlapping reads; the stream is copied once with 8 zero bytes of padding)."""
+    padded = np.zeros(len(buffer) + 8, dtype=np.uint8)
+    padded[: len(buffer)] = np.frombuffer(buffer, dtype=np.uint8)
+    words = -(-len(buffer) // width)
+    return np.ndarray((words,), dtype="<i8", buffer=padded, strides=(width,))
+
+
+def _unpack_words(words: np.ndarray, first: int, count: int, width: int) -> np.ndarray:
+    """Codes ``first .. first + count`` (first a multiple of 8) from :func:`_code_words`, as int64: word m holds
+    codes 8m .. 8m + 7 at bits 0, width, 2·width, ... (a signed right shift is harmless: the mask keeps bits
+    below 8·width ≤ 56)."""
+    shifts = np.arange(0, 8 * width, width, dtype=np.int64)
+    codes = (words[first // 8 : first // 8 + -(-count // 8), None] >> shifts) & ((1 << width) - 1)
+    return codes.reshape(-1)[:count]
+
+
+def _unpack_bits(buffer: Buffer, count: int, width: int) -> torch.Tensor:
+    """All ``count`` codes of a ``width``-bit stream (inverse of :func:`_pack_bits`), as uint8."""
+    return torch.from_numpy(_unpack_words(_code_words(buffer, width), 0, count, width).astype(np.uint8))
+
+
 def _decode_group(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     name, numel = encoded.codec, encoded.numel
     group, bits = group_params(name)
-    scale = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
-    if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+    width = _log2(group) + bits
+    scale = np.frombuffer(encoded.meta, dtype="<f4")
+    if not bool((np.isfinite(scale) & (scale >= 0)).all()):  # values are ±scale or ±scale/2: finite
         raise CodecError(f"codec {name!r}: a block scale is negative, NaN or Inf")
-    count = math.ceil(numel / group)
-    codes = _unpack_bits(encoded.payload, count, _log2(group) + bits).long()
-    position = codes >> bits
-    tail = numel - (count - 1) * group
-    if tail < group and int(position[-1]) >= tail:  # a full group's position is always inside it
-        raise CodecError(f"codec {name!r}: the last group's position {int(position[-1])} is not below its length {tail}")
-    per_block = GROUP_BLOCK // group
-    block_scale = scale.repeat_interleave(per_block)[:count]
-    if bits == 1:
-        values = torch.where(codes & 1 == 1, -block_scale, block_scale)
-    else:
-        magnitude = torch.where(codes & 1 == 1, block_scale, block_scale * 0.5)
-        values = torch.where(codes & 2 == 2, -magnitude, magnitude)
-    out.zero_()
-    out[torch.arange(count) * group + position] = values
+    count, whole = -(-numel // group), numel // group  # groups; groups with all G values
+    words = _code_words(encoded.payload, width)
+    table, values = _table(name), out.numpy()
+    if whole < count:  # a short last group: its position must be one of its values (checked before writing)
+        tail = numel - whole * group
+        last = int(_unpack_words(words, whole - whole % 8, whole % 8 + 1, width)[-1])
+        if last >> bits >= tail:
+            raise CodecError(f"codec {name!r}: the last group's position {last >> bits} is not below its length {tail}")
+    for start in range(0, whole * group, DECODE_SLAB):  # a full group's position is always inside it
+        stop = min(start + DECODE_SLAB, whole * group)
+        codes = _unpack_words(words, start // group, (stop - start) // group, width)
+        np.take(table, codes, axis=0, out=values[start:stop].reshape(-1, group))
+        _scale_slab(values, scale, start, stop)
+    if whole < count:
+        values[whole * group :] = table[last, : numel - whole * group]
+    _scale_tail(values, scale, numel)
     return out
 
 # --- int8 decoding into a preallocated tensor (issue 8: the coordinator's ack latency) -----------------------
@@ -568,7 +648,7 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             f"{meta_bytes(name, numel)} B, got {len(encoded.payload)} B and {len(encoded.meta)} B"
         )
     if out is not None and not decodes_into(name):
-        raise CodecError(f"decode(out=...) is implemented for codec 'int8' and topk* only, not {name!r}; leave out=None")
+        raise CodecError(f"decode(out=...) is implemented for int8, int2, topk* and grp* only, not {name!r}; leave out=None")
     if name in ("none", "fp16", "bf16"):
         if name == "none":
             values = torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f4").copy())
@@ -581,13 +661,13 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             raise CodecError(f"codec {name!r}: {_count_non_finite(values)} NaN/Inf values in payload")
         return values
 
-    if name == "int2":
-        return _decode_int2(encoded)
-    if name.startswith(("topk", "grp")):
+    if name == "int2" or name.startswith(("topk", "grp")):
         if out is None:
             out = torch.empty(numel, dtype=torch.float32)
         else:
             _check_out(out, numel)
+        if name == "int2":
+            return _decode_int2(encoded, out)
         return _decode_topk(encoded, out) if name.startswith("topk") else _decode_group(encoded, out)
     absmax = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
     if not bool(torch.isfinite(absmax).all()):
