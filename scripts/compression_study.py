@@ -32,16 +32,29 @@ import torch
 
 from asyncloco.config import load_config
 from asyncloco.sim.engine import Simulation, build_workload, pretrain
-from asyncloco.transport.codecs import wire_bytes
+from asyncloco.transport.codecs import LOSSLESS, wire_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CODECS = "none,int8,int2,grp4b2,grp4b1,grp8b2,topk16b2,topk8b2,topk4b2"
 logger = logging.getLogger("compression_study")
 
 
-def run_task(task: str, seeds: int, codecs: list[str], updates: int | None, ef: bool, results: list[dict[str, Any]],
-             save: Any) -> None:
-    for seed in range(seeds):
+def label(codec: str, ef: bool) -> str:
+    """A run's name in the tables: the codec, with ``+ef`` when error feedback was on for a lossy codec."""
+    return f"{codec}+ef" if ef and codec not in LOSSLESS else codec
+
+
+def feedback_modes(codec: str, feedback: str) -> list[bool]:
+    """Error feedback off and/or on for this codec: 'both' runs a lossy codec below 8 bits twice, fp32/int8 once
+    (feedback off, their default: nothing or ≤ 1.3 % is dropped)."""
+    if feedback != "both":
+        return [feedback == "on"]
+    return [False] if codec in LOSSLESS or codec == "int8" else [False, True]
+
+
+def run_task(task: str, seeds: list[int], codecs: list[str], updates: int | None, feedback: str,
+             results: list[dict[str, Any]], save: Any) -> None:
+    for seed in seeds:
         # an override replaces a whole section: start from the config's own sim section
         own = load_config(ROOT / "configs" / f"{task}.yaml")
         sim_section, runtime_section = own.sim.model_dump(), own.runtime.model_dump()
@@ -59,7 +72,7 @@ def run_task(task: str, seeds: int, codecs: list[str], updates: int | None, ef: 
         logger.info("%s seed %d sync: loss %.4f at t=%.0f (%.0f s wall)", task, seed, target, sync.final["time"],
                     time.monotonic() - started)
         numel = theta0.numel()
-        for codec in codecs:
+        for codec, ef in [(c, ef) for c in codecs for ef in feedback_modes(c, feedback)]:
             started = time.monotonic()
             cfg = load_config(ROOT / "configs" / f"{task}.yaml",
                               {**overrides, "runtime": {**runtime_section, "codec": codec, "error_feedback": ef}})
@@ -67,14 +80,20 @@ def run_task(task: str, seeds: int, codecs: list[str], updates: int | None, ef: 
             result = sim.run()
             reached = result.time_to_reach(target)
             row = {"task": task, "seed": seed, "method": "async_dn_dylu", "codec": codec, "error_feedback": ef,
+                   "label": label(codec, ef),
                    "loss": result.final["loss"], "local_updates": result.final["local_updates"],
                    "time_to_sync": reached, "sync_time": sync.final["time"],
                    "x_fewer": 4 * numel / wire_bytes(codec, numel), "parameters": numel,
                    "wall_s": time.monotonic() - started}
             results.append(row)
-            logger.info("%s seed %d %s: loss %.4f (×%.1f fewer bytes) to sync's loss at %s (%.0f s wall)", task, seed, codec,
+            logger.info("%s seed %d %s: loss %.4f (×%.1f fewer bytes) to sync's loss at %s (%.0f s wall)", task, seed, row["label"],
                         row["loss"], row["x_fewer"], reached, row["wall_s"])
             save()
+
+
+def _label_of(row: dict[str, Any]) -> str:
+    # rows written before labels existed: feedback was on for every lossy codec but int8 unless --no-error-feedback
+    return str(row.get("label") or label(row["codec"], bool(row.get("error_feedback", True)) and row["codec"] != "int8"))
 
 
 def summarise(results: list[dict[str, Any]], codecs: list[str], tasks: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -85,7 +104,7 @@ def summarise(results: list[dict[str, Any]], codecs: list[str], tasks: list[str]
         sync = [r for r in rows if r["method"] == "sync_diloco"]
         table[task] = {}
         for codec in codecs:
-            mine = [r for r in rows if r["method"] == "async_dn_dylu" and r["codec"] == codec]
+            mine = [r for r in rows if r["method"] == "async_dn_dylu" and _label_of(r) == codec]
             if not mine:
                 continue
             metric = [math.exp(r["loss"]) if task != "toy" else r["loss"] for r in mine]
@@ -132,18 +151,24 @@ def plot(table: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for task, rows in table.items():
-        points = sorted((r["x_fewer"], r["change_pct"], codec) for codec, r in rows.items() if r["change_pct"] is not None)
-        if not points:
-            continue
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{task} ({'loss' if task == 'toy' else 'perplexity'})")
-        for x, y, codec in points:
-            ax.annotate(codec, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for ef in (False, True):
+            points = sorted((r["x_fewer"], r["change_pct"], codec) for codec, r in rows.items()
+                            if r["change_pct"] is not None and codec.endswith("+ef") == ef)
+            if ef and len(points) < 2:
+                continue
+            if ef:
+                points = [(1.0, 0.0, "none")] + points
+            metric = "loss" if task == "toy" else "perplexity"
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-" if not ef else "s--",
+                    label=f"{task} ({metric}){', error feedback on' if ef else ''}")
+            for x, y, codec in points:
+                ax.annotate(codec, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.axvline(32, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_xlabel("upload bytes: × fewer than fp32")
     ax.set_ylabel("final metric vs fp32 uploads (%)")
-    ax.set_title("Async DN + DyLU, error feedback on: bytes vs quality")
+    ax.set_title("Async DN + DyLU: upload bytes vs quality (codec+ef: error feedback on)")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,7 +182,11 @@ def main() -> None:
     parser.add_argument("--codecs", default=DEFAULT_CODECS, help="'none' (fp32) first: the reference")
     parser.add_argument("--toy-updates", type=int, default=None)
     parser.add_argument("--lm-updates", type=int, default=None)
-    parser.add_argument("--no-error-feedback", action="store_true")
+    parser.add_argument("--no-error-feedback", action="store_true", help="same as --feedback off")
+    parser.add_argument("--feedback", choices=("on", "off", "both"), default="on",
+                        help="error feedback for the lossy codecs; 'both' runs each codec below 8 bits with and without "
+                             "it (rows 'codec+ef' and 'codec'), sharing θ0 and the sync run")
+    parser.add_argument("--seed-list", default=None, help="comma-separated seeds instead of 0..--seeds-1 (split a study)")
     parser.add_argument("--out", type=Path, default=None, help="markdown table")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="raw per-run results (written after every run)")
@@ -180,7 +209,11 @@ def main() -> None:
     if not args.from_json:
         for task in tasks:
             updates = args.toy_updates if task == "toy" else args.lm_updates
-            run_task(task, args.seeds, codecs, updates, not args.no_error_feedback, results, save)
+            seeds = [int(s) for s in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
+            run_task(task, seeds, codecs, updates, "off" if args.no_error_feedback else args.feedback, results, save)
+    if args.feedback == "both":  # tabulate every variant of each codec
+        codecs = [lab for c in codecs for lab in dict.fromkeys(label(c, ef) for ef in (False, True))
+                  if any(_label_of(r) == lab for r in results)]
     table = summarise(results, codecs, tasks)
     text = markdown(table, codecs, tasks)
     print(text)
