@@ -477,12 +477,18 @@ def _decode_topk(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_bits(codes: torch.Tensor, width: int) -> bytes:
-    """Pack codes of ``width`` bits into a little-endian bit stream (code i at bits [i·width, (i+1)·width))."""
+    """Pack codes of ``width`` bits into a little-endian bit stream (code i at bits [i·width, (i+1)·width)):
+    8 codes at a time into one 64-bit word (shifted, summed: their bits do not overlap), of which the low
+    ``width`` bytes are the stream's next bytes."""
     if 8 % width == 0:
         return _pack(codes.to(torch.uint8), width)
-    array = codes.to(torch.uint8).numpy()
-    bits = (array[:, None] >> np.arange(width, dtype=np.uint8)) & 1
-    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+    count = codes.numel()
+    words = -(-count // 8)
+    padded = np.zeros(words * 8, dtype=np.int64)
+    padded[:count] = codes.numpy()
+    word = (padded.reshape(words, 8) << np.arange(0, 8 * width, width, dtype=np.int64)).sum(axis=1, dtype=np.int64)
+    stream = word.astype("<i8").view(np.uint8).reshape(words, 8)[:, :width].reshape(-1)
+    return stream[: (count * width + 7) // 8].tobytes()
 
 
 def _encode_group(name: str, tensor: torch.Tensor) -> EncodedTensor:
