@@ -255,15 +255,10 @@ class VerifyConfig(StrictModel):
     )
     queue: int = Field(16, ge=1, description="re-runs waiting at most; beyond it a check is skipped and counted")
     horizon: int = Field(200, ge=1, description="applied updates between repair anchors: an expulsion undoes at least this far back")
-
-    @model_validator(mode="after")
-    def _check(self) -> "VerifyConfig":
-        if self.enabled and self.inner_state != "reset":
-            raise ValueError(
-                "runtime.verify.enabled needs runtime.verify.inner_state: reset (a re-run cannot know a peer's carried "
-                "inner AdamW state); set it to reset"
-            )
-        return self
+    reveal_timeout: float = Field(
+        300.0, gt=0, description="inner_state carry: seconds a peer has to reveal a checked lease's start state; then the check fails"
+    )
+    reveal_keep: int = Field(2, ge=1, description="inner_state carry: start states of its last N leases a peer keeps to reveal")
 
 
 # transport.codecs.CODECS as a pattern (this module imports no torch); tests/test_feedback.py checks they agree

@@ -126,9 +126,12 @@ def test_tolerance_mode() -> None:
     assert not compare(rerun, torch.full_like(rerun, float("nan")), tolerance=0.01).ok
 
 
-def test_config_needs_reset_inner_state() -> None:
-    with pytest.raises(ValueError, match="inner_state: reset"):
-        RunConfig.model_validate({"runtime": {"verify": {"enabled": True}}})
+def test_config_verifies_carried_or_reset_inner_state() -> None:
+    """Both inner-state modes verify (stage 2 of the commitments: a carried state is revealed on request)."""
+    carried = RunConfig.model_validate({"runtime": {"verify": {"enabled": True}}}).runtime.verify
+    assert carried.inner_state == "carry" and carried.reveal_keep == 2 and carried.reveal_timeout == 300.0
+    with pytest.raises(ValueError, match="reveal_keep"):
+        RunConfig.model_validate({"runtime": {"verify": {"reveal_keep": 0}}})
     with pytest.raises(ValueError, match="fraction"):
         RunConfig.model_validate({"runtime": {"verify": {"fraction": 1.5}}})
 

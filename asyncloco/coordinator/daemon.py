@@ -307,6 +307,18 @@ class CoordinatorDaemon:
     async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
         return await self.serving.submit(header, pseudo_gradient, peer_id)
 
+    async def reveal_limit(self, header: Any, peer_id: str) -> int:
+        """The ``reveal`` RPC's size bound (issue 16 commitments; coordinator/verify.py), before its body is read."""
+        await self.serving.check_admitted(peer_id)
+        if self.verification is None:
+            raise ValueError("this run does not verify work (runtime.verify.enabled is false): nothing to reveal")
+        return self.verification.reveal_limit(header.lease_id, peer_id)
+
+    async def reveal(self, header: Any, state: bytes, peer_id: str) -> Any:
+        if self.verification is None:
+            raise ValueError("this run does not verify work (runtime.verify.enabled is false): nothing to reveal")
+        return self.verification.reveal(header.lease_id, state, peer_id)
+
     # -------------------------------------------------------------------------------- main loop
 
     def _endpoint_port(self) -> int:

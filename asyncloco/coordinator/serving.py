@@ -221,6 +221,7 @@ class Serving:
         """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
         optional ``inner_loss``); returns a transport.wire.Ack."""
         from asyncloco.transport.codecs import decode, decodes_into
+        from asyncloco.coordinator.verify import needs_reveal
         from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
 
         lease_id, base_version = header.lease_id, header.base_version
@@ -247,8 +248,8 @@ class Serving:
         if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
             self.monitoring.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
         for action in actions:
-            if isinstance(action, Applied) and action.lease_id == lease_id:
-                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False)
+            if isinstance(action, Applied) and action.lease_id == lease_id:  # reveal: issue 16 commitments (verify.py)
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=needs_reveal(actions, lease_id) or None)
             if isinstance(action, Duplicate) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], True)
             if isinstance(action, Rejected) and action.lease_id == lease_id:

@@ -79,6 +79,7 @@ __all__ = [
     "DaemonVerification",
     "Anchors",
     "log_events",
+    "needs_reveal",
     "ANCHOR_DIR",
     "KEEP_ANCHORS",
 ]
@@ -223,14 +224,16 @@ class Verifier:
         self.on_verdict = on_verdict
         self.moot = moot  # a queued check no longer needed (its peer was expelled meanwhile): dropped unrun
         self.clock = clock
-        self.queue: "asyncio.Queue[tuple[Verify, float]]" = asyncio.Queue(maxsize=capacity)
+        # (check, when it was offered, the revealed start state: None for a reset-state lease re-run from θ alone)
+        self.queue: "asyncio.Queue[tuple[Verify, float, Optional[bytes]]]" = asyncio.Queue(maxsize=capacity)
         self.stats = VerifyStats()
         self.idle = asyncio.Event()
         self.idle.set()
 
-    def offer(self, task: Verify) -> bool:
+    def offer(self, task: Verify, revealed: Optional[bytes] = None, offered_at: Optional[float] = None) -> bool:
+        """Queue a re-run (``revealed``: the start inner state for a carried-state lease, b"" for a fresh one)."""
         try:
-            self.queue.put_nowait((task, self.clock()))
+            self.queue.put_nowait((task, self.clock() if offered_at is None else offered_at, revealed))
         except asyncio.QueueFull:
             self.stats.skipped += 1
             logger.warning("verification queue full: lease %s of %s is not re-run", task.lease.lease_id, task.peer[-8:])
@@ -248,14 +251,17 @@ class Verifier:
             if not getter.done():
                 getter.cancel()
                 break
-            task, queued_at = getter.result()
+            task, queued_at, revealed = getter.result()
             if self.moot(task):
                 self.stats.moot += 1
                 self._done()
                 continue
             started = time.perf_counter()
             try:
-                comparison = await asyncio.to_thread(self.rerunner.check, task)
+                if revealed is None:
+                    comparison = await asyncio.to_thread(self.rerunner.check, task)
+                else:
+                    comparison = await asyncio.to_thread(self.rerunner.check_revealed, task, revealed)
             except Exception as error:  # a bug or a lease the workload cannot serve: no verdict, never an expulsion
                 logger.error("re-running lease %s failed (%r); no verdict", task.lease.lease_id, error)
                 self._done()
@@ -273,6 +279,18 @@ class Verifier:
         self.queue.task_done()
         if self.queue.empty():
             self.idle.set()
+
+
+def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
+    """Does the submission of ``lease_id`` that produced ``actions`` need its start inner state revealed (a
+    :class:`Verify` of a carried, committed state that is not the fresh one)? The submit's Ack asks for it."""
+    from asyncloco.coordinator.logic import FRESH_STATE_DIGEST
+
+    return any(
+        isinstance(a, Verify) and a.lease.lease_id == lease_id and bool(a.state_start) and not a.failed
+        and a.state_start != FRESH_STATE_DIGEST
+        for a in actions
+    )
 
 
 # ------------------------------------------------------------------------------------------------ repair
@@ -464,6 +482,10 @@ class DaemonVerification:
         self._stop: Optional[asyncio.Event] = None
         self._task: Optional["asyncio.Task[None]"] = None
         self._decided: set["asyncio.Task[None]"] = set()  # verdicts known without a re-run, being decided
+        # carried-state checks waiting for the peer's reveal (lease id -> check, when it was asked, its deadline task)
+        self.awaiting: dict[str, tuple[Verify, float, "asyncio.Task[None]"]] = {}
+        self._state_size: Optional[int] = None
+        self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0}  # moot: its peer was expelled
 
     # --- hooks
 
@@ -478,7 +500,12 @@ class DaemonVerification:
                     task.add_done_callback(self._decided.discard)
                     return False
                 self._start()
-                self.verifier.offer(action)
+                if not action.state_start:
+                    self.verifier.offer(action)  # inner_state reset: θ at the base version and the data suffice
+                elif not needs_reveal([action], action.lease.lease_id):
+                    self.verifier.offer(action, b"")  # a carried state that started fresh: the verifier knows it
+                else:
+                    self._await_reveal(action)
             return False
         if isinstance(action, Verdict):
             journal.write("verdict", peer=action.peer, lease_id=action.lease_id, ok=action.ok, detail=action.detail)
@@ -486,6 +513,11 @@ class DaemonVerification:
                 logger.warning("lease %s of %s failed verification: %s", action.lease_id, action.peer[-8:], action.detail)
             return True
         if isinstance(action, Expelled):
+            for lease_id, (task, _, deadline) in list(self.awaiting.items()):  # its reveals are moot now
+                if task.peer == action.peer:
+                    deadline.cancel()
+                    del self.awaiting[lease_id]
+                    self.reveals["moot"] += 1
             journal.write("expelled", peer=action.peer, lease_id=action.lease_id, reason=action.reason, anchor=action.anchor)
             logger.warning("peer %s expelled: %s", action.peer[-8:], action.reason)
             self._repair(action, journal)
@@ -511,12 +543,45 @@ class DaemonVerification:
             "expelled": dict(book.expelled),
             "repairs": list(self.repairs),
             "anchors": self.anchors.seqs(),
+            "reveals": {**self.reveals, "awaiting": len(self.awaiting)},
             # re-run inner steps ÷ applied inner steps: verification's compute as a fraction of the run's training
             "compute_fraction": self.verifier.stats.rerun_steps / local_updates,
             **self.verifier.stats.as_dict(),
         }
 
+    def reveal_limit(self, lease_id: str, peer: str) -> int:
+        """The most bytes the reveal of ``lease_id`` may carry (the model's inner-state size); raises ValueError naming
+        the problem when no reveal of it by ``peer`` is awaited (checked before any byte of the body is read)."""
+        waiting = self.awaiting.get(lease_id)
+        if waiting is None or waiting[0].peer != peer:
+            self.reveals["refused"] += 1
+            raise ValueError(f"no reveal of lease {lease_id[:40]} is awaited from this peer (not chosen, already "
+                             "revealed, or past runtime.verify.reveal_timeout)")
+        if self._state_size is None:
+            from asyncloco.peer.inner import inner_state_size
+
+            self._state_size = inner_state_size(self.verifier.rerunner.trainer.optimizer)
+        return self._state_size
+
+    def reveal(self, lease_id: str, state: bytes, peer: str) -> Any:
+        """The peer's revealed start state of ``lease_id``: queued for the re-run (Rerunner.check_revealed judges
+        its digest, the re-run and the end digest)."""
+        from asyncloco.transport.wire import RevealReply
+
+        if len(state) > self.reveal_limit(lease_id, peer):
+            raise ValueError(f"revealed state of {len(state)} bytes exceeds this model's inner-state size")
+        task, asked_at, deadline = self.awaiting.pop(lease_id)
+        deadline.cancel()
+        self.reveals["received"] += 1
+        self._start()
+        if not self.verifier.offer(task, state, offered_at=asked_at):
+            return RevealReply(False, "the verification queue is full; this check is skipped")
+        return RevealReply(True, "queued for verification")
+
     async def close(self) -> None:
+        for _, _, deadline in list(self.awaiting.values()):
+            deadline.cancel()
+        self.awaiting.clear()
         for task in list(self._decided):
             task.cancel()  # they wait for the daemon's lock; a stopping daemon decides nothing more
         if self._stop is not None:
@@ -532,6 +597,25 @@ class DaemonVerification:
         await self.verifier.idle.wait()
 
     # --- internals
+
+    def _await_reveal(self, action: Verify) -> None:
+        """Wait for the peer to reveal ``action``'s start state; a failed check at ``reveal_timeout`` without it."""
+        lease_id = action.lease.lease_id
+        clock = self.daemon.clock
+        timeout = float(self.knobs.reveal_timeout)
+        self.reveals["asked"] += 1
+
+        async def deadline() -> None:
+            await clock.sleep(timeout)
+            if self.awaiting.get(lease_id, (None,))[0] is not action:
+                return
+            del self.awaiting[lease_id]
+            self.reveals["late"] += 1
+            detail = f"the lease's start inner state was not revealed within runtime.verify.reveal_timeout ({timeout:g} s)"
+            await self._verdict(action, Comparison(False, False, math.inf, -1.0, detail))
+
+        task = asyncio.get_running_loop().create_task(deadline())
+        self.awaiting[lease_id] = (action, self.verifier.clock(), task)
 
     def _start(self) -> None:
         if self._task is None or self._task.done():

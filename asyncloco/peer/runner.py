@@ -206,6 +206,7 @@ class PeerRunner:
         self._abort_flag = threading.Event()  # the same, for the training thread
         self._inner_loss: Optional[float] = None  # mean inner loss of the latest round (sent with its update)
         self._digests: tuple[Optional[str], Optional[str]] = (None, None)  # inner-state commitments of the latest round
+        self.reveals: Any = None  # peer/reveal.py RevealStore: start states of the last leases, revealed on request
         self._cfg: Optional[RunConfig] = None  # the run's config, once fetched
         self._closing = asyncio.Event()
         self._loop_started: Optional[float] = None
@@ -370,11 +371,24 @@ class PeerRunner:
             broadcast_command(self.group, Command(OP_TRAIN, shard, start, steps, lr_offset))
         commit = self._commits(trainer)  # runtime.verify with carried inner state: digests before and after
         state_start = trainer.state_digest() if commit else None
+        if commit:
+            from asyncloco.peer.reveal import RevealStore
+
+            if self.reveals is None and self._cfg is not None:
+                self.reveals = RevealStore(self._cfg.runtime.verify.reveal_keep)
+            self.reveals.hold(str(lease["lease_id"]), trainer.optimizer)
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
         self._digests = (state_start, trainer.state_digest() if commit else None)
         loss = float(result.mean_loss)
         self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
+
+    async def _reveal(self, client: Any, lease_id: str, digest: Optional[str]) -> None:
+        """Reveal lease ``lease_id``'s start inner state (peer/reveal.py; issue 16 commitments)."""
+        from asyncloco.peer.reveal import send_reveal
+
+        state = self.reveals.get(lease_id) if self.reveals is not None else None
+        await send_reveal(client, lease_id, state, digest)
 
     def _commits(self, trainer: InnerTrainer) -> bool:
         """Does this peer commit to its inner state (docs/threat-model.md, "Commitments")?"""
@@ -577,6 +591,7 @@ class PeerRunner:
         client's transport.rpc.TrafficCounters. The speed is measured first unless :attr:`speed` is set."""
         from asyncloco.transport.errors import CodecError, TransportError
 
+        self._cfg = cfg  # the run's config (in-process transports skip _fetch_config): commitments read it
         publishing: Optional[asyncio.Task[None]] = None
         prefetch: Optional[asyncio.Task[Any]] = None
         try:
@@ -687,6 +702,8 @@ class PeerRunner:
                 if self.options.prefetch and not self._stop.is_set():
                     # the next lease most likely starts from the newest θ: fetch it while asking for the lease
                     prefetch = asyncio.ensure_future(client.get_model(None))
+                if ack.get("reveal"):  # chosen for verification after the submission: send the lease's start state
+                    await self._reveal(client, str(lease["lease_id"]), self._digests[0])
                 if ack["accepted"]:
                     self.summary.accepted += 1
                     self.summary.duplicates += int(bool(ack["duplicate"]))

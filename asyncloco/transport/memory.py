@@ -44,9 +44,9 @@ from asyncloco.coordinator.daemon import JOURNAL_FILE, CoordinatorDaemon
 from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import SpeedReport, Tick
 from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
-from asyncloco.transport.errors import PeerUnreachable, RemoteError, TransportError
+from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RemoteError, TransportError
 from asyncloco.transport.rpc import TrafficCounters
-from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseReply, SubmitHeader
+from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseReply, RevealHeader, RevealReply, SubmitHeader
 
 __all__ = [
     "FAULT_KINDS",
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FAULT_KINDS = ("drop_request", "drop_reply", "delay", "reset")
-RPCS = ("assign", "get_model", "submit")
+RPCS = ("assign", "get_model", "submit", "reveal")
 KILL_POINTS = ("wal_appended", "wal_synced", "before_reply", "trained")
 TICKER = "coordinator-ticker"  # the clock actor of MemoryTransport's tick loop
 _current_rpc: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("asyncloco_memory_rpc", default=None)
@@ -508,6 +508,20 @@ class MemoryClient:
 
         ack = await self._counted("submit", self.transport.call("submit", self.peer, deliver, body=len(body)))
         return ack
+
+    async def reveal(self, lease_id: str, state: bytes, *, timeout: Optional[float] = None) -> RevealReply:
+        """As CoordinatorClient.reveal: the size is bounded by the daemon's reveal_limit before the body goes."""
+        header = RevealHeader(lease_id, len(state))
+
+        async def deliver(daemon: CoordinatorDaemon) -> RevealReply:
+            limit = await daemon.reveal_limit(header, self.peer)
+            if header.size > limit:
+                raise ProtocolError(f"revealed state of {header.size} bytes; this model's inner state has at most {limit}")
+            self.counters.reveal.payload_bytes_sent += len(state)
+            reply: RevealReply = await daemon.reveal(header, bytes(state), self.peer)
+            return reply
+
+        return await self._counted("reveal", self.transport.call("reveal", self.peer, deliver, body=len(state)))
 
 
 def _round_trip(codec: str, theta: torch.Tensor) -> torch.Tensor:

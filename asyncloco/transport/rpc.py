@@ -60,6 +60,8 @@ from asyncloco.transport.wire import (
     ModelHeader,
     ModelRequest,
     Ready,
+    RevealHeader,
+    RevealReply,
     SubmitHeader,
 )
 
@@ -75,7 +77,7 @@ __all__ = [
     "RPC_NAMES",
 ]
 
-RPC_NAMES = ("assign", "get_model", "submit")
+RPC_NAMES = ("assign", "get_model", "submit", "reveal")
 # after an ERROR frame, what the service reads and drops until the caller closes (CoordinatorService._close_after_error)
 ERROR_LINGER_S = 5.0
 ERROR_LINGER_BYTES = 8 << 20
@@ -110,6 +112,10 @@ class CoordinatorHandler(Protocol):
         the model's numel exactly (so ``decode`` cannot fail on size; it refuses NaN/Inf). Must be
         idempotent by ``header.lease_id``."""
         ...
+
+    # Optional (issue 16, commitments; coordinator/serving.py has them): ``async def reveal_limit(self, header: RevealHeader,
+    # peer_id: str) -> int`` — the most bytes this reveal may carry (raise to refuse it), checked before its body is read;
+    # ``async def reveal(self, header: RevealHeader, state: bytes, peer_id: str) -> RevealReply``.
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,7 @@ class TrafficCounters:
     assign: RpcTraffic = field(default_factory=RpcTraffic)
     get_model: RpcTraffic = field(default_factory=RpcTraffic)
     submit: RpcTraffic = field(default_factory=RpcTraffic)
+    reveal: RpcTraffic = field(default_factory=RpcTraffic)
 
     def as_dict(self) -> Dict[str, Dict[str, int]]:
         return {name: asdict(getattr(self, name)) for name in RPC_NAMES}
@@ -495,6 +502,24 @@ class CoordinatorService:
                 raise TypeError(f"handler answered submit with {type(ack).__name__}, not Ack")
         await frames_out.header(ack.to_wire())
 
+    async def _serve_reveal(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter, traffic: RpcTraffic) -> None:
+        header = RevealHeader.from_wire(await frames_in.read_header())
+        reveal_limit = getattr(self.handler, "reveal_limit", None)
+        if reveal_limit is None:
+            raise _Refused("this coordinator does not take revealed inner states (runtime.verify is off)")
+        limit = await self._call_handler(reveal_limit(header, peer_id))  # raises to refuse; bounds the body first
+        if header.size > limit:
+            raise ProtocolError(f"revealed state of {header.size} bytes; this model's inner state has at most {limit}")
+        async with self._slot(self._submit_slots, "reveal"):
+            frames_in.extend(self.limits.transfer_timeout(header.size))
+            await frames_out.header(Ready().to_wire())
+            state = bytes(await frames_in.read_body(header.size)) if header.size else b""
+            traffic.payload_bytes_received += header.size
+            reply = await self._call_handler(self.handler.reveal(header, state, peer_id))  # type: ignore[attr-defined]
+            if not isinstance(reply, RevealReply):
+                raise TypeError(f"handler answered reveal with {type(reply).__name__}, not RevealReply")
+        await frames_out.header(reply.to_wire())
+
 
 class CoordinatorClient:
     """Calls a coordinator's :class:`CoordinatorService`. All methods are coroutines on the P2P's loop.
@@ -722,6 +747,22 @@ class CoordinatorClient:
         ack = await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), limit)
         self.link.observe("up", nbytes, time.monotonic() - started)
         return ack
+
+    async def reveal(self, lease_id: str, state: bytes, *, timeout: Optional[float] = None) -> RevealReply:
+        """Send the inner state this peer started lease ``lease_id`` from (its canonical layout, peer/inner.py), as an
+        :class:`Ack` with ``reveal`` asked (issue 16, commitments)."""
+        header = RevealHeader(lease_id, len(state))
+
+        async def call(frames_in: FrameReader, frames_out: FrameWriter) -> RevealReply:
+            await frames_out.header(header.to_wire())
+            frames_in.idle_timeout = None  # the service may queue for a body slot; the call timeout applies
+            Ready.from_wire(await frames_in.read_header(allow_error=True))
+            if state:
+                await frames_out.body(state, self.chunk_bytes)
+            self.counters.reveal.payload_bytes_sent += len(state)
+            return RevealReply.from_wire(await frames_in.read_header(allow_error=True))
+
+        return await self._call("reveal", call, timeout if timeout is not None else self.timeouts["submit"])
 
     async def _submit(self, frames_in: FrameReader, frames_out: FrameWriter, header: SubmitHeader, encoded: EncodedTensor) -> Ack:
         await frames_out.header(header.to_wire())

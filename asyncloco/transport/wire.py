@@ -17,7 +17,9 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
 | :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
-| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate`` |
+| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``? |
+| :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
+| :class:`RevealReply` | reveal, reply | ``accepted``, ``reason`` |
 
 (``?``: optional, may be absent.) Names (:data:`NAME_PATTERN`) are at most 64 characters of
 ``[A-Za-z0-9_.-]``; ids at most :data:`MAX_ID_CHARS`; reasons at most :data:`MAX_REASON_CHARS`.
@@ -43,6 +45,9 @@ __all__ = [
     "SubmitHeader",
     "Ready",
     "Ack",
+    "RevealHeader",
+    "RevealReply",
+    "MAX_REVEAL_BYTES",
     "NAME_PATTERN",
     "DIGEST_PATTERN",
     "MAX_ID_CHARS",
@@ -61,6 +66,7 @@ MAX_TOKEN_CHARS = 1024  # admission tokens (coordinator/admission.py) are ~250 c
 MAX_VERSION = 2**62
 MAX_COUNT = 2**62
 MAX_TOKENS_PER_S = 1e15
+MAX_REVEAL_BYTES = 2**40  # the wire's own cap; the service bounds each reveal by the model's inner-state size first
 MAX_TIME = 1e11  # seconds since the epoch (year ~5138): any real timestamp, no inf
 
 M = TypeVar("M", bound="_Message")
@@ -316,12 +322,15 @@ class Ready(_Message):
 
 @dataclass(frozen=True)
 class Ack(_Message):
-    """The coordinator's verdict on a submission (``duplicate``: an already applied lease, resent)."""
+    """The coordinator's verdict on a submission (``duplicate``: an already applied lease, resent). ``reveal``
+    (issue 16, commitments): the lease was chosen for verification after its submission — send its start inner state
+    with the ``reveal`` RPC (:class:`RevealHeader`) before ``runtime.verify.reveal_timeout``; absent otherwise."""
 
     accepted: bool
     version: int
     reason: str
     duplicate: bool = False
+    reveal: Optional[bool] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "version", "reason", "duplicate")
 
     def __post_init__(self) -> None:
@@ -329,3 +338,34 @@ class Ack(_Message):
         self._int("version", 0, MAX_VERSION)
         self._str("reason", MAX_REASON_CHARS)
         self._bool("duplicate")
+        if self.reveal is not None:
+            self._bool("reveal")
+
+
+@dataclass(frozen=True)
+class RevealHeader(_Message):
+    """``reveal`` header (issue 16, commitments; docs/threat-model.md): the peer's inner optimizer state at the start
+    of lease ``lease_id``, in the canonical layout of peer/inner.py ``inner_state_chunks`` (raw little-endian bytes,
+    never unpickled), follows as ``size`` body bytes (0: the fresh state, no body). The service refuses a ``size``
+    above the model's inner-state size before reading or allocating anything."""
+
+    lease_id: str
+    size: int
+    REQUIRED: ClassVar[tuple[str, ...]] = ("lease_id", "size")
+
+    def __post_init__(self) -> None:
+        self._str("lease_id", MAX_ID_CHARS, empty=False)
+        self._int("size", 0, MAX_REVEAL_BYTES)
+
+
+@dataclass(frozen=True)
+class RevealReply(_Message):
+    """The coordinator took the revealed state for verification (``accepted``), or why not (``reason``)."""
+
+    accepted: bool
+    reason: str
+    REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "reason")
+
+    def __post_init__(self) -> None:
+        self._bool("accepted")
+        self._str("reason", MAX_REASON_CHARS)

@@ -1,0 +1,284 @@
+"""Verification with the carried inner state (issue 16, stage 2 of the commitments; coordinator/verify.py,
+peer/reveal.py): the real coordinator daemon and real peer runners over the in-memory transport, with
+``runtime.verify`` on and ``inner_state: carry`` (the paper's default: AdamW's moments carry across a peer's leases).
+
+A peer commits to the digests of its inner state at each lease's start and end; when a lease is chosen for
+verification its Ack asks for ``reveal`` and the peer sends the start state (the ``reveal`` RPC, bounded by the
+model's inner-state size). What this pins, with two honest peers, one liar and one silent peer:
+
+* every honest lease chosen for verification gets a verdict, bitwise equal to its re-run — from the revealed carried
+  state where the lease did not start fresh (counted: every reveal asked of an honest peer was received);
+* the liar, which reveals a state one bit off the one it committed to, fails on the digest and is expelled; the
+  silent peer, which never reveals, is awaited until ``reveal_timeout`` passes on the coordinator's clock, then fails and is expelled — both through ``Verified`` events
+  (write-ahead log, journal, status.json);
+* both peers' updates are repaired away: the live θ (with the outer optimizer's state and the version) equals, bitwise,
+  an independent replay of the whole log from the initial anchor with their submissions discarded;
+* the wire: the reveal header round-trips, refuses a negative size, and a reveal nobody asked for is refused before
+  its body is read; the peer's store keeps only its last ``reveal_keep`` start states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncloco.clock import FakeClock
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.checkpoint import load_snapshot
+from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE
+from asyncloco.coordinator.logic import Verified, handle
+from asyncloco.coordinator.verify import ANCHOR_DIR, log_events, repair
+from asyncloco.peer.inner import InnerTrainer, inner_state_size
+from asyncloco.peer.reveal import RevealStore
+from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
+from asyncloco.transport.errors import MessageError, RemoteError
+from asyncloco.transport.memory import MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.transport.rpc import TrafficCounters
+from asyncloco.transport.wire import Ack, RevealHeader, RevealReply
+from asyncloco.workloads import build_workload
+
+pytestmark = pytest.mark.timeout(240)
+
+SPEED = 1000.0
+HONEST = ("h0", "h1")
+LIAR, SILENT = "liar", "silent"
+REVEAL_TIMEOUT = 30.0
+
+
+def config() -> RunConfig:
+    return RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "inner": {"lr": 1e-2},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},
+        "outer": {"buffer_size": 4},
+        "sim": {"workers": 4},
+        "runtime": {
+            "snapshot_every": 4, "eval_every": 100000, "lease_slack": 30.0, "speed_report_period": 600.0,
+            "gate": {"enabled": False},
+            "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.5, "probation_updates": 3, "horizon": 100000,
+                       "queue": 256, "reveal_timeout": REVEAL_TIMEOUT},
+        },
+    })
+
+
+class LiarRunner(PeerRunner):
+    """Trains honestly but reveals a start state with one bit of one moment flipped."""
+
+    async def _reveal(self, client: Any, lease_id: str, digest: Any) -> None:
+        state = self.reveals.get(lease_id)
+        assert state
+        tampered = bytearray(state)
+        tampered[20] ^= 1
+        await client.reveal(lease_id, bytes(tampered))
+
+
+class SilentRunner(PeerRunner):
+    """Trains honestly but never reveals."""
+
+    async def _reveal(self, client: Any, lease_id: str, digest: Any) -> None:
+        return None
+
+
+def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: Any = PeerRunner) -> tuple[PeerRunner, "asyncio.Task[Any]"]:
+    cfg = transport.cfg
+    options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
+                          progress=False, max_rounds=rounds)
+    runner = runner_cls(options, clock=transport.clock)
+    runner.summary.peer_id = name
+    runner.speed = SPEED
+    counters = TrafficCounters()
+    client = MemoryClient(transport, name, counters=counters, download_codec=cfg.runtime.download_codec)
+    trainer = InnerTrainer.from_config(cfg, transport.workload)
+    assert not trainer.reset_state  # carried inner state
+    task = as_actor(name, runner.serve(client, transport.publisher(name, signer=f"key-{name}"), cfg, transport.workload,
+                                       trainer, cfg.runtime.codec, counters))
+    return runner, task
+
+
+def journal(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in (run_dir / JOURNAL_FILE).read_text().splitlines() if line.strip()]
+    return [r for r in records if r["type"] == kind]
+
+
+def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -> None:
+    cfg = config()
+    clock = FakeClock()
+    run_dir = tmp_path / "run"
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        await transport.start()
+        try:
+            peers = {name: start_peer(transport, name, rounds=10) for name in HONEST}
+            liar = start_peer(transport, LIAR, rounds=30, runner_cls=LiarRunner)
+            silent = start_peer(transport, SILENT, rounds=30, runner_cls=SilentRunner)
+            tasks = {name: task for name, (_, task) in peers.items()} | {LIAR: liar[1], SILENT: silent[1]}
+            daemon = transport.daemon
+            assert daemon is not None and daemon.verification is not None
+            verification = daemon.verification
+            # the silent peer's check fails only at its deadline: move time past it once the others are done
+            await drive(clock, tasks, real_timeout=150.0)
+            await asyncio.wait_for(verification.drain(), timeout=60.0)
+            # unless fake time already passed its deadline during the run, only the silent peer's reveal is awaited
+            if verification.awaiting:
+                assert {task.peer for task, _, _ in verification.awaiting.values()} == {SILENT}
+                await clock.advance(REVEAL_TIMEOUT)
+            deadline = asyncio.get_running_loop().time() + 30.0
+            while verification.awaiting or SILENT not in daemon.state.verification.expelled:
+                assert asyncio.get_running_loop().time() < deadline, "the silent peer's deadline passed without a verdict"
+                await asyncio.sleep(0.01)
+            await asyncio.wait_for(verification.drain(), timeout=60.0)
+            # a reveal nobody asked for is refused before its body is read
+            intruder = MemoryClient(transport, HONEST[0])
+            with pytest.raises(RemoteError, match="no reveal of lease L-nope is awaited"):
+                await intruder.reveal("L-nope", b"\x00" * 10)
+            daemon._write_status()
+            for name in (LIAR, SILENT):  # out for good: a call now is refused naming the expulsion
+                error = tasks[name].exception()
+                assert error is None or (isinstance(error, PeerError) and "expelled from this run" in str(error))
+                with pytest.raises(RemoteError, match="expelled from this run"):
+                    await MemoryClient(transport, name).assign(SPEED)
+            for name in HONEST:
+                tasks[name].result()
+            return {
+                "state": daemon.state, "last_seq": daemon.wal.last_seq, "numel": daemon.numel,
+                "status": json.loads((run_dir / STATUS_FILE).read_text()), "fresh": verification._fresh_state,
+                "reveals": dict(verification.reveals), "stores": {n: r.reveals for n, (r, _) in peers.items()},
+            }
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    out = asyncio.run(asyncio.wait_for(scenario(), timeout=220.0))
+    live = out["state"]
+    book = live.verification
+    assert sorted(book.expelled) == sorted([LIAR, SILENT]) and book.failed == 2
+    verdicts = [v for v in journal(run_dir, "verdict") if "(peer already expelled)" not in v["detail"]]
+    failed = {v["peer"]: v["detail"] for v in verdicts if not v["ok"]}
+    assert set(failed) == {LIAR, SILENT}
+    assert failed[LIAR] == "the revealed inner state does not match its commitment"
+    assert failed[SILENT] == f"the lease's start inner state was not revealed within runtime.verify.reveal_timeout ({REVEAL_TIMEOUT:g} s)"
+    # honest peers: every chosen applied lease got a bitwise match; the carried ones were revealed and re-run from it
+    honest = [v for v in verdicts if v["peer"] in HONEST]
+    assert honest and all(v["ok"] and v["detail"] == "bitwise equal to the re-run" for v in honest)
+    assigned = {a["lease_id"]: a for a in journal(run_dir, "assign")}
+    chosen = {a["lease_id"] for a in journal(run_dir, "applied") if a["peer"] in HONEST and assigned[a["lease_id"]]["verify"]}
+    assert {v["lease_id"] for v in honest} == chosen and not book.pending
+    reveals = out["reveals"]
+    # every reveal asked for was received, or late (only the silent peer's), or moot (its peer expelled meanwhile)
+    assert reveals["asked"] == reveals["received"] + reveals["late"] + reveals["moot"]
+    assert reveals["late"] >= 1 and reveals["refused"] == 1  # the intruder's
+    assert reveals["received"] >= 3
+    assert out["status"]["verification"]["reveals"]["awaiting"] == 0
+    for store in out["stores"].values():  # the honest peers kept at most reveal_keep (2) start states
+        assert store is not None and len(store) <= 2
+    # both peers' updates are gone: an independent replay of the whole log equals the live coordinator bitwise
+    repairs = journal(run_dir, "repaired")
+    assert [r["peer"] for r in repairs] == [v["peer"] for v in verdicts if not v["ok"]] and repairs[-1]["anchor"] == 0
+    anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
+    state = out["fresh"]()
+    state.load_state_dict(anchor["coordinator"])
+    events = list(log_events(run_dir / "wal", 0, out["last_seq"], EVENT_TYPES, out["numel"]))
+    cut = max(i for i, (e, _) in enumerate(events) if isinstance(e, Verified) and not e.ok)
+    replayed = repair(state, events[: cut + 1], [LIAR, SILENT], repairs[-1]["version_before"]).state
+    for event, now in events[cut + 1 :]:
+        handle(replayed, event, now)
+    assert torch.equal(replayed.params, live.params)
+    assert replayed.version == live.version and replayed.local_updates == live.local_updates
+
+
+def test_reveal_wire_and_store() -> None:
+    header = RevealHeader("L7", 123)
+    assert RevealHeader.from_wire(header.to_wire()) == header
+    with pytest.raises(MessageError, match="RevealHeader.size"):
+        RevealHeader.from_wire({"lease_id": "L7", "size": -1})
+    with pytest.raises(MessageError, match="unknown field"):
+        RevealHeader.from_wire({"lease_id": "L7", "size": 1, "pickle": b""})
+    assert RevealReply.from_wire(RevealReply(True, "ok").to_wire()) == RevealReply(True, "ok")
+    ack = Ack(True, 3, "applied", False, True)
+    assert Ack.from_wire(ack.to_wire()).reveal is True and "reveal" not in Ack(True, 3, "x").to_wire()
+    with pytest.raises(MessageError, match="Ack.reveal"):
+        Ack.from_wire({**ack.to_wire(), "reveal": 1})
+    # the store: nothing for a fresh state, the last `keep` start states otherwise, each the exact canonical bytes
+    cfg = config()
+    trainer = InnerTrainer.from_config(cfg, build_workload(cfg))
+    store = RevealStore(keep=2)
+    store.hold("L0", trainer.optimizer)
+    assert len(store) == 0 and store.get("L0") is None
+    theta = trainer.full_params()
+    for index in range(1, 4):
+        trainer.run(theta, 0, 0, 2, 0)
+        store.hold(f"L{index}", trainer.optimizer)
+    size = inner_state_size(trainer.optimizer)
+    assert len(store) == 2 and store.get("L1") is None and store.nbytes() == 2 * size
+    state = store.get("L3")
+    assert state is not None and len(state) == size
+    with pytest.raises(ValueError, match="reveal_keep >= 1"):
+        RevealStore(keep=0)
+
+
+class RevealHandler:
+    """The coordinator side of ``reveal`` over real hivemind P2P daemons: one awaited lease, a 1,000-byte bound."""
+
+    LIMIT = 1000
+
+    def __init__(self) -> None:
+        self.revealed: list[tuple[str, bytes, str]] = []
+
+    async def reveal_limit(self, header: RevealHeader, peer_id: str) -> int:
+        if header.lease_id != "L1":
+            raise ValueError(f"no reveal of lease {header.lease_id} is awaited")
+        return self.LIMIT
+
+    async def reveal(self, header: RevealHeader, state: bytes, peer_id: str) -> RevealReply:
+        self.revealed.append((header.lease_id, state, peer_id))
+        return RevealReply(True, "queued for verification")
+
+
+@pytest.mark.timeout(60)
+def test_reveal_rpc_over_p2p_is_bounded_before_its_body() -> None:
+    from hivemind.p2p import P2P
+
+    from asyncloco.transport.framing import ERROR, HEADER, FrameReader, pack_header
+    from asyncloco.transport.rpc import CoordinatorClient, CoordinatorService, handle_name
+
+    numel, run = 1000, "reveal-test"
+
+    async def main() -> None:
+        server = client_p2p = None
+        try:
+            server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            client_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
+            handler = RevealHandler()
+            service = CoordinatorService(handler, numel)  # type: ignore[arg-type]
+            await service.add_p2p_handlers(server, namespace=run)
+            client = CoordinatorClient(client_p2p, server.peer_id, numel, namespace=run)
+            state = bytes(range(256)) * 3  # 768 bytes
+            assert await client.reveal("L1", state) == RevealReply(True, "queued for verification")
+            assert handler.revealed == [("L1", state, client_p2p.peer_id.to_base58())]
+            assert client.counters.reveal.payload_bytes_sent == 768 == service.counters.reveal.payload_bytes_received
+            with pytest.raises(RemoteError, match="no reveal of lease L2 is awaited"):
+                await client.reveal("L2", state)
+            # a header declaring more than the bound is refused at once: no Ready, no body read, nothing handed on
+            _, reader, writer = await client_p2p.call_binary_stream_handler(server.peer_id, handle_name(run, "reveal"))
+            try:
+                packed = pack_header(RevealHeader("L1", RevealHandler.LIMIT + 1).to_wire())
+                writer.write(bytes((HEADER,)) + len(packed).to_bytes(4, "big") + packed)
+                await writer.drain()
+                with pytest.raises(RemoteError, match="1001 bytes; this model's inner state has at most 1000"):
+                    await FrameReader(reader, idle_timeout=20.0).read_frame({HEADER: 1 << 16, ERROR: 1 << 16})
+            finally:
+                writer.close()
+            assert len(handler.revealed) == 1
+        finally:
+            for p2p in (client_p2p, server):
+                if p2p is not None:
+                    await p2p.shutdown()
+
+    asyncio.run(main())
