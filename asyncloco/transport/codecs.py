@@ -447,7 +447,7 @@ def _encode_topk(name: str, tensor: torch.Tensor) -> EncodedTensor:
 
 
 def _decode_topk(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
-    """Scatter the kept values into ``out`` (zeroed first). Validates scales and indices before writing."""
+    """Scatter the kept values into ``out`` (zeroed slab by slab). Validates scales and indices before writing."""
     name, numel = encoded.codec, encoded.numel
     k, bits = topk_params(name)
     scale = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
@@ -470,9 +470,15 @@ def _decode_topk(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     codes = _unpack(payload[kept:], kept, bits).long()
     levels = 1 << (bits - 1)
     magnitude = ((codes & (levels - 1)) + 1).float() / levels * scale[chunk_of]
-    values = torch.where(codes >= levels, -magnitude, magnitude)
-    out.zero_()
-    out[chunk_of * TOPK_CHUNK + local] = values
+    values = torch.where(codes >= levels, -magnitude, magnitude).numpy()
+    positions = (chunk_of * TOPK_CHUNK + local).numpy()
+    dense = out.numpy()
+    # slab by slab: zero it and scatter its kept values while it is cached (one pass over θ, not two)
+    for start in range(0, numel, DECODE_SLAB):
+        stop = min(start + DECODE_SLAB, numel)
+        first, last = start // TOPK_CHUNK * k, min(-(-stop // TOPK_CHUNK) * k, kept)
+        dense[start:stop] = 0.0
+        dense[positions[first:last]] = values[first:last]
     return out
 
 
