@@ -92,8 +92,8 @@ def run_task(task: str, seeds: list[int], codecs: list[str], updates: int | None
 
 
 def _label_of(row: dict[str, Any]) -> str:
-    # rows written before labels existed: feedback was on for every lossy codec but int8 unless --no-error-feedback
-    return str(row.get("label") or label(row["codec"], bool(row.get("error_feedback", True)) and row["codec"] != "int8"))
+    # rows written before labels existed: the row's error_feedback is what the run had (int8 included)
+    return str(row.get("label") or label(row["codec"], bool(row.get("error_feedback", True))))
 
 
 def summarise(results: list[dict[str, Any]], codecs: list[str], tasks: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
