@@ -190,13 +190,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="markdown table")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="raw per-run results (written after every run)")
-    parser.add_argument("--from-json", type=Path, default=None, help="only tabulate/plot earlier results")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=None,
+                        help="only tabulate/plot earlier results (several files: merged, a run repeated in two files "
+                             "counted once: the first file wins)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
     tasks = [t for t in args.tasks.split(",") if t]
     codecs = [c for c in args.codecs.split(",") if c]
-    results: list[dict[str, Any]] = json.loads(args.from_json.read_text())["runs"] if args.from_json else []
+    results: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
+    for path in args.from_json or []:
+        for row in json.loads(path.read_text())["runs"]:
+            key = (row["task"], row["seed"], row["method"], _label_of(row))
+            if key not in seen:
+                seen.add(key)
+                results.append(row)
 
     def save() -> None:
         if args.json:
