@@ -7,7 +7,8 @@ and of the re-run are printed side by side. A re-run costs what the peer's lease
 verification's compute is (leases re-run) ÷ (leases applied) of the run's training compute.
 
 Part 2, ``--runtime``: the real coordinator daemon and peer runners over the in-memory transport (toy task), honest
-peers only, verification on at ``--fraction`` with a probation of ``--probation``: how many leases were re-run, the
+peers only, verification on at ``--fraction`` with a probation of ``--probation``, ``--inner-state carry`` (the
+default: chosen leases are re-run from the start states the peers reveal) or ``reset``: how many leases were re-run, the
 re-runs' compute as a fraction of the peers' training compute (inner steps and measured seconds), the latency from
 submission to verdict, and that every honest verdict matched (none flagged).
 
@@ -73,7 +74,7 @@ def bench_size(preset: str, steps: int, batch: int, seq_len: int, codec: str) ->
             "peer_s_per_step": peer_s / steps, "rerun_s_per_step": rerun_s / steps}
 
 
-def toy_runtime_config(fraction: float, probation: int) -> RunConfig:
+def toy_runtime_config(fraction: float, probation: int, inner_state: str = "carry") -> RunConfig:
     return RunConfig.model_validate({
         "task": {"kind": "toy", "dim": 64, "hidden": 32, "points": 4096, "eval_points": 64, "num_shards": 4, "batch_size": 32},
         "inner": {"lr": 1e-2},
@@ -83,7 +84,7 @@ def toy_runtime_config(fraction: float, probation: int) -> RunConfig:
         "runtime": {
             "gate": {"enabled": False},  # measured alone: the gate's refusals are another question (bench_attacks.py)
             "snapshot_every": 20, "eval_every": 100000, "lease_slack": 30.0, "speed_report_period": 600.0,
-            "verify": {"enabled": True, "inner_state": "reset", "fraction": fraction, "probation_updates": probation,
+            "verify": {"enabled": True, "inner_state": inner_state, "fraction": fraction, "probation_updates": probation,
                        "queue": 64},
         },
     })
@@ -120,7 +121,7 @@ async def _runtime(cfg: RunConfig, peers: int, rounds: int, directory: Path) -> 
         status = daemon.verification.status()
         train_s = sum(r.summary.timing.get("train", 0.0) for r in runners.values())
         peer_steps = sum(r.summary.steps for r in runners.values())
-        return {"peers": peers, "rounds": rounds, "fraction": cfg.runtime.verify.fraction,
+        return {"peers": peers, "rounds": rounds, "fraction": cfg.runtime.verify.fraction, "inner_state": cfg.runtime.verify.inner_state,
                 "probation": cfg.runtime.verify.probation_updates, "leases": sum(r.summary.rounds for r in runners.values()),
                 "applied_steps": daemon.state.local_updates, "peer_steps": peer_steps, "peer_train_s": train_s,
                 "verification": status, "compute_fraction_seconds": status["busy_s"] / train_s if train_s else None}
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--fraction", type=float, default=0.1)
     parser.add_argument("--probation", type=int, default=3)
+    parser.add_argument("--inner-state", choices=("carry", "reset"), default="carry",
+                        help="part 2: carry (the default: leases re-run from revealed start states) or reset")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
@@ -159,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['rerun_s_per_step'] / row['peer_s_per_step']:>11.2f}\n")
     if args.runtime:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = toy_runtime_config(args.fraction, args.probation)
+            cfg = toy_runtime_config(args.fraction, args.probation, args.inner_state)
             row = asyncio.run(_runtime(cfg, args.peers, args.rounds, Path(tmp) / "run"))
         out["runtime"] = row
         v = row["verification"]
         write(f"\nruntime (toy, {row['peers']} honest peers × {row['rounds']} leases, fraction {row['fraction']}, "
-              f"probation {row['probation']}):\n")
+              f"probation {row['probation']}, inner state {row['inner_state']}):\n")
         write(f"  leases {row['leases']}, re-run {v['checked']} (skipped {v['skipped']}), failed {v['failed']}, "
-              f"expelled {len(v['expelled'])}\n")
+              f"expelled {len(v['expelled'])}; reveals {v['reveals']}\n")
         write(f"  compute: re-run steps ÷ applied steps {v['compute_fraction']:.3f}; re-run seconds ÷ peers' training "
               f"seconds {row['compute_fraction_seconds']:.3f}\n")
         write(f"  latency submission → verdict: median {v['latency_median_s']:.3f} s, max {v['latency_max_s']:.3f} s "

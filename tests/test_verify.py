@@ -298,3 +298,57 @@ def test_anchors_rotate_and_prune_the_archived_log(tmp_path: Path) -> None:
     assert anchors.seqs() == [25, 33, 44] and anchors.oldest() == 25
     assert (anchors.path(25) / "state.pt").read_bytes() == b"v20"  # a link to the snapshot as it was then
     assert sorted(p.name[:-4].lstrip("0") for p in archive.glob("*.wal")) == ["21", "31", "41"]
+
+
+def test_repair_keeps_unchecked_honest_work_in_flight() -> None:
+    """After a repair an active lease stays valid only when the live coordinator issued it with the same base version,
+    its θ was downloaded, it is not chosen for verification and its peer is not expelled; the rest go back."""
+    from asyncloco.coordinator.logic import Fetched
+
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+    peers = ["p1", "p2", "p3", "p4", "p5"]
+    leases = {}
+    for peer in peers:
+        handle(state, SpeedReport(peer, 10.0), 0.0)
+        leases[peer] = next(a.lease for a in handle(state, RequestWork(peer), 0.0)[1] if isinstance(a, Assign))
+        if peer != "p4":  # p4 has not downloaded its θ yet
+            handle(state, Fetched(peer, leases[peer].base_version), 0.0)
+    state.leases[leases["p2"].lease_id].verify = "sampled at 0.1"  # chosen: its base θ is needed for the re-run
+    live = copy.deepcopy(state.leases)
+    live[leases["p3"].lease_id].base_version += 1  # the live lease names another version than the replayed one
+    everything = repair(copy.deepcopy(state), [], ["p5"], state.version)  # without the live leases: all go back
+    assert len(everything.voided) == 5 and not everything.state.leases
+    result = repair(state, [], ["p5"], state.version, live)
+    assert list(result.state.leases) == [leases["p1"].lease_id]
+    assert sorted(a.peer for a in result.voided if type(a).__name__ == "Expired") == ["p2", "p3", "p4", "p5"]
+
+
+def test_a_kept_lease_is_applied_to_the_repaired_theta() -> None:
+    """An honest lease in flight across a repair is applied to the repaired θ as a stale update: θ equals the outer
+    optimizer stepping on the honest update alone, bitwise."""
+    from asyncloco.coordinator.logic import Applied, Fetched
+
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
+    live = copy.deepcopy(anchor)
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(live, event, now)[1]
+
+    for peer in ("h", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    mine = next(x.lease for x in feed(RequestWork("h"), 0.0) if isinstance(x, Assign))
+    feed(Fetched("h", mine.base_version), 0.0)
+    theirs = next(x.lease for x in feed(RequestWork("a"), 0.0) if isinstance(x, Assign))
+    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    feed(Verified("a", theirs.lease_id, False, "relative error 1.0"), 2.0)
+    result = repair(anchor, log, live.verification.expelled, live.version, live.leases)
+    repaired = result.state
+    assert list(repaired.leases) == [mine.lease_id] and result.voided == [] and result.discarded == 1
+    honest = torch.arange(DIM, dtype=torch.float32)
+    _, actions = handle(repaired, SubmitUpdate("h", mine.lease_id, mine.base_version, honest.clone()), 3.0)
+    assert [type(a) for a in actions] == [Applied]
+    reference_params = torch.zeros(DIM)
+    OuterNesterov(0.7, 0.9).step(reference_params, honest)
+    assert torch.equal(repaired.params, reference_params)

@@ -129,7 +129,7 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -
                 assert {task.peer for task, _, _ in verification.awaiting.values()} == {SILENT}
                 await clock.advance(REVEAL_TIMEOUT)
             deadline = asyncio.get_running_loop().time() + 30.0
-            while verification.awaiting or SILENT not in daemon.state.verification.expelled:
+            while verification.awaiting or not any(r["peer"] == SILENT for r in verification.repairs):  # expelled, repaired
                 assert asyncio.get_running_loop().time() < deadline, "the silent peer's deadline passed without a verdict"
                 await asyncio.sleep(0.01)
             await asyncio.wait_for(verification.drain(), timeout=60.0)
@@ -185,9 +185,21 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -
     state = out["fresh"]()
     state.load_state_dict(anchor["coordinator"])
     events = list(log_events(run_dir / "wal", 0, out["last_seq"], EVENT_TYPES, out["numel"]))
-    cut = max(i for i, (e, _) in enumerate(events) if isinstance(e, Verified) and not e.ok)
-    replayed = repair(state, events[: cut + 1], [LIAR, SILENT], repairs[-1]["version_before"]).state
-    for event, now in events[cut + 1 :]:
+    failures = [(i, e.peer) for i, (e, _) in enumerate(events) if isinstance(e, Verified) and not e.ok]
+    cuts = sorted(next(i for i, peer in failures if peer == name) for name in (LIAR, SILENT))  # each peer's expulsion
+    # the live coordinator as each repair found it: the log replayed as it was, then repaired at the first expulsion
+    live_then = out["fresh"]()
+    live_then.load_state_dict(anchor["coordinator"])
+    for event, now in events[: cuts[0] + 1]:
+        handle(live_then, event, now)
+    first = events[cuts[0]][0].peer
+    again = out["fresh"]()
+    again.load_state_dict(anchor["coordinator"])
+    live_then = repair(again, events[: cuts[0] + 1], [first], repairs[0]["version_before"], live_then.leases).state
+    for event, now in events[cuts[0] + 1 : cuts[1] + 1]:
+        handle(live_then, event, now)
+    replayed = repair(state, events[: cuts[1] + 1], [LIAR, SILENT], repairs[-1]["version_before"], live_then.leases).state
+    for event, now in events[cuts[1] + 1 :]:
         handle(replayed, event, now)
     assert torch.equal(replayed.params, live.params)
     assert replayed.version == live.version and replayed.local_updates == live.local_updates

@@ -174,7 +174,11 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     state.load_state_dict(anchor["coordinator"])
     events = list(log_events(run_dir / "wal", 0, out["last_seq"], EVENT_TYPES, out["numel"]))
     cut = next(i for i, (e, _) in enumerate(events) if isinstance(e, Verified) and not e.ok)
-    replayed = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"]).state
+    before = out["fresh"]()  # the live coordinator as the repair found it: the log replayed as it was
+    before.load_state_dict(anchor["coordinator"])
+    for event, now in events[: cut + 1]:
+        handle(before, event, now)
+    replayed = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"], before.leases).state
     for event, now in events[cut + 1 :]:
         handle(replayed, event, now)
     assert torch.equal(replayed.params, live.params)

@@ -50,7 +50,7 @@ import heapq
 import hmac
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Callable, Literal, Sequence, Union
 
 import numpy as np
 import torch
@@ -1287,10 +1287,15 @@ def verify_draw(secret: bytes, lease_id: str) -> float:
 def verify_reason(state: CoordinatorState, policy: VerifyPolicy, peer: str, lease_id: str) -> str:
     """Why ``peer``'s lease ``lease_id`` is to be re-run, or "" when it is not: every lease while the peer has
     fewer than ``probation_updates`` verified updates, then ``suspect_fraction`` of them while the gate refused one
-    of its recent updates, else ``fraction``. Decided when the lease is issued, never told to the peer."""
+    of its recent updates, else ``fraction``. Decided when the lease is issued, never told to the peer. Checks on
+    their way count toward probation (its leases chosen and still active, its applied updates awaiting a verdict):
+    a fast peer's probation is ``probation_updates`` re-runs, not every lease it takes before its first verdicts."""
     passed = state.verification.passed.get(peer, 0)
     if passed < policy.probation_updates:
-        return f"probation ({passed} of {policy.probation_updates} verified)"
+        on_the_way = sum(1 for owner in state.verification.pending.values() if owner == peer)
+        on_the_way += sum(1 for lease in state.leases.values() if lease.peer == peer and lease.verify)
+        if passed + on_the_way < policy.probation_updates:
+            return f"probation ({passed} of {policy.probation_updates} verified" + (f", {on_the_way} on the way)" if on_the_way else ")")
     draw = verify_draw(state.lease_secret, lease_id)
     suspect = update_gate.suspect(state.gate, peer)  # a counted gate rejection or weak agreement, recently
     if suspect and draw < policy.suspect_fraction:
@@ -1334,12 +1339,14 @@ def _on_discard(state: CoordinatorState, event: Discard) -> list[Action]:
     return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled")]
 
 
-def void_leases(state: CoordinatorState, why: str) -> list[Action]:
-    """Give back every active lease and drop every held request (after a repair replaced θ: no lease's base
-    version means the same θ any more). Deterministic, so a replay of the log repeats it."""
+def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None) -> list[Action]:
+    """Give back every active lease (but those ``keep`` holds valid) and drop every held request (after a repair
+    replaced θ: no lease's base version means the same θ any more). Deterministic, so a replay repeats it."""
     actions: list[Action] = []
     failed = {name: info.failed for name, info in state.peers.items()}
     for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if keep is not None and keep(lease):
+            continue
         actions += _give_back(state, lease, why)
     for name, info in state.peers.items():
         info.failed = failed[name]  # not the peers' doing: their DyLU standing stays
