@@ -243,8 +243,10 @@ class VerifyConfig(StrictModel):
     inner_state: Literal["carry", "reset"] = Field(
         "carry", description="reset: fresh inner AdamW state every lease (a re-run needs only θ_base + data); verification needs it"
     )
-    fraction: float = Field(0.1, ge=0, le=1, description="share of a proven peer's leases re-run (HMAC of the lease id)")
-    probation_updates: int = Field(3, ge=0, description="every one of a peer's first N applied updates is re-run")
+    # defaults: re-runs cost ≈ fraction + probation_updates / (leases per peer) of the training compute (≤ 10 % once
+    # each peer has done 100 leases; docs/threat-model.md, "Who verifies", measured with scripts/bench_verify.py)
+    fraction: float = Field(0.08, ge=0, le=1, description="share of a proven peer's leases re-run (HMAC of the lease id)")
+    probation_updates: int = Field(2, ge=0, description="a peer's first N leases are all re-run (probation)")
     suspect_fraction: float = Field(0.5, ge=0, le=1, description="share re-run for a peer the gate refused recently")
     tolerance: float = Field(
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ (0: bitwise, right on CPU; ~1e-2 for bf16/GPU)"

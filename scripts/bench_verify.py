@@ -39,12 +39,12 @@ from asyncloco.workloads import build_workload
 logger = logging.getLogger("bench_verify")
 
 
-def lm_config(preset: str, batch: int, seq_len: int, codec: str) -> RunConfig:
+def lm_config(preset: str, batch: int, seq_len: int, codec: str, inner_state: str = "reset") -> RunConfig:
     return RunConfig.model_validate({
         "task": {"kind": "lm", "model": preset, "source": "embedded", "seq_len": seq_len, "batch_size": batch,
                  "num_shards": 4, "val_sequences": 16},
         "inner": {"lr": 4e-4, "warmup_steps": 2, "weight_decay": 0.1, "grad_clip": 1.0},
-        "runtime": {"codec": codec, "verify": {"enabled": True, "inner_state": "reset"}},
+        "runtime": {"codec": codec, "verify": {"enabled": True, "inner_state": inner_state}},
     })
 
 
@@ -69,9 +69,41 @@ def bench_size(preset: str, steps: int, batch: int, seq_len: int, codec: str) ->
     rerun = rerunner.rerun(lease, theta)
     rerun_s = time.perf_counter() - started
     verdict = compare(rerun, submitted)
+    carried = bench_carried(preset, steps, batch, seq_len, codec, workload)
     return {"preset": preset, "params": int(theta.numel()), "steps": steps, "batch": batch, "seq_len": seq_len,
             "codec": codec, "bitwise": verdict.bitwise, "rel_error": verdict.rel_error,
-            "peer_s_per_step": peer_s / steps, "rerun_s_per_step": rerun_s / steps}
+            "peer_s_per_step": peer_s / steps, "rerun_s_per_step": rerun_s / steps, **carried}
+
+
+def bench_carried(preset: str, steps: int, batch: int, seq_len: int, codec: str, workload: Any) -> dict[str, Any]:
+    """``inner_state: carry``: the peer's lease from a carried state, and the verifier's re-run from the revealed
+    start state (digest check, load, re-run, end digest: Rerunner.check_revealed) — its seconds and verdict."""
+    from asyncloco.coordinator.logic import Verify
+    from asyncloco.peer.inner import inner_state_chunks
+
+    cfg = lm_config(preset, batch, seq_len, codec, "carry")
+    peer = InnerTrainer.from_config(cfg, workload)
+    theta = peer.full_params()
+    peer.run(theta, 0, 0, 1, 0)
+    peer.run(theta, 2, 0, 1, 0)
+    revealed = b"".join(inner_state_chunks(peer.optimizer) or [])
+    start = peer.state_digest()
+    started = time.perf_counter()
+    submitted = peer.run(theta, 1, 3, steps, 3).pseudo_gradient
+    peer_s = time.perf_counter() - started
+    end = peer.state_digest()
+    if codec != "none":
+        from asyncloco.transport.codecs import decode, encode
+
+        submitted = decode(encode(codec, submitted), submitted.numel())
+    rerunner = Rerunner(cfg, workload)
+    rerunner.rerun(Lease("L0", "p", 0, 0, 1, 0, 0, 0.0, 0.0, 0.0), theta)  # warm
+    lease = Lease("L1", "p", 1, 3, steps, 3, 0, 0.0, 0.0, 0.0)
+    started = time.perf_counter()
+    verdict = rerunner.check_revealed(Verify("p", lease, theta, submitted, "bench", "", start or "", end or ""), revealed)
+    check_s = time.perf_counter() - started
+    return {"carry_bitwise": verdict.bitwise and verdict.ok, "carry_peer_s_per_step": peer_s / steps,
+            "carry_check_s_per_step": check_s / steps, "revealed_bytes": len(revealed)}
 
 
 def toy_runtime_config(fraction: float, probation: int, inner_state: str = "carry") -> RunConfig:
@@ -141,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime", action="store_true", help="part 2: the in-memory runtime with honest peers")
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--fraction", type=float, default=0.1)
-    parser.add_argument("--probation", type=int, default=3)
+    parser.add_argument("--fraction", type=float, default=0.08, help="runtime.verify.fraction (its default)")
+    parser.add_argument("--probation", type=int, default=2, help="runtime.verify.probation_updates (its default)")
     parser.add_argument("--inner-state", choices=("carry", "reset"), default="carry",
                         help="part 2: carry (the default: leases re-run from revealed start states) or reset")
     parser.add_argument("--json", type=Path, default=None)
@@ -153,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     write = sys.stdout.write
     if args.sizes:
         write(f"{'preset':<7} {'params':>11} {'steps':>5} {'codec':>5} {'bitwise':>7} {'rel err':>8} "
-              f"{'peer s/step':>11} {'re-run s/step':>13} {'re-run/peer':>11}\n")
+              f"{'peer s/step':>11} {'re-run s/step':>13} {'re-run/peer':>11} {'carry: bitwise':>14} "
+              f"{'check/peer':>10} {'revealed MB':>11}\n")
     for preset in args.sizes:
         row = bench_size(preset, args.steps, args.batch, args.seq_len, args.codec)
         out["sizes"].append(row)
         write(f"{row['preset']:<7} {row['params']:>11,} {row['steps']:>5} {row['codec']:>5} {str(row['bitwise']):>7} "
               f"{row['rel_error']:>8.2g} {row['peer_s_per_step']:>11.3f} {row['rerun_s_per_step']:>13.3f} "
-              f"{row['rerun_s_per_step'] / row['peer_s_per_step']:>11.2f}\n")
+              f"{row['rerun_s_per_step'] / row['peer_s_per_step']:>11.2f} {str(row['carry_bitwise']):>14} "
+              f"{row['carry_check_s_per_step'] / row['carry_peer_s_per_step']:>10.2f} {row['revealed_bytes'] / 1e6:>11.1f}\n")
     if args.runtime:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = toy_runtime_config(args.fraction, args.probation, args.inner_state)

@@ -189,8 +189,8 @@ class CoordinatorPolicy:
 class VerifyPolicy:
     """Which leases are re-run (``runtime.verify``; docs/threat-model.md)."""
 
-    fraction: float = 0.1  # share of a proven peer's leases
-    probation_updates: int = 3  # every one of a peer's first N verified updates
+    fraction: float = 0.08  # share of a proven peer's leases
+    probation_updates: int = 2  # every one of a peer's first N verified updates
     suspect_fraction: float = 0.5  # share for a peer with a gate rejection among its recent verdicts
     commit: bool = False  # inner_state "carry": submissions carry chained digests of the inner state (Commitments)
 
