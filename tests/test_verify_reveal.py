@@ -149,6 +149,8 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -
                 "state": daemon.state, "last_seq": daemon.wal.last_seq, "numel": daemon.numel,
                 "status": json.loads((run_dir / STATUS_FILE).read_text()), "fresh": verification._fresh_state,
                 "reveals": dict(verification.reveals), "stores": {n: r.reveals for n, (r, _) in peers.items()},
+                "state_size": verification._state_size,
+                "layout_size": inner_state_size(InnerTrainer.from_config(cfg, transport.workload).optimizer),
             }
         finally:
             if transport.daemon is not None and transport.daemon.verification is not None:
@@ -176,6 +178,7 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -
     assert reveals["late"] >= 1 and reveals["refused"] == 1  # the intruder's
     assert reveals["received"] >= 3
     assert out["status"]["verification"]["reveals"]["awaiting"] == 0
+    assert out["state_size"] == out["layout_size"]  # the reveal's bound is the exact size of a full inner state
     for store in out["stores"].values():  # the honest peers kept at most reveal_keep (2) start states
         assert store is not None and len(store) <= 2
     # both peers' updates are gone: an independent replay of the whole log equals the live coordinator bitwise
