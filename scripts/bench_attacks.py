@@ -18,7 +18,9 @@ adds others of the hostile peer (``nan``, ``replay``, ``other-lease``, ``ghost-f
 on a machine shared with other work, equal wall time is not equal compute — in one gate-off invocation
 at 40 s the clean run got 58 updates and the ghost run 26, so the load decided, not the attack. At an
 equal number of applied updates an attack still shows its harm: a clipped or accepted hostile update is
-one of the N, and shortened leases (the ghost) bring less training per update.
+one of the N, and shortened leases (the ghost) bring less training per update. ``--honest-updates N`` ends a
+run when the honest peers' applied updates (the journal's ``applied`` lines) reach N — with ``--verify`` a repair
+discards an expelled attacker's updates, so equal θ versions are not equal useful work.
 
 Issue 16 rows (``--attacks ... --gate on``): ``hidden:S`` (honest work plus S × its norm along a fixed hidden
 direction), ``poison`` (AdamW on batches half replaced by one trigger sequence), ``alie`` (μ − z·σ from the θ
@@ -265,7 +267,7 @@ def final_metrics(config: Path, checkpoint_dir: Path) -> tuple[float, float, flo
 
 def run_one(
     base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int, updates: Optional[int] = None,
-    repeat: int = 0, verify: bool = False, colluders: int = 1,
+    repeat: int = 0, verify: bool = False, colluders: int = 1, honest_updates: Optional[int] = None,
 ) -> Result:
     row = attack
     attack, scale, identities = parse_row(row, colluders)
@@ -301,13 +303,26 @@ def run_one(
                 )
                 log.close()
                 cluster.spawned.append(process)
-        if updates is None:
+        if updates is None and honest_updates is None:
             # equal wall time for every run: the benchmark's clock, not a synchronisation
             time.sleep(max(0.0, duration - (time.monotonic() - started)))
         else:
-            # equal work: N applied updates (θ versions), wall time capped at --duration
+            # equal work: N applied updates (θ versions) and/or N applied updates of the honest peers (the journal's
+            # applied lines: a repair discards only the attacker's), wall time capped at --duration
+            honest_now = {cluster.peer_summary(peer).get("peer_id", "") for peer in honest_names}
+
+            def enough() -> bool:
+                if updates is not None and cluster.status().get("version", 0) < updates:
+                    return False
+                if honest_updates is None:
+                    return True
+                applied = sum(1 for e in cluster.events() if e.get("type") == "applied" and e.get("peer") in honest_now)
+                return applied >= honest_updates
+
+            what = " and ".join(x for x in (f"{updates} updates" if updates is not None else "",
+                                            f"{honest_updates} honest updates" if honest_updates is not None else "") if x)
             try:
-                cluster.wait_for(lambda: cluster.status().get("version", 0) >= updates, duration, f"{updates} updates", poll=0.5)
+                cluster.wait_for(enough, duration, what, poll=0.5)
             except ClusterError as error:  # the cap: the run ends with what it has
                 logger.warning("%s: %s", name, error)
         elapsed = time.monotonic() - started
@@ -500,6 +515,9 @@ def main() -> int:
     parser.add_argument("--probe-sequences", type=int, default=16, help="--probe-cost: probe rows (runtime.gate.probe_sequences)")
     parser.add_argument("--probe-repeats", type=int, default=3, help="--probe-cost: probed updates to time (the median is printed)")
     parser.add_argument("--updates", type=int, help="end each run at this many applied updates (--duration caps it)")
+    parser.add_argument("--honest-updates", type=int,
+                        help="end each run when the honest peers have this many applied updates (equal useful work when "
+                             "repairs discard an attacker's; --duration caps it)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per row, interleaved; each row is judged by the geometric mean of its ratios")
     parser.add_argument("--json", help="write the results here")
@@ -547,7 +565,7 @@ def main() -> int:
             for attack in ["clean", *args.attacks]:
                 logger.info("run %s, gate %s, repeat %d, %.0f s", attack, "on" if gate else "off", repeat, args.duration)
                 result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates, repeat,
-                                 verify=args.verify, colluders=args.colluders)
+                                 verify=args.verify, colluders=args.colluders, honest_updates=args.honest_updates)
                 runs.append(result)
                 logger.info("%s gate %s: perplexity %.4g", attack, "on" if gate else "off", result.perplexity)
         # each run against the clean runs' geometric mean (one clean run without --repeats)
@@ -566,7 +584,7 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
-            {"updates": args.updates, "duration_s": args.duration, "verify": args.verify, "colluders": args.colluders,
+            {"updates": args.updates, "honest_updates": args.honest_updates, "duration_s": args.duration, "verify": args.verify, "colluders": args.colluders,
              "acceptance": acceptance(results), "acceptance_issue16": acceptance16(results),
              "table": table(results), "runs": [asdict(r) for r in results]}, indent=1))
         print(f"wrote {args.json}")
