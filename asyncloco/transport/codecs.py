@@ -466,12 +466,20 @@ def _decode_topk(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
         last = local[full * k :]
         if bool((last >= tail).any()) or (last.numel() > 1 and not bool((last[1:] > last[:-1]).all())):
             raise CodecError(f"codec {name!r}: the last chunk's indices must be strictly increasing and below {tail}")
-    chunk_of = torch.arange(full + (1 if tail else 0)).repeat_interleave(k)[:kept]
-    codes = _unpack(payload[kept:], kept, bits).long()
+    # values: a table of the 2^bits unit values ((m + 1)/L, signed) indexed by each code, times its chunk's
+    # scale, in (chunks, k) rows so the scale broadcasts; positions likewise chunk·256 + local index
+    chunks = full + (1 if tail else 0)
     levels = 1 << (bits - 1)
-    magnitude = ((codes & (levels - 1)) + 1).float() / levels * scale[chunk_of]
-    values = torch.where(codes >= levels, -magnitude, magnitude).numpy()
-    positions = (chunk_of * TOPK_CHUNK + local).numpy()
+    code = np.arange(1 << bits)
+    unit = ((code & (levels - 1)) + 1).astype(np.float32) / levels * np.where(code >= levels, -1.0, 1.0).astype(np.float32)
+    codes = np.zeros(chunks * k, dtype=np.uint8)
+    codes[:kept] = _unpack(payload[kept:], kept, bits).numpy()
+    values = np.take(unit, codes).reshape(chunks, k)
+    values *= scale.numpy()[:, None]
+    local_rows = np.zeros(chunks * k, dtype=np.int64)
+    local_rows[:kept] = local.numpy()
+    positions = (local_rows.reshape(chunks, k) + (np.arange(chunks, dtype=np.int64) * TOPK_CHUNK)[:, None]).reshape(-1)
+    values = values.reshape(-1)
     dense = out.numpy()
     # slab by slab: zero it and scatter its kept values while it is cached (one pass over θ, not two)
     for start in range(0, numel, DECODE_SLAB):
