@@ -479,14 +479,14 @@ def _decode_topk(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     local_rows = np.zeros(chunks * k, dtype=np.int64)
     local_rows[:kept] = local.numpy()
     positions = (local_rows.reshape(chunks, k) + (np.arange(chunks, dtype=np.int64) * TOPK_CHUNK)[:, None]).reshape(-1)
-    values = values.reshape(-1)
+    flat = values.reshape(-1)
     dense = out.numpy()
     # slab by slab: zero it and scatter its kept values while it is cached (one pass over θ, not two)
     for start in range(0, numel, DECODE_SLAB):
         stop = min(start + DECODE_SLAB, numel)
-        first, last = start // TOPK_CHUNK * k, min(-(-stop // TOPK_CHUNK) * k, kept)
+        lo, hi = start // TOPK_CHUNK * k, min(-(-stop // TOPK_CHUNK) * k, kept)  # the slab's kept values
         dense[start:stop] = 0.0
-        dense[positions[first:last]] = values[first:last]
+        dense[positions[lo:hi]] = flat[lo:hi]
     return out
 
 
