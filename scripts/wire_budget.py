@@ -30,7 +30,8 @@ from asyncloco.transport.codecs import decode, encode, wire_bytes
 from asyncloco.transport.delta import relative_error
 
 UPLOADS = ("none", "bf16", "int8", "int4")
-UPLOADS_EF = ("none", "bf16", "int8", "int4", "int2", "topk32b2", "topk16b4", "topk16b2", "topk8b2", "topk4b2", "topk2b2")
+UPLOADS_EF = ("none", "bf16", "int8", "int4", "int2", "topk32b2", "grp4b2", "grp4b1", "topk16b4", "grp8b2", "topk16b2", "topk8b2",
+              "topk4b2", "topk2b2")
 
 
 def upload_table(numel: int, uplink_mbit: float) -> List[Dict[str, Any]]:
