@@ -62,6 +62,7 @@ from asyncloco.algo.sampler import sample_shard
 from asyncloco.algo.staleness import StalenessTransform, apply_transforms
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.gate import GatePolicy, GateState
+from asyncloco.transport.refusals import RefusalCode
 
 __all__ = [
     "Lease",
@@ -79,6 +80,10 @@ __all__ = [
     "HoldDropped",
     "Verified",
     "Discard",
+    "Fingerprint",
+    "Incompatible",
+    "admission_code",
+    "update_problem",
     "Event",
     "Assign",
     "Hold",
@@ -261,6 +266,7 @@ class CoordinatorState:
     token_peers: dict[str, str] = field(default_factory=dict)
     revoked: dict[str, float] = field(default_factory=dict)
     verification: VerificationState = field(default_factory=VerificationState)
+    incompatible: dict[str, str] = field(default_factory=dict)  # peer id -> why its fingerprint was refused (Fingerprint)
 
     @property
     def needs_base_params(self) -> bool:
@@ -290,6 +296,7 @@ class CoordinatorState:
             "token_peers": dict(self.token_peers),
             "revoked": dict(self.revoked),
             "verification": self.verification.state_dict(),
+            "incompatible": dict(self.incompatible),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -329,6 +336,7 @@ class CoordinatorState:
         self.revoked = {k: float(v) for k, v in state.get("revoked", {}).items()}
         verification = state.get("verification")
         self.verification = VerificationState() if verification is None else VerificationState.from_state_dict(verification)
+        self.incompatible = {str(k): str(v) for k, v in state.get("incompatible", {}).items()}
 
 
 # ---------------------------------------------------------------------------------------- events
@@ -429,6 +437,18 @@ class HoldDropped:
 
 
 @dataclass(frozen=True)
+class Fingerprint:
+    """The compatibility check (asyncloco/fingerprint.py) of ``peer``: ``reason`` is why its model, tokenizer, data or
+    codec differ from the run's (``differing``: the components; ``peer_version``: its asyncloco), "" when it fits.
+    An incompatible peer is turned away like an unadmitted one (code INCOMPATIBLE) until a check fits."""
+
+    peer: str
+    reason: str
+    differing: tuple[str, ...] = ()
+    peer_version: str = ""
+
+
+@dataclass(frozen=True)
 class Verified:
     """A verifier's verdict on lease ``lease_id`` of ``peer`` (coordinator/verify.py): ``ok`` when the re-run's
     pseudo-gradient matched the submitted one within the tolerance; ``detail`` says how close it was."""
@@ -451,7 +471,7 @@ class Discard:
 
 Event = Union[
     SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped,
-    Verified, Discard,
+    Verified, Discard, Fingerprint,
 ]
 
 
@@ -499,6 +519,7 @@ class Rejected:
     peer: str
     lease_id: str
     reason: str
+    code: RefusalCode  # the typed reason the peer reacts to (transport/refusals.py)
 
 
 @dataclass(frozen=True)
@@ -527,6 +548,17 @@ class Refused:
     token_id: str  # the token presented, "" for a request without one
     reason: str
     lease_id: str = ""  # the submission turned away, if it was one
+    code: RefusalCode = RefusalCode.NOT_ADMITTED  # or EXPELLED / INCOMPATIBLE (admission_code)
+
+
+@dataclass(frozen=True)
+class Incompatible:
+    """``peer`` failed the compatibility check (a :class:`Fingerprint` event); journaled once per change."""
+
+    peer: str
+    differing: tuple[str, ...]
+    peer_version: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -602,7 +634,7 @@ class Expelled:
 
 Action = Union[
     Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked, Quarantined, Released, Left, Notice,
-    Verify, Verdict, Expelled,
+    Verify, Verdict, Expelled, Incompatible,
 ]
 
 
@@ -618,6 +650,8 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
         return state, _on_admit(state, event, now) + _release_held(state, now)
     if isinstance(event, Revoke):
         return state, _on_revoke(state, event, now) + _release_held(state, now)
+    if isinstance(event, Fingerprint):
+        return state, _on_fingerprint(state, event) + _release_held(state, now)
     if isinstance(event, SpeedReport):
         actions = _on_speed(state, event, now)
     elif isinstance(event, Hello):
@@ -730,11 +764,11 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
     peer = event.peer
     info = state.peers.get(peer)
     if info is None or not info.alive:
-        return [Rejected(peer, "", "no speed report from this peer yet; it must publish its throughput first")]
+        return [Rejected(peer, "", "no speed report from this peer yet; it must publish its throughput first", RefusalCode.NO_SPEED)]
     info.last_seen = now
     if update_gate.is_quarantined(state.gate, peer, now):
         until = state.gate.quarantined_until[peer]
-        return [Rejected(peer, "", f"quarantined until {until:.0f} after repeated rejected updates")]
+        return [Rejected(peer, "", f"quarantined until {until:.0f} after repeated rejected updates", RefusalCode.QUARANTINED)]
     for lease in _peer_leases(state, peer)[:1]:
         # A peer holds one lease at a time: asking again means it abandoned the old one.
         return _give_back(state, lease, "peer asked for new work before submitting") + _on_request(state, event, now)
@@ -1197,9 +1231,12 @@ def _on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[
 
 
 def is_admitted(state: CoordinatorState, peer: str, now: float) -> bool:
-    """May ``peer`` (an authenticated libp2p peer id) take part at ``now``? Always True in ``open`` mode."""
+    """May ``peer`` (an authenticated libp2p peer id) take part at ``now``? Always True in ``open`` mode for a
+    peer that passed the compatibility check (or was not checked)."""
     if peer in state.verification.expelled:
         return False  # failed a verification: out for good, whatever the admission mode
+    if peer in state.incompatible:
+        return False  # failed the compatibility check (Fingerprint): until a check fits
     mode = state.policy.admission
     if mode == "open":
         return True
@@ -1209,9 +1246,20 @@ def is_admitted(state: CoordinatorState, peer: str, now: float) -> bool:
     return record is not None and now < record.expires_at and record.token_id not in state.revoked
 
 
+def admission_code(state: CoordinatorState, peer: str) -> RefusalCode:
+    """The typed code of :func:`admission_problem` (for a peer :func:`is_admitted` refuses)."""
+    if peer in state.verification.expelled:
+        return RefusalCode.EXPELLED
+    if peer in state.incompatible:
+        return RefusalCode.INCOMPATIBLE
+    return RefusalCode.NOT_ADMITTED
+
+
 def admission_problem(state: CoordinatorState, peer: str, now: float) -> str:
     if peer in state.verification.expelled:
         return f"expelled from this run: {state.verification.expelled[peer]}"
+    if peer in state.incompatible:
+        return state.incompatible[peer]
     mode = state.policy.admission
     if mode == "allowlist":
         return "this peer id is not in the run's runtime.allowlist; send it to the organiser"
@@ -1229,7 +1277,24 @@ def _turn_away(
     if isinstance(event, (SpeedReport, Hello, Fetched)):
         return []  # no effect on DyLU, and no journal line per DHT read (the request that follows is refused)
     lease_id = event.lease_id if isinstance(event, SubmitUpdate) else ""
-    return [Refused(event.peer, "", admission_problem(state, event.peer, now), lease_id)]
+    return [Refused(event.peer, "", admission_problem(state, event.peer, now), lease_id, admission_code(state, event.peer))]
+
+
+MAX_INCOMPATIBLE = 10_000  # refused fingerprints remembered (the oldest is forgotten first)
+
+
+def _on_fingerprint(state: CoordinatorState, event: Fingerprint) -> list[Action]:
+    if not event.reason:
+        state.incompatible.pop(event.peer, None)
+        return []
+    if state.incompatible.get(event.peer) == event.reason:
+        return []  # the same refusal again: nothing changed, nothing to journal
+    state.incompatible.pop(event.peer, None)
+    if len(state.incompatible) >= MAX_INCOMPATIBLE:
+        state.incompatible.pop(next(iter(state.incompatible)))
+    state.incompatible[event.peer] = event.reason
+    state.held.pop(event.peer, None)
+    return [Incompatible(event.peer, tuple(event.differing), event.peer_version, event.reason)]
 
 
 def _on_admit(state: CoordinatorState, event: Admit, now: float) -> list[Action]:
@@ -1336,7 +1401,7 @@ def _on_discard(state: CoordinatorState, event: Discard) -> list[Action]:
     _unindex_lease(state, lease)
     state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
     _drop_unused_base_params(state)
-    return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled")]
+    return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled", RefusalCode.DISCARDED)]
 
 
 def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None) -> list[Action]:
@@ -1360,27 +1425,33 @@ def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool]
 
 def validate_update(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -> str | None:
     """Why this update must not touch θ, or None if it may."""
+    problem = update_problem(state, event, lease)
+    return None if problem is None else problem[1]
+
+
+def update_problem(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -> tuple[RefusalCode, str] | None:
+    """:func:`validate_update` with the typed code (STALE for the staleness bound, else INVALID_UPDATE)."""
     update = event.pseudo_gradient
     if lease.peer != event.peer:
-        return f"lease {lease.lease_id} belongs to another peer"
+        return RefusalCode.INVALID_UPDATE, f"lease {lease.lease_id} belongs to another peer"
     if event.base_version != lease.base_version:
-        return f"base_version {event.base_version} does not match the lease's {lease.base_version}"
+        return RefusalCode.INVALID_UPDATE, f"base_version {event.base_version} does not match the lease's {lease.base_version}"
     if not isinstance(update, torch.Tensor) or update.dtype != torch.float32:
-        return "pseudo-gradient must be a float32 tensor"
+        return RefusalCode.INVALID_UPDATE, "pseudo-gradient must be a float32 tensor"
     if update.shape != state.params.shape:
-        return f"pseudo-gradient has shape {tuple(update.shape)}, θ has {tuple(state.params.shape)}"
+        return RefusalCode.INVALID_UPDATE, f"pseudo-gradient has shape {tuple(update.shape)}, θ has {tuple(state.params.shape)}"
     staleness = state.version - lease.base_version
     if state.policy.max_staleness is not None and staleness > state.policy.max_staleness:
-        return f"staleness {staleness} exceeds the bound {state.policy.max_staleness}"
+        return RefusalCode.STALE, f"staleness {staleness} exceeds the bound {state.policy.max_staleness}"
     if state.policy.gate is not None and state.policy.max_update_norm is None:
         return None  # the gate's own pass over Δ finds NaN/Inf and judges the norm
     # One pass: a NaN or Inf anywhere makes the sum of squares non-finite (so do values whose squares
     # overflow float32 — far beyond any honest update).
     squared = float(torch.dot(update, update))
     if not math.isfinite(squared):
-        return "pseudo-gradient contains NaN or Inf, or its norm overflows float32"
+        return RefusalCode.INVALID_UPDATE, "pseudo-gradient contains NaN or Inf, or its norm overflows float32"
     if state.policy.max_update_norm is not None and math.sqrt(squared) > state.policy.max_update_norm:
-        return f"pseudo-gradient norm {math.sqrt(squared):.4g} exceeds the bound {state.policy.max_update_norm:g}"
+        return RefusalCode.INVALID_UPDATE, f"pseudo-gradient norm {math.sqrt(squared):.4g} exceeds the bound {state.policy.max_update_norm:g}"
     return None
 
 
@@ -1390,10 +1461,10 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
         return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
     lease = state.leases.get(event.lease_id)
     if lease is None:
-        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back")]
-    problem = validate_update(state, event, lease)
+        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back", RefusalCode.UNKNOWN_LEASE)]
+    problem = update_problem(state, event, lease)
     if problem is not None:
-        return [Rejected(event.peer, event.lease_id, problem)]
+        return [Rejected(event.peer, event.lease_id, problem[1], problem[0])]
     broken = _broken_chain(state, event)
     if broken is not None:
         return broken
@@ -1418,7 +1489,7 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
         if verdict.action == "reject":
             # The work is refused and its steps go back to the shard (its batches get trained by someone else).
             quarantine = update_gate.record(policy.gate, state.gate, verdict, None, lease.steps, event.peer, now)
-            actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}")]
+            actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}", RefusalCode.GATE)]
             actions += _give_back(state, lease, "its update was rejected by the gate")
             if quarantine is not None:
                 actions += _quarantine(state, event.peer, now, quarantine)
@@ -1438,7 +1509,7 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
         # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
         state.applied[lease.lease_id] = state.version
         _drop_unused_base_params(state)
-        return [Rejected(event.peer, lease.lease_id, adjusted.reason)]
+        return [Rejected(event.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
     retained = _retain_before_step(state)
     info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
     state.version += 1
@@ -1484,7 +1555,7 @@ def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] 
         return None
     if event.state_start is None or event.state_end is None:
         return [Rejected(event.peer, event.lease_id, "this run verifies carried inner state: the submission needs "
-                         "state_start and state_end digests; upgrade the peer (asyncloco peer join)")]
+                         "state_start and state_end digests; upgrade the peer (asyncloco peer join)", RefusalCode.BROKEN_CHAIN)]
     previous = state.verification.chain.get(event.peer, FRESH_STATE_DIGEST)
     if event.state_start in (previous, FRESH_STATE_DIGEST):
         return None
@@ -1493,7 +1564,7 @@ def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] 
               f"lease ended at {previous[:16]}… (and it is not the fresh state)")
     state.verification.pending[lease.lease_id] = event.peer
     empty = torch.empty(0)
-    actions: list[Action] = [Rejected(event.peer, lease.lease_id, detail)]
+    actions: list[Action] = [Rejected(event.peer, lease.lease_id, detail, RefusalCode.BROKEN_CHAIN)]
     actions += _give_back(state, lease, "its inner-state commitment did not chain")
     actions.append(Verify(event.peer, lease, empty, empty, "chain check", detail, event.state_start, event.state_end))
     return actions

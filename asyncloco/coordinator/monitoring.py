@@ -35,6 +35,7 @@ from asyncloco.coordinator.logic import (
     Left,
     Notice,
     Quarantined,
+    Incompatible,
     Refused,
     Rejected,
     Released,
@@ -263,6 +264,11 @@ class Monitoring:
         if isinstance(action, Refused):
             self.refusals.note(self.journal, action.peer, action.reason, action.token_id, action.lease_id)
             return False
+        if isinstance(action, Incompatible):  # the compatibility check refused this peer (asyncloco/fingerprint.py)
+            self.journal.write("incompatible", peer=action.peer, differing=list(action.differing),
+                               peer_version=action.peer_version, reason=action.reason)
+            logger.warning("refused %s: %s differ (peer runs asyncloco %s)", action.peer[-8:], ", ".join(action.differing), action.peer_version)
+            return True
         if isinstance(action, Revoked):
             self.journal.write("revoked", token_id=action.token_id, peer=action.peer, reason=action.reason)
             logger.warning("token %s revoked%s", action.token_id, f" (peer {action.peer[-8:]})" if action.peer else "")

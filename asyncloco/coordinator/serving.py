@@ -23,6 +23,7 @@ from asyncloco.coordinator.logic import (
     Applied,
     Duplicate,
     Fetched,
+    Fingerprint,
     Hello,
     HoldDropped,
     Lease,
@@ -30,6 +31,7 @@ from asyncloco.coordinator.logic import (
     Rejected,
     RequestWork,
     SubmitUpdate,
+    admission_code,
     admission_problem,
     base_theta,
     is_admitted,
@@ -39,6 +41,7 @@ from asyncloco.coordinator.node import CoordinatorNode
 from asyncloco.coordinator.probe import Probe
 from asyncloco.fingerprint import mismatch_reason
 from asyncloco.models.workload import Workload
+from asyncloco.transport.refusals import Refusal, RefusalCode
 
 __all__ = ["Serving", "lease_to_wire"]
 
@@ -81,14 +84,14 @@ class Serving:
         self.admission_key = admission_key  # the coordinator's public key (runtime.admission: token), else None
         self.service: Any = None  # the transport service, once serving (upload times per submission)
         self.fingerprint: dict[str, str] = {}  # this run's (asyncloco/fingerprint.py), computed at start-up
-        self.fingerprint_refusals: dict[str, str] = {}  # peer id → why its fingerprint was refused
         self._decode_buffers: list[torch.Tensor] = []  # at most one idle θ-sized int8 decode buffer (submit)
         self._probe: Optional[Probe] = None  # the update gate's probe (issue 7), built on first use
 
     # --- admission (coordinator/admission.py): nothing is served to a peer the logic does not admit
 
     async def check_admitted(self, peer_id: str, token: Any = None) -> None:
-        """Raise :class:`PermissionError` ("not admitted: ...") unless ``peer_id`` may be served now.
+        """Raise :class:`~asyncloco.transport.refusals.Refusal` (a PermissionError: "not admitted: ...", code
+        NOT_ADMITTED, EXPELLED or INCOMPATIBLE from the logic's :func:`admission_code`) unless ``peer_id`` may be served now.
 
         A token (``runtime.admission: token``) is verified here (signature, format: crypto, not the
         logic's business) and becomes an :class:`Admit` event; the logic decides (expiry, revocation,
@@ -99,24 +102,27 @@ class Serving:
         now = node.clock.time()
         if is_admitted(node.state, peer_id, now):
             return
-        if self.admission_key is None or token is None:
+        code = admission_code(node.state, peer_id)
+        if self.admission_key is None or token is None or code != RefusalCode.NOT_ADMITTED:
             reason = admission_problem(node.state, peer_id, now)
-            raise PermissionError("not admitted: " + refusals.refuse(self.monitoring.journal, peer_id, reason, now))
+            raise Refusal(code, "not admitted: " + refusals.refuse(self.monitoring.journal, peer_id, reason, now))
         cached = refusals.cached(peer_id, token, now)
         if cached is not None:
-            raise PermissionError("not admitted: " + cached)
+            raise Refusal(RefusalCode.NOT_ADMITTED, "not admitted: " + cached)
         try:
             claims = verify_token(self.admission_key, token)
-        except AdmissionError as error:
-            raise PermissionError("not admitted: " + refusals.refuse(self.monitoring.journal, peer_id, str(error), now, token)) from None
+        except AdmissionError as error:  # signature/format: crypto, checked before the logic sees an Admit
+            raise Refusal(RefusalCode.NOT_ADMITTED,
+                          "not admitted: " + refusals.refuse(self.monitoring.journal, peer_id, str(error), now, token)) from None
         async with node.lock:
             node.refuse_if_stopping()
             actions = await node.decide(Admit(peer_id, claims.token_id, claims.name, claims.expires_at))
         if is_admitted(node.state, peer_id, node.clock.time()):
             return
-        reason = next((a.reason for a in actions if isinstance(a, Refused)), admission_problem(node.state, peer_id, now))
+        refused = next((a for a in actions if isinstance(a, Refused)), None)
+        reason = refused.reason if refused is not None else admission_problem(node.state, peer_id, now)
         refusals.remember(peer_id, token, reason, now)
-        raise PermissionError("not admitted: " + reason)
+        raise Refusal(refused.code if refused is not None else admission_code(node.state, peer_id), "not admitted: " + reason)
 
     async def assign(self, request: Any, peer_id: str) -> Any:
         """The ``assign`` RPC: ``request`` is a transport.wire.AssignRequest; returns a HelloReply (kind
@@ -124,8 +130,6 @@ class Serving:
         from asyncloco.transport.wire import HelloReply, LeaseReply
         from asyncloco.transport.wire import Lease as WireLease
 
-        if peer_id in self.fingerprint_refusals:  # failed the compatibility check (check_fingerprint)
-            raise PermissionError(f"not admitted: {self.fingerprint_refusals[peer_id]}")
         await self.check_admitted(peer_id, request.get("token") if isinstance(request, dict) else getattr(request, "token", None))
         if request.kind == "config":
             return HelloReply(
@@ -161,20 +165,20 @@ class Serving:
             for action in actions:
                 if isinstance(action, Rejected) and action.peer == peer_id:
                     waiters.pop(peer_id, None)
-                    return LeaseReply(None, action.reason)
+                    return LeaseReply(None, action.reason, action.code.value)
         try:
             lease = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=self.hold_limit())
             if lease is None:  # the logic released the held request (hold limit)
-                return LeaseReply(None, "held too long; ask again")
+                return LeaseReply(None, "held too long; ask again", RefusalCode.HELD_TOO_LONG.value)
         except asyncio.TimeoutError:
             async with node.lock:
                 if waiters.get(peer_id) is waiter:
                     del waiters[peer_id]
                 if not node.stopping:  # an event of the logic, logged like every other (replay drops it too)
                     await node.decide(HoldDropped(peer_id))
-            return LeaseReply(None, "held too long; ask again")
+            return LeaseReply(None, "held too long; ask again", RefusalCode.HELD_TOO_LONG.value)
         except asyncio.CancelledError:
-            return LeaseReply(None, "superseded by a newer request")
+            return LeaseReply(None, "superseded by a newer request", RefusalCode.SUPERSEDED.value)
         return LeaseReply(WireLease.from_wire(lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))))
 
     def hold_limit(self) -> float:
@@ -227,7 +231,8 @@ class Serving:
         lease_id, base_version = header.lease_id, header.base_version
         node = self.node
 
-        await self.check_admitted(peer_id)  # before decoding anything an outsider sent
+        # Admission was checked by the transport before the body was read (CoordinatorService / memory transport
+        # call check_admitted); ``handle`` decides again on the event itself (a Refused action, below).
         upload_s = self.service.upload_seconds.get(peer_id, 0.0) if self.service is not None else 0.0
         # --- int8, int2, topk*, grp* are decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of
         # page faults; issue 8's ack-latency target). The logic keeps no reference to the update after handle.
@@ -253,20 +258,21 @@ class Serving:
             if isinstance(action, Duplicate) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], True)
             if isinstance(action, Rejected) and action.lease_id == lease_id:
-                return Ack(False, node.state.version, action.reason[:MAX_REASON_CHARS], False)
+                return Ack(False, node.state.version, action.reason[:MAX_REASON_CHARS], False, code=action.code.value)
+            if isinstance(action, Refused) and action.lease_id == lease_id:  # admission ended while it was uploading
+                raise Refusal(action.code, "not admitted: " + action.reason)
         raise AssertionError(f"submit of {lease_id} produced no verdict: {actions}")
 
     async def check_fingerprint(self, peer_id: str, fingerprint: dict[str, str], software_version: str) -> Optional[str]:
         """The reason to refuse a peer whose model/tokenizer/data/codec differ from this run's (None: it fits).
-        A refused peer's lease requests are refused too (see :meth:`assign`)."""
+        The verdict becomes a :class:`Fingerprint` event when it changes what the logic knows (the logic then turns
+        the peer away with code INCOMPATIBLE until a check fits; a fitting peer never seen refused costs no event)."""
         reason = mismatch_reason(self.fingerprint, fingerprint, __version__, software_version[:64])
-        if reason is None:
-            self.fingerprint_refusals.pop(peer_id, None)
-            return None
-        differing = [name for name in self.fingerprint if self.fingerprint[name] != fingerprint.get(name)]
-        if peer_id not in self.fingerprint_refusals:
-            self.monitoring.journal.write("incompatible", peer=peer_id, differing=differing,
-                                          peer_version=software_version[:64], reason=reason)
-            logger.warning("refused %s: %s differ (peer runs asyncloco %s)", peer_id[-8:], ", ".join(differing), software_version[:64])
-        self.fingerprint_refusals[peer_id] = reason
+        node = self.node
+        if (reason or "") == node.state.incompatible.get(peer_id, ""):
+            return reason  # nothing changed (a compatible peer, or the same refusal again)
+        differing = tuple(name for name in self.fingerprint if self.fingerprint[name] != fingerprint.get(name))
+        async with node.lock:
+            node.refuse_if_stopping()
+            await node.decide(Fingerprint(peer_id, reason or "", differing if reason else (), software_version[:64] if reason else ""))
         return reason

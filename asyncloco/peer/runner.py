@@ -53,6 +53,7 @@ from asyncloco.peer.distributed import (
     broadcast_json,
 )
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
+from asyncloco.transport.refusals import FATAL, RefusalCode
 
 __all__ = ["PeerOptions", "PeerRunner", "PeerError"]
 
@@ -86,8 +87,9 @@ async def _ask_for_lease(
 
 
 def _refused_admission(error: Exception) -> bool:
-    """The coordinator refused this peer (admission): retrying cannot help; the message says what to do."""
-    return "not admitted:" in str(error)
+    """The coordinator refused this peer (admission, expelled, incompatible: a FATAL code of
+    transport/refusals.py): retrying cannot help; the message says what to do."""
+    return getattr(error, "code", None) in FATAL
 
 
 class PeerError(RuntimeError):
@@ -627,7 +629,7 @@ class PeerRunner:
                     self._update_timing("assign", time.monotonic() - asked)
                 if reply.get("lease") is None:
                     # back off while quarantined (1 s, doubling up to 30 s); otherwise ask again after 1 s
-                    quarantined = "quarantined" in str(reply.get("reason"))
+                    quarantined = reply.get("code") == RefusalCode.QUARANTINED.value
                     idle_wait = min(30.0, 2 * idle_wait) if (idle_wait and quarantined) else 1.0
                     logger.info("no lease: %s (asking again in %.0f s)", reply.get("reason"), idle_wait)
                     await self._pause(idle_wait)

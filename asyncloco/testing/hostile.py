@@ -59,6 +59,8 @@ from typing import Any, Optional
 
 import torch
 
+from asyncloco.transport.refusals import FATAL
+
 __all__ = ["ATTACKS", "HostileOptions", "run_hostile", "main", "hidden_direction", "trigger_rows"]
 
 logger = logging.getLogger(__name__)
@@ -222,7 +224,7 @@ class Hostile:
                 self._note("hello", True, model_numel=hello.model_numel, codec=hello.codec)
                 return hello
             except TransportError as error:
-                if "not admitted" in str(error) or time.monotonic() > deadline:
+                if getattr(error, "code", None) in FATAL or time.monotonic() > deadline:
                     self._note("hello", False, error=str(error))
                     return None
                 await asyncio.sleep(0.5)
@@ -357,7 +359,7 @@ class Hostile:
                 reply = await client.assign(speed, token=self.o.token)
             except TransportError as error:
                 self._note("assign", False, error=str(error))
-                if "not admitted" in str(error):
+                if getattr(error, "code", None) in FATAL:
                     return
                 await asyncio.sleep(1.0)
                 continue

@@ -45,6 +45,7 @@ from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import SpeedReport, Tick
 from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
 from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RemoteError, TransportError
+from asyncloco.transport.refusals import Refusal, frame_text
 from asyncloco.transport.rpc import TrafficCounters
 from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseReply, RevealHeader, RevealReply, SubmitHeader
 
@@ -390,7 +391,8 @@ class MemoryTransport:
         except TransportError:
             raise
         except Exception as error:  # the daemon refused: what CoordinatorService sends back
-            raise RemoteError(f"{type(error).__name__}: {error}") from error
+            text = f"{type(error).__name__}: {error}"
+            raise RemoteError(frame_text(error.code, text) if isinstance(error, Refusal) else text) from error
         finally:
             self._inflight.discard(task)
         if self.kill.armed("before_reply"):

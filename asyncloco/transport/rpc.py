@@ -51,6 +51,7 @@ from asyncloco.transport.errors import (
     RpcTimeout,
     TransportError,
 )
+from asyncloco.transport.refusals import Refusal, frame_text
 from asyncloco.transport.framing import CHUNK_BYTES, FrameReader, FrameWriter
 from asyncloco.transport.wire import (
     Ack,
@@ -409,6 +410,8 @@ class CoordinatorService:
             return await call
         except (asyncio.CancelledError, TransportError):
             raise
+        except Refusal as error:  # a typed refusal (transport/refusals.py): its code leads the ERROR frame's text
+            raise _Refused(frame_text(error.code, f"{type(error).__name__}: {error}")) from error
         except Exception as error:
             raise _Refused(f"{type(error).__name__}: {error}") from error
 

@@ -12,12 +12,12 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`AssignRequest` | assign, peer → coordinator | ``kind`` ("config" or "lease"), ``tokens_per_s``?, ``name``?, ``token``?, ``signer``? |
 | :class:`HelloReply` | assign (kind "config"), reply | ``config`` (JSON), ``model_numel``, ``codec``, ``download_codec``, ``run_id``, ``software_version`` |
 | :class:`Lease` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline`` |
-| :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`Lease` map), ``reason`` |
+| :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`Lease` map), ``reason``, ``code``? |
 | :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
 | :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
-| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``? |
+| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``? |
 | :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
 | :class:`RevealReply` | reveal, reply | ``accepted``, ``reason`` |
 
@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Dict, Mapping, Optional, Type, TypeVar
 
 from asyncloco.transport.codecs import CODECS, MAX_NUMEL
 from asyncloco.transport.errors import MessageError
+from asyncloco.transport.refusals import RefusalCode, code_of
 
 __all__ = [
     "AssignRequest",
@@ -70,6 +71,13 @@ MAX_REVEAL_BYTES = 2**40  # the wire's own cap; the service bounds each reveal b
 MAX_TIME = 1e11  # seconds since the epoch (year ~5138): any real timestamp, no inf
 
 M = TypeVar("M", bound="_Message")
+
+
+def _check_code(message: Any, name: str) -> None:
+    """A reply's optional ``code`` must name a :class:`~asyncloco.transport.refusals.RefusalCode`."""
+    code = message.code
+    if code is not None and (not isinstance(code, str) or code_of(code) is None):
+        raise _fail(name, "code", f"{code!r} is not a refusal code; known: {sorted(c.value for c in RefusalCode)}")
 
 
 def _fail(message: str, name: str, detail: str) -> MessageError:
@@ -223,12 +231,14 @@ class LeaseReply(_Message):
 
     lease: Optional[Lease]
     reason: str = ""
+    code: Optional[str] = None  # without a lease: a transport/refusals.py RefusalCode value
     REQUIRED: ClassVar[tuple[str, ...]] = ("reason",)
 
     def __post_init__(self) -> None:
         if self.lease is not None and not isinstance(self.lease, Lease):
             raise _fail("LeaseReply", "lease", f"must be a Lease, got {type(self.lease).__name__}")
         self._str("reason", MAX_REASON_CHARS)
+        _check_code(self, "LeaseReply")
 
     @classmethod
     def _convert(cls, data: Dict[str, Any]) -> Dict[str, Any]:
@@ -331,6 +341,7 @@ class Ack(_Message):
     reason: str
     duplicate: bool = False
     reveal: Optional[bool] = None
+    code: Optional[str] = None  # a refused submission: a transport/refusals.py RefusalCode value
     REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "version", "reason", "duplicate")
 
     def __post_init__(self) -> None:
@@ -340,6 +351,7 @@ class Ack(_Message):
         self._bool("duplicate")
         if self.reveal is not None:
             self._bool("reveal")
+        _check_code(self, "Ack")
 
 
 @dataclass(frozen=True)
