@@ -334,3 +334,45 @@ def test_swarm_link_gets_theta_from_the_swarm_and_the_coordinator_sends_no_body(
                 await node.shutdown()
 
     asyncio.run(main())
+
+
+def test_serve_bandwidth_token_bucket_waits_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--serve-bandwidth`` (ServeLimits.bandwidth → swarm._TokenBucket): a one-second burst, then exactly
+    ``bytes / rate`` seconds of waiting; no cap never waits; a non-positive cap is refused. The module's clock and
+    sleep are replaced by a fake clock that the recorded sleeps advance."""
+    import types
+
+    from asyncloco.transport import swarm
+    from asyncloco.transport.swarm import ServeLimits, _TokenBucket
+
+    clock = {"now": 100.0}
+    sleeps: List[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock["now"] += seconds
+
+    monkeypatch.setattr(swarm, "time", types.SimpleNamespace(monotonic=lambda: clock["now"]))
+    monkeypatch.setattr(swarm, "asyncio", types.SimpleNamespace(sleep=fake_sleep, Lock=asyncio.Lock))
+
+    async def run() -> None:
+        bucket = _TokenBucket(1000.0)  # 1000 B/s, 1000 B of burst
+        await bucket.take(1000)  # the burst: no wait
+        assert sleeps == []
+        await bucket.take(500)  # 500 B beyond the burst: 0.5 s
+        assert sleeps == [0.5]
+        await bucket.take(3000)  # a chunk larger than the burst: 3 s more
+        assert sleeps == [0.5, 3.0]
+        clock["now"] += 10.0  # idle for 10 s: the bucket refills to max(one second's worth, this request) only
+        await bucket.take(1500)
+        assert sleeps == [0.5, 3.0]
+        await bucket.take(1000)  # nothing left: a full second
+        assert sleeps == [0.5, 3.0, 1.0]
+        free = _TokenBucket(None)
+        await free.take(10**9)
+        assert sleeps == [0.5, 3.0, 1.0]
+
+    asyncio.run(run())
+    for bad in (0.0, -5.0):
+        with pytest.raises(ValueError, match="serve bandwidth must be positive"):
+            ServeLimits(bandwidth=bad)
