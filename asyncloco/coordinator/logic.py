@@ -70,6 +70,7 @@ __all__ = [
     "PeerInfo",
     "CoordinatorPolicy",
     "CoordinatorState",
+    "DerivedIndexes",
     "SpeedReport",
     "RequestWork",
     "SubmitUpdate",
@@ -242,6 +243,17 @@ class AdmissionRecord:
 
 
 @dataclass
+class DerivedIndexes:
+    """The logic's derived indexes of a :class:`CoordinatorState` (never checkpointed, never compared): the sorted lease
+    indexes (:func:`_lease_index`), the lease book (:func:`_book`) and the speed heap (:func:`_fastest_alive`). Each
+    remembers the table it was built from and is rebuilt when that table is replaced (a checkpoint load, a replay)."""
+
+    lease_indexes: dict[str, tuple[dict[str, Lease], list[tuple[float, str]]]] = field(default_factory=dict)
+    lease_book: "_LeaseBook | None" = None
+    speed_heap: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = None
+
+
+@dataclass
 class CoordinatorState:
     params: torch.Tensor  # θ, flat fp32
     optimizer: OuterOptimizer
@@ -267,6 +279,7 @@ class CoordinatorState:
     revoked: dict[str, float] = field(default_factory=dict)
     verification: VerificationState = field(default_factory=VerificationState)
     incompatible: dict[str, str] = field(default_factory=dict)  # peer id -> why its fingerprint was refused (Fingerprint)
+    indexes: DerivedIndexes = field(default_factory=DerivedIndexes, repr=False, compare=False)  # derived, not state
 
     @property
     def needs_base_params(self) -> bool:
@@ -808,7 +821,7 @@ def _lease_index(state: CoordinatorState, key: str) -> list[tuple[float, str]]:
     (:func:`_index_lease`); leases that left ``state.leases`` (applied, given back) are pruned lazily when
     a query meets them. It is rebuilt when the lease table is replaced (checkpoint load). With k leases
     due before a query's bound, a query costs O(k + log n) instead of a scan over all n leases."""
-    caches: dict[str, tuple[dict[str, Lease], list[tuple[float, str]]]] = state.__dict__.setdefault("_lease_indexes", {})
+    caches = state.indexes.lease_indexes
     cached = caches.get(key)
     if cached is None or cached[0] is not state.leases:
         entries = sorted((getattr(lease, key), lease_id) for lease_id, lease in state.leases.items())
@@ -817,7 +830,7 @@ def _lease_index(state: CoordinatorState, key: str) -> list[tuple[float, str]]:
 
 
 def _index_lease(state: CoordinatorState, lease: Lease) -> None:
-    caches = state.__dict__.get("_lease_indexes", {})
+    caches = state.indexes.lease_indexes
     for key, (table, entries) in caches.items():
         if table is state.leases:
             bisect.insort(entries, (getattr(lease, key), lease.lease_id))
@@ -851,7 +864,7 @@ def _book_add(book: _LeaseBook, lease: Lease) -> None:
 
 
 def _book(state: CoordinatorState) -> _LeaseBook:
-    book: _LeaseBook | None = state.__dict__.get("_lease_book")
+    book = state.indexes.lease_book
     if (
         book is None
         or book.table is not state.leases
@@ -861,25 +874,25 @@ def _book(state: CoordinatorState) -> _LeaseBook:
         book = _LeaseBook(state.leases, 0, {}, {}, [0] * len(state.shards))
         for lease in state.leases.values():
             _book_add(book, lease)
-        state.__dict__["_lease_book"] = book
+        state.indexes.lease_book = book
     return book
 
 
 def _book_issued(state: CoordinatorState, lease: Lease) -> None:
     """``lease`` was just added to ``state.leases``."""
-    book: _LeaseBook | None = state.__dict__.get("_lease_book")
+    book = state.indexes.lease_book
     if book is not None and book.table is state.leases and book.count == len(state.leases) - 1:
         _book_add(book, lease)
 
 
 def _unindex_lease(state: CoordinatorState, lease: Lease) -> None:
     """``lease`` was just removed from ``state.leases`` (applied, rejected or given back)."""
-    book: _LeaseBook | None = state.__dict__.get("_lease_book")
+    book = state.indexes.lease_book
     if book is None:
         return
     mine = book.by_peer.get(lease.peer, {})
     if book.table is not state.leases or book.count != len(state.leases) + 1 or lease.lease_id not in mine:
-        state.__dict__.pop("_lease_book", None)  # out of step: rebuilt at the next query
+        state.indexes.lease_book = None  # out of step: rebuilt at the next query
         return
     book.count -= 1
     del mine[lease.lease_id]
@@ -920,7 +933,7 @@ def _version_needed(state: CoordinatorState, version: int) -> bool:
 
 def _note_speed(state: CoordinatorState, peer: str) -> None:
     """``peer``'s speed or liveness may have changed: record it for :func:`_fastest_alive`."""
-    cache: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = state.__dict__.get("_speed_heap")
+    cache = state.indexes.speed_heap
     info = state.peers.get(peer)
     if cache is not None and cache[0] is state.peers and info is not None and info.alive:
         heapq.heappush(cache[1], (-info.speed, peer))
@@ -931,11 +944,11 @@ def _fastest_alive(state: CoordinatorState) -> float:
     report (:func:`_note_speed`); entries that no longer match their peer (a newer speed, a peer gone) are
     dropped when they reach the top. Derived, never checkpointed: rebuilt when ``state.peers`` is replaced
     or the heap holds more than 4× as many entries as there are peers."""
-    cache: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = state.__dict__.get("_speed_heap")
+    cache = state.indexes.speed_heap
     if cache is None or cache[0] is not state.peers or len(cache[1]) > 4 * len(state.peers) + 64:
         entries = [(-info.speed, name) for name, info in state.peers.items() if info.alive]
         heapq.heapify(entries)
-        cache = state.__dict__["_speed_heap"] = (state.peers, entries)
+        cache = state.indexes.speed_heap = (state.peers, entries)
     heap = cache[1]
     while heap:
         negative, name = heap[0]
