@@ -3,7 +3,7 @@
 Every decision that depends on time (lease deadlines, holds and grace windows, a peer's resend until its
 lease's deadline, its backoff) reads a :class:`Clock` instead of :mod:`time` directly, so the same code runs
 under :data:`SYSTEM_CLOCK` in real runs and under a :class:`FakeClock` in the in-process tests
-(asyncloco/transport/memory.py), where time moves only when the test moves it.
+(asyncloco/testing/memory.py), where time moves only when the test moves it.
 """
 
 from __future__ import annotations

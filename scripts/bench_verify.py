@@ -125,7 +125,7 @@ def toy_runtime_config(fraction: float, probation: int, inner_state: str = "carr
 async def _runtime(cfg: RunConfig, peers: int, rounds: int, directory: Path) -> dict[str, Any]:
     from asyncloco.clock import FakeClock
     from asyncloco.peer.runner import PeerOptions, PeerRunner
-    from asyncloco.transport.memory import MemoryClient, MemoryTransport, as_actor, drive
+    from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
     from asyncloco.transport.rpc import TrafficCounters
 
     clock = FakeClock()

@@ -1,10 +1,10 @@
 """The coordinator daemon and the peer runner in one event loop, over the in-memory transport with fault
-injection and a fake clock (issue 8, item 1; asyncloco/transport/memory.py, asyncloco/clock.py).
+injection and a fake clock (issue 8, item 1; asyncloco/testing/memory.py, asyncloco/clock.py).
 
 The real :class:`~asyncloco.coordinator.daemon.CoordinatorDaemon` (write-ahead log, snapshots, journal) and
 the real :meth:`~asyncloco.peer.runner.PeerRunner.serve` loop (lease, download, train, submit, resend) run
 unchanged; only the network and the clock are replaced. Time moves only when every peer waits on the
-clock (:func:`~asyncloco.transport.memory.drive`), so deadlines, holds and backoffs are exact and these
+clock (:func:`~asyncloco.testing.memory.drive`), so deadlines, holds and backoffs are exact and these
 tests take seconds. What each pins:
 
 * a lost ack: the peer resends the same bytes, the coordinator answers a duplicate, the update is applied
@@ -41,7 +41,7 @@ from asyncloco.peer.inner import InnerTrainer
 from asyncloco.peer.runner import PeerOptions, PeerRunner
 from asyncloco.transport.codecs import wire_bytes
 from asyncloco.transport.errors import PeerUnreachable
-from asyncloco.transport.memory import KillSwitch, Killed, MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.testing.memory import KillSwitch, Killed, MemoryClient, MemoryTransport, as_actor, drive
 from asyncloco.transport.rpc import TrafficCounters
 from asyncloco.transport.wire import Ack
 
@@ -51,7 +51,7 @@ SPEED = 1000.0  # every peer's units/s (the toy task's units are samples)
 
 def config(**overrides: Any) -> RunConfig:
     """The toy task: a round trains in milliseconds. Speed reports every 10 minutes (fake), so that a peer's
-    report loop never counts as waiting on the clock while it trains (see transport.memory.drive)."""
+    report loop never counts as waiting on the clock while it trains (see testing.memory.drive)."""
     raw: dict[str, Any] = {
         "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
         "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},

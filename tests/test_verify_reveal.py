@@ -37,7 +37,7 @@ from asyncloco.peer.inner import InnerTrainer, inner_state_size
 from asyncloco.peer.reveal import RevealStore
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.transport.errors import MessageError, RemoteError
-from asyncloco.transport.memory import MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
 from asyncloco.transport.rpc import TrafficCounters
 from asyncloco.transport.wire import Ack, RevealHeader, RevealReply
 from asyncloco.workloads import build_workload

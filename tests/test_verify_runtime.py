@@ -1,5 +1,5 @@
 """Verification end to end in the real runtime: the real coordinator daemon and real peer runners over the in-memory
-transport (asyncloco/transport/memory.py), with ``runtime.verify`` on (asyncloco/coordinator/verify.py).
+transport (asyncloco/testing/memory.py), with ``runtime.verify`` on (asyncloco/coordinator/verify.py).
 
 Three honest peers and one hostile peer. The hostile peer trains its leases honestly (it passes its probation),
 then adds a hidden direction of 5 % of the update's norm — a cosine of 0.999 with its honest work, inside every
@@ -34,7 +34,7 @@ from asyncloco.coordinator.logic import Verified, handle
 from asyncloco.coordinator.verify import ANCHOR_DIR, log_events, repair
 from asyncloco.peer.inner import InnerTrainer
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
-from asyncloco.transport.memory import MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
 from asyncloco.transport.rpc import TrafficCounters
 
 pytestmark = pytest.mark.timeout(240)

@@ -72,7 +72,7 @@ class CoordinatorDaemon:
     Put together from a node (decisions: :attr:`node`), durability (snapshots, resume: :attr:`durability`),
     monitoring (journal, stats, status, evaluation: :attr:`monitoring`) and the RPC handlers (:attr:`serving`);
     the attributes below that forward to them are the surface tests, coordinator/verify.py and
-    transport/memory.py use."""
+    testing/memory.py use."""
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class CoordinatorDaemon:
         clock: Clock = SYSTEM_CLOCK,
         crash_hook: Optional[Callable[[str], None]] = None,
     ) -> None:
-        # --- transport seam (issue 8): every decision reads ``clock`` (a fake one in transport/memory.py's
+        # --- transport seam (issue 8): every decision reads ``clock`` (a fake one in testing/memory.py's
         # tests); ``crash_hook`` (tests only) is called at each named kill point of the node's decide
         self.clock = clock
         self.cfg = cfg
@@ -231,7 +231,7 @@ class CoordinatorDaemon:
         return self.monitoring.journal
 
     @journal.setter
-    def journal(self, value: Journal) -> None:  # transport/memory.py: a journal on the fake clock
+    def journal(self, value: Journal) -> None:  # testing/memory.py: a journal on the fake clock
         self.monitoring.journal = value
 
     @property

@@ -172,7 +172,7 @@ def coordinator_id_from(multiaddr: str) -> str:
 
 class PeerRunner:
     """``await PeerRunner(options).run()`` joins over hivemind; :meth:`serve` runs the rounds over any
-    :class:`~asyncloco.transport.link.CoordinatorLink` (the in-memory one in tests: transport/memory.py).
+    :class:`~asyncloco.transport.link.CoordinatorLink` (the in-memory one in tests: testing/memory.py).
 
     :param clock: what deadlines and pauses are measured on (asyncloco/clock.py); a fake one in tests.
     :param crash_hook: tests only: called with the name of each kill point the runner passes (``"trained"``:
