@@ -25,7 +25,16 @@ from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.config_base import StrictModel
 from asyncloco.models.config import LMTaskConfig  # pydantic only: no torch/transformers
 
+# The schedule.method / sim.methods names a config may use. The methods themselves (coordinator/methods.py) live a
+# layer above the config and assert at import that their registry is exactly this set, so the two cannot drift and
+# the config never imports the coordinator.
+METHOD_NAMES: tuple[str, ...] = (
+    "sync_diloco", "async_diloco", "async_dn", "async_dn_dylu", "async_diloco_dylu", "async_buffer", "poly",
+    "poly_thres", "delay_comp", "elasticdl_lr", "asynclm", "async_sgd", "async_sgd_momentum", "async_adam",
+)  # fmt: skip
+
 __all__ = [
+    "METHOD_NAMES",
     "ToyTaskConfig",
     "InnerConfig",
     "OuterConfig",
@@ -152,10 +161,8 @@ class ScheduleConfig(StrictModel):
             raise ValueError(
                 f"schedule.min_steps ({self.min_steps}) must be <= schedule.max_local_steps ({self.max_local_steps})"
             )
-        from asyncloco.coordinator.methods import METHODS
-
-        if self.method not in METHODS:
-            raise ValueError(f"unknown schedule.method {self.method!r}; choose one of {sorted(METHODS)}")
+        if self.method not in METHOD_NAMES:
+            raise ValueError(f"unknown schedule.method {self.method!r}; choose one of {sorted(METHOD_NAMES)}")
         return self
 
 
@@ -185,11 +192,9 @@ class SimConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> "SimConfig":
-        from asyncloco.coordinator.methods import METHODS
-
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in METHOD_NAMES]
         if unknown:
-            raise ValueError(f"unknown sim.methods {unknown}; choose from {sorted(METHODS)}")
+            raise ValueError(f"unknown sim.methods {unknown}; choose from {sorted(METHOD_NAMES)}")
         worker_seconds_per_step(self.profile, self.workers)  # raises on a length mismatch
         return self
 

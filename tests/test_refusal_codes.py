@@ -1,4 +1,4 @@
-"""Typed refusal codes (transport/refusals.py) end to end: the logic decides each refusal's code in ``handle``
+"""Typed refusal codes (asyncloco/refusals.py) end to end: the logic decides each refusal's code in ``handle``
 (coordinator/logic.py), a replay of the write-ahead log reproduces the same codes, the wire carries them in
 replies (LeaseReply, Ack) and ERROR frames (RemoteError.code), and the peer reacts to the code, not the text."""
 
@@ -31,7 +31,7 @@ from asyncloco.coordinator.node import EVENT_TYPES
 from asyncloco.coordinator.wal import WAL_DIR, decode_event, open_log, read_records
 from asyncloco.peer.runner import _refused_admission
 from asyncloco.transport.errors import MessageError, RemoteError
-from asyncloco.transport.refusals import FATAL, Refusal, RefusalCode, frame_text, parse_frame
+from asyncloco.refusals import FATAL, Refusal, RefusalCode, frame_text, parse_frame
 from asyncloco.transport.wire import Ack, LeaseReply
 
 A, B, C = "peerA", "peerB", "peerC"

@@ -62,7 +62,7 @@ from asyncloco.algo.sampler import sample_shard
 from asyncloco.algo.staleness import StalenessTransform, apply_transforms
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.gate import GatePolicy, GateState
-from asyncloco.transport.refusals import RefusalCode
+from asyncloco.refusals import RefusalCode
 
 __all__ = [
     "Lease",
@@ -532,7 +532,7 @@ class Rejected:
     peer: str
     lease_id: str
     reason: str
-    code: RefusalCode  # the typed reason the peer reacts to (transport/refusals.py)
+    code: RefusalCode  # the typed reason the peer reacts to (asyncloco/refusals.py)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from asyncloco.algo.staleness import (
 from asyncloco.coordinator.gate import GatePolicy, adamw_norm_bound
 from asyncloco.coordinator.logic import CoordinatorPolicy, VerifyPolicy
 
+from asyncloco.config import METHOD_NAMES
+
 if TYPE_CHECKING:
     from asyncloco.config import OuterConfig, RunConfig
 
@@ -143,6 +145,8 @@ _SPECS = [
 ]
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _SPECS}
+if set(METHODS) != set(METHOD_NAMES) or len(METHODS) != len(_SPECS):  # config.py lists the names a config may use
+    raise ImportError(f"coordinator/methods.py and config.METHOD_NAMES disagree: {sorted(set(METHODS) ^ set(METHOD_NAMES))}")
 
 
 def build_method(

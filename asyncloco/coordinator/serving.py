@@ -41,7 +41,7 @@ from asyncloco.coordinator.node import CoordinatorNode
 from asyncloco.coordinator.probe import Probe
 from asyncloco.fingerprint import mismatch_reason
 from asyncloco.models.workload import Workload
-from asyncloco.transport.refusals import Refusal, RefusalCode
+from asyncloco.refusals import Refusal, RefusalCode
 
 __all__ = ["Serving", "lease_to_wire"]
 
@@ -90,7 +90,7 @@ class Serving:
     # --- admission (coordinator/admission.py): nothing is served to a peer the logic does not admit
 
     async def check_admitted(self, peer_id: str, token: Any = None) -> None:
-        """Raise :class:`~asyncloco.transport.refusals.Refusal` (a PermissionError: "not admitted: ...", code
+        """Raise :class:`~asyncloco.refusals.Refusal` (a PermissionError: "not admitted: ...", code
         NOT_ADMITTED, EXPELLED or INCOMPATIBLE from the logic's :func:`admission_code`) unless ``peer_id`` may be served now.
 
         A token (``runtime.admission: token``) is verified here (signature, format: crypto, not the

@@ -36,6 +36,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from asyncloco.peer.group import GroupContext, GroupFailed, split_batch  # re-exported: their home is peer/group.py
+
 __all__ = [
     "GroupContext",
     "GroupFailed",
@@ -65,23 +67,6 @@ GROUP_TIMEOUT = timedelta(hours=1)
 LEADER_PIDFILE_ENV = "ASYNCLOCO_LEADER_PIDFILE"  # set by `asyncloco peer join --nproc-per-node` (signals)
 
 OP_STOP, OP_TRAIN, OP_MEASURE = 0, 1, 2
-
-
-class GroupFailed(RuntimeError):
-    """A collective of the peer's group failed: a rank died or hung. The group cannot go on."""
-
-
-@dataclass(frozen=True)
-class GroupContext:
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: torch.device
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
 
 
 @dataclass(frozen=True)
@@ -186,22 +171,6 @@ def broadcast_json(group: GroupContext, value: Optional[Any]) -> Any:
     except (RuntimeError, dist.DistBackendError) as error:
         raise GroupFailed(f"the peer's group broke during a broadcast: {error}") from error
     return json.loads(bytes(data.cpu().tolist()).decode()) if size else None
-
-
-def split_batch(batch: Any, rank: int, world_size: int) -> Any:
-    """Rank ``rank``'s equal block of rows of a batch (a tensor, or a tuple/list of tensors sharing dim 0)."""
-    if isinstance(batch, torch.Tensor):
-        rows = batch.shape[0]
-        if rows % world_size:
-            raise ValueError(
-                f"the global batch of {rows} rows cannot be split evenly over {world_size} ranks; choose "
-                f"--nproc-per-node dividing task.batch_size ({rows})"
-            )
-        size = rows // world_size
-        return batch[rank * size : (rank + 1) * size]
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(split_batch(part, rank, world_size) for part in batch)
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__} across ranks")
 
 
 def follow(group: GroupContext, device: str, release: bool = True) -> int:

@@ -37,7 +37,7 @@ from asyncloco.models.workload import Workload, flatten_params, load_flat_params
 
 if TYPE_CHECKING:
     from asyncloco.config import RunConfig
-    from asyncloco.peer.distributed import GroupContext
+    from asyncloco.peer.group import GroupContext
 
 __all__ = [
     "InnerTrainer", "RoundResult", "FRESH_STATE_DIGEST", "inner_state_chunks", "inner_state_digest",
@@ -388,7 +388,7 @@ class InnerTrainer:
         except (RuntimeError, dist.DistBackendError) as error:  # in a group: a collective failed, a rank is gone
             if self.group is None:
                 raise
-            from asyncloco.peer.distributed import GroupFailed
+            from asyncloco.peer.group import GroupFailed
 
             raise GroupFailed(f"training on the peer's group failed: {error}") from error
 
@@ -480,7 +480,7 @@ class InnerTrainer:
                 param_group["lr"] = lr
             batch = self.workload.batch(shard, start_offset + j)
             if group is not None:
-                from asyncloco.peer.distributed import split_batch
+                from asyncloco.peer.group import split_batch
 
                 batch = split_batch(batch, group.rank, group.world_size)
             batch = self._to_device(batch)

@@ -53,7 +53,7 @@ from asyncloco.peer.distributed import (
     broadcast_json,
 )
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
-from asyncloco.transport.refusals import FATAL, RefusalCode
+from asyncloco.refusals import FATAL, RefusalCode
 
 __all__ = ["PeerOptions", "PeerRunner", "PeerError"]
 
@@ -88,7 +88,7 @@ async def _ask_for_lease(
 
 def _refused_admission(error: Exception) -> bool:
     """The coordinator refused this peer (admission, expelled, incompatible: a FATAL code of
-    transport/refusals.py): retrying cannot help; the message says what to do."""
+    asyncloco/refusals.py): retrying cannot help; the message says what to do."""
     return getattr(error, "code", None) in FATAL
 
 

@@ -59,7 +59,7 @@ from typing import Any, Optional
 
 import torch
 
-from asyncloco.transport.refusals import FATAL
+from asyncloco.refusals import FATAL
 
 __all__ = ["ATTACKS", "HostileOptions", "run_hostile", "main", "hidden_direction", "trigger_rows"]
 

@@ -45,7 +45,7 @@ from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import SpeedReport, Tick
 from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
 from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RemoteError, TransportError
-from asyncloco.transport.refusals import Refusal, frame_text
+from asyncloco.refusals import Refusal, frame_text
 from asyncloco.transport.rpc import TrafficCounters
 from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseReply, RevealHeader, RevealReply, SubmitHeader
 

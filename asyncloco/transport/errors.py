@@ -49,10 +49,10 @@ class MessageError(ProtocolError, ValueError):
 
 class RemoteError(TransportError):
     """The remote handler raised or refused the call; ``message`` is the remote's text. ``code``: the typed
-    :class:`~asyncloco.transport.refusals.RefusalCode` of a refusal (parsed from the text's ``[code]`` prefix), else None."""
+    :class:`~asyncloco.refusals.RefusalCode` of a refusal (parsed from the text's ``[code]`` prefix), else None."""
 
     def __init__(self, message: str) -> None:
-        from asyncloco.transport.refusals import parse_frame
+        from asyncloco.refusals import parse_frame
 
         super().__init__(message)
         self.message = message

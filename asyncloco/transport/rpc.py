@@ -51,7 +51,7 @@ from asyncloco.transport.errors import (
     RpcTimeout,
     TransportError,
 )
-from asyncloco.transport.refusals import Refusal, frame_text
+from asyncloco.refusals import Refusal, frame_text
 from asyncloco.transport.framing import CHUNK_BYTES, FrameReader, FrameWriter
 from asyncloco.transport.wire import (
     Ack,
@@ -410,7 +410,7 @@ class CoordinatorService:
             return await call
         except (asyncio.CancelledError, TransportError):
             raise
-        except Refusal as error:  # a typed refusal (transport/refusals.py): its code leads the ERROR frame's text
+        except Refusal as error:  # a typed refusal (asyncloco/refusals.py): its code leads the ERROR frame's text
             raise _Refused(frame_text(error.code, f"{type(error).__name__}: {error}")) from error
         except Exception as error:
             raise _Refused(f"{type(error).__name__}: {error}") from error

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Dict, Mapping, Optional, Type, TypeVar
 
 from asyncloco.transport.codecs import CODECS, MAX_NUMEL
 from asyncloco.transport.errors import MessageError
-from asyncloco.transport.refusals import RefusalCode, code_of
+from asyncloco.refusals import RefusalCode, code_of
 
 __all__ = [
     "AssignRequest",
@@ -74,7 +74,7 @@ M = TypeVar("M", bound="_Message")
 
 
 def _check_code(message: Any, name: str) -> None:
-    """A reply's optional ``code`` must name a :class:`~asyncloco.transport.refusals.RefusalCode`."""
+    """A reply's optional ``code`` must name a :class:`~asyncloco.refusals.RefusalCode`."""
     code = message.code
     if code is not None and (not isinstance(code, str) or code_of(code) is None):
         raise _fail(name, "code", f"{code!r} is not a refusal code; known: {sorted(c.value for c in RefusalCode)}")
@@ -231,7 +231,7 @@ class LeaseReply(_Message):
 
     lease: Optional[Lease]
     reason: str = ""
-    code: Optional[str] = None  # without a lease: a transport/refusals.py RefusalCode value
+    code: Optional[str] = None  # without a lease: a asyncloco/refusals.py RefusalCode value
     REQUIRED: ClassVar[tuple[str, ...]] = ("reason",)
 
     def __post_init__(self) -> None:
@@ -341,7 +341,7 @@ class Ack(_Message):
     reason: str
     duplicate: bool = False
     reveal: Optional[bool] = None
-    code: Optional[str] = None  # a refused submission: a transport/refusals.py RefusalCode value
+    code: Optional[str] = None  # a refused submission: a asyncloco/refusals.py RefusalCode value
     REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "version", "reason", "duplicate")
 
     def __post_init__(self) -> None:
