@@ -249,6 +249,21 @@ def wants_probe(policy: GatePolicy, gate: GateState, peer: str, numel: int) -> b
     return numel <= policy.probe_all_below_params or gate.peer_accepted.get(peer, 0) < policy.probation_updates
 
 
+@dataclass(frozen=True)
+class _Update:
+    """What every check of :func:`score` reads about one update, computed once."""
+
+    steps: int
+    norm: float
+    per_step: float
+    typical: float  # the recent median per-step norm (> 0 unless every recent norm was 0)
+    cosine: float | None  # with the consensus (gate.reference), None without one
+    probation: bool
+    tight: float  # probation_tightening on probation, else 1
+    on: str  # " (peer on probation)" or ""
+    warm: bool  # the gate has accepted warm-up updates: adaptive bars apply
+
+
 def score(
     policy: GatePolicy,
     gate: GateState,
@@ -265,7 +280,12 @@ def score(
     first updates of a run, before there is a median to compare with.
 
     ``probe``: the loss on the coordinator's probe batch at θ and at θ − probe_step·Δ (module docstring), or None
-    when the daemon did not evaluate it; it decides updates in the gray zone."""
+    when the daemon did not evaluate it; it decides updates in the gray zone.
+
+    The checks, in order, each its own function: finite and bounded norm (here), the norm against the recent
+    median (:func:`_norm_check`), echoing the consensus (:func:`_echo_check`), the probe in the gray zone
+    (:func:`_probe_check`), the direction against the consensus (:func:`_cosine_check`), then clipping
+    (:func:`_clip_or_accept`). The first verdict wins."""
     squared = float(torch.dot(update, update))
     if not math.isfinite(squared):
         return GateVerdict("reject", 0.0, math.nan, None, "pseudo-gradient contains NaN or Inf, or its norm overflows float32")
@@ -276,132 +296,177 @@ def score(
             "reject", 0.0, norm, None,
             f"per-step norm {per_step:.4g} exceeds what inner AdamW can move θ in one step ({bound_per_step:.4g})",
         )
-    probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
-    tight = policy.probation_tightening if probation else 1.0
-    on = " (peer on probation)" if probation else ""
     if not gate.norms:
         return GateVerdict("accept", 1.0, norm, None, "first update of the run: no statistics yet")
-    typical = median(gate.norms)
-    if typical > 0:
-        ratio = per_step / typical
-        reject_at = max(policy.clip_factor, policy.reject_factor * tight)
-        if ratio > reject_at:
-            return GateVerdict(
-                "reject", 0.0, norm, None,
-                f"per-step norm {per_step:.4g} is {ratio:.3g}× the recent median {typical:.4g} (limit {reject_at:g}×){on}",
-            )
+    probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
     cosine = None
     if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
         cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
-    warm = gate.accepted >= policy.warmup
-    if warm and cosine is not None and len(gate.cosines) >= 3:
-        # Free-riding (issue 16): an update that echoes the consensus — the newest θ difference, rescaled to an
-        # honest norm — is no work of its own, and fed back through the outer momentum it drove the demo's model
-        # to a perplexity of 1e16-1e22 in the attack benchmark (37 of 62 updates were the free-rider's: not
-        # training, it turns leases round at once). Honest updates never agree that closely: the highest cosine
-        # of an honest update over 18 benchmark runs was 0.82 (median 0.3), the echo's median 0.96. The bar is a
-        # fixed echo_cosine, not one that follows the recent cosines: the echo's own accepted updates fill the
-        # window (a bar at median + 6 MAD climbed to 0.999 in a benchmark run and let it through). Only where the
-        # run's consensus is itself that tight (median >= echo_cosine: a small model) is the check off.
-        center = median(gate.cosines)
-        if center < policy.echo_cosine <= cosine:
-            return GateVerdict(
-                "reject", 0.0, norm, cosine,
-                f"echoes the consensus: cosine {cosine:.3f} >= {policy.echo_cosine:.3f} (median {center:.3f}); no "
-                f"honest update agrees this closely — work of others sent as its own{on}",
-            )
+    seen = _Update(
+        steps, norm, per_step, median(gate.norms), cosine, probation,
+        policy.probation_tightening if probation else 1.0, " (peer on probation)" if probation else "",
+        gate.accepted >= policy.warmup,
+    )  # fmt: skip
+    verdict = _norm_check(policy, seen) or _echo_check(policy, gate, seen)
+    if verdict is not None:
+        return verdict
     probed = ""  # set when the probe vouched for the update's direction
     if probe is not None and policy.probe:
-        before, after = float(probe[0]), float(probe[1])
-        # the gray zone: a direction that agrees weakly with the recent consensus — not one that points away from
-        # it (below −flip_margin × median: the cosine rule rejects that, counted, whatever 8 rows of loss say: a
-        # sign-flipped newcomer update at cosine −0.55 lowered the probe loss by 0.02 % in a test run). Not before
-        # warm-up: the first updates of a run, from random initialisation, overshoot (two honest ones at cosine
-        # 0.75 raised the probe loss by 2 % in a clean benchmark run); the absolute norm bound guards them.
-        gray = False
-        if warm and cosine is not None and len(gate.cosines) >= 3:
-            center = median(gate.cosines)
-            away = -policy.flip_margin * center if center > 0 else -math.inf
-            gray = away <= cosine < max(policy.cosine_cap, policy.probe_below * center)
-        if gray:
-            # the first-order effect of Δ on the loss grows with its steps: so does the margin
-            margin = policy.probe_margin * min(1.0, steps / max(1, policy.full_steps))
-            if not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin)):
-                rise = (after - before) / before if before > 0 and math.isfinite(after) else math.inf
-                agreement = "" if cosine is None else f", cosine {cosine:.3f} with the consensus"
-                # a small rise can be the probe batch's noise on honest work: only a clear one counts
-                counted = rise > policy.probe_count_factor * margin
-                if not counted and not probation:
-                    return _weak(policy, per_step, typical, norm, cosine,
-                                 f"probe-batch loss {before:.5f} → {after:.5f} (+{100 * rise:.3g} %, within "
-                                 f"{policy.probe_count_factor:g} × the {100 * margin:.3g} % margin: the probe's noise)")
-                return GateVerdict(
-                    "reject", 0.0, norm, cosine,
-                    f"raises the probe-batch loss {before:.5f} → {after:.5f} (+{100 * rise:.3g} %, limit "
-                    f"{100 * margin:.3g} %){agreement}{on}" + ("" if counted else "; not counted toward quarantine"),
-                    counts=counted,
-                )
-            # A peer on probation needs only to lower the loss: a newcomer's first updates (fresh AdamW state, or
-            # a short lease) move θ little and noisily — but downhill, where a sign-flipped one goes uphill. An
-            # established peer in the gray zone must lower it by the margin.
-            wanted = before if probation else before * (1.0 - margin)
-            if not (math.isfinite(before) and after < wanted) and not probation and math.isfinite(before):
-                # an established peer's weakly agreeing update that does not help measurably: honest work of a
-                # slow or short lease often lands here (issue 16) — taken at no more than the median norm
-                return _weak(policy, per_step, typical, norm, cosine,
-                             f"does not lower the probe-batch loss by more than {100 * margin:.3g} % ({before:.5f} → {after:.5f})")
-            if not (math.isfinite(before) and after < wanted):
-                # no evidence that it helps: a random direction lands here (±0.01 % where honest updates lower the
-                # loss by 0.1-0.4 %) — refused like a weakly agreeing direction, not counted toward quarantine
-                agreement = "" if cosine is None else f"; cosine {cosine:.3f} with the consensus"
-                return GateVerdict(
-                    "reject", 0.0, norm, cosine,
-                    f"does not lower the probe-batch loss{'' if probation else f' by more than {100 * margin:.3g} %'} "
-                    f"({before:.5f} → {after:.5f}){agreement}{on}; not counted toward quarantine",
-                    counts=False,
-                )
-            probed = f"; lowers the probe-batch loss {before:.5f} → {after:.5f}"
-    if warm and cosine is not None and len(gate.cosines) >= 3 and not probed:
-        center = median(gate.cosines)
-        spread = max(_mad(gate.cosines, center), 1e-3)
-        # Honest updates of one run agree with the consensus (cosines 0.2-0.9 in the demo), a sign-flipped one
-        # (≈ −median) or a random one (≈ 0 in high dimension) does not. The bar is adaptive, but
-        # - never higher than cosine_cap: a slow peer's stale, short-lease update agrees less (0.18 seen
-        #   against a median of 0.77 early in a demo run) and is still honest work;
-        # - never lower than −flip_margin × median: where honest cosines are spread out (median 0.34, MAD
-        #   0.11 in a demo run) median − 6 MAD fell to −0.29 and let sign-flipped updates (≈ −0.34) in, whose
-        #   acceptance then dragged the consensus along.
-        threshold = center - policy.cosine_mads * tight * spread
-        if center > 0:
-            threshold = max(threshold, -policy.flip_margin * center)
-        threshold = min(policy.cosine_cap, threshold)
-        if cosine < threshold:
-            # Only a direction that points away from the consensus counts toward quarantine. A weakly agreeing
-            # one (≈ 0: a random direction, but also an honest newcomer's first updates or a stale one after a
-            # restart) is refused without counting, so an honest peer is never quarantined for it.
-            away = cosine < (-policy.flip_margin * center if center > 0 else threshold)
-            if not away and not probation:
-                return _weak(policy, per_step, typical, norm, cosine,
-                             f"cosine {cosine:.3f} < {threshold:.3f} (median {center:.3f}, MAD {spread:.3f})")
+        outcome = _probe_check(policy, gate, seen, probe)
+        if isinstance(outcome, GateVerdict):
+            return outcome
+        probed = outcome
+    if not probed:
+        verdict = _cosine_check(policy, gate, seen)
+        if verdict is not None:
+            return verdict
+    return _clip_or_accept(policy, seen, probed)
+
+
+def _norm_check(policy: GatePolicy, seen: _Update) -> GateVerdict | None:
+    """Reject a per-step norm far above the recent median (tighter on probation)."""
+    if seen.typical > 0:
+        ratio = seen.per_step / seen.typical
+        reject_at = max(policy.clip_factor, policy.reject_factor * seen.tight)
+        if ratio > reject_at:
             return GateVerdict(
-                "reject", 0.0, norm, cosine,
-                f"direction disagrees with the recent consensus: cosine {cosine:.3f} < {threshold:.3f} "
-                f"(median {center:.3f}, MAD {spread:.3f}){on}" + ("" if away else "; not counted toward quarantine"),
-                counts=away,
+                "reject", 0.0, seen.norm, None,
+                f"per-step norm {seen.per_step:.4g} is {ratio:.3g}× the recent median {seen.typical:.4g} (limit "
+                f"{reject_at:g}×){seen.on}",
             )
-    if warm and typical > 0:
-        clip_at = max(1.0, policy.clip_factor * tight)
-        if per_step > clip_at * typical:
-            scale = clip_at * typical / per_step
+    return None
+
+
+def _echo_check(policy: GatePolicy, gate: GateState, seen: _Update) -> GateVerdict | None:
+    """Free-riding (issue 16): an update that echoes the consensus — the newest θ difference, rescaled to an
+    honest norm — is no work of its own, and fed back through the outer momentum it drove the demo's model to a
+    perplexity of 1e16-1e22 in the attack benchmark (37 of 62 updates were the free-rider's: not training, it
+    turns leases round at once). Honest updates never agree that closely: the highest cosine of an honest update
+    over 18 benchmark runs was 0.82 (median 0.3), the echo's median 0.96. The bar is a fixed echo_cosine, not one
+    that follows the recent cosines: the echo's own accepted updates fill the window (a bar at median + 6 MAD
+    climbed to 0.999 in a benchmark run and let it through). Only where the run's consensus is itself that tight
+    (median >= echo_cosine: a small model) is the check off."""
+    cosine = seen.cosine
+    if not (seen.warm and cosine is not None and len(gate.cosines) >= 3):
+        return None
+    center = median(gate.cosines)
+    if center < policy.echo_cosine <= cosine:
+        return GateVerdict(
+            "reject", 0.0, seen.norm, cosine,
+            f"echoes the consensus: cosine {cosine:.3f} >= {policy.echo_cosine:.3f} (median {center:.3f}); no "
+            f"honest update agrees this closely — work of others sent as its own{seen.on}",
+        )
+    return None
+
+
+def _probe_check(policy: GatePolicy, gate: GateState, seen: _Update, probe: tuple[float, float]) -> GateVerdict | str:
+    """The probe decides the gray zone: a verdict, or the text saying that the probe vouched for the update's
+    direction ("" when the update is not in the gray zone or the probe did not vouch)."""
+    before, after = float(probe[0]), float(probe[1])
+    cosine, probation, on = seen.cosine, seen.probation, seen.on
+    # the gray zone: a direction that agrees weakly with the recent consensus — not one that points away from
+    # it (below −flip_margin × median: the cosine rule rejects that, counted, whatever 8 rows of loss say: a
+    # sign-flipped newcomer update at cosine −0.55 lowered the probe loss by 0.02 % in a test run). Not before
+    # warm-up: the first updates of a run, from random initialisation, overshoot (two honest ones at cosine
+    # 0.75 raised the probe loss by 2 % in a clean benchmark run); the absolute norm bound guards them.
+    gray = False
+    if seen.warm and cosine is not None and len(gate.cosines) >= 3:
+        center = median(gate.cosines)
+        away = -policy.flip_margin * center if center > 0 else -math.inf
+        gray = away <= cosine < max(policy.cosine_cap, policy.probe_below * center)
+    if not gray:
+        return ""
+    # the first-order effect of Δ on the loss grows with its steps: so does the margin
+    margin = policy.probe_margin * min(1.0, seen.steps / max(1, policy.full_steps))
+    if not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin)):
+        rise = (after - before) / before if before > 0 and math.isfinite(after) else math.inf
+        agreement = "" if cosine is None else f", cosine {cosine:.3f} with the consensus"
+        # a small rise can be the probe batch's noise on honest work: only a clear one counts
+        counted = rise > policy.probe_count_factor * margin
+        if not counted and not probation:
+            return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
+                         f"probe-batch loss {before:.5f} → {after:.5f} (+{100 * rise:.3g} %, within "
+                         f"{policy.probe_count_factor:g} × the {100 * margin:.3g} % margin: the probe's noise)")
+        return GateVerdict(
+            "reject", 0.0, seen.norm, cosine,
+            f"raises the probe-batch loss {before:.5f} → {after:.5f} (+{100 * rise:.3g} %, limit "
+            f"{100 * margin:.3g} %){agreement}{on}" + ("" if counted else "; not counted toward quarantine"),
+            counts=counted,
+        )
+    # A peer on probation needs only to lower the loss: a newcomer's first updates (fresh AdamW state, or a short
+    # lease) move θ little and noisily — but downhill, where a sign-flipped one goes uphill. An established peer in
+    # the gray zone must lower it by the margin.
+    wanted = before if probation else before * (1.0 - margin)
+    if not (math.isfinite(before) and after < wanted) and not probation and math.isfinite(before):
+        # an established peer's weakly agreeing update that does not help measurably: honest work of a slow or
+        # short lease often lands here (issue 16) — taken at no more than the median norm
+        return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
+                     f"does not lower the probe-batch loss by more than {100 * margin:.3g} % ({before:.5f} → {after:.5f})")
+    if not (math.isfinite(before) and after < wanted):
+        # no evidence that it helps: a random direction lands here (±0.01 % where honest updates lower the loss by
+        # 0.1-0.4 %) — refused like a weakly agreeing direction, not counted toward quarantine
+        agreement = "" if cosine is None else f"; cosine {cosine:.3f} with the consensus"
+        return GateVerdict(
+            "reject", 0.0, seen.norm, cosine,
+            f"does not lower the probe-batch loss{'' if probation else f' by more than {100 * margin:.3g} %'} "
+            f"({before:.5f} → {after:.5f}){agreement}{on}; not counted toward quarantine",
+            counts=False,
+        )
+    return f"; lowers the probe-batch loss {before:.5f} → {after:.5f}"
+
+
+def _cosine_check(policy: GatePolicy, gate: GateState, seen: _Update) -> GateVerdict | None:
+    """The direction against the consensus, for updates the probe did not vouch for.
+
+    Honest updates of one run agree with the consensus (cosines 0.2-0.9 in the demo), a sign-flipped one
+    (≈ −median) or a random one (≈ 0 in high dimension) does not. The bar is adaptive, but
+    - never higher than cosine_cap: a slow peer's stale, short-lease update agrees less (0.18 seen against a
+      median of 0.77 early in a demo run) and is still honest work;
+    - never lower than −flip_margin × median: where honest cosines are spread out (median 0.34, MAD 0.11 in a
+      demo run) median − 6 MAD fell to −0.29 and let sign-flipped updates (≈ −0.34) in, whose acceptance then
+      dragged the consensus along."""
+    cosine = seen.cosine
+    if not (seen.warm and cosine is not None and len(gate.cosines) >= 3):
+        return None
+    center = median(gate.cosines)
+    spread = max(_mad(gate.cosines, center), 1e-3)
+    threshold = center - policy.cosine_mads * seen.tight * spread
+    if center > 0:
+        threshold = max(threshold, -policy.flip_margin * center)
+    threshold = min(policy.cosine_cap, threshold)
+    if cosine >= threshold:
+        return None
+    # Only a direction that points away from the consensus counts toward quarantine. A weakly agreeing one (≈ 0:
+    # a random direction, but also an honest newcomer's first updates or a stale one after a restart) is refused
+    # without counting, so an honest peer is never quarantined for it.
+    away = cosine < (-policy.flip_margin * center if center > 0 else threshold)
+    if not away and not seen.probation:
+        return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
+                     f"cosine {cosine:.3f} < {threshold:.3f} (median {center:.3f}, MAD {spread:.3f})")
+    return GateVerdict(
+        "reject", 0.0, seen.norm, cosine,
+        f"direction disagrees with the recent consensus: cosine {cosine:.3f} < {threshold:.3f} "
+        f"(median {center:.3f}, MAD {spread:.3f}){seen.on}" + ("" if away else "; not counted toward quarantine"),
+        counts=away,
+    )
+
+
+def _clip_or_accept(policy: GatePolicy, seen: _Update, probed: str) -> GateVerdict:
+    """After warm-up a norm above clip_factor × the median is scaled down to it; anything else passes."""
+    cosine = seen.cosine
+    if seen.warm and seen.typical > 0:
+        clip_at = max(1.0, policy.clip_factor * seen.tight)
+        if seen.per_step > clip_at * seen.typical:
+            scale = clip_at * seen.typical / seen.per_step
             return GateVerdict(
-                "clip", scale, norm, cosine,
-                f"per-step norm {per_step:.4g} clipped to {clip_at:g}× the recent median {typical:.4g}{on}"
+                "clip", scale, seen.norm, cosine,
+                f"per-step norm {seen.per_step:.4g} clipped to {clip_at:g}× the recent median {seen.typical:.4g}{seen.on}"
                 + ("" if cosine is None else f" (cosine {cosine:.3f} with the consensus{probed})"),
             )
     agreement = "" if cosine is None else f" (cosine {cosine:.3f} with the consensus{probed})"
     if cosine is None and probed:
         agreement = f" ({probed[2:]})"
-    return GateVerdict("accept", 1.0, norm, cosine, f"passed the gate{agreement}")
+    return GateVerdict("accept", 1.0, seen.norm, cosine, f"passed the gate{agreement}")
 
 
 def record(
