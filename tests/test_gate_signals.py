@@ -1,5 +1,5 @@
 """Cheap signals for verification (issue 16): the gate marks a peer a *suspect* — more of its leases re-run
-(coordinator/logic.py ``verify_reason`` at ``suspect_fraction``) — without refusing its work.
+(coordinator/logic/ ``verify_reason`` at ``suspect_fraction``) — without refusing its work.
 
 Pure: :func:`asyncloco.coordinator.gate.score` / ``record`` / ``suspect`` on a constructed gate state, exact
 verdicts and marks. The false-positive rates on honest peers measured in the attack benchmark are in

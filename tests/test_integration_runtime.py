@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -412,3 +413,32 @@ def test_a_peer_started_before_its_coordinator_waits_and_joins(harness: Harness,
     [line] = [x for x in said.splitlines() if x.startswith("asyncloco: error:")]
     assert "could not join the DHT through" in line and "--join-timeout)" in line and "gave up after" in line, line
     assert "waiting for the coordinator at " + address in log.read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_a_coordinator_sigkilled_during_a_peers_start_up_comes_back_and_the_peer_joins(harness: Harness, tmp_path: Path) -> None:
+    """Issue 20: the coordinator dies by SIGKILL (it and its p2pd, no snapshot, no goodbye) while a peer is
+    still starting (its process launched, no lease given to it yet). The peer waits with backoff, the
+    coordinator resumes from its write-ahead log at the same address, and the peer joins and has an update
+    applied — the same peer process throughout."""
+    cluster = harness.cluster(write_config(tmp_path, codec="int8"))
+    with cluster:
+        address = cluster.start_coordinator()
+        killed = cluster.coordinator
+        assert killed is not None
+        peer = cluster.start_peer("starting", extra=("--join-timeout", "300"))
+        cluster.signal_group(killed, signal.SIGKILL)  # the peer is still importing its libraries here
+        assert killed.wait(timeout=30) == -signal.SIGKILL
+        assert not of_type(cluster.events(), "assign")  # no lease was given out before the crash
+        log = cluster.workdir / "starting.log"
+        cluster.wait_for(lambda: "waiting for the coordinator at" in log.read_text(), 180,
+                         "the starting peer to wait for its coordinator")
+        assert peer.poll() is None
+        assert cluster.start_coordinator(resume=True) == address
+        ids = peer_ids(cluster, ["starting"])
+        cluster.wait_for(lambda: applied_count(cluster, ids["starting"]) >= 1, 180, "an update of the peer applied")
+        assert cluster.peers["starting"] is peer and peer.poll() is None  # it never exited and restarted
+        assert cluster.stop(peer, timeout=60.0) == 0
+        assert cluster.stop_coordinator(timeout=60.0) == 0
+    assert "Traceback" not in log.read_text()

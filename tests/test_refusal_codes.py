@@ -1,5 +1,5 @@
 """Typed refusal codes (asyncloco/refusals.py) end to end: the logic decides each refusal's code in ``handle``
-(coordinator/logic.py), a replay of the write-ahead log reproduces the same codes, the wire carries them in
+(coordinator/logic/), a replay of the write-ahead log reproduces the same codes, the wire carries them in
 replies (LeaseReply, Ack) and ERROR frames (RemoteError.code), and the peer reacts to the code, not the text."""
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""The coordinator's brain: ``handle(state, event, now) -> (state, actions)``.
+
+One pure decision function, driven by the simulator's fake clock and by the networked daemon's
+real clock alike. It owns no clock, no transport and no global randomness: ``now`` is passed in,
+shard sampling draws from a counter-based generator seeded by ``state.seed``, and every action
+carries a human-readable ``reason``.
+
+Events and what the coordinator decides:
+
+* :class:`SpeedReport` — a peer's measured throughput (tokens or samples per second), smoothed.
+* :class:`RequestWork` — a peer wants a lease: answer now (:class:`Assign`) or hold it for the
+  grace period (:class:`Hold`), paper Algorithm 2 / docs/algorithm.md §6. A held request is answered
+  later by an :class:`Assign` emitted while handling another event.
+* :class:`SubmitUpdate` — a pseudo-gradient arrives for a lease: validate it, apply it with the
+  method's outer optimizer (:class:`Applied`), acknowledge a resend without applying it twice
+  (:class:`Duplicate`), or refuse it (:class:`Rejected`).
+* :class:`Tick` — time passes: expired leases give their steps back (:class:`Expired`), held
+  requests whose grace window closed are answered.
+* :class:`PeerLeft` — a peer is gone: its leases are given back, it leaves the DyLU max.
+* :class:`Verified` — a verifier re-ran a lease (coordinator/verify.py) and compared its pseudo-gradient with
+  the one submitted: a match counts toward the peer's probation; a mismatch expels the peer (:class:`Expelled`:
+  its leases are given back and everything it sends is turned away from then on). Which leases are re-run is
+  decided here, when a lease is issued (:func:`verify_reason`: HMAC of the lease id under the run secret below
+  ``fraction``, every update of a peer on probation, more for a peer the gate refused recently), and an applied
+  update of such a lease yields a :class:`Verify` action carrying θ at its base version and the update as
+  submitted. :class:`Discard` voids a lease's update (consumed, θ untouched): the repair after an expulsion
+  replays the log with the expelled peer's submissions discarded (coordinator/verify.py, ``repair``).
+* :class:`Admit` / :class:`Revoke` — admission (``runtime.admission: token``): a verified token
+  binds to the libp2p peer id that first uses it (:class:`Admitted` or :class:`Refused`); a revoked
+  token's peer loses its leases and its say in DyLU. In ``token`` and ``allowlist`` mode, speed
+  reports, lease requests and submissions of a peer that :func:`is_admitted` denies are ignored or
+  refused before anything else looks at them (see ``coordinator/admission.py``).
+
+Grace windows (offline Algorithm 2, run online with predicted completion times): when a peer that
+just finished asks for work while other leases are expected to finish within ``grace`` seconds, a
+window opens until ``now + grace``; every request in the window is held until all leases expected
+inside the window have been applied (or expired), or the window closes, and then all held peers
+get leases from the newest θ, in request order. In barrier mode (sync DiLoCo) the window never
+closes by time: everyone waits for every lease of the round.
+
+``handle`` mutates ``state`` in place (θ can be hundreds of MB) and returns it.
+
+The package: state.py (the state), events.py (events and actions), leases.py (speeds, DyLU, leases,
+indexes, holds, expiry, verification draws), admission.py, submit.py (submissions, verdicts, repair);
+``handle`` and ``new_state`` are here, and every name of the submodules is re-exported from here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from asyncloco.algo.outer import OuterOptimizer
+from asyncloco.algo.staleness import StalenessTransform
+from asyncloco.coordinator.logic.admission import (
+    MAX_INCOMPATIBLE, _on_admit, _on_fingerprint, _on_revoke, _turn_away, admission_code, admission_problem,
+    is_admitted,
+)
+from asyncloco.coordinator.logic.events import (
+    Action, Admit, Admitted, Applied, Assign, Discard, Duplicate, Event, Expelled, Expired, Fetched, Fingerprint,
+    Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
+    RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Verdict, Verified, Verify,
+)
+from asyncloco.coordinator.logic.leases import (
+    VERIFY_PIN_FACTOR, _LeaseBook, _alive_speeds, _book, _book_add, _book_issued, _drop_unused_base_params,
+    _dylu_reference, _effective_speed, _expected_in_window, _expire, _fastest_alive, _give_back, _index_lease,
+    _issue, _lease_id, _lease_index, _leases_due, _next_uniform, _note_speed, _notice_peer_count, _on_fetched,
+    _on_hello, _on_peer_left, _on_request, _on_restarted, _on_speed, _on_tick, _peer_leases, _release_held,
+    _retain_before_step, _serves_download, _unindex_lease, _version_needed, base_theta, verify_draw, verify_reason,
+)
+from asyncloco.coordinator.logic.state import (
+    AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, Lease, PeerInfo,
+    ShardState, VerificationState, VerifyPolicy,
+)
+from asyncloco.coordinator.logic.submit import (
+    _broken_chain, _on_discard, _on_submit, _on_verified, _quarantine, update_problem, validate_update, void_leases,
+)
+
+
+__all__ = [
+    "Lease",
+    "ShardState",
+    "PeerInfo",
+    "CoordinatorPolicy",
+    "CoordinatorState",
+    "DerivedIndexes",
+    "SpeedReport",
+    "RequestWork",
+    "SubmitUpdate",
+    "Tick",
+    "PeerLeft",
+    "Admit",
+    "Revoke",
+    "HoldDropped",
+    "Verified",
+    "Discard",
+    "Fingerprint",
+    "Incompatible",
+    "admission_code",
+    "update_problem",
+    "Event",
+    "Assign",
+    "Hold",
+    "Applied",
+    "Duplicate",
+    "Rejected",
+    "Expired",
+    "Admitted",
+    "Refused",
+    "Revoked",
+    "Verify",
+    "Verdict",
+    "Expelled",
+    "VerifyPolicy",
+    "VerificationState",
+    "verify_reason",
+    "verify_draw",
+    "void_leases",
+    "AdmissionRecord",
+    "Action",
+    "handle",
+    "is_admitted",
+    "admission_problem",
+]
+
+
+# ------------------------------------------------------------------------------------- decisions
+
+
+def handle(state: CoordinatorState, event: Event, now: float) -> tuple[CoordinatorState, list[Action]]:
+    """Decide what ``event`` at time ``now`` does. Mutates and returns ``state``."""
+    if isinstance(event, (SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate)) and not is_admitted(state, event.peer, now):
+        # admission gate: an unadmitted peer gets nothing and has no say in DyLU
+        return state, _turn_away(state, event, now)
+    if isinstance(event, Admit):
+        return state, _on_admit(state, event, now) + _release_held(state, now)
+    if isinstance(event, Revoke):
+        return state, _on_revoke(state, event, now) + _release_held(state, now)
+    if isinstance(event, Fingerprint):
+        return state, _on_fingerprint(state, event) + _release_held(state, now)
+    if isinstance(event, SpeedReport):
+        actions = _on_speed(state, event, now)
+    elif isinstance(event, Hello):
+        actions = _on_hello(state, event, now)
+    elif isinstance(event, RequestWork):
+        actions = _on_request(state, event, now)
+    elif isinstance(event, Fetched):
+        actions = _on_fetched(state, event, now)
+    elif isinstance(event, SubmitUpdate):
+        actions = _on_submit(state, event, now)
+    elif isinstance(event, Tick):
+        actions = _on_tick(state, now)
+    elif isinstance(event, PeerLeft):
+        actions = _on_peer_left(state, event, now)
+    elif isinstance(event, Restarted):
+        actions = _on_restarted(state, event, now)
+    elif isinstance(event, HoldDropped):
+        state.held.pop(event.peer, None)  # nothing to answer: the RPC that waited is gone
+        actions = []
+    elif isinstance(event, Verified):
+        actions = _on_verified(state, event, now)
+    elif isinstance(event, Discard):
+        actions = _on_discard(state, event)
+    else:
+        raise TypeError(f"unknown event {event!r}")
+    actions += _release_held(state, now)
+    actions += _notice_peer_count(state)
+    return state, actions
+
+
+def new_state(
+    params: torch.Tensor,
+    optimizer: OuterOptimizer,
+    transforms: Sequence[StalenessTransform],
+    policy: CoordinatorPolicy,
+    shard_sizes: Sequence[int],
+    seed: int,
+    lease_secret: bytes = b"",
+) -> CoordinatorState:
+    if params.dim() != 1 or params.dtype != torch.float32:
+        raise ValueError("θ must be a flat float32 vector")
+    if not shard_sizes or any(size <= 0 for size in shard_sizes):
+        raise ValueError(f"every shard needs at least one batch, got sizes {list(shard_sizes)}")
+    return CoordinatorState(
+        params=params,
+        optimizer=optimizer,
+        transforms=list(transforms),
+        policy=policy,
+        shards=[ShardState(int(size)) for size in shard_sizes],
+        seed=seed,
+        lease_secret=lease_secret,
+    )

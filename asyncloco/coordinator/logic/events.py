@@ -1,0 +1,311 @@
+"""The events ``handle`` takes and the actions it returns: one frozen dataclass each. The write-ahead log
+stores events by class name and field (coordinator/wal.py); the daemon carries out the actions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from asyncloco.coordinator.logic.state import Lease
+from asyncloco.refusals import RefusalCode
+
+
+# ---------------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class SpeedReport:
+    """A throughput claim. ``reported_at``: the record's own timestamp (None: take it as new);
+    ``signer``: fingerprint of the key that signed the DHT record (None: it came over the peer's own
+    authenticated RPC, or from the simulator)."""
+
+    peer: str
+    units_per_second: float
+    reported_at: float | None = None
+    signer: str | None = None
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A peer introduces itself over its authenticated RPC: binds its DHT signing key and name."""
+
+    peer: str
+    signer: str | None = None
+    name: str = ""
+    units_per_second: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    peer: str
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The peer downloaded θ at ``version`` (the daemon saw the transfer complete)."""
+
+    peer: str
+    version: int
+
+
+@dataclass(frozen=True)
+class SubmitUpdate:
+    peer: str
+    lease_id: str
+    base_version: int
+    pseudo_gradient: torch.Tensor
+    transfer_s: float = 0.0  # seconds the upload took, measured by the coordinator (not the peer's claim)
+    # --- the update gate's probe (coordinator/gate.py): the loss on the coordinator's probe batch at θ and at
+    # θ − s·Δ, evaluated by the daemon before ``handle`` (None: not evaluated); in the write-ahead log, so a replay
+    # decides the same way without a model
+    probe_before: float | None = None
+    probe_after: float | None = None
+    # --- commitments (runtime.verify with inner_state "carry"): sha256 hex of the peer's inner optimizer state at the
+    # lease's start and end (peer/inner.py inner_state_digest); None from peers that do not commit
+    state_start: str | None = None
+    state_end: str | None = None
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """The coordinator restarted (``--resume``): held requests died with their RPCs, and the peers get
+    ``grace_s`` to call again before their silence counts."""
+
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class PeerLeft:
+    peer: str
+
+
+@dataclass(frozen=True)
+class Admit:
+    """A token whose signature the daemon verified, presented by ``peer`` (the authenticated peer id)."""
+
+    peer: str
+    token_id: str
+    name: str
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Revoke:
+    token_id: str
+    revoked_at: float
+
+
+@dataclass(frozen=True)
+class HoldDropped:
+    """The daemon stopped waiting on ``peer``'s held request (its RPC timed out; the peer will ask again)."""
+
+    peer: str
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The compatibility check (asyncloco/fingerprint.py) of ``peer``: ``reason`` is why its model, tokenizer, data or
+    codec differ from the run's (``differing``: the components; ``peer_version``: its asyncloco), "" when it fits.
+    An incompatible peer is turned away like an unadmitted one (code INCOMPATIBLE) until a check fits."""
+
+    peer: str
+    reason: str
+    differing: tuple[str, ...] = ()
+    peer_version: str = ""
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A verifier's verdict on lease ``lease_id`` of ``peer`` (coordinator/verify.py): ``ok`` when the re-run's
+    pseudo-gradient matched the submitted one within the tolerance; ``detail`` says how close it was."""
+
+    peer: str
+    lease_id: str
+    ok: bool
+    detail: str
+    anchor: int = -1  # the daemon's: the log record its repair replays from (coordinator/verify.py); unused here
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Void ``peer``'s update for ``lease_id``: the lease is consumed (its batches count as used, as for an update a
+    staleness policy drops), θ is untouched. Only the repair's replay feeds it (coordinator/verify.py)."""
+
+    peer: str
+    lease_id: str
+
+
+Event = Union[
+    SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped,
+    Verified, Discard, Fingerprint,
+]
+
+
+# --------------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Assign:
+    peer: str
+    lease: Lease
+    reason: str
+
+
+@dataclass(frozen=True)
+class Hold:
+    peer: str
+    until: float  # math.inf in barrier mode
+    waiting_for: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Applied:
+    peer: str
+    lease_id: str
+    version: int  # θ's version after this update
+    staleness: int
+    steps: int
+    shard: int
+    moved: bool
+    reason: str
+    gate: str = ""  # what the update gate did (e.g. "clipped ×0.25: ..."), empty when it is off
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    peer: str
+    lease_id: str
+    version: int  # the version at which it was first applied
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    peer: str
+    lease_id: str
+    reason: str
+    code: RefusalCode  # the typed reason the peer reacts to (asyncloco/refusals.py)
+
+
+@dataclass(frozen=True)
+class Expired:
+    peer: str
+    lease_id: str
+    shard: int
+    steps: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Admitted:
+    peer: str
+    token_id: str
+    name: str
+    new: bool  # False: this peer was already admitted by this token (nothing changed)
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An admission refused, or an unadmitted peer's request turned away."""
+
+    peer: str
+    token_id: str  # the token presented, "" for a request without one
+    reason: str
+    lease_id: str = ""  # the submission turned away, if it was one
+    code: RefusalCode = RefusalCode.NOT_ADMITTED  # or EXPELLED / INCOMPATIBLE (admission_code)
+
+
+@dataclass(frozen=True)
+class Incompatible:
+    """``peer`` failed the compatibility check (a :class:`Fingerprint` event); journaled once per change."""
+
+    peer: str
+    differing: tuple[str, ...]
+    peer_version: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Revoked:
+    token_id: str
+    peer: str | None  # the peer the token was bound to, if any
+    reason: str
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    peer: str
+    until: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Released:
+    """A held request answered without a lease (held longer than the hold limit): the peer asks again."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Left:
+    """The logic decided a peer is gone (silent past ``peer_timeout``)."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the organiser should know (e.g. live peers ≠ the outer optimizer's N)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Re-run this applied lease (the daemon hands it to its verifier): ``base`` is θ at the lease's base version,
+    ``update`` the pseudo-gradient as submitted (before any clipping). Neither tensor changes afterwards."""
+
+    peer: str
+    lease: Lease
+    base: torch.Tensor
+    update: torch.Tensor
+    reason: str
+    failed: str = ""  # already failed, nothing to re-run (a broken commitment chain): the verdict is this detail
+    state_start: str = ""  # the lease's committed inner-state digests ("" without commitments)
+    state_end: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    peer: str
+    lease_id: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Expelled:
+    """``peer`` failed a verification: it is out of the run for good. The daemon repairs θ: the log is replayed
+    without its updates (coordinator/verify.py, ``repair``)."""
+
+    peer: str
+    lease_id: str
+    reason: str
+    anchor: int = -1  # the Verified event's: the log record the daemon's repair replays from
+
+
+Action = Union[
+    Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked, Quarantined, Released, Left, Notice,
+    Verify, Verdict, Expelled, Incompatible,
+]

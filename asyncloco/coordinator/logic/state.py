@@ -1,0 +1,272 @@
+"""The coordinator's state: leases, shards, peers, the policy, verification and admission records, and the
+derived indexes (rebuilt, never checkpointed). Part of the pure logic (coordinator/logic/__init__.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from asyncloco.algo.outer import OuterOptimizer
+from asyncloco.algo.staleness import StalenessTransform
+from asyncloco.coordinator.gate import GatePolicy, GateState
+
+
+# ----------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    peer: str
+    shard: int
+    start_offset: int  # index of the first batch of the shard this lease trains
+    steps: int
+    lr_offset: int  # shard's local-update counter at issue: step j uses η(lr_offset + j)
+    base_version: int
+    issued_at: float
+    expected_finish: float
+    deadline: float
+    fetched: bool = False  # the peer downloaded θ(base_version): the coordinator may stop retaining it
+    verify: str = ""  # why this lease's update will be re-run (verify_reason), "" if not; never sent to the peer
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ShardState:
+    size: int  # batches per epoch
+    assigned: int = 0  # n_i of Eq. 2: local updates assigned (given back when a lease is abandoned)
+    cursor: int = 0  # next never-issued batch index (monotonic)
+    returned: list[tuple[int, int]] = field(default_factory=list)  # (start, steps) given back, reissued first
+
+
+@dataclass
+class PeerInfo:
+    speed: float  # the peer's own (already smoothed) claim, units (tokens or samples) per second
+    last_seen: float
+    alive: bool = True
+    reported_at: float | None = None  # timestamp of the newest report taken: a re-read record is no new sample
+    observed: float | None = None  # throughput the coordinator measured on this peer's applied leases (smoothed)
+    signer: str | None = None  # DHT signing key bound to this peer id over its authenticated hello
+    transfer_s: float | None = None  # seconds its last upload took, as the coordinator measured it
+    name: str = ""
+    failed: bool = False  # gave a lease back before ever delivering: its claim no longer sets others' steps
+
+
+@dataclass(frozen=True)
+class CoordinatorPolicy:
+    """Knobs of the decision function (from the run config)."""
+
+    max_local_steps: int  # H
+    min_steps: int = 1
+    dylu: bool = True
+    barrier: bool = False  # sync DiLoCo
+    grace_period: float = 0.0
+    units_per_step: int = 1  # tokens (or samples) one local step consumes
+    speed_ema: float = 0.5
+    lease_timeout_factor: float = 3.0
+    lease_slack: float = 30.0
+    max_staleness: int | None = None
+    max_update_norm: float | None = None
+    # Eq. 2's n_i (docs/algorithm.md §4): "learned" = applied local updates (the paper), "assigned" =
+    # also counting leases in flight (concurrent leases spread over shards)
+    shard_progress: Literal["learned", "assigned"] = "learned"
+    # --- public runs (all off in the simulator, see methods.coordinator_policy)
+    gate: GatePolicy | None = None  # the robust update gate (coordinator/gate.py)
+    norm_bound_per_step: float | None = None  # absolute ceiling on ‖Δ‖/steps (gate.adamw_norm_bound)
+    trust_speeds: bool = True  # False: speeds count only when bound to the peer and capped by what it delivers
+    speed_cap_factor: float = 1.5  # a claim counts up to this × the throughput observed on its applied leases
+    max_clock_skew: float = 5.0  # a speed report stamped further in the future than this is refused
+    peer_timeout: float = math.inf  # a peer without lease that is silent this long has left
+    hold_limit: float = math.inf  # a request held longer than this is answered "ask again"
+    max_lease_s: float = math.inf  # cap on a lease's deadline: a peer claiming to be slow holds nothing for years
+    transfer_allowance_s: float = 0.0  # added to a lease's deadline for θ down + Δ up, until measured per peer
+    download_upload_ratio: float = 1.0  # bytes of a θ download ÷ bytes of an upload (the two codecs)
+    max_retained_versions: int = 8  # θ copies kept for leases whose θ was not downloaded yet
+    buffer_size: int | None = None  # N of the outer optimizer (DN / buffer), to warn when the live peers differ
+    # --- admission (coordinator/admission.py): "open" admits everyone (demos, the simulator)
+    verify: "VerifyPolicy | None" = None  # verification of the work (runtime.verify, coordinator/verify.py)
+    admission: str = "open"  # "open" | "token" | "allowlist"
+    allowlist: frozenset[str] = frozenset()  # libp2p peer ids admitted in "allowlist" mode
+
+
+@dataclass(frozen=True)
+class VerifyPolicy:
+    """Which leases are re-run (``runtime.verify``; docs/threat-model.md)."""
+
+    fraction: float = 0.08  # share of a proven peer's leases
+    probation_updates: int = 2  # every one of a peer's first N verified updates
+    suspect_fraction: float = 0.5  # share for a peer with a gate rejection among its recent verdicts
+    commit: bool = False  # inner_state "carry": submissions carry chained digests of the inner state (Commitments)
+
+
+FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
+"""The commitment to a fresh inner optimizer state; the same value as peer/inner.py's (which computes the digests)."""
+
+
+@dataclass
+class VerificationState:
+    """Verdicts so far (checkpointed with the state)."""
+
+    passed: dict[str, int] = field(default_factory=dict)  # peer -> its updates whose re-run matched
+    expelled: dict[str, str] = field(default_factory=dict)  # peer -> why (the failed lease and the comparison)
+    pending: dict[str, str] = field(default_factory=dict)  # lease id -> peer: applied, re-run not yet judged
+    checked: int = 0
+    failed: int = 0
+    unverifiable: int = 0  # selected leases whose base θ was no longer retained at submission
+    chain: dict[str, str] = field(default_factory=dict)  # peer -> inner-state digest at the end of its last applied lease
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "passed": dict(self.passed), "expelled": dict(self.expelled), "pending": dict(self.pending),
+            "checked": self.checked, "failed": self.failed, "unverifiable": self.unverifiable, "chain": dict(self.chain),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "VerificationState":
+        return cls(
+            {k: int(v) for k, v in state["passed"].items()}, {k: str(v) for k, v in state["expelled"].items()},
+            {k: str(v) for k, v in state["pending"].items()}, int(state["checked"]), int(state["failed"]),
+            int(state["unverifiable"]), {k: str(v) for k, v in state.get("chain", {}).items()},
+        )
+
+
+@dataclass
+class AdmissionRecord:
+    """A peer admitted by a token (``runtime.admission: token``), bound on first use."""
+
+    token_id: str
+    name: str
+    expires_at: float
+    admitted_at: float
+
+
+@dataclass
+class _LeaseBook:
+    """What per-event decisions need to know about the active leases, without a scan over all of them.
+
+    Derived from ``state.leases`` and never checkpointed: rebuilt in O(n) whenever the table it was built
+    from is replaced (a checkpoint load, a replay) or its size disagrees with the table's (a change made
+    outside :func:`_issue` / :func:`_unindex_lease`), so a state restored from a snapshot answers exactly
+    as the state it was taken from. Issuing and removing a lease cost O(1)."""
+
+    table: dict[str, Lease]
+    count: int
+    by_peer: dict[str, dict[str, None]]  # peer -> its lease ids, in issue order
+    by_version: dict[int, dict[str, None]]  # base version -> lease ids that may still need θ(version)
+    in_flight: list[int]  # per shard: steps of its active leases (Eq. 2's learned progress = assigned − this)
+
+
+@dataclass
+class DerivedIndexes:
+    """The logic's derived indexes of a :class:`CoordinatorState` (never checkpointed, never compared): the sorted lease
+    indexes (:func:`_lease_index`), the lease book (:func:`_book`) and the speed heap (:func:`_fastest_alive`). Each
+    remembers the table it was built from and is rebuilt when that table is replaced (a checkpoint load, a replay)."""
+
+    lease_indexes: dict[str, tuple[dict[str, Lease], list[tuple[float, str]]]] = field(default_factory=dict)
+    lease_book: "_LeaseBook | None" = None
+    speed_heap: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = None
+
+
+@dataclass
+class CoordinatorState:
+    params: torch.Tensor  # θ, flat fp32
+    optimizer: OuterOptimizer
+    transforms: list[StalenessTransform]
+    policy: CoordinatorPolicy
+    shards: list[ShardState]
+    seed: int = 0
+    version: int = 0
+    local_updates: int = 0  # sum of steps of applied updates
+    lease_counter: int = 0
+    leases: dict[str, Lease] = field(default_factory=dict)
+    peers: dict[str, PeerInfo] = field(default_factory=dict)
+    applied: dict[str, int] = field(default_factory=dict)  # lease_id -> version after applying it
+    held: dict[str, float] = field(default_factory=dict)  # peer -> time of its held request (insertion order)
+    window_end: float | None = None  # open grace window closes at this time
+    base_params: dict[int, torch.Tensor] = field(default_factory=dict)  # θ(v) of older versions still needed
+    lease_secret: bytes = b""  # lease ids are HMAC(secret, counter): unguessable, yet replayable from the state
+    gate: GateState = field(default_factory=GateState)
+    noticed_peers: int = -1  # live-peer count at the last N-vs-peers notice
+    # --- admission: peer id -> its token; token id -> the peer it is bound to; revoked token ids -> when
+    admitted: dict[str, AdmissionRecord] = field(default_factory=dict)
+    token_peers: dict[str, str] = field(default_factory=dict)
+    revoked: dict[str, float] = field(default_factory=dict)
+    verification: VerificationState = field(default_factory=VerificationState)
+    incompatible: dict[str, str] = field(default_factory=dict)  # peer id -> why its fingerprint was refused (Fingerprint)
+    indexes: DerivedIndexes = field(default_factory=DerivedIndexes, repr=False, compare=False)  # derived, not state
+
+    @property
+    def needs_base_params(self) -> bool:
+        return any(t.needs_base_params for t in self.transforms)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to continue the same trajectory (tensors + plain values)."""
+        return {
+            "params": self.params,
+            "optimizer": self.optimizer.state_dict(),
+            "transforms": [t.state_dict() for t in self.transforms],
+            "shards": [dict(s.__dict__) for s in self.shards],
+            "seed": self.seed,
+            "version": self.version,
+            "local_updates": self.local_updates,
+            "lease_counter": self.lease_counter,
+            "leases": {k: v.to_dict() for k, v in self.leases.items()},
+            "peers": {k: dict(v.__dict__) for k, v in self.peers.items()},
+            "applied": dict(self.applied),
+            "held": dict(self.held),
+            "window_end": self.window_end,
+            "base_params": dict(self.base_params),
+            "lease_secret": self.lease_secret.hex(),
+            "gate": self.gate.state_dict(),
+            "noticed_peers": self.noticed_peers,
+            "admitted": {k: dict(v.__dict__) for k, v in self.admitted.items()},
+            "token_peers": dict(self.token_peers),
+            "revoked": dict(self.revoked),
+            "verification": self.verification.state_dict(),
+            "incompatible": dict(self.incompatible),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = state["params"]
+        if params.shape != self.params.shape:
+            raise ValueError(
+                f"checkpoint θ has {params.numel()} values but this run's model has {self.params.numel()}; "
+                "resume with the config the checkpoint was written with"
+            )
+        if len(state["shards"]) != len(self.shards):
+            raise ValueError(f"checkpoint has {len(state['shards'])} shards, config has {len(self.shards)}")
+        self.params.copy_(params)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for transform, sub in zip(self.transforms, state["transforms"]):
+            transform.load_state_dict(sub)
+        self.shards = [
+            ShardState(s["size"], s["assigned"], s["cursor"], [tuple(r) for r in s["returned"]])
+            for s in state["shards"]
+        ]
+        self.seed = int(state["seed"])
+        self.version = int(state["version"])
+        self.local_updates = int(state["local_updates"])
+        self.lease_counter = int(state["lease_counter"])
+        self.leases = {k: Lease(**v) for k, v in state["leases"].items()}
+        self.peers = {k: PeerInfo(**v) for k, v in state["peers"].items()}
+        self.applied = {k: int(v) for k, v in state["applied"].items()}
+        self.held = dict(state["held"])
+        self.window_end = state["window_end"]
+        self.base_params = {int(k): v.clone() for k, v in state["base_params"].items()}
+        self.lease_secret = bytes.fromhex(state.get("lease_secret", ""))
+        if "gate" in state:
+            self.gate = GateState.from_state_dict(state["gate"])
+        self.noticed_peers = int(state.get("noticed_peers", -1))
+        # admission fields: absent from checkpoints written before admission existed
+        self.admitted = {k: AdmissionRecord(**v) for k, v in state.get("admitted", {}).items()}
+        self.token_peers = dict(state.get("token_peers", {}))
+        self.revoked = {k: float(v) for k, v in state.get("revoked", {}).items()}
+        verification = state.get("verification")
+        self.verification = VerificationState() if verification is None else VerificationState.from_state_dict(verification)
+        self.incompatible = {str(k): str(v) for k, v in state.get("incompatible", {}).items()}

@@ -1,0 +1,232 @@
+"""Submissions and verification verdicts: validating an update, applying it through the outer optimizer
+and the gate, the inner-state commitment chain, expulsion and repair (coordinator/verify.py carries out
+the re-runs)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from asyncloco.algo.dylu import ema
+from asyncloco.algo.staleness import apply_transforms
+from asyncloco.coordinator import gate as update_gate
+from asyncloco.coordinator.logic.events import (
+    Action, Applied, Discard, Duplicate, Expelled, Quarantined, Rejected, Released, SubmitUpdate, Verdict, Verified,
+    Verify,
+)
+from asyncloco.coordinator.logic.leases import (
+    _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta,
+)
+from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, Lease, VerifyPolicy
+from asyncloco.refusals import RefusalCode
+
+
+def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Action]:
+    book = state.verification
+    book.pending.pop(event.lease_id, None)
+    book.checked += 1
+    if event.peer in book.expelled:
+        return [Verdict(event.peer, event.lease_id, event.ok, f"{event.detail} (peer already expelled)")]
+    if event.ok:
+        book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
+        return [Verdict(event.peer, event.lease_id, True, event.detail)]
+    book.failed += 1
+    reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
+    book.expelled[event.peer] = reason
+    actions: list[Action] = [Verdict(event.peer, event.lease_id, False, event.detail), Expelled(event.peer, event.lease_id, reason, event.anchor)]
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.alive = False
+    state.held.pop(event.peer, None)
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if lease.peer == event.peer:
+            actions += _give_back(state, lease, "peer expelled")
+    return actions
+
+
+def _on_discard(state: CoordinatorState, event: Discard) -> list[Action]:
+    lease = state.leases.get(event.lease_id)
+    if lease is None or lease.peer != event.peer:
+        return []
+    del state.leases[lease.lease_id]
+    _unindex_lease(state, lease)
+    state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
+    _drop_unused_base_params(state)
+    return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled", RefusalCode.DISCARDED)]
+
+
+def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None) -> list[Action]:
+    """Give back every active lease (but those ``keep`` holds valid) and drop every held request (after a repair
+    replaced θ: no lease's base version means the same θ any more). Deterministic, so a replay repeats it."""
+    actions: list[Action] = []
+    failed = {name: info.failed for name, info in state.peers.items()}
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if keep is not None and keep(lease):
+            continue
+        actions += _give_back(state, lease, why)
+    for name, info in state.peers.items():
+        info.failed = failed[name]  # not the peers' doing: their DyLU standing stays
+    for peer in sorted(state.held):
+        actions.append(Released(peer, why))
+    state.held.clear()
+    state.window_end = None
+    state.base_params.clear()
+    return actions
+
+
+def validate_update(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -> str | None:
+    """Why this update must not touch θ, or None if it may."""
+    problem = update_problem(state, event, lease)
+    return None if problem is None else problem[1]
+
+
+def update_problem(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -> tuple[RefusalCode, str] | None:
+    """:func:`validate_update` with the typed code (STALE for the staleness bound, else INVALID_UPDATE)."""
+    update = event.pseudo_gradient
+    if lease.peer != event.peer:
+        return RefusalCode.INVALID_UPDATE, f"lease {lease.lease_id} belongs to another peer"
+    if event.base_version != lease.base_version:
+        return RefusalCode.INVALID_UPDATE, f"base_version {event.base_version} does not match the lease's {lease.base_version}"
+    if not isinstance(update, torch.Tensor) or update.dtype != torch.float32:
+        return RefusalCode.INVALID_UPDATE, "pseudo-gradient must be a float32 tensor"
+    if update.shape != state.params.shape:
+        return RefusalCode.INVALID_UPDATE, f"pseudo-gradient has shape {tuple(update.shape)}, θ has {tuple(state.params.shape)}"
+    staleness = state.version - lease.base_version
+    if state.policy.max_staleness is not None and staleness > state.policy.max_staleness:
+        return RefusalCode.STALE, f"staleness {staleness} exceeds the bound {state.policy.max_staleness}"
+    if state.policy.gate is not None and state.policy.max_update_norm is None:
+        return None  # the gate's own pass over Δ finds NaN/Inf and judges the norm
+    # One pass: a NaN or Inf anywhere makes the sum of squares non-finite (so do values whose squares
+    # overflow float32 — far beyond any honest update).
+    squared = float(torch.dot(update, update))
+    if not math.isfinite(squared):
+        return RefusalCode.INVALID_UPDATE, "pseudo-gradient contains NaN or Inf, or its norm overflows float32"
+    if state.policy.max_update_norm is not None and math.sqrt(squared) > state.policy.max_update_norm:
+        return RefusalCode.INVALID_UPDATE, f"pseudo-gradient norm {math.sqrt(squared):.4g} exceeds the bound {state.policy.max_update_norm:g}"
+    return None
+
+
+def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[Action]:
+    if event.lease_id in state.applied:
+        version = state.applied[event.lease_id]
+        return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
+    lease = state.leases.get(event.lease_id)
+    if lease is None:
+        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back", RefusalCode.UNKNOWN_LEASE)]
+    problem = update_problem(state, event, lease)
+    if problem is not None:
+        return [Rejected(event.peer, event.lease_id, problem[1], problem[0])]
+    broken = _broken_chain(state, event)
+    if broken is not None:
+        return broken
+    staleness = state.version - lease.base_version
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.last_seen = now
+    update = event.pseudo_gradient
+    policy = state.policy
+    verdict = None
+    # a lease chosen for verification: keep θ at its base version and the update exactly as submitted (the gate may
+    # clip it in place, the optimizer step changes θ in place); Verify is emitted only if the update is applied
+    check: tuple[torch.Tensor | None, torch.Tensor] | None = None
+    if policy.verify is not None and lease.verify:
+        base_now = base_theta(state, lease.base_version)
+        check = (None if base_now is None else base_now.clone() if base_now is state.params else base_now, update.clone())
+    if policy.gate is not None:
+        probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
+        verdict = update_gate.score(
+            policy.gate, state.gate, update, lease.steps, event.peer, policy.norm_bound_per_step, probe
+        )
+        if verdict.action == "reject":
+            # The work is refused and its steps go back to the shard (its batches get trained by someone else).
+            quarantine = update_gate.record(policy.gate, state.gate, verdict, None, lease.steps, event.peer, now)
+            actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}", RefusalCode.GATE)]
+            actions += _give_back(state, lease, "its update was rejected by the gate")
+            if quarantine is not None:
+                actions += _quarantine(state, event.peer, now, quarantine)
+            return actions
+        if verdict.action == "clip":
+            update.mul_(verdict.scale)
+    base = base_theta(state, lease.base_version) if state.needs_base_params else None
+    adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
+    del state.leases[lease.lease_id]
+    _unindex_lease(state, lease)
+    if info is not None and not policy.trust_speeds:
+        busy = now - lease.issued_at - max(0.0, event.transfer_s)
+        if busy > 0:
+            info.observed = ema(info.observed, lease.steps * policy.units_per_step / busy, 0.5)
+        info.transfer_s = max(0.0, event.transfer_s)
+    if adjusted.pseudo_gradient is None:
+        # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
+        state.applied[lease.lease_id] = state.version
+        _drop_unused_base_params(state)
+        return [Rejected(event.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
+    retained = _retain_before_step(state)
+    info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
+    state.version += 1
+    state.local_updates += lease.steps
+    state.applied[lease.lease_id] = state.version
+    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
+        state.verification.chain[event.peer] = event.state_end  # the chain advances with applied leases only
+    gate_note = ""
+    if verdict is not None and policy.gate is not None:
+        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, event.peer, now)
+        gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
+    _drop_unused_base_params(state)
+    verify: list[Action] = []
+    if check is not None:
+        if check[0] is None:
+            state.verification.unverifiable += 1
+        else:
+            state.verification.pending[lease.lease_id] = event.peer
+            verify = [Verify(event.peer, lease, check[0], check[1], lease.verify, "", event.state_start or "", event.state_end or "")]
+    return retained + verify + [
+        Applied(
+            event.peer,
+            lease.lease_id,
+            state.version,
+            staleness,
+            lease.steps,
+            lease.shard,
+            info_step.moved,
+            f"{info_step.reason}; {adjusted.reason}",
+            gate_note,
+        )
+    ]
+
+
+def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
+    """With commitments (``VerifyPolicy.commit``): None when the submission's inner-state digests chain — its start
+    digest is the peer's end digest of its last *applied* lease, or the fresh state's (a peer resets its inner state
+    when it joins, restarts, or a submission of it was not applied). Otherwise the actions: a submission without
+    digests is refused; a broken chain is a failed check — the update is refused and a :class:`Verify` that has
+    already failed goes to the verifier, whose ``Verified`` expels the peer and repairs θ like any failed re-run."""
+    policy = state.policy.verify
+    if policy is None or not policy.commit:
+        return None
+    if event.state_start is None or event.state_end is None:
+        return [Rejected(event.peer, event.lease_id, "this run verifies carried inner state: the submission needs "
+                         "state_start and state_end digests; upgrade the peer (asyncloco peer join)", RefusalCode.BROKEN_CHAIN)]
+    previous = state.verification.chain.get(event.peer, FRESH_STATE_DIGEST)
+    if event.state_start in (previous, FRESH_STATE_DIGEST):
+        return None
+    lease = state.leases[event.lease_id]
+    detail = (f"inner-state chain broken: lease starts from state {event.state_start[:16]}…, the peer's last applied "
+              f"lease ended at {previous[:16]}… (and it is not the fresh state)")
+    state.verification.pending[lease.lease_id] = event.peer
+    empty = torch.empty(0)
+    actions: list[Action] = [Rejected(event.peer, lease.lease_id, detail, RefusalCode.BROKEN_CHAIN)]
+    actions += _give_back(state, lease, "its inner-state commitment did not chain")
+    actions.append(Verify(event.peer, lease, empty, empty, "chain check", detail, event.state_start, event.state_end))
+    return actions
+
+
+def _quarantine(state: CoordinatorState, peer: str, now: float, why: str) -> list[Action]:
+    actions: list[Action] = [Quarantined(peer, state.gate.quarantined_until[peer], why)]
+    state.held.pop(peer, None)
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if lease.peer == peer:
+            actions += _give_back(state, lease, "peer quarantined")
+    return actions
