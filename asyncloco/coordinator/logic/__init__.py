@@ -53,6 +53,7 @@ import torch
 
 from asyncloco.algo.outer import OuterOptimizer
 from asyncloco.algo.staleness import StalenessTransform
+# every name of the submodules, private ones included, is re-exported: callers and tests use logic.X
 from asyncloco.coordinator.logic.admission import (
     MAX_INCOMPATIBLE, _on_admit, _on_fingerprint, _on_revoke, _turn_away, admission_code, admission_problem,
     is_admitted,

@@ -19,7 +19,7 @@ from asyncloco.coordinator.logic.events import (
 from asyncloco.coordinator.logic.leases import (
     _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta,
 )
-from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, Lease, VerifyPolicy
+from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, Lease
 from asyncloco.refusals import RefusalCode
 
 
