@@ -337,12 +337,12 @@ def test_swarm_link_gets_theta_from_the_swarm_and_the_coordinator_sends_no_body(
 
 
 def test_serve_bandwidth_token_bucket_waits_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--serve-bandwidth`` (ServeLimits.bandwidth → swarm._TokenBucket): a one-second burst, then exactly
+    """``--serve-bandwidth`` (ServeLimits.bandwidth → swarm_serve._TokenBucket): a one-second burst, then exactly
     ``bytes / rate`` seconds of waiting; no cap never waits; a non-positive cap is refused. The module's clock and
     sleep are replaced by a fake clock that the recorded sleeps advance."""
     import types
 
-    from asyncloco.transport import swarm
+    from asyncloco.transport import swarm_serve as swarm  # the serving side's module: its clock is replaced
     from asyncloco.transport.swarm import ServeLimits, _TokenBucket
 
     clock = {"now": 100.0}
