@@ -27,7 +27,7 @@ direction), ``poison`` (AdamW on batches half replaced by one trigger sequence),
 versions it downloads), ``tailored`` (just inside the cosine bar at the median norm, the rest along the hidden
 direction), ``freeride`` (echoes the newest θ difference). A row ``NAME[:S]xK`` runs K colluding identities
 (one direction seed), ``--colluders K`` makes it the default. ``--verify`` turns verification on in every run
-(``runtime.verify: {enabled: true, inner_state: reset}``). Per run it also reports the cosine of θ − θ₀ with the
+(``runtime.verify: {enabled: true}``, the carried inner state checked through the reveal RPC). Per run it also reports the cosine of θ − θ₀ with the
 hidden direction, the loss on the trigger sequence (the backdoor metric; the clean runs give its spread), and
 how many of the attackers' updates verification failed and whether they were expelled; ``--new`` runs
 the issue 16 rows.
@@ -109,7 +109,8 @@ def write_config(base: Path, directory: Path, gate: bool, verify: bool = False) 
     runtime["run_id"] = f"bench-{uuid.uuid4().hex[:10]}"
     runtime.setdefault("gate", {})["enabled"] = gate
     if verify:
-        runtime["verify"] = {**runtime.get("verify", {}), "enabled": True, "inner_state": "reset"}
+        # the carried inner state (the default since the reveal RPC): the peers train as they do without verification
+        runtime["verify"] = {**runtime.get("verify", {}), "enabled": True}
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -522,7 +523,7 @@ def main() -> int:
                         help="runs per row, interleaved; each row is judged by the geometric mean of its ratios")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--new", action="store_true", help=f"the issue 16 rows {NEW} (instead of --attacks)")
-    parser.add_argument("--verify", action="store_true", help="runtime.verify: {enabled: true, inner_state: reset} in every run")
+    parser.add_argument("--verify", action="store_true", help="runtime.verify: {enabled: true} (carried inner state) in every run")
     parser.add_argument("--colluders", type=int, default=1, help="hostile identities per attack row (a row's xK overrides)")
     parser.add_argument("--signals", nargs="+", metavar="OUT", type=Path,
                         help="only read the finished runs under these --out directories: the cheap signals' marks "
