@@ -34,7 +34,7 @@ from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE
 from asyncloco.coordinator.logic import Verified, handle
 from asyncloco.coordinator.verify import ANCHOR_DIR, log_events, repair
 from asyncloco.peer.inner import InnerTrainer, inner_state_size
-from asyncloco.peer.reveal import RevealStore
+from asyncloco.peer.reveal import RevealStore, send_reveal
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.transport.errors import MessageError, RemoteError
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
@@ -74,7 +74,9 @@ class LiarRunner(PeerRunner):
         assert state
         tampered = bytearray(state)
         tampered[20] ^= 1
-        await client.reveal(lease_id, bytes(tampered))
+        # sent as the real client sends it: a reveal refused because the first one already expelled this peer
+        # is logged, and the next lease request ends the peer with PeerError
+        await send_reveal(client, lease_id, bytes(tampered), digest)
 
 
 class SilentRunner(PeerRunner):
