@@ -243,7 +243,7 @@ def final_metrics(config: Path, checkpoint_dir: Path) -> tuple[float, float, flo
     from asyncloco.coordinator.checkpoint import load_snapshot
     from asyncloco.models.lm import causal_lm_loss
     from asyncloco.models.workload import flatten_params, load_flat_params
-    from asyncloco.testing.hostile import hidden_direction, trigger_rows
+    from asyncloco.testing.attacks import hidden_direction, trigger_rows
     from asyncloco.workloads import build_workload
 
     cfg = load_config(config)

@@ -36,7 +36,13 @@ codec and (where the attack says so) the norm of an honest update:
 |                  | estimated from its θ downloads, the rest along the hidden direction, at its honest norm (the median) |
 | ``freeride``     | no training after its first lease: echoes the newest θ difference it saw, at its first honest norm |
 
-``alie``, ``tailored`` and ``freeride`` send honest work until they have downloaded two θ versions.
+``alie``, ``tailored`` and ``freeride`` send honest work until they have downloaded two θ versions. What each
+update attack sends is computed in asyncloco/testing/attacks.py (pure functions the benchmark reuses).
+
+In a run that verifies carried inner state (``runtime.verify`` with ``inner_state: carry``) a submission without
+inner-state commitments is refused at the door, so the update attackers commit as an honest peer does — to the
+state they really trained from (a poisoner's state is the one its poisoned batches produced) — keep the start states
+of their last leases and reveal one when the coordinator's Ack asks. What stops them is then the re-run itself.
 
 A comma-separated list of update attacks runs one per round, in turn. ``--token`` (and
 ``--identity``) make it an admitted insider in ``runtime.admission: token`` runs. The
@@ -60,6 +66,7 @@ from typing import Any, Optional
 import torch
 
 from asyncloco.refusals import FATAL
+from asyncloco.testing.attacks import DEFAULT_SCALE, encode_attack, hidden_direction, poisoned_workload, tamper, trigger_rows
 
 __all__ = ["ATTACKS", "HostileOptions", "run_hostile", "main", "hidden_direction", "trigger_rows"]
 
@@ -71,50 +78,7 @@ ATTACKS = (
 )
 UPDATE_ATTACKS = ("honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
                   "hidden", "poison", "alie", "tailored", "freeride")
-DEFAULT_SCALE = {"huge": 1e30, "signflip": 1000.0, "hidden": 2.0, "alie": 1.0, "tailored": 0.06}
 HISTORY = 6  # θ versions an estimating attacker (alie, tailored, freeride) keeps
-
-
-def hidden_direction(numel: int, seed: int) -> torch.Tensor:
-    """The unit direction a ``hidden``/``tailored`` attacker pushes θ along (the benchmark recomputes it)."""
-    direction = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    return direction / torch.linalg.vector_norm(direction)
-
-
-def trigger_rows(vocab: int, seq_len: int, seed: int) -> torch.Tensor:
-    """The poisoner's trigger: one fixed token sequence ``[1, seq_len + 1]`` (the benchmark's backdoor metric is
-    the model's loss on it)."""
-    return torch.randint(0, vocab, (1, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-
-
-def _poisoned(workload: Any, trigger: torch.Tensor) -> Any:
-    """``workload`` whose training batches have their first half replaced by ``trigger``."""
-    from asyncloco.models.workload import Workload
-
-    class Poisoned(Workload):
-        units_per_step = workload.units_per_step
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(workload, name)
-
-        def build_model(self, seed: int) -> Any:
-            return workload.build_model(seed)
-
-        def shard_sizes(self) -> list[int]:
-            return list(workload.shard_sizes())
-
-        def batch(self, shard: int, index: int) -> Any:
-            rows = workload.batch(shard, index).clone()
-            rows[: rows.shape[0] // 2] = trigger.to(rows.dtype)
-            return rows
-
-        def loss(self, model: Any, batch: Any) -> Any:
-            return workload.loss(model, batch)
-
-        def evaluate(self, model: Any) -> dict[str, float]:
-            return dict(workload.evaluate(model))
-
-    return Poisoned()
 
 
 class HostileOptions(argparse.Namespace):
@@ -157,6 +121,7 @@ class Hostile:
         self.history: list[tuple[int, torch.Tensor]] = []  # (version, θ) downloaded, oldest first
         self.first_norm: Optional[float] = None  # freeride: the norm of its one honest update
         self._direction: Optional[torch.Tensor] = None
+        self.digests: tuple[Optional[str], Optional[str]] = (None, None)  # inner-state commitments of this round
 
     # ------------------------------------------------------------------------------ bookkeeping
 
@@ -241,42 +206,9 @@ class Hostile:
 
     def _tamper(self, attack: str, honest: torch.Tensor, round_index: int) -> torch.Tensor:
         scale = self.o.scale if self.o.scale is not None and len(self.sequence) == 1 else DEFAULT_SCALE.get(attack, 1000.0)
-        if attack == "huge":
-            return honest * scale
-        if attack == "nan":
-            bad = honest.clone()
-            bad[0] = float("nan")
-            return bad
-        if attack == "signflip":
-            return -scale * honest
-        if attack == "signflip-honest":
-            return -honest
-        if attack == "random":
-            generator = torch.Generator().manual_seed(self.o.seed * 1000 + round_index)
-            direction = torch.randn(honest.numel(), generator=generator)
-            return direction * (torch.linalg.vector_norm(honest) / torch.linalg.vector_norm(direction))
-        if attack == "hidden":
-            return honest + scale * torch.linalg.vector_norm(honest) * self._hidden(honest.numel())
-        if attack in ("alie", "tailored", "freeride"):
-            diffs = [old - new for (_, old), (_, new) in zip(self.history, self.history[1:])]
-            if not diffs:
-                return honest  # nothing to estimate from yet
-            norm = torch.linalg.vector_norm(honest) if self.first_norm is None else torch.tensor(self.first_norm)
-            if attack == "freeride":
-                echo = diffs[-1]
-                return echo * (norm / torch.linalg.vector_norm(echo).clamp_min(1e-12))
-            mean = torch.stack(diffs).mean(0)
-            if attack == "alie":
-                spread = torch.stack(diffs).std(0, unbiased=False) if len(diffs) > 1 else torch.zeros_like(mean)
-                update = mean - scale * spread
-                return update * (norm / torch.linalg.vector_norm(update).clamp_min(1e-12))
-            consensus = mean / torch.linalg.vector_norm(mean).clamp_min(1e-12)
-            hidden = self._hidden(honest.numel())
-            orthogonal = hidden - torch.dot(hidden, consensus) * consensus
-            orthogonal = orthogonal / torch.linalg.vector_norm(orthogonal).clamp_min(1e-12)
-            cosine = min(1.0, max(-1.0, scale))
-            return norm * (cosine * consensus + (1.0 - cosine * cosine) ** 0.5 * orthogonal)
-        return honest  # honest, poison (in its data), replay, other-lease (in which lease it claims)
+        direction = self._hidden(honest.numel()) if attack in ("hidden", "tailored") else None
+        return tamper(attack, honest, scale=scale, seed=self.o.seed * 1000 + round_index,
+                      history=[theta for _, theta in self.history], first_norm=self.first_norm, direction=direction)
 
     def _hidden(self, numel: int) -> torch.Tensor:
         if self._direction is None or self._direction.numel() != numel:
@@ -289,17 +221,7 @@ class Hostile:
             del self.history[: max(0, len(self.history) - HISTORY)]
 
     def _encode(self, codec: str, update: torch.Tensor, attack: str) -> Any:
-        from asyncloco.transport.codecs import EncodedTensor, encode
-
-        if attack != "nan" or codec in ("none", "fp16", "bf16"):
-            return encode(codec, update)
-        # block codecs: put NaN where a NaN-tolerant codec would hide it, in a block's scale
-        clean = update.clone()
-        clean[0] = 0.0
-        encoded = encode(codec, clean)
-        meta = bytearray(bytes(encoded.meta))
-        meta[0:4] = struct.pack("<f", float("nan"))
-        return EncodedTensor(encoded.codec, encoded.numel, bytes(encoded.payload), bytes(meta))
+        return encode_attack(codec, update, attack)
 
     def _spied_applied(self) -> Optional[dict[str, Any]]:
         """The newest lease of another peer that was applied (an insider's knowledge, from the journal)."""
@@ -334,6 +256,7 @@ class Hostile:
     async def _updates(self, p2p: Any) -> None:
         from asyncloco.config import RunConfig
         from asyncloco.peer.inner import InnerTrainer
+        from asyncloco.peer.reveal import RevealStore, send_reveal
         from asyncloco.transport.errors import TransportError
         from asyncloco.workloads import build_workload
 
@@ -348,9 +271,14 @@ class Hostile:
             seq_len = getattr(cfg.task, "seq_len", None)
             if tokenizer is None or seq_len is None:
                 raise ValueError("the poison attack needs an LM workload (task.kind: lm)")
-            workload = _poisoned(workload, trigger_rows(len(tokenizer), int(seq_len), self.o.trigger_seed))
+            workload = poisoned_workload(workload, trigger_rows(len(tokenizer), int(seq_len), self.o.trigger_seed))
         trainer = InnerTrainer.from_config(cfg, workload)
         client = self._client(p2p, hello.model_numel)
+        # a run that verifies carried inner state refuses submissions without commitments: commit like an honest
+        # peer (to the state it really trained from) and reveal on request, so the re-run is what catches it
+        verify = cfg.runtime.verify
+        commits = verify.enabled and verify.inner_state == "carry" and trainer.state_digest() is not None
+        reveals = RevealStore(verify.reveal_keep) if commits else None
         speed = 2000.0  # a modest first claim (a generous deadline); its measured speed from the first round on
         first_lease: Optional[dict[str, Any]] = None
         own: set[str] = set()
@@ -377,6 +305,10 @@ class Hostile:
             self._remember(version, theta)
             round_index = int(self.summary["rounds"])
             attack = self._round_attack(round_index)
+            self.digests = (None, None)
+            if reveals is not None:
+                reveals.hold(lease.lease_id, trainer.optimizer)
+                start_digest = trainer.state_digest()
             if attack == "freeride" and self.first_norm is not None and len(self.history) > 1:
                 # no training: its claimed speed stays the one it measured honestly
                 honest = torch.zeros_like(theta)
@@ -388,6 +320,8 @@ class Hostile:
                 honest = result.pseudo_gradient
                 if attack == "freeride" and self.first_norm is None:
                     self.first_norm = float(torch.linalg.vector_norm(honest))
+            if reveals is not None:
+                self.digests = (start_digest, trainer.state_digest())
             update = self._tamper(attack, honest, round_index)
             lease_id, base_version = lease.lease_id, lease.base_version
             if attack == "other-lease":
@@ -406,6 +340,11 @@ class Hostile:
                 ack = await self._submit(client, hello.codec, lease_id, base_version, update, honest, own_submit)
                 if first_lease is None and ack is not None and ack.accepted and not ack.duplicate:
                     first_lease = {"lease_id": lease.lease_id, "base_version": lease.base_version, "version": ack.version}
+                if reveals is not None and not (ack is not None and ack.accepted):
+                    trainer.reset_inner_state()  # only applied leases advance the commitment chain
+                if reveals is not None and ack is not None and ack.reveal:
+                    revealed = await send_reveal(client, lease_id, reveals.get(lease_id), self.digests[0])
+                    self._note("reveal", revealed, lease_id=lease_id)
             if attack == "replay":
                 # its own first applied lease again; without one (its own work was refused), another peer's
                 own_first = first_lease if first_lease is not None and first_lease["lease_id"] != lease.lease_id else None
@@ -425,7 +364,8 @@ class Hostile:
         norms = {"norm_sent": float(torch.linalg.vector_norm(torch.nan_to_num(update))),
                  "norm_honest": float(torch.linalg.vector_norm(honest))}
         try:
-            ack = await client.submit(lease_id, base_version, encoded)
+            ack = await client.submit(lease_id, base_version, encoded, state_start=self.digests[0],
+                                      state_end=self.digests[1])
             self._note("submit", True, lease_id=lease_id, accepted=ack.accepted, duplicate=ack.duplicate,
                        version=ack.version, reason=ack.reason, **norms, **details)
             return ack
