@@ -43,6 +43,7 @@ from asyncloco.transport.codecs import wire_bytes
 from asyncloco.transport.errors import PeerUnreachable
 from asyncloco.testing.memory import KillSwitch, Killed, MemoryClient, MemoryTransport, as_actor, drive
 from asyncloco.transport.rpc import TrafficCounters
+from asyncloco.transport.rpc_client import CoordinatorClient
 from asyncloco.transport.wire import Ack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,13 +132,20 @@ def test_a_lost_ack_or_a_reset_upload_is_resent_and_applied_once(tmp_path: Path,
             peer = Peer(transport, "a", rounds=3)
             await drive(clock, {"a": peer.task}, real_timeout=60.0)
             peer.task.result()
-            state = transport.daemon.state.state_dict() if transport.daemon else {}
+            assert transport.daemon is not None
+            state = transport.daemon.state.state_dict()
+            served[:] = [transport.daemon.counters.submit.calls, transport.daemon.counters.submit.payload_bytes_received]
             return peer, transport, state
         finally:
             await transport.close()
 
+    served: list[int] = []
     peer, transport, state = run(scenario())
     summary = peer.runner.summary
+    # the peer's real client called the coordinator's real service: each of its 4 submit calls reached the service,
+    # and the service read a whole body for each except a reset one
+    assert isinstance(peer.client, CoordinatorClient) and peer.counters.submit.calls == served[0] == 4
+    assert served[1] == (4 if fault == "drop_reply" else 3) * wire_bytes(cfg.runtime.codec, int(state["params"].numel()))
     assert summary.rounds == 3 and summary.accepted == 3 and summary.resends == 1 and summary.rejected == 0
     # a lost ack: the resend arrives as a duplicate of an applied update; a reset upload never arrived
     assert summary.duplicates == (1 if fault == "drop_reply" else 0)

@@ -380,12 +380,30 @@ class CoordinatorDaemon:
             current=lambda: self.state.version, admit=admit, on_report=on_report,
         )
 
+    def new_service(self, handler: Any = None) -> Any:
+        """The RPC service (transport/rpc.py :class:`CoordinatorService`) that serves this daemon — ``handler``
+        (default: the daemon itself) answers its calls; the in-memory transport (testing/memory.py) passes a
+        wrapper that injects faults. It is this daemon's ``serving.service`` from now on."""
+        from asyncloco.transport.rpc import CoordinatorService, TrafficCounters
+
+        self.counters = TrafficCounters()
+        service = self.serving.service = CoordinatorService(
+            self if handler is None else handler,
+            self.numel,
+            submit_codecs=(self.cfg.runtime.codec,),
+            model_codecs=tuple(dict.fromkeys(("none", self.cfg.runtime.download_codec))),
+            counters=self.counters,
+            # transport-level rejections (malformed or oversized frames, timeouts, over the call limits),
+            # at the transport's bounded rate (ServiceLimits.error_log_*)
+            on_protocol_error=lambda peer, reason: self.journal.write("protocol_error", peer=peer, reason=reason),
+        )
+        return service
+
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
         self._stop_event = stop
         from asyncloco.transport.dht import start_dht, stop_dht
         from asyncloco.transport.discovery import RunInfo, serve_run_info
         from asyncloco.transport.records import RunRecords
-        from asyncloco.transport.rpc import CoordinatorService, TrafficCounters
 
         self.dir.mkdir(parents=True, exist_ok=True)
         # a previous coordinator of this directory killed alone (OOM killer, SIGKILL of its main process) left
@@ -421,17 +439,7 @@ class CoordinatorDaemon:
                 json.dumps({"peer_id": self.peer_id, "multiaddrs": self.multiaddrs, "port": bound}, indent=1)
             )
             p2p = await dht.replicate_p2p()
-            self.counters = TrafficCounters()
-            service = self.serving.service = CoordinatorService(
-                self,
-                self.numel,
-                submit_codecs=(self.cfg.runtime.codec,),
-                model_codecs=tuple(dict.fromkeys(("none", self.cfg.runtime.download_codec))),
-                counters=self.counters,
-                # transport-level rejections (malformed or oversized frames, timeouts, over the call limits),
-                # at the transport's bounded rate (ServiceLimits.error_log_*)
-                on_protocol_error=lambda peer, reason: self.journal.write("protocol_error", peer=peer, reason=reason),
-            )
+            service = self.new_service()
             await service.add_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
             seed = self.swarm_seed = await self._start_swarm_seed(p2p)
             # --- which run this is, and the peers' compatibility check (transport/discovery.py, fingerprint.py)

@@ -1,27 +1,30 @@
-"""The in-memory transport: peers call a :class:`~asyncloco.coordinator.daemon.CoordinatorDaemon` in the same
-event loop, under an injectable clock, with fault injection (issue 8, item 1; the seam: transport/link.py).
+"""The in-memory transport: the real coordinator daemon, its real RPC service and the peers' real
+:class:`~asyncloco.transport.rpc_client.CoordinatorClient` in one event loop, under an injectable clock, with
+fault injection (issue 8, item 1; issue 20: the network double sits *below* the real RPC code).
 
-What it models, per call (``assign`` — hello and lease requests —, ``get_model``, ``submit``):
+Only libp2p is replaced: the streams are in-memory pipes (asyncloco/testing/memory_p2p.py), so framing, bounds,
+error frames, admission at the door and traffic counters are the ones a real run uses. Faults, per call
+(``assign`` — hello and lease requests —, ``get_model``, ``submit``, ``reveal``), injected at the stream:
 
-* ``drop_request``: the request is lost; the daemon never sees it; the caller gets
+* ``drop_request``: the stream is refused; the daemon never sees the call; the caller gets
   :class:`~asyncloco.transport.errors.PeerUnreachable`;
-* ``drop_reply``: the daemon decided (and logged) the call; its answer is lost (PeerUnreachable);
-* ``delay``: the request reaches the daemon ``seconds`` later on the transport's clock;
-* ``reset``: the connection resets mid-transfer — a submission's body is cut (the daemon never sees
-  it), a download's body is cut after the daemon served it;
+* ``drop_reply``: the daemon decided (and logged) the call; its answer is dropped on the stream (PeerUnreachable);
+* ``delay``: the stream opens ``seconds`` later on the transport's clock;
+* ``reset``: the connection resets mid-body — a submission's body is cut (the service reads a truncated body; the
+  daemon never sees it), a download's body is cut after the daemon served it;
 * a crash of the coordinator at a named point (:class:`KillSwitch`): ``"wal_appended"`` (the event is in the
   log, not yet fsynced), ``"wal_synced"`` (durable, nobody told yet) — both inside the daemon's decision
-  path —, and ``"before_reply"`` (a call decided, the process dies before answering). The daemon is then
-  down: every call fails with PeerUnreachable until :meth:`MemoryTransport.restart` resumes it from its
-  directory (snapshot + write-ahead log replay), as ``--resume`` does. An in-process crash loses nothing
-  that was written to the log but not fsynced (the page cache survives it); a torn tail record is
-  tested on the log itself (tests/test_wal.py).
+  path —, and ``"before_reply"`` (a call decided, the process dies before answering). The node is then
+  down: its streams are cut and every call fails with PeerUnreachable until :meth:`MemoryTransport.restart`
+  resumes it from its directory (snapshot + write-ahead log replay), as ``--resume`` does. An in-process crash
+  loses nothing that was written to the log but not fsynced (the page cache survives it); a torn tail record
+  is tested on the log itself (tests/test_wal.py).
 
-The peer side is :class:`MemoryClient` (a :class:`~asyncloco.transport.link.CoordinatorLink`) and
-:class:`MemorySpeedPublisher`; the peer runner's own kill point ``"trained"`` takes a :class:`KillSwitch` too.
-:func:`drive` moves a :class:`~asyncloco.clock.FakeClock` whenever the task it drives waits on the clock.
-Failures are reported like the libp2p transport's: a refusal by the daemon is a
-:class:`~asyncloco.transport.errors.RemoteError` with the same text. This transport enforces no timeouts.
+The peer side is :class:`MemoryClient` (the real client on an in-memory node) and :class:`MemorySpeedPublisher`
+(the DHT's speed records); the peer runner's own kill point ``"trained"`` takes a :class:`KillSwitch` too.
+:func:`drive` moves a :class:`~asyncloco.clock.FakeClock` whenever the task it drives waits on the clock; a call's
+handler runs as the calling actor (a held lease request sleeps as the peer that asked). The client's timeouts are
+real seconds, as in a real run.
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator.daemon import JOURNAL_FILE, CoordinatorDaemon
 from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import SpeedReport, Tick
-from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
-from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RemoteError, TransportError
-from asyncloco.refusals import Refusal, frame_text
-from asyncloco.transport.rpc import TrafficCounters
+from asyncloco.testing.memory_p2p import CURRENT_PIPES, MemoryNetwork, Pipe
+from asyncloco.transport.errors import PeerUnreachable
+from asyncloco.transport.rpc import RPC_NAMES, CoordinatorService, TrafficCounters
+from asyncloco.transport.rpc_client import CoordinatorClient
 from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseReply, RevealHeader, RevealReply, SubmitHeader
 
 __all__ = [
@@ -66,7 +69,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FAULT_KINDS = ("drop_request", "drop_reply", "delay", "reset")
-RPCS = ("assign", "get_model", "submit", "reveal")
+RPCS = tuple(RPC_NAMES)
+COORDINATOR = "coordinator"  # the coordinator's node name in the in-memory network
 KILL_POINTS = ("wal_appended", "wal_synced", "before_reply", "trained")
 TICKER = "coordinator-ticker"  # the clock actor of MemoryTransport's tick loop
 _current_rpc: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("asyncloco_memory_rpc", default=None)
@@ -211,8 +215,48 @@ class _ClockedJournal(Journal):
         self._fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
+class _FaultyHandler:
+    """What the real :class:`~asyncloco.transport.rpc.CoordinatorService` calls: the daemon's handlers, with the
+    faults that strike once the daemon has decided a call (a crash before the reply; a reply lost or cut)."""
+
+    def __init__(self, transport: "MemoryTransport", daemon: CoordinatorDaemon) -> None:
+        self.transport, self.daemon = transport, daemon
+
+    async def _decided(self, rpc: str, peer: str, call: Awaitable[T]) -> T:
+        _current_rpc.set(rpc)  # this stream's handler task: the kill switch's rpc filter reads it
+        result = await call
+        self.transport.kill("before_reply")  # raises Killed when armed for this rpc: the stream dies unanswered
+        fault = self.transport._fault(rpc, peer, ("drop_reply",) + (("reset",) if rpc == "get_model" else ()))
+        pipes = CURRENT_PIPES.get()
+        if fault is not None and pipes is not None:
+            if fault.kind == "drop_reply":
+                pipes[1].drop()
+            else:
+                pipes[1].reset_after(2, 0.5)  # the reply's header frame, then the body is cut
+        return result
+
+    async def assign(self, request: AssignRequest, peer_id: str) -> Union[HelloReply, LeaseReply]:
+        return await self._decided("assign", peer_id, self.daemon.assign(request, peer_id))
+
+    async def get_model(self, version: Optional[int], peer_id: str) -> Tuple[int, torch.Tensor]:
+        return await self._decided("get_model", peer_id, self.daemon.get_model(version, peer_id))
+
+    async def check_admitted(self, peer_id: str) -> None:
+        await self.daemon.check_admitted(peer_id)
+
+    async def submit(self, header: SubmitHeader, pseudo_gradient: Any, peer_id: str) -> Ack:
+        return await self._decided("submit", peer_id, self.daemon.submit(header, pseudo_gradient, peer_id))
+
+    async def reveal_limit(self, header: RevealHeader, peer_id: str) -> int:
+        limit: int = await self.daemon.reveal_limit(header, peer_id)
+        return limit
+
+    async def reveal(self, header: RevealHeader, state: bytes, peer_id: str) -> RevealReply:
+        return await self._decided("reveal", peer_id, self.daemon.reveal(header, state, peer_id))
+
+
 class MemoryTransport:
-    """One coordinator daemon (checkpoint directory ``checkpoint_dir``) served in memory.
+    """One coordinator daemon (checkpoint directory ``checkpoint_dir``) served in memory by its real RPC service.
 
     ``await transport.start()`` starts it (``resume=True``: from an existing directory) with a tick every
     ``tick_period`` seconds on ``clock``; ``client(peer)`` and ``publisher(peer)`` are a peer's ends;
@@ -236,8 +280,13 @@ class MemoryTransport:
         self.crashes: list[str] = []  # the points at which the coordinator crashed, in order
         self.lives = 0
         self.daemon: Optional[CoordinatorDaemon] = None
+        self.service: Optional[CoordinatorService] = None
+        self.numel = 0  # θ's size, known once started
         self.down = True
-        self._inflight: set[asyncio.Future[Any]] = set()
+        self.network = MemoryNetwork(connect_hook=self._connect)
+        self.node = self.network.node(COORDINATOR)
+        self.node.up = False
+        self.node.on_handler_error = self._handler_error
         self._ticker: Optional[asyncio.Task[None]] = None
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -255,7 +304,10 @@ class MemoryTransport:
         daemon.journal = _ClockedJournal(self.dir / JOURNAL_FILE, self.clock)
         if not resume:
             await daemon._save()  # what CoordinatorDaemon.run writes at start
-        self.daemon, self.down = daemon, False
+        service = daemon.new_service(_FaultyHandler(self, daemon))
+        await service.add_p2p_handlers(self.node, namespace=self.cfg.runtime.run_id)
+        self.daemon, self.service, self.numel, self.down = daemon, service, daemon.numel, False
+        self.node.go_up()
         self.lives += 1
         if self._ticker is None:
             self._ticker = asyncio.ensure_future(self._tick_loop())
@@ -285,6 +337,8 @@ class MemoryTransport:
                 daemon._stopping = True
                 await daemon._save()
             self.down = True
+            self.node.go_down()
+            await self._unserve()
             await self._drain(daemon)
             daemon.journal.close()
             daemon.wal.close()
@@ -295,14 +349,25 @@ class MemoryTransport:
     def _crash(self, point: str) -> None:
         self.down = True
         self.crashes.append(point)
-        current = asyncio.current_task()
-        for call in list(self._inflight):
-            if call is not current and not call.done():
-                call.cancel()  # their connections die with the process
+        self.node.go_down()  # its connections die with the process
+
+    def _handler_error(self, error: BaseException) -> bool:
+        """A stream handler raised: a kill point crashes the coordinator (True: handled)."""
+        if isinstance(error, Killed):
+            self._crash(error.point)
+            return True
+        return False
+
+    async def _unserve(self) -> None:
+        await self.node.drain()
+        if self.service is not None:
+            await self.service.remove_p2p_handlers(self.node, namespace=self.cfg.runtime.run_id)
+            self.service = None
 
     async def _bury(self) -> None:
         """What is left of a crashed daemon: let its threads finish (a real crash stops them too), release
         its files without writing anything more."""
+        await self._unserve()
         daemon, self.daemon = self.daemon, None
         if daemon is None:
             return
@@ -348,7 +413,7 @@ class MemoryTransport:
             raise PeerUnreachable("the coordinator is down")
         return self.daemon
 
-    # ------------------------------------------------------------------------------------- calls
+    # ------------------------------------------------------------------------------------- faults
 
     def add_fault(self, rpc: str, kind: str, *, peer: Optional[str] = None, times: int = 1, seconds: float = 0.0) -> Fault:
         fault = Fault(rpc, kind, peer, times, seconds)
@@ -362,53 +427,18 @@ class MemoryTransport:
                 return fault
         return None
 
-    async def call(self, rpc: str, peer: str, handler: Callable[[CoordinatorDaemon], Awaitable[T]], *, body: int = 0) -> T:
-        """Carry one call of ``peer`` to the daemon (``body``: bytes of the request's body, for ``reset``)."""
-        fault = self._fault(rpc, peer, ("drop_request", "delay") + (("reset",) if rpc == "submit" else ()))
-        if fault is not None and fault.kind == "delay":
+    async def _connect(self, caller: str, target: str, handle_name: str) -> Optional[Callable[[Pipe, Pipe], None]]:
+        """Before a stream of ``caller`` opens: a delay, a lost request, or a submission to be cut mid-body."""
+        rpc = handle_name.rsplit(".", 1)[-1]
+        fault = self._fault(rpc, caller, ("drop_request", "delay") + (("reset",) if rpc == "submit" else ()))
+        if fault is None:
+            return None
+        if fault.kind == "delay":
             await self.clock.sleep(fault.seconds)
-        elif fault is not None:
-            what = "request lost" if fault.kind == "drop_request" else f"connection reset after {body // 2} of {body} body bytes"
-            raise PeerUnreachable(f"{rpc} from {peer}: {what} (injected)")
-        daemon = self._alive()
-
-        async def run() -> T:
-            _current_rpc.set(rpc)
-            return await handler(daemon)
-
-        task = asyncio.ensure_future(run())
-        self._inflight.add(task)
-        try:
-            result = await task
-        except Killed as killed:
-            self._crash(killed.point)
-            raise PeerUnreachable(f"{rpc} from {peer}: the coordinator died ({killed.point})") from None
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is not None and me.cancelling():
-                raise
-            raise PeerUnreachable(f"{rpc} from {peer}: the coordinator died mid-call") from None
-        except TransportError:
-            raise
-        except Exception as error:  # the daemon refused: what CoordinatorService sends back
-            text = f"{type(error).__name__}: {error}"
-            raise RemoteError(frame_text(error.code, text) if isinstance(error, Refusal) else text) from error
-        finally:
-            self._inflight.discard(task)
-        if self.kill.armed("before_reply"):
-            try:
-                token = _current_rpc.set(rpc)
-                try:
-                    self.kill("before_reply")
-                finally:
-                    _current_rpc.reset(token)
-            except Killed as killed:
-                self._crash(killed.point)
-                raise PeerUnreachable(f"{rpc} from {peer}: the coordinator died before answering") from None
-        fault = self._fault(rpc, peer, ("drop_reply",) + (("reset",) if rpc == "get_model" else ()))
-        if fault is not None:
-            raise PeerUnreachable(f"{rpc} to {peer}: answer lost ({fault.kind}, injected)")
-        return result
+            return None
+        if fault.kind == "drop_request":
+            raise ConnectionRefusedError(f"{rpc} from {caller}: request lost (injected)")
+        return lambda request, reply: request.reset_after(2, 0.5)  # the header frame, then the body is cut
 
     def client(self, peer: str, *, counters: Optional[TrafficCounters] = None, download_codec: Optional[str] = None) -> "MemoryClient":
         return MemoryClient(self, peer, counters=counters, download_codec=download_codec or self.cfg.runtime.download_codec)
@@ -417,117 +447,20 @@ class MemoryTransport:
         return MemorySpeedPublisher(self, peer, signer)
 
 
-class MemoryClient:
-    """A peer's :class:`~asyncloco.transport.link.CoordinatorLink` to a :class:`MemoryTransport`. Bodies go
-    through their codecs as on the wire (θ in ``download_codec``, the update's exact encoded bytes); the
-    client keeps the θ it holds and gets no body for it again; ``counters`` count payload bytes as
-    :class:`~asyncloco.transport.rpc.CoordinatorClient` does. Timeouts are ignored."""
+class MemoryClient(CoordinatorClient):
+    """A peer's real :class:`~asyncloco.transport.rpc_client.CoordinatorClient` on the in-memory node ``peer`` of a
+    started :class:`MemoryTransport` (the coordinator's id and θ's size come from it)."""
 
-    def __init__(self, transport: MemoryTransport, peer: str, *, counters: Optional[TrafficCounters] = None, download_codec: str = "none") -> None:
-        wire_bytes(download_codec, 1)
-        self.transport, self.peer, self.download_codec = transport, peer, download_codec
-        self.counters = counters if counters is not None else TrafficCounters()
-        self.held: Optional[Tuple[int, str, torch.Tensor]] = None
-
-    async def _counted(self, rpc: str, call: Awaitable[T]) -> T:
-        traffic = getattr(self.counters, rpc)
-        traffic.calls += 1
-        try:
-            return await call
-        except TransportError:
-            traffic.failures += 1
-            raise
-
-    async def hello(self, *, name: Optional[str] = None, token: Optional[str] = None, timeout: Optional[float] = None) -> HelloReply:
-        request = AssignRequest("config", name=name, token=token)
-        reply = await self._counted("assign", self.transport.call("assign", self.peer, lambda d: d.assign(request, self.peer)))
-        assert isinstance(reply, HelloReply)
-        return reply
-
-    async def assign(
-        self,
-        tokens_per_s: Optional[float] = None,
-        *,
-        name: Optional[str] = None,
-        token: Optional[str] = None,
-        signer: Optional[str] = None,
-        timeout: Optional[float] = None,
-    ) -> LeaseReply:
-        request = AssignRequest("lease", tokens_per_s=None if tokens_per_s is None else float(tokens_per_s), name=name,
-                                token=token, signer=signer)
-        reply = await self._counted("assign", self.transport.call("assign", self.peer, lambda d: d.assign(request, self.peer)))
-        assert isinstance(reply, LeaseReply)
-        return reply
-
-    async def get_model(
-        self, version: Optional[int] = None, *, codec: Optional[str] = None, timeout: Optional[float] = None
-    ) -> Tuple[int, torch.Tensor]:
-        chosen = self.download_codec if codec is None else codec
-
-        async def fetch(daemon: CoordinatorDaemon) -> Tuple[int, torch.Tensor]:
-            await daemon.check_admitted(self.peer)
-            served: Tuple[int, torch.Tensor] = await daemon.get_model(version, self.peer)
-            return served
-
-        served_version, theta = await self._counted("get_model", self.transport.call("get_model", self.peer, fetch))
-        numel = theta.numel()
-        held = self.held
-        if held is not None and held[0] == served_version and held[1] == chosen:
-            return served_version, held[2]  # "unchanged": no body
-        received = theta.clone() if chosen == "none" else await asyncio.to_thread(_round_trip, chosen, theta)
-        self.counters.get_model.payload_bytes_received += wire_bytes(chosen, numel)
-        self.held = (served_version, chosen, received)
-        return served_version, received
-
-    async def submit(
-        self,
-        lease_id: str,
-        base_version: int,
-        pseudo_gradient: Union[torch.Tensor, EncodedTensor],
-        *,
-        codec: Optional[str] = None,
-        inner_loss: Optional[float] = None,
-        timeout: Optional[float] = None,
-        state_start: Optional[str] = None,
-        state_end: Optional[str] = None,
-    ) -> Ack:
-        if isinstance(pseudo_gradient, torch.Tensor):
-            if codec is None:
-                raise ValueError("submit(tensor) needs codec=...; or pass an EncodedTensor")
-            pseudo_gradient = await asyncio.to_thread(encode, codec, pseudo_gradient)
-        elif codec is not None and codec != pseudo_gradient.codec:
-            raise ValueError(f"codec={codec!r} contradicts the EncodedTensor's {pseudo_gradient.codec!r}")
-        body = pseudo_gradient.to_bytes()
-        header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
-                              None if inner_loss is None else float(inner_loss), state_start, state_end)
-
-        async def deliver(daemon: CoordinatorDaemon) -> Ack:
-            await daemon.check_admitted(self.peer)
-            self.counters.submit.payload_bytes_sent += len(body)  # the body went out (a lost ack does not undo that)
-            received = EncodedTensor.from_bytes(header.codec, header.numel, body)  # the exact bytes, as the service reads them
-            ack: Ack = await daemon.submit(header, received, self.peer)
-            return ack
-
-        ack = await self._counted("submit", self.transport.call("submit", self.peer, deliver, body=len(body)))
-        return ack
-
-    async def reveal(self, lease_id: str, state: bytes, *, timeout: Optional[float] = None) -> RevealReply:
-        """As CoordinatorClient.reveal: the size is bounded by the daemon's reveal_limit before the body goes."""
-        header = RevealHeader(lease_id, len(state))
-
-        async def deliver(daemon: CoordinatorDaemon) -> RevealReply:
-            limit = await daemon.reveal_limit(header, self.peer)
-            if header.size > limit:
-                raise ProtocolError(f"revealed state of {header.size} bytes; this model's inner state has at most {limit}")
-            self.counters.reveal.payload_bytes_sent += len(state)
-            reply: RevealReply = await daemon.reveal(header, bytes(state), self.peer)
-            return reply
-
-        return await self._counted("reveal", self.transport.call("reveal", self.peer, deliver, body=len(state)))
-
-
-def _round_trip(codec: str, theta: torch.Tensor) -> torch.Tensor:
-    return decode(EncodedTensor.from_bytes(codec, theta.numel(), encode(codec, theta).to_bytes()), theta.numel())
+    def __init__(self, transport: MemoryTransport, peer: str, *, counters: Optional[TrafficCounters] = None,
+                 download_codec: str = "none") -> None:
+        if transport.numel <= 0:
+            raise RuntimeError("start the MemoryTransport before making its clients")
+        super().__init__(
+            transport.network.node(peer), transport.node.peer_id, transport.numel,
+            namespace=transport.cfg.runtime.run_id, counters=counters, download_codec=download_codec,
+            assign_timeout=600.0, liveness_period=0.5,
+        )
+        self.transport, self.peer = transport, peer
 
 
 class MemorySpeedPublisher:

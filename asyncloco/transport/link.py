@@ -5,11 +5,13 @@ Two sides, two implementations each:
 * what a peer needs from its coordinator — :class:`CoordinatorLink` (``hello``, a lease request ``assign``,
   ``get_model``, ``submit``) and :class:`SpeedPublisher` (its speed report). Over hivemind:
   :class:`~asyncloco.transport.rpc.CoordinatorClient` and :class:`DhtSpeedPublisher` (a signed DHT record,
-  :mod:`asyncloco.transport.records`). In memory: :mod:`asyncloco.testing.memory`.
+  :mod:`asyncloco.transport.records`). In memory (:mod:`asyncloco.testing.memory`): the same client on an
+  in-memory stream double (:mod:`asyncloco.testing.memory_p2p`), and a speed publisher that hands the report
+  to the daemon.
 * what the daemon offers the network — :class:`~asyncloco.transport.rpc.CoordinatorHandler` (``assign``,
   ``get_model``, ``submit``, ``check_admitted``), served by
-  :class:`~asyncloco.transport.rpc.CoordinatorService` over libp2p streams, or called directly in the same
-  event loop by :class:`~asyncloco.testing.memory.MemoryTransport`.
+  :class:`~asyncloco.transport.rpc.CoordinatorService` over libp2p streams, or over in-memory streams in the
+  same event loop by :class:`~asyncloco.testing.memory.MemoryTransport` (the same service).
 
 Failures reach the peer as :class:`~asyncloco.transport.errors.TransportError` in both implementations
 (:class:`~asyncloco.transport.errors.PeerUnreachable` for a lost connection, ``RemoteError`` for a refusal).
