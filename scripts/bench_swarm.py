@@ -138,7 +138,7 @@ class StandInHandler:
         version = max(self.thetas) if version is None else version
         return version, self.thetas[version]
 
-    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
         raise RuntimeError("download-only benchmark")
 
 

@@ -63,7 +63,7 @@ class BenchHandler:
     async def get_model(self, version: Optional[int], peer_id: str) -> Tuple[int, torch.Tensor]:
         return 0, self.theta
 
-    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str) -> Ack:
+    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str, upload_seconds: float = 0.0) -> Ack:
         return Ack(True, 0, "", False)
 
 

@@ -59,7 +59,7 @@ class Coordinator:
     async def assign(self, request: Any, peer_id: str) -> Any:
         raise NotImplementedError
 
-    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
         raise NotImplementedError
 
     async def get_model(self, version: Optional[int], peer_id: str) -> tuple[int, torch.Tensor]:

@@ -283,7 +283,7 @@ def test_swarm_link_gets_theta_from_the_swarm_and_the_coordinator_sends_no_body(
             fetched.append((peer_id, version))
             return 5, theta
 
-        async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+        async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
             raise RuntimeError("unused")
 
     async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:

@@ -102,7 +102,7 @@ class Handler:
     async def get_model(self, version: Optional[int], peer_id: str) -> tuple[int, torch.Tensor]:
         return 0, self.theta
 
-    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
         self.calls += 1
         raise AssertionError("no body reaches the handler")
 

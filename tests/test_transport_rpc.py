@@ -46,7 +46,7 @@ class FakeCoordinator:
             raise KeyError(f"version {version} is not kept")
         return self.version, self.theta
 
-    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str) -> Ack:
+    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str, upload_seconds: float = 0.0) -> Ack:
         self.submitted.append((header, pseudo_gradient, peer_id))
         return self.ack  # type: ignore[no-any-return]
 

@@ -304,8 +304,8 @@ class CoordinatorDaemon:
     async def get_model(self, version: Optional[int], peer_id: Optional[str] = None) -> tuple[int, torch.Tensor]:
         return await self.serving.get_model(version, peer_id)
 
-    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
-        return await self.serving.submit(header, pseudo_gradient, peer_id)
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
+        return await self.serving.submit(header, pseudo_gradient, peer_id, upload_seconds)
 
     async def reveal_limit(self, header: Any, peer_id: str) -> int:
         """The ``reveal`` RPC's size bound (issue 16 commitments; coordinator/verify.py), before its body is read."""

@@ -82,7 +82,7 @@ class Serving:
         self.model = model
         self.numel = numel
         self.admission_key = admission_key  # the coordinator's public key (runtime.admission: token), else None
-        self.service: Any = None  # the transport service, once serving (upload times per submission)
+        self.service: Any = None  # the transport service, once serving
         self.fingerprint: dict[str, str] = {}  # this run's (asyncloco/fingerprint.py), computed at start-up
         self._decode_buffers: list[torch.Tensor] = []  # at most one idle θ-sized int8 decode buffer (submit)
         self._probe: Optional[Probe] = None  # the update gate's probe (issue 7), built on first use
@@ -221,9 +221,10 @@ class Serving:
         logger.debug("probe of %s: %.4f -> %.4f in %.3f s", lease_id, before, after, time.perf_counter() - started)
         return before, after
 
-    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str) -> Any:
+    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
         """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
-        optional ``inner_loss``); returns a transport.wire.Ack."""
+        optional ``inner_loss``); ``upload_seconds``: how long its body took to arrive, measured by the transport.
+        Returns a transport.wire.Ack."""
         from asyncloco.transport.codecs import decode, decodes_into
         from asyncloco.coordinator.verify import needs_reveal
         from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
@@ -233,7 +234,7 @@ class Serving:
 
         # Admission was checked by the transport before the body was read (CoordinatorService / memory transport
         # call check_admitted); ``handle`` decides again on the event itself (a Refused action, below).
-        upload_s = self.service.upload_seconds.get(peer_id, 0.0) if self.service is not None else 0.0
+        upload_s = float(upload_seconds)  # measured by the transport (the body's arrival), never claimed by the peer
         # --- int8, int2, topk*, grp* are decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of
         # page faults; issue 8's ack-latency target). The logic keeps no reference to the update after handle.
         reuse = decodes_into(str(getattr(pseudo_gradient, "codec", "")))

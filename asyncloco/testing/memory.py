@@ -244,8 +244,8 @@ class _FaultyHandler:
     async def check_admitted(self, peer_id: str) -> None:
         await self.daemon.check_admitted(peer_id)
 
-    async def submit(self, header: SubmitHeader, pseudo_gradient: Any, peer_id: str) -> Ack:
-        return await self._decided("submit", peer_id, self.daemon.submit(header, pseudo_gradient, peer_id))
+    async def submit(self, header: SubmitHeader, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Ack:
+        return await self._decided("submit", peer_id, self.daemon.submit(header, pseudo_gradient, peer_id, upload_seconds))
 
     async def reveal_limit(self, header: RevealHeader, peer_id: str) -> int:
         limit: int = await self.daemon.reveal_limit(header, peer_id)

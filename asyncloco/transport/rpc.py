@@ -97,10 +97,11 @@ class CoordinatorHandler(Protocol):
     # Optional: ``async def check_admitted(self, peer_id: str) -> None`` — raise to refuse a submission at
     # its header, before its body is read (admission; the coordinator daemon has it).
 
-    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str) -> Ack:
+    async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str, upload_seconds: float = 0.0) -> Ack:
         """Validate and apply (or refuse) an update. ``pseudo_gradient`` matches the header's codec and
         the model's numel exactly (so ``decode`` cannot fail on size; it refuses NaN/Inf). Must be
-        idempotent by ``header.lease_id``."""
+        idempotent by ``header.lease_id``. ``upload_seconds``: how long the body took to arrive, measured here
+        (the coordinator times a peer's transfers itself instead of trusting a claim)."""
         ...
 
     # Optional (issue 16, commitments; coordinator/serving.py has them): ``async def reveal_limit(self, header: RevealHeader,
@@ -242,9 +243,6 @@ class CoordinatorService:
         )
         self._refusals = _RateLimitedReport("handler refused", logging.INFO, limits.error_log_interval, limits.error_log_burst)
         self._submit_slots = asyncio.Semaphore(limits.max_submit_bodies)
-        # seconds the body of each peer's submission in progress took to arrive (read by the handler: the
-        # coordinator measures a peer's transfer time itself instead of trusting a claim)
-        self.upload_seconds: Dict[str, float] = {}
         self._download_slots = asyncio.Semaphore(limits.max_downloads)
         self._active: Dict[str, int] = {}
         self._streams = 0
@@ -459,11 +457,8 @@ class CoordinatorService:
             body = await frames_in.read_body(nbytes)
             traffic.payload_bytes_received += nbytes
             pseudo_gradient = EncodedTensor.from_bytes(header.codec, header.numel, body)
-            self.upload_seconds[peer_id] = time.monotonic() - receiving
-            try:
-                ack = await self._call_handler(self.handler.submit(header, pseudo_gradient, peer_id))
-            finally:
-                self.upload_seconds.pop(peer_id, None)
+            upload_seconds = time.monotonic() - receiving
+            ack = await self._call_handler(self.handler.submit(header, pseudo_gradient, peer_id, upload_seconds))
             if not isinstance(ack, Ack):
                 raise TypeError(f"handler answered submit with {type(ack).__name__}, not Ack")
         await frames_out.header(ack.to_wire())
