@@ -96,7 +96,7 @@ def test_a_dht_client_publishes_its_speed_through_the_coordinator() -> None:
     from hivemind.utils.timed_storage import get_dht_time
 
     from asyncloco.transport.dht import start_dht, stop_dht
-    from asyncloco.transport.records import RunRecords, SpeedReport
+    from asyncloco.transport.records import RunRecords, SpeedRecord
 
     server = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = None
@@ -109,7 +109,7 @@ def test_a_dht_client_publishes_its_speed_through_the_coordinator() -> None:
         coordinator_view = RunRecords(server, "reach-run", private_key=RSAPrivateKey())
         peer_records = RunRecords(client, "reach-run", private_key=RSAPrivateKey())
         peer_id = client.peer_id.to_base58()
-        report = SpeedReport(peer_id, 1234.5, "cpu", "0.1.0", get_dht_time())
+        report = SpeedRecord(peer_id, 1234.5, "cpu", "0.1.0", get_dht_time())
         assert peer_records.publish_speed(report, ttl_s=60.0) is True
         assert coordinator_view.read_speeds() == {peer_id: report}
         assert coordinator_view.read_signed_speeds() == [(peer_records.signer, report)]
@@ -129,7 +129,7 @@ def test_a_dht_client_reaches_a_restarted_coordinator_again(tmp_path: Path) -> N
 
     from asyncloco.transport.dht import ping_peer, start_dht, stop_dht
     from asyncloco.transport.reach import free_port
-    from asyncloco.transport.records import RunRecords, SpeedReport
+    from asyncloco.transport.records import RunRecords, SpeedRecord
 
     identity, port = str(tmp_path / "coordinator.key"), free_port("127.0.0.1")
     coordinator_key, peer_key = RSAPrivateKey(), RSAPrivateKey()
@@ -145,7 +145,7 @@ def test_a_dht_client_reaches_a_restarted_coordinator_again(tmp_path: Path) -> N
         server = start_dht(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=identity)
         assert server.peer_id.to_base58() == coordinator_id
         coordinator_view = RunRecords(server, "reach-run", private_key=coordinator_key)
-        report = SpeedReport(peer_id, 777.0, "cpu", "0.1.0", get_dht_time())
+        report = SpeedRecord(peer_id, 777.0, "cpu", "0.1.0", get_dht_time())
         assert peer_records.publish_speed(report, ttl_s=60.0)
         assert coordinator_view.read_speeds() == {}  # stored nowhere the restarted coordinator looks
         deadline = time.monotonic() + 60.0  # libp2p backs off re-dialling a peer that failed: a few seconds

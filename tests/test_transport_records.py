@@ -9,7 +9,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from asyncloco.transport.records import CoordinatorAnnouncement, RunRecords, SpeedReport
+from asyncloco.transport.records import CoordinatorAnnouncement, RunRecords, SpeedRecord
 
 RUN = "testrun"
 
@@ -41,8 +41,8 @@ def records(swarm: list[hivemind.DHT]) -> list[RunRecords]:
     return [RunRecords(swarm[0], RUN, RSAPrivateKey()), RunRecords(swarm[1], RUN, RSAPrivateKey())]
 
 
-def _report(dht: hivemind.DHT, tokens_per_s: float) -> SpeedReport:
-    return SpeedReport(str(dht.peer_id), tokens_per_s, "cpu", "0.1.0", get_dht_time())
+def _report(dht: hivemind.DHT, tokens_per_s: float) -> SpeedRecord:
+    return SpeedRecord(str(dht.peer_id), tokens_per_s, "cpu", "0.1.0", get_dht_time())
 
 
 @pytest.mark.timeout(60)
@@ -85,7 +85,7 @@ def test_schema_invalid_records_are_rejected(swarm: list[hivemind.DHT], records:
         assert not swarm[0].store(f"{RUN}_speed", bad, get_dht_time() + 60, subkey=mine.local_public_key), bad
     assert records[1].read_speeds()[report.peer_id] == report
     with pytest.raises(ValueError):  # the typed API refuses locally with a readable error
-        mine.publish_speed(SpeedReport("p", float("inf"), "cpu", "v", 1.0), ttl_s=60)
+        mine.publish_speed(SpeedRecord("p", float("inf"), "cpu", "v", 1.0), ttl_s=60)
 
 
 @pytest.mark.timeout(60)

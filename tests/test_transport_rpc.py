@@ -14,12 +14,12 @@ from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wi
 from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RemoteError, RpcTimeout, TransportError
 from asyncloco.transport.framing import CHUNK, ERROR, FRAME_BYTES, HEADER, FrameReader, pack_header, stream_bytes
 from asyncloco.transport.rpc import CoordinatorClient, CoordinatorService, ServiceLimits, handle_name
-from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, Lease, LeaseReply, ModelRequest, SubmitHeader
+from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseGrant, LeaseReply, ModelRequest, SubmitHeader
 
 NUMEL = 100_003  # odd, and not a multiple of any block size
 CHUNK_SIZE = 64 << 10  # several chunks plus a partial one per transfer
 RUN = "rpc-test"
-LEASE = Lease("lease-1", 7, 2, 64, 12, 30, 8, 1000.0, 1060.0)
+LEASE = LeaseGrant("lease-1", 7, 2, 64, 12, 30, 8, 1000.0, 1060.0)
 
 
 class FakeCoordinator:

@@ -128,7 +128,7 @@ class Serving:
         """The ``assign`` RPC: ``request`` is a transport.wire.AssignRequest; returns a HelloReply (kind
         "config") or a LeaseReply."""
         from asyncloco.transport.wire import HelloReply, LeaseReply
-        from asyncloco.transport.wire import Lease as WireLease
+        from asyncloco.transport.wire import LeaseGrant
 
         await self.check_admitted(peer_id, request.get("token") if isinstance(request, dict) else getattr(request, "token", None))
         if request.kind == "config":
@@ -179,7 +179,7 @@ class Serving:
             return LeaseReply(None, "held too long; ask again", RefusalCode.HELD_TOO_LONG.value)
         except asyncio.CancelledError:
             return LeaseReply(None, "superseded by a newer request", RefusalCode.SUPERSEDED.value)
-        return LeaseReply(WireLease.from_wire(lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))))
+        return LeaseReply(LeaseGrant.from_wire(lease_to_wire(lease, getattr(self.cfg.task, "batch_size", 1))))
 
     def hold_limit(self) -> float:
         """How long an RPC waits on a held request: a little past the logic's hold limit, which answers it."""

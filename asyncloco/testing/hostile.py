@@ -379,7 +379,7 @@ class Hostile:
         from hivemind.utils import get_dht_time
 
         from asyncloco import __version__
-        from asyncloco.transport.records import RunRecords, SpeedReport
+        from asyncloco.transport.records import RunRecords, SpeedRecord
 
         records = RunRecords(dht, self.o.run_id)
         while self._time_left():
@@ -391,7 +391,7 @@ class Hostile:
                 claims = leased[:1] or claims
                 future = 3600.0
             for peer_id in claims:
-                report = SpeedReport(peer_id=peer_id, tokens_per_s=float(self.o.claim), device="cuda",
+                report = SpeedRecord(peer_id=peer_id, tokens_per_s=float(self.o.claim), device="cuda",
                                      software_version=__version__, last_seen=get_dht_time() + future)
                 try:
                     stored = await asyncio.to_thread(records.publish_speed, report, 30.0)

@@ -12,7 +12,7 @@ from asyncloco.transport.errors import (
     RpcTimeout,
     TransportError,
 )
-from asyncloco.transport.records import CoordinatorAnnouncement, RunRecords, SpeedReport
+from asyncloco.transport.records import CoordinatorAnnouncement, RunRecords, SpeedRecord
 from asyncloco.transport.rpc import (
     CoordinatorClient,
     CoordinatorHandler,
@@ -33,7 +33,7 @@ __all__ = [
     "RemoteError",
     "RpcTimeout",
     "PeerUnreachable",
-    "SpeedReport",
+    "SpeedRecord",
     "CoordinatorAnnouncement",
     "RunRecords",
     "CoordinatorHandler",

@@ -78,7 +78,7 @@ class SpeedPublisher(Protocol):
 
 
 class DhtSpeedPublisher:
-    """The hivemind implementation: a signed :class:`~asyncloco.transport.records.SpeedReport` in the DHT
+    """The hivemind implementation: a signed :class:`~asyncloco.transport.records.SpeedRecord` in the DHT
     under the run id, valid for three report periods. Before each store the coordinator is pinged, so that
     it stays in this DHT client's routing table (it may have restarted with an empty one; see
     :func:`asyncloco.transport.dht.ping_peer`)."""
@@ -96,9 +96,9 @@ class DhtSpeedPublisher:
         from hivemind.utils import get_dht_time
 
         from asyncloco.transport.dht import ping_peer
-        from asyncloco.transport.records import SpeedReport
+        from asyncloco.transport.records import SpeedRecord
 
-        report = SpeedReport(
+        report = SpeedRecord(
             peer_id=self.peer_id,
             tokens_per_s=float(tokens_per_s),
             device=self.device,

@@ -36,7 +36,7 @@ from asyncloco.transport.codecs import CODECS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SpeedReport", "CoordinatorAnnouncement", "RunRecords", "key_fingerprint"]
+__all__ = ["SpeedRecord", "CoordinatorAnnouncement", "RunRecords", "key_fingerprint"]
 
 _PEER_ID = constr(strict=True, min_length=1, max_length=128)
 _SHORT_TEXT = constr(strict=True, max_length=128)
@@ -75,7 +75,7 @@ class _RunSchema(BaseModel):
 
 
 @dataclass(frozen=True)
-class SpeedReport:
+class SpeedRecord:
     """One peer's measured throughput. ``last_seen`` is DHT time (``hivemind.utils.get_dht_time()``)."""
 
     peer_id: str
@@ -129,7 +129,7 @@ class RunRecords:
 
     # -- speeds -------------------------------------------------------------------------------------
 
-    def publish_speed(self, report: SpeedReport, ttl_s: float) -> bool:
+    def publish_speed(self, report: SpeedRecord, ttl_s: float) -> bool:
         """Store (or refresh) this node's speed report for ``ttl_s`` seconds. Returns whether any DHT node
         accepted it. Refresh about every ``ttl_s / 3`` so one lost store does not drop the peer."""
         value = _dht_value(_SpeedValue, asdict(report))
@@ -145,34 +145,34 @@ class RunRecords:
         over its authenticated RPC, binding its DHT records to its libp2p identity."""
         return key_fingerprint(self.local_public_key)
 
-    def read_signed_speeds(self) -> list[tuple[str, SpeedReport]]:
+    def read_signed_speeds(self) -> list[tuple[str, SpeedRecord]]:
         """Every unexpired speed report with the fingerprint of the key that signed it. The coordinator
         counts a report only when that key is the one its claimed peer bound over an authenticated RPC."""
         found = self.dht.get(self._speed_key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        signed: list[tuple[str, SpeedReport]] = []
+        signed: list[tuple[str, SpeedRecord]] = []
         for owner_key, entry in found.value.items():
             if entry.value is None or not isinstance(owner_key, bytes):
                 continue
             try:
-                report = SpeedReport(**_SpeedValue.parse_obj(entry.value).dict())
+                report = SpeedRecord(**_SpeedValue.parse_obj(entry.value).dict())
             except (ValidationError, TypeError):
                 continue
             signed.append((key_fingerprint(owner_key), report))
         return signed
 
-    def read_speeds(self) -> Dict[str, SpeedReport]:
+    def read_speeds(self) -> Dict[str, SpeedRecord]:
         """All unexpired speed reports of the run, by claimed peer id (see the trust note above)."""
         found = self.dht.get(self._speed_key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
-        reports: Dict[str, SpeedReport] = {}
+        reports: Dict[str, SpeedRecord] = {}
         for owner_key, entry in found.value.items():
             if entry.value is None:
                 continue
             try:  # every honest node validated it already; a node without validators might not have
-                report = SpeedReport(**_SpeedValue.parse_obj(entry.value).dict())
+                report = SpeedRecord(**_SpeedValue.parse_obj(entry.value).dict())
             except (ValidationError, TypeError):
                 logger.debug("run %s: dropping a malformed speed report", self.run_id)
                 continue

@@ -11,8 +11,8 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 |---|---|---|
 | :class:`AssignRequest` | assign, peer → coordinator | ``kind`` ("config" or "lease"), ``tokens_per_s``?, ``name``?, ``token``?, ``signer``? |
 | :class:`HelloReply` | assign (kind "config"), reply | ``config`` (JSON), ``model_numel``, ``codec``, ``download_codec``, ``run_id``, ``software_version`` |
-| :class:`Lease` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline`` |
-| :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`Lease` map), ``reason``, ``code``? |
+| :class:`LeaseGrant` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline`` |
+| :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`LeaseGrant` map), ``reason``, ``code``? |
 | :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
 | :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``? |
@@ -39,7 +39,7 @@ from asyncloco.refusals import RefusalCode, code_of
 __all__ = [
     "AssignRequest",
     "HelloReply",
-    "Lease",
+    "LeaseGrant",
     "LeaseReply",
     "ModelRequest",
     "ModelHeader",
@@ -197,7 +197,7 @@ class HelloReply(_Message):
 
 
 @dataclass(frozen=True)
-class Lease(_Message):
+class LeaseGrant(_Message):
     """A unit of work: train ``steps`` steps on ``shard`` from θ at ``base_version``."""
 
     lease_id: str
@@ -229,21 +229,21 @@ class Lease(_Message):
 class LeaseReply(_Message):
     """``lease`` or, when there is none, the ``reason``."""
 
-    lease: Optional[Lease]
+    lease: Optional[LeaseGrant]
     reason: str = ""
     code: Optional[str] = None  # without a lease: a asyncloco/refusals.py RefusalCode value
     REQUIRED: ClassVar[tuple[str, ...]] = ("reason",)
 
     def __post_init__(self) -> None:
-        if self.lease is not None and not isinstance(self.lease, Lease):
-            raise _fail("LeaseReply", "lease", f"must be a Lease, got {type(self.lease).__name__}")
+        if self.lease is not None and not isinstance(self.lease, LeaseGrant):
+            raise _fail("LeaseReply", "lease", f"must be a LeaseGrant, got {type(self.lease).__name__}")
         self._str("reason", MAX_REASON_CHARS)
         _check_code(self, "LeaseReply")
 
     @classmethod
     def _convert(cls, data: Dict[str, Any]) -> Dict[str, Any]:
         lease = data.get("lease")
-        data["lease"] = None if lease is None else Lease.from_wire(lease)
+        data["lease"] = None if lease is None else LeaseGrant.from_wire(lease)
         return data
 
 
