@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import time
 import typing
 from typing import Any, Optional
 
@@ -51,7 +50,7 @@ class Durability:
         self.snapshot_seq = 0  # the log record the newest durable snapshot covers
         self.updates_since_snapshot = 0
         self.changed_since_snapshot = False
-        self._last_snapshot_at = time.monotonic()
+        self._last_snapshot_at = self.node.clock.monotonic()
         self._snapshot_buffers: dict[str, torch.Tensor] = {}  # the background snapshot's copies, reused
 
     @property
@@ -194,7 +193,7 @@ class Durability:
     def reset_counters(self) -> None:
         self.updates_since_snapshot = 0
         self.changed_since_snapshot = False
-        self._last_snapshot_at = time.monotonic()
+        self._last_snapshot_at = self.node.clock.monotonic()
 
     async def wait_for_snapshot(self) -> None:
         task = self.snapshot_task
@@ -207,7 +206,7 @@ class Durability:
         if self.snapshot_task is not None and not self.snapshot_task.done():
             return
         due = self.updates_since_snapshot >= self.cfg.runtime.snapshot_every or (
-            self.changed_since_snapshot and time.monotonic() - self._last_snapshot_at >= self.cfg.runtime.snapshot_every_s
+            self.changed_since_snapshot and self.node.clock.monotonic() - self._last_snapshot_at >= self.cfg.runtime.snapshot_every_s
         )
         if not due:
             return

@@ -8,23 +8,27 @@ read side by side with a simulator trace.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from asyncloco.clock import SYSTEM_CLOCK, Clock
 
 __all__ = ["Journal"]
 
 
 class Journal:
-    def __init__(self, path: Path) -> None:
+    """Appends one JSON object per decision to ``path``, stamped with ``clock``'s wall time (the coordinator's
+    clock: a fake one in the in-process tests, so the journal reads in the run's own time)."""
+
+    def __init__(self, path: Path, clock: Clock = SYSTEM_CLOCK) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+        self.path, self.clock = path, clock
         self._fh: TextIO | None = path.open("a", buffering=1)
 
     def write(self, kind: str, **fields: Any) -> None:
         if self._fh is None:
             return
-        record = {"time": round(time.time(), 3), "type": kind, **fields}
+        record = {"time": round(self.clock.time(), 3), "type": kind, **fields}
         self._fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
     def close(self) -> None:

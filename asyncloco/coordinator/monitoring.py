@@ -90,8 +90,7 @@ class RefusalLog:
         self.total = 0
         self._cache: dict[str, tuple[Any, str, float]] = {}
 
-    def note(self, journal: Journal, peer: str, reason: str, token_id: str = "", lease_id: str = "", now: float | None = None) -> None:
-        now = time.time() if now is None else now
+    def note(self, journal: Journal, peer: str, reason: str, token_id: str = "", lease_id: str = "", *, now: float) -> None:
         self.total += 1
         if now - self._window_start >= self.window:
             if self.suppressed:
@@ -166,8 +165,8 @@ class Monitoring:
         self.workload = workload
         self.model = model
         self.identity = identity  # the daemon's fields of the status document (peer id, addresses, method ...)
-        self.stats = Stats()
-        self.journal = Journal(self.dir / JOURNAL_FILE)
+        self.stats = Stats(updates=RateMeter(self.clock.time()))
+        self.journal = Journal(self.dir / JOURNAL_FILE, self.clock)
         self.refusals = RefusalLog()
         self.waiters: dict[str, Waiter] = {}  # held lease requests by peer (coordinator/serving.py)
         self.verification: Optional[DaemonVerification] = None  # set by the daemon (coordinator/verify.py)
@@ -180,7 +179,7 @@ class Monitoring:
     def silenced(self) -> Iterator[None]:
         """Replay: the bookkeeping runs, the journal (which holds these decisions already) is not written."""
         journal = self.journal
-        self.journal = Journal(self.dir / JOURNAL_FILE)
+        self.journal = Journal(self.dir / JOURNAL_FILE, self.clock)
         self.journal.close()
         try:
             yield
@@ -262,7 +261,7 @@ class Monitoring:
                 logger.info("admitted %s as %r (token %s)", action.peer[-8:], action.name, action.token_id)
             return action.new
         if isinstance(action, Refused):
-            self.refusals.note(self.journal, action.peer, action.reason, action.token_id, action.lease_id)
+            self.refusals.note(self.journal, action.peer, action.reason, action.token_id, action.lease_id, now=self.clock.time())
             return False
         if isinstance(action, Incompatible):  # the compatibility check refused this peer (asyncloco/fingerprint.py)
             self.journal.write("incompatible", peer=action.peer, differing=list(action.differing),
@@ -298,7 +297,7 @@ class Monitoring:
 
     def _repeated_refusal(self, peer: str, reason: str, every_s: float = 60.0) -> bool:
         """True when ``peer``'s request was refused for the same reason less than ``every_s`` ago."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         last = self._request_refusals.get(peer)
         if last is not None and last[0] == reason and now - last[1] < every_s:
             return True
@@ -393,7 +392,7 @@ class Monitoring:
             return self.workload.evaluate(model)
 
         metrics = await asyncio.to_thread(run)
-        record = {"time": time.time(), "version": version, "local_updates": local_updates, **metrics}
+        record = {"time": self.clock.time(), "version": version, "local_updates": local_updates, **metrics}
         self.stats.evals.append(record)
         self.journal.write("eval", **record)
         logger.info("eval at version %d: %s", version, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
@@ -436,14 +435,14 @@ class Monitoring:
 
     async def loop(self, stop: asyncio.Event) -> None:
         """Refresh status.json every 2 s (the dashboard polls it); a summary line every runtime.summary_every s."""
-        next_summary = time.monotonic() + self.cfg.runtime.summary_every
+        next_summary = self.clock.monotonic() + self.cfg.runtime.summary_every
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=2.0)
             except asyncio.TimeoutError:
                 pass
             self.write_status()
-            if time.monotonic() >= next_summary:
+            if self.clock.monotonic() >= next_summary:
                 next_summary += self.cfg.runtime.summary_every
                 status = self.stats.document
                 logger.info("%s", summary_line(status))

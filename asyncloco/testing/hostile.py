@@ -68,7 +68,7 @@ import torch
 from asyncloco.refusals import FATAL
 from asyncloco.testing.attacks import DEFAULT_SCALE, encode_attack, hidden_direction, poisoned_workload, tamper, trigger_rows
 
-__all__ = ["ATTACKS", "HostileOptions", "run_hostile", "main", "hidden_direction", "trigger_rows"]
+__all__ = ["ATTACKS", "Hostile", "HostileOptions", "main", "hidden_direction", "trigger_rows"]
 
 logger = logging.getLogger(__name__)
 

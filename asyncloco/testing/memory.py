@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 import os
 import time
@@ -43,8 +42,7 @@ import torch
 
 from asyncloco.clock import ACTOR, SYSTEM_CLOCK, Clock, FakeClock
 from asyncloco.config import RunConfig
-from asyncloco.coordinator.daemon import JOURNAL_FILE, CoordinatorDaemon
-from asyncloco.coordinator.journal import Journal
+from asyncloco.coordinator.daemon import CoordinatorDaemon
 from asyncloco.coordinator.logic import SpeedReport, Tick
 from asyncloco.testing.memory_p2p import CURRENT_PIPES, MemoryNetwork, Pipe
 from asyncloco.transport.errors import PeerUnreachable
@@ -201,20 +199,6 @@ async def drive(
         await asyncio.gather(waiter, return_exceptions=True)
 
 
-class _ClockedJournal(Journal):
-    """The daemon's journal with its records stamped by the transport's clock (the same lines otherwise)."""
-
-    def __init__(self, path: Path, clock: Clock) -> None:
-        super().__init__(path)
-        self.clock = clock
-
-    def write(self, kind: str, **fields: Any) -> None:
-        if self._fh is None:
-            return
-        record = {"time": round(self.clock.time(), 3), "type": kind, **fields}
-        self._fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
-
-
 class _FaultyHandler:
     """What the real :class:`~asyncloco.transport.rpc.CoordinatorService` calls: the daemon's handlers, with the
     faults that strike once the daemon has decided a call (a crash before the reply; a reply lost or cut)."""
@@ -300,8 +284,6 @@ class MemoryTransport:
         if self.workload is None:
             self.workload = daemon.workload
         daemon._stop_event = asyncio.Event()
-        daemon.journal.close()
-        daemon.journal = _ClockedJournal(self.dir / JOURNAL_FILE, self.clock)
         if not resume:
             await daemon._save()  # what CoordinatorDaemon.run writes at start
         service = daemon.new_service(_FaultyHandler(self, daemon))
