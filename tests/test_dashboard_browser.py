@@ -47,20 +47,23 @@ class DomNumbers(HTMLParser):
         super().__init__()
         self.by_id: dict[str, dict[str, Any]] = {}
         self.rows: dict[str, dict[str, dict[str, Any]]] = {}
+        self.swarm: dict[str, dict[str, dict[str, Any]]] = {}  # the swarm table's rows, by "v<version>-<codec>"
         self.body: dict[str, Optional[str]] = {}
         self._row: Optional[str] = None
+        self._table = self.rows
         self._open: Optional[dict[str, Any]] = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, Optional[str]]]) -> None:
         a = dict(attrs)
         if tag == "body":
             self.body = a
-        if tag == "tr" and a.get("data-peer"):
-            self._row = a["data-peer"]
-            self.rows[self._row] = {"__class__": {"text": a.get("class") or ""}}
+        if tag == "tr" and (a.get("data-peer") or a.get("data-swarm")):
+            self._table = self.rows if a.get("data-peer") else self.swarm
+            self._row = str(a.get("data-peer") or a.get("data-swarm"))
+            self._table[self._row] = {"__class__": {"text": a.get("class") or ""}}
         if tag == "td" and self._row is not None and a.get("data-field"):
             self._open = {"text": "", "value": a.get("data-value")}
-            self.rows[self._row][str(a["data-field"])] = self._open
+            self._table[self._row][str(a["data-field"])] = self._open
         elif a.get("id"):
             self._open = {"text": "", "value": a.get("data-value"), "points": a.get("data-points")}
             self.by_id[str(a["id"])] = self._open
@@ -148,6 +151,28 @@ def assert_page_matches(dom: DomNumbers, status: dict[str, Any]) -> None:
             assert cells["last_inner_loss"]["text"] == js_fixed(row["last_inner_loss"], 4)
             assert float(cells["last_inner_loss"]["value"]) == row["last_inner_loss"]
         assert float(cells["last_seen"]["value"] or 0) == row["last_seen"]
+    # verification (issue 16) and the θ swarm (issue 19): "off" where the run does not use them
+    verification = status.get("verification")
+    if verification is None:
+        assert shown["verified"] == "off" and dom.by_id["verified"]["value"] == "" and shown["expelled"] == "-"
+    else:
+        assert shown["verified"] == f"{verification['checked']} ({verification['failed']})"
+        assert int(dom.by_id["verified"]["value"]) == verification["checked"]
+        assert shown["expelled"] == str(len(verification["expelled"]))
+    swarm = status.get("swarm")
+    if swarm is None:
+        assert shown["seed-bytes"] == "off" and dom.swarm == {}
+    else:
+        assert shown["seed-bytes"] == js_fixed(swarm["seed_bytes_sent"] / 1e6, 1) + " MB"
+        assert int(dom.by_id["seed-bytes"]["value"]) == swarm["seed_bytes_sent"]
+        assert set(dom.swarm) == {f"v{b['version']}-{b['codec']}" for b in swarm["bodies"]}
+        for body in swarm["bodies"]:
+            cells = dom.swarm[f"v{body['version']}-{body['codec']}"]
+            assert cells["codec"]["text"] == body["codec"]
+            for field, count in (("version", body["version"]), ("holders", len(body["holders"])),
+                                 ("dropped", len(body["dropped"])), ("seed_copies", body["seed_copies"]),
+                                 ("chunks", body["chunks"])):
+                assert cells[field]["text"] == str(count) and int(cells[field]["value"]) == count, field
 
 
 @pytest.mark.timeout(240)
@@ -167,11 +192,25 @@ def test_browser_shows_the_numbers_of_an_in_process_coordinator(tmp_path: Path) 
 def test_browser_shows_a_served_status_file_with_perplexity_and_a_departed_peer(tmp_path: Path) -> None:
     from test_status import FIXTURE
 
+    # a run that verifies work and serves θ through its swarm (the shapes of DaemonVerification.status and
+    # SwarmSeed.status)
+    status = {
+        **FIXTURE,
+        "verification": {"fraction": 0.08, "probation_updates": 2, "tolerance": 0.0, "checked": 9, "failed": 1,
+                         "passed": 8, "pending": 0, "unverifiable": 0, "expelled": {"QmMallory": "did not reproduce"},
+                         "repairs": []},
+        "swarm": {"bodies": [{"version": 6, "codec": "int8", "holders": ["QmPeerAAAAAAAAAAAAAAAAAlice1"], "dropped": [],
+                              "seed_copies": 5, "chunks": 4},
+                             {"version": 7, "codec": "int8", "holders": [], "dropped": ["QmMallory"], "seed_copies": 8,
+                              "chunks": 4}],
+                  "seed_bytes_sent": 2_345_678, "seed_chunks_sent": 13, "reports": []},
+    }
     path = tmp_path / "status.json"
-    path.write_text(json.dumps(FIXTURE))
+    path.write_text(json.dumps(status))
     with DashboardServer(file_source(path)) as server:
         dom = render(server.url, tmp_path)
-    assert_page_matches(dom, FIXTURE)
+    assert_page_matches(dom, status)
+    assert (dom.by_id["verified"]["text"], dom.by_id["seed-bytes"]["text"]) == ("9 (1)", "2.3 MB")
     shown = {key: item["text"] for key, item in dom.by_id.items()}
     # the values written out, as a reader sees them
     assert (shown["perplexity"], shown["updates-per-s"], shown["peers-alive"]) == ("148.41", "0.12", "1/2")

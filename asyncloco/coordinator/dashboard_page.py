@@ -44,6 +44,9 @@ tr.dead td { color: #aaa; }
  <div class="card"><div class="label">peers alive</div><div class="num" id="peers-alive">-</div></div>
  <div class="card"><div class="label">leases in flight</div><div class="num" id="active-leases">-</div></div>
  <div class="card"><div class="label">rejections</div><div class="num" id="rejections">-</div></div>
+ <div class="card"><div class="label">work verified (failed)</div><div class="num" id="verified">-</div></div>
+ <div class="card"><div class="label">peers expelled</div><div class="num" id="expelled">-</div></div>
+ <div class="card"><div class="label">θ sent by the coordinator's seed</div><div class="num" id="seed-bytes">-</div></div>
 </div>
 <div class="charts">
  <div class="chart"><h2>validation perplexity vs time (s)</h2><svg id="chart-ppl-time"></svg></div>
@@ -57,6 +60,10 @@ tr.dead td { color: #aaa; }
  <th>name</th><th>id</th><th>device</th><th>speed</th><th>DyLU steps</th><th>steps/lease</th><th>leases</th>
  <th>applied</th><th>mean staleness</th><th>last seen</th><th>last inner loss</th></tr></thead>
 <tbody id="peers"></tbody></table>
+<table id="swarm-table"><thead><tr>
+ <th>θ version</th><th>codec</th><th>serving peers</th><th>dropped (bad chunks)</th><th>chunks sent by the seed</th>
+ <th>chunks per copy</th></tr></thead>
+<tbody id="swarm"></tbody></table>
 <script>
 "use strict";
 const POLL_MS = __POLL_MS__;
@@ -190,6 +197,26 @@ function render(status) {
     cell(row, "last_seen", p.last_seen, ago(now, p.last_seen));
     cell(row, "last_inner_loss", p.last_inner_loss, fixed(p.last_inner_loss, 4));
     body.appendChild(row);
+  }
+  // verification of the work (issue 16) and the θ swarm (issue 19): "off" where the run does not use them
+  const v = status.verification;
+  const expelled = v ? Object.keys(v.expelled || {}).length : null;
+  setNum("verified", v ? v.checked : null, v ? v.checked + " (" + v.failed + ")" : "off");
+  setNum("expelled", expelled, v ? String(expelled) : "-");
+  const sw = status.swarm;
+  setNum("seed-bytes", sw ? sw.seed_bytes_sent : null, sw ? fixed(sw.seed_bytes_sent / 1e6, 1) + " MB" : "off");
+  const swarm = document.getElementById("swarm");
+  while (swarm.firstChild) swarm.removeChild(swarm.firstChild);
+  for (const b of (sw && sw.bodies) || []) {
+    const row = document.createElement("tr");
+    row.setAttribute("data-swarm", "v" + b.version + "-" + b.codec);
+    cell(row, "version", b.version, String(b.version));
+    cell(row, "codec", null, b.codec, true);
+    cell(row, "holders", (b.holders || []).length, String((b.holders || []).length));
+    cell(row, "dropped", (b.dropped || []).length, String((b.dropped || []).length));
+    cell(row, "seed_copies", b.seed_copies, String(b.seed_copies));
+    cell(row, "chunks", b.chunks, String(b.chunks));
+    swarm.appendChild(row);
   }
   document.body.setAttribute("data-rendered-version", String(status.version));
   document.body.setAttribute("data-rendered-updated", String(status.updated));
