@@ -33,6 +33,7 @@ class DemoOptions:
     slowdowns: list[float]
     out: Path
     overrides: dict[str, Any] = field(default_factory=dict)  # --model / --set (asyncloco/overrides.py)
+    swarm: bool = False  # --swarm: peers fetch θ from each other and serve what they hold (transport/swarm.py)
 
 
 def _resolve(path: str) -> Path:
@@ -83,7 +84,7 @@ def summary_table(status: dict[str, Any], peers: dict[str, dict[str, Any]], slow
         received = sum(t.get("bytes_received", 0) for t in traffic.values()) / 1e6
         per_lease = stats["steps_assigned"] / stats["leases"] if stats["leases"] else 0.0
         stale = stats["staleness_sum"] / stats["applied"] if stats["applied"] else 0.0
-        # time not training / wall time since the peer's first lease request (peer/runner.py)
+        # time not training / wall time since the peer's first lease request (peer/summary.py)
         idle = f"{100 * summary['idle_fraction']:4.0f}%" if "idle_fraction" in summary else "    -"
         lines.append(
             f"{name:6s} {slowdowns.get(name, 1.0):8.1f} {stats['speed']:11.0f} {stats['leases']:6d} {per_lease:11.1f} "
@@ -96,7 +97,22 @@ def summary_table(status: dict[str, Any], peers: dict[str, dict[str, Any]], slow
             f"\nupdates applied: {status.get('version')} ({status.get('local_updates')} local steps); validation "
             f"perplexity {first.get('perplexity', float('nan')):.1f} → {last.get('perplexity', float('nan')):.1f}"
         )
+    swarm = swarm_line(status, peers)
+    if swarm:
+        lines.append(swarm)
     return "\n".join(lines)
+
+
+def swarm_line(status: dict[str, Any], peers: dict[str, dict[str, Any]]) -> str:
+    """θ through the swarm (issue 19), when the peers used it: downloads through the swarm and fallbacks to the
+    coordinator (the peers' summaries), and what the coordinator's seed sent itself (status.json)."""
+    downloads = sum(int(summary.get("swarm_downloads", 0)) for summary in peers.values())
+    fallbacks = sum(int(summary.get("swarm_fallbacks", 0)) for summary in peers.values())
+    if not downloads and not fallbacks:
+        return ""
+    seed = (status.get("swarm") or {}).get("seed_bytes_sent", 0) / 1e6
+    return (f"θ swarm: {downloads} downloads through the swarm, {fallbacks} fell back to the coordinator; "
+            f"the coordinator's seed sent {seed:.2f} MB of chunks")
 
 
 def _plot(evals: list[dict[str, Any]], started: float, path: Path) -> None:
@@ -150,9 +166,10 @@ def run_demo(options: DemoOptions) -> int:
         dashboard = cluster.status().get("dashboard")
         if dashboard:
             print(f"live dashboard: {dashboard}  (or: asyncloco status --url {dashboard})", flush=True)
+        swarm = ("--swarm", "--serve") if options.swarm else ()  # on 127.0.0.1 every peer is reachable: all serve
         for name in names:
-            cluster.start_peer(name, slowdown=slowdowns[name])
-            print(f"started {name} (slowdown ×{slowdowns[name]:g})", flush=True)
+            cluster.start_peer(name, slowdown=slowdowns[name], extra=swarm)
+            print(f"started {name} (slowdown ×{slowdowns[name]:g}{', θ through the swarm' if swarm else ''})", flush=True)
         print(f"waiting for the {len(names)} peers to join (each loads the data and builds the model) ...", flush=True)
         if wait_for_peers(cluster.status, {name: cluster.peers[name] for name in names}, options.out, _JOIN_TIMEOUT):
             print(f"[{time.time() - started:5.0f}s] all peers joined; training for {options.duration:g} s", flush=True)

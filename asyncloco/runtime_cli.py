@@ -265,6 +265,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         duration=args.duration,
         slowdowns=[float(x) for x in args.slowdowns.split(",")],
         out=Path(args.out),
+        swarm=args.swarm,
     )
     try:
         return run_demo(options)
@@ -348,5 +349,7 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     demo.add_argument("--duration", type=float, default=150.0, help="seconds of training")
     demo.add_argument("--slowdowns", default="1,1.5,4", help="comma-separated slowdown factor of each peer")
     demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument("--swarm", action="store_true",
+                      help="peers download θ from each other and serve what they hold (peer join --swarm --serve)")
     add_override_arguments(demo)
     demo.set_defaults(func=cmd_demo)

@@ -38,7 +38,7 @@ from asyncloco.config import METHOD_NAMES
 if TYPE_CHECKING:
     from asyncloco.config import OuterConfig, RunConfig
 
-__all__ = ["MethodSpec", "METHODS", "build_method", "coordinator_policy"]
+__all__ = ["MethodSpec", "METHODS", "HoldTimings", "build_method", "coordinator_policy", "hold_timings"]
 
 Groups = Sequence[tuple[int, int]]
 
@@ -159,6 +159,27 @@ def build_method(
     return spec, spec.outer(cfg, workers), spec.transforms(cfg, groups)
 
 
+@dataclass(frozen=True)
+class HoldTimings:
+    """How long a lease request may be held, at each of the three places that wait on it (one derivation, so they
+    stay in order): ``logic`` — the coordinator's logic answers a request held this long "ask again"
+    (``CoordinatorPolicy.hold_limit``); ``service`` — the RPC handler waits a little longer for that answer;
+    ``client`` — the peer's ``assign`` timeout, longer still, so a held request is answered, never timed out."""
+
+    logic: float
+    service: float
+    client: float
+
+
+def hold_timings(cfg: "RunConfig") -> HoldTimings:
+    """The hold timings of ``cfg``'s method: a barrier (sync DiLoCo) holds a request until its round closes (at most
+    600 s), the asynchronous methods for their grace period plus 30 s."""
+    if cfg.schedule.method not in METHODS:
+        raise ValueError(f"unknown method {cfg.schedule.method!r}; choose one of {sorted(METHODS)}")
+    logic = 600.0 if METHODS[cfg.schedule.method].barrier else cfg.schedule.grace_period + 30.0
+    return HoldTimings(logic=logic, service=logic + 5.0, client=logic + 30.0)
+
+
 def coordinator_policy(
     cfg: "RunConfig", spec: MethodSpec, units_per_step: int, *, simulated: bool, numel: int | None = None
 ) -> CoordinatorPolicy:
@@ -195,7 +216,7 @@ def coordinator_policy(
     bound = None
     if gate is not None and numel is not None and cfg.inner.optimizer in ("adamw", "adamw8bit"):
         bound = adamw_norm_bound(cfg.inner.lr, numel, cfg.inner.weight_decay, cfg.inner.betas)
-    hold_limit = 600.0 if spec.barrier else cfg.schedule.grace_period + 30.0
+    hold_limit = hold_timings(cfg).logic
     verify = None
     if real and runtime.verify.enabled:  # verification of the work (coordinator/verify.py)
         knobs_v = runtime.verify

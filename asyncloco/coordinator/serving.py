@@ -36,6 +36,7 @@ from asyncloco.coordinator.logic import (
     base_theta,
     is_admitted,
 )
+from asyncloco.coordinator.methods import hold_timings
 from asyncloco.coordinator.monitoring import Monitoring, Waiter
 from asyncloco.coordinator.node import CoordinatorNode
 from asyncloco.coordinator.probe import Probe
@@ -183,7 +184,7 @@ class Serving:
 
     def hold_limit(self) -> float:
         """How long an RPC waits on a held request: a little past the logic's hold limit, which answers it."""
-        return self.node.state.policy.hold_limit + 5.0
+        return hold_timings(self.cfg).service
 
     async def get_model(self, version: Optional[int], peer_id: Optional[str] = None) -> tuple[int, torch.Tensor]:
         if peer_id is not None:
