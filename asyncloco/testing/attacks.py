@@ -8,12 +8,15 @@ answers which attack.
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["DEFAULT_SCALE", "hidden_direction", "trigger_rows", "poisoned_workload", "tamper", "encode_attack"]
+__all__ = [
+    "DEFAULT_SCALE", "hidden_direction", "trigger_rows", "poisoned_workload", "tamper", "encode_attack", "flood_frames",
+]
 
 DEFAULT_SCALE = {"huge": 1e30, "signflip": 1000.0, "hidden": 2.0, "alie": 1.0, "tailored": 0.06}
 """``--scale`` when none is given (or when several attacks take turns): the factor, z-score or cosine of each."""
@@ -134,3 +137,30 @@ def encode_attack(codec: str, update: torch.Tensor, attack: str) -> Any:
     meta = bytearray(bytes(encoded.meta))
     meta[0:4] = struct.pack("<f", float("nan"))
     return EncodedTensor(encoded.codec, encoded.numel, bytes(encoded.payload), bytes(meta))
+
+
+def flood_frames(codec: str, numel: int) -> list[tuple[str, str, bytes]]:
+    """The ``flood`` attack's malformed calls, ``(kind, rpc, bytes sent on its raw stream)``: garbage, oversized
+    header and chunk lengths, bad msgpack, unknown fields, wrong types and codecs, a wrong size, a truncated body, a
+    frame of the wrong kind and an empty stream. ``codec``/``numel``: the run's, so that the submit headers are valid
+    and the body-reading paths are reached too."""
+    from asyncloco.transport.framing import CHUNK, HEADER, pack_header
+
+    def frame(kind: int, data: bytes) -> bytes:
+        return struct.pack(">BI", kind, len(data)) + data
+
+    submit = {"lease_id": "L1", "base_version": 0, "codec": codec, "numel": numel}
+    return [
+        ("garbage", "assign", os.urandom(64)),
+        ("garbage", "submit", os.urandom(300)),
+        ("oversized-header", "assign", struct.pack(">BI", HEADER, 1 << 30) + b"\x00" * 16),
+        ("oversized-chunk", "submit", frame(HEADER, pack_header(submit)) + struct.pack(">BI", CHUNK, 1 << 31)),
+        ("bad-msgpack", "assign", frame(HEADER, b"\xc1\xc1\xc1 not msgpack")),
+        ("unknown-field", "assign", frame(HEADER, pack_header({"kind": "lease", "evil": "x" * 100}))),
+        ("wrong-type", "get_model", frame(HEADER, pack_header({"codec": 7, "version": "latest"}))),
+        ("bad-codec", "get_model", frame(HEADER, pack_header({"codec": "pickle", "version": None}))),
+        ("wrong-numel", "submit", frame(HEADER, pack_header({**submit, "numel": 10**9}))),
+        ("truncated-body", "submit", frame(HEADER, pack_header(submit)) + frame(CHUNK, b"\x00" * 7)),
+        ("wrong-kind", "assign", frame(CHUNK, b"\x00" * 32)),
+        ("empty-stream", "assign", b""),
+    ]

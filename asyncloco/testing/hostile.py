@@ -57,16 +57,18 @@ import json
 import logging
 import os
 import random
-import struct
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from asyncloco.refusals import FATAL
-from asyncloco.testing.attacks import DEFAULT_SCALE, encode_attack, hidden_direction, poisoned_workload, tamper, trigger_rows
+from asyncloco.testing.attacks import (
+    DEFAULT_SCALE, encode_attack, flood_frames, hidden_direction, poisoned_workload, tamper, trigger_rows,
+)
 
 __all__ = ["ATTACKS", "Hostile", "HostileOptions", "main", "hidden_direction", "trigger_rows"]
 
@@ -103,6 +105,20 @@ class HostileOptions(argparse.Namespace):
 
 def _coordinator_id(multiaddr: str) -> str:
     return multiaddr.rsplit("/p2p/", 1)[1].split("/")[0]
+
+
+@dataclass
+class _Run:
+    """What the update attacks keep across rounds."""
+
+    hello: Any
+    client: Any
+    trainer: Any
+    units_per_step: int
+    reveals: Any  # peer/reveal.py RevealStore when the run verifies carried inner state (commitments), else None
+    speed: float = 2000.0  # a modest first claim (a generous deadline); its measured speed from the first round on
+    first_lease: Optional[dict[str, Any]] = None
+    own: set[str] = field(default_factory=set)
 
 
 class Hostile:
@@ -254,15 +270,33 @@ class Hostile:
         return [r for lid, r in reversed(list(assigned.items())) if lid not in done and lid not in own]
 
     async def _updates(self, p2p: Any) -> None:
+        """Rounds of the update attacks: a lease, its θ, honest training (or none, for a free-rider), then what the
+        round's attack sends in its place."""
+        run = await self._prepare(p2p)
+        while run is not None and self._time_left():
+            got = await self._next_lease(run)
+            if got == "stop":
+                return
+            if got is None:
+                continue
+            lease, theta = got
+            round_index = int(self.summary["rounds"])
+            attack = self._round_attack(round_index)
+            honest = await self._work(run, lease, theta, attack)
+            await self._send(run, lease, honest, attack)
+            self.summary["rounds"] = round_index + 1
+            self._write()
+
+    async def _prepare(self, p2p: Any) -> Optional[_Run]:
+        """The run's config from its hello; the workload (poisoned for ``poison``), the trainer and the client."""
         from asyncloco.config import RunConfig
         from asyncloco.peer.inner import InnerTrainer
-        from asyncloco.peer.reveal import RevealStore, send_reveal
-        from asyncloco.transport.errors import TransportError
+        from asyncloco.peer.reveal import RevealStore
         from asyncloco.workloads import build_workload
 
         hello = await self._hello(p2p)
         if hello is None:
-            return
+            return None
         cfg = RunConfig.model_validate(json.loads(hello.config))
         workload = build_workload(cfg)
         if "poison" in self.sequence:
@@ -273,87 +307,95 @@ class Hostile:
                 raise ValueError("the poison attack needs an LM workload (task.kind: lm)")
             workload = poisoned_workload(workload, trigger_rows(len(tokenizer), int(seq_len), self.o.trigger_seed))
         trainer = InnerTrainer.from_config(cfg, workload)
-        client = self._client(p2p, hello.model_numel)
         # a run that verifies carried inner state refuses submissions without commitments: commit like an honest
         # peer (to the state it really trained from) and reveal on request, so the re-run is what catches it
         verify = cfg.runtime.verify
         commits = verify.enabled and verify.inner_state == "carry" and trainer.state_digest() is not None
-        reveals = RevealStore(verify.reveal_keep) if commits else None
-        speed = 2000.0  # a modest first claim (a generous deadline); its measured speed from the first round on
-        first_lease: Optional[dict[str, Any]] = None
-        own: set[str] = set()
-        while self._time_left():
-            try:
-                reply = await client.assign(speed, token=self.o.token)
-            except TransportError as error:
-                self._note("assign", False, error=str(error))
-                if getattr(error, "code", None) in FATAL:
-                    return
-                await asyncio.sleep(1.0)
-                continue
-            if reply.lease is None:
-                self._note("assign", False, reason=reply.reason)
-                await asyncio.sleep(0.5)
-                continue
-            lease = reply.lease
-            own.add(lease.lease_id)
-            try:
-                version, theta = await client.get_model(lease.base_version)
-            except TransportError as error:
-                self._note("get_model", False, error=str(error))
-                continue
-            self._remember(version, theta)
-            round_index = int(self.summary["rounds"])
-            attack = self._round_attack(round_index)
-            self.digests = (None, None)
-            if reveals is not None:
-                reveals.hold(lease.lease_id, trainer.optimizer)
-                start_digest = trainer.state_digest()
-            if attack == "freeride" and self.first_norm is not None and len(self.history) > 1:
-                # no training: its claimed speed stays the one it measured honestly
-                honest = torch.zeros_like(theta)
-            else:
-                started = time.perf_counter()
-                result = await asyncio.to_thread(trainer.run, theta, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
-                seconds = time.perf_counter() - started
-                speed = lease.steps * workload.units_per_step / max(seconds, 1e-6)
-                honest = result.pseudo_gradient
-                if attack == "freeride" and self.first_norm is None:
-                    self.first_norm = float(torch.linalg.vector_norm(honest))
-            if reveals is not None:
-                self.digests = (start_digest, trainer.state_digest())
-            update = self._tamper(attack, honest, round_index)
-            lease_id, base_version = lease.lease_id, lease.base_version
-            if attack == "other-lease":
-                victims = self._spied_leases(own)
-                if victims:
-                    lease_id, base_version = victims[0]["lease_id"], int(victims[0]["base_version"])
-                else:  # no insider knowledge: guess a neighbouring sequential id
-                    digits = "".join(ch for ch in lease.lease_id if ch.isdigit())
-                    lease_id = f"L{int(digits or 0) + 1:08d}" if digits else lease.lease_id + "x"
-                update = -1000.0 * honest
-            own_submit = "honest" if attack in ("replay", "other-lease") else attack
-            if lease_id != lease.lease_id:
-                await self._submit(client, hello.codec, lease_id, base_version, update, honest, "other-lease", victim=True)
-                await self._submit(client, hello.codec, lease.lease_id, lease.base_version, honest, honest, "honest")
-            else:
-                ack = await self._submit(client, hello.codec, lease_id, base_version, update, honest, own_submit)
-                if first_lease is None and ack is not None and ack.accepted and not ack.duplicate:
-                    first_lease = {"lease_id": lease.lease_id, "base_version": lease.base_version, "version": ack.version}
-                if reveals is not None and not (ack is not None and ack.accepted):
-                    trainer.reset_inner_state()  # only applied leases advance the commitment chain
-                if reveals is not None and ack is not None and ack.reveal:
-                    revealed = await send_reveal(client, lease_id, reveals.get(lease_id), self.digests[0])
-                    self._note("reveal", revealed, lease_id=lease_id)
-            if attack == "replay":
-                # its own first applied lease again; without one (its own work was refused), another peer's
-                own_first = first_lease if first_lease is not None and first_lease["lease_id"] != lease.lease_id else None
-                target = own_first or self._spied_applied()
-                if target is not None:
-                    await self._submit(client, hello.codec, target["lease_id"], target["base_version"],
-                                       -1000.0 * honest, honest, "replay", first_version=target["version"])
-            self.summary["rounds"] = round_index + 1
-            self._write()
+        return _Run(hello, self._client(p2p, hello.model_numel), trainer, int(workload.units_per_step),
+                    RevealStore(verify.reveal_keep) if commits else None)
+
+    async def _next_lease(self, run: _Run) -> Any:
+        """``(lease, θ)``; None to try again; ``"stop"`` once refused for good (expelled, not admitted)."""
+        from asyncloco.transport.errors import TransportError
+
+        try:
+            reply = await run.client.assign(run.speed, token=self.o.token)
+        except TransportError as error:
+            self._note("assign", False, error=str(error))
+            if getattr(error, "code", None) in FATAL:
+                return "stop"
+            await asyncio.sleep(1.0)
+            return None
+        if reply.lease is None:
+            self._note("assign", False, reason=reply.reason)
+            await asyncio.sleep(0.5)
+            return None
+        lease = reply.lease
+        run.own.add(lease.lease_id)
+        try:
+            version, theta = await run.client.get_model(lease.base_version)
+        except TransportError as error:
+            self._note("get_model", False, error=str(error))
+            return None
+        self._remember(version, theta)
+        return lease, theta
+
+    async def _work(self, run: _Run, lease: Any, theta: torch.Tensor, attack: str) -> torch.Tensor:
+        """The lease's honest pseudo-gradient (zeros for a free-rider past its first lease), with the inner-state
+        commitments of this round when the run asks for them."""
+        self.digests = (None, None)
+        start_digest = None
+        if run.reveals is not None:
+            run.reveals.hold(lease.lease_id, run.trainer.optimizer)
+            start_digest = run.trainer.state_digest()
+        if attack == "freeride" and self.first_norm is not None and len(self.history) > 1:
+            honest = torch.zeros_like(theta)  # no training: its claimed speed stays the one it measured honestly
+        else:
+            started = time.perf_counter()
+            result = await asyncio.to_thread(run.trainer.run, theta, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+            run.speed = lease.steps * run.units_per_step / max(time.perf_counter() - started, 1e-6)
+            honest = result.pseudo_gradient
+            if attack == "freeride" and self.first_norm is None:
+                self.first_norm = float(torch.linalg.vector_norm(honest))
+        if run.reveals is not None:
+            self.digests = (start_digest, run.trainer.state_digest())
+        return honest
+
+    async def _send(self, run: _Run, lease: Any, honest: torch.Tensor, attack: str) -> None:
+        """What ``attack`` sends for this lease (and, for ``other-lease``/``replay``, under which lease)."""
+        from asyncloco.peer.reveal import send_reveal
+
+        client, codec = run.client, run.hello.codec
+        update = self._tamper(attack, honest, int(self.summary["rounds"]))
+        lease_id, base_version = lease.lease_id, lease.base_version
+        if attack == "other-lease":
+            victims = self._spied_leases(run.own)
+            if victims:
+                lease_id, base_version = victims[0]["lease_id"], int(victims[0]["base_version"])
+            else:  # no insider knowledge: guess a neighbouring sequential id
+                digits = "".join(ch for ch in lease.lease_id if ch.isdigit())
+                lease_id = f"L{int(digits or 0) + 1:08d}" if digits else lease.lease_id + "x"
+            update = -1000.0 * honest
+        own_submit = "honest" if attack in ("replay", "other-lease") else attack
+        if lease_id != lease.lease_id:
+            await self._submit(client, codec, lease_id, base_version, update, honest, "other-lease", victim=True)
+            await self._submit(client, codec, lease.lease_id, lease.base_version, honest, honest, "honest")
+        else:
+            ack = await self._submit(client, codec, lease_id, base_version, update, honest, own_submit)
+            if run.first_lease is None and ack is not None and ack.accepted and not ack.duplicate:
+                run.first_lease = {"lease_id": lease.lease_id, "base_version": lease.base_version, "version": ack.version}
+            if run.reveals is not None and not (ack is not None and ack.accepted):
+                run.trainer.reset_inner_state()  # only applied leases advance the commitment chain
+            if run.reveals is not None and ack is not None and ack.reveal:
+                revealed = await send_reveal(client, lease_id, run.reveals.get(lease_id), self.digests[0])
+                self._note("reveal", revealed, lease_id=lease_id)
+        if attack == "replay":
+            # its own first applied lease again; without one (its own work was refused), another peer's
+            first = run.first_lease
+            target = first if first is not None and first["lease_id"] != lease.lease_id else self._spied_applied()
+            if target is not None:
+                await self._submit(client, codec, target["lease_id"], target["base_version"],
+                                   -1000.0 * honest, honest, "replay", first_version=target["version"])
 
     async def _submit(self, client: Any, codec: str, lease_id: str, base_version: int, update: torch.Tensor,
                       honest: torch.Tensor, attack: str, **details: Any) -> Any:
@@ -451,7 +493,6 @@ class Hostile:
         """``--count`` malformed calls on the raw RPC streams, 2 at a time; each kind's outcome is counted."""
         from hivemind.p2p import PeerID
 
-        from asyncloco.transport.framing import HEADER, CHUNK, pack_header
         from asyncloco.transport.rpc import handle_name
 
         coordinator = PeerID.from_base58(self.coordinator_id)
@@ -463,24 +504,7 @@ class Hostile:
 
             cfg = load_config(self.o.config)
             codec, numel = cfg.runtime.codec, flatten_params(build_workload(cfg).build_model(cfg.seed)).numel()
-        frame = lambda kind, data: struct.pack(">BI", kind, len(data)) + data  # noqa: E731
-        kinds: list[tuple[str, str, bytes]] = [
-            ("garbage", "assign", os.urandom(64)),
-            ("garbage", "submit", os.urandom(300)),
-            ("oversized-header", "assign", struct.pack(">BI", HEADER, 1 << 30) + b"\x00" * 16),
-            ("oversized-chunk", "submit", frame(HEADER, pack_header({"lease_id": "L1", "base_version": 0, "codec": codec,
-                                                                      "numel": numel})) + struct.pack(">BI", CHUNK, 1 << 31)),
-            ("bad-msgpack", "assign", frame(HEADER, b"\xc1\xc1\xc1 not msgpack")),
-            ("unknown-field", "assign", frame(HEADER, pack_header({"kind": "lease", "evil": "x" * 100}))),
-            ("wrong-type", "get_model", frame(HEADER, pack_header({"codec": 7, "version": "latest"}))),
-            ("bad-codec", "get_model", frame(HEADER, pack_header({"codec": "pickle", "version": None}))),
-            ("wrong-numel", "submit", frame(HEADER, pack_header({"lease_id": "L1", "base_version": 0, "codec": codec,
-                                                                 "numel": 10**9}))),
-            ("truncated-body", "submit", frame(HEADER, pack_header({"lease_id": "L1", "base_version": 0, "codec": codec,
-                                                                    "numel": numel})) + frame(CHUNK, b"\x00" * 7)),
-            ("wrong-kind", "assign", frame(CHUNK, b"\x00" * 32)),
-            ("empty-stream", "assign", b""),
-        ]
+        kinds = flood_frames(codec, numel)
         counts: dict[str, dict[str, int]] = {}
 
         async def one(index: int) -> None:
