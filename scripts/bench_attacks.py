@@ -91,6 +91,7 @@ class Result:
     trigger_loss: float = math.nan  # the loss on the poisoner's trigger sequence
     identities: int = 0  # hostile processes
     verification: dict[str, int] = field(default_factory=dict)  # the attackers': checked / failed / expelled
+    honest_steps: int = 0  # local steps of the honest peers' applied leases (applied_steps)
 
 
 def parse_row(row: str, colluders: int) -> tuple[str, Optional[float], int]:
@@ -127,6 +128,15 @@ def verdicts(events: list[dict[str, Any]], peers: set[str]) -> dict[str, int]:
         elif event.get("type") == "rejected" and event.get("lease_id"):
             out["rejected"] += 1
     return out
+
+
+def applied_steps(events: list[dict[str, Any]], peers: set[str]) -> int:
+    """Local steps of ``peers``' applied leases (their leases' ``steps`` in the journal's ``assign`` records), less
+    those a repair discarded: the useful compute a run's θ holds, to read its perplexity against (DyLU gives each
+    lease steps by the peers' measured speeds, so equal updates are not equal compute)."""
+    steps = {e["lease_id"]: int(e.get("steps", 0)) for e in events if e.get("type") == "assign" and e.get("lease_id")}
+    return sum(steps.get(e.get("lease_id", ""), 0) for e in events
+               if e.get("type") == "applied" and e.get("peer") in peers)
 
 
 def verification(events: list[dict[str, Any]], peers: set[str]) -> dict[str, int]:
@@ -353,14 +363,15 @@ def run_one(
         trigger_loss=trigger,
         identities=len(hostile_ids) if attack not in ("clean", "honest") else 0,
         verification=verification(events, hostile_ids) if verify and hostile_ids else {},
+        honest_steps=applied_steps(events, honest_ids),
     )
 
 
 def table(results: list[Result]) -> str:
     lines = [
-        "| extra peer | gate | final perplexity | × clean | updates | wall s | hostile applied/rejected/clipped | honest rejected/clipped "
-        "| cos(θ−θ₀, hidden) | trigger loss | verification failed/checked, expelled |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "| extra peer | gate | final perplexity | × clean | updates | honest steps | wall s | hostile applied/rejected/clipped "
+        "| honest rejected/clipped | cos(θ−θ₀, hidden) | trigger loss | verification failed/checked, expelled |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for r in results:
         hostile = "/".join(str(r.hostile.get(k, 0)) for k in ("applied", "rejected", "clipped")) if r.hostile else "—"
@@ -370,7 +381,7 @@ def table(results: list[Result]) -> str:
         checked = (f"{r.verification.get('failed', 0)}/{r.verification.get('checked', 0)}, "
                    f"{r.verification.get('expelled', 0)} of {r.identities}") if r.verification else "—"
         lines.append(f"| {r.attack} | {'on' if r.gate else 'off'} | {r.perplexity:.4g} | {ratio} | {r.version} | "
-                     f"{r.duration_s:.0f} | {hostile} | {honest} | {r.hidden_cosine:+.3f} | {r.trigger_loss:.3f} | {checked} |")
+                     f"{r.honest_steps} | {r.duration_s:.0f} | {hostile} | {honest} | {r.hidden_cosine:+.3f} | {r.trigger_loss:.3f} | {checked} |")
     return "\n".join(lines)
 
 
