@@ -301,8 +301,10 @@ def test_anchors_rotate_and_prune_the_archived_log(tmp_path: Path) -> None:
 
 
 def test_repair_keeps_unchecked_honest_work_in_flight() -> None:
-    """After a repair an active lease stays valid only when the live coordinator issued it with the same base version,
-    its θ was downloaded, it is not chosen for verification and its peer is not expelled; the rest go back."""
+    """After a repair an active lease stays valid only when the live coordinator issued it, its θ was downloaded, it is
+    not chosen for verification and its peer is not expelled; the rest go back. A kept lease whose live base version
+    differs from the replayed one (a discarded update shifted the replay's numbering) keeps the live one: the version
+    its peer's submission names."""
     from asyncloco.coordinator.logic import Fetched
 
     state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
@@ -318,9 +320,19 @@ def test_repair_keeps_unchecked_honest_work_in_flight() -> None:
     live[leases["p3"].lease_id].base_version += 1  # the live lease names another version than the replayed one
     everything = repair(copy.deepcopy(state), [], ["p5"], state.version)  # without the live leases: all go back
     assert len(everything.voided) == 5 and not everything.state.leases
+    base = {peer: lease.base_version for peer, lease in leases.items()}  # the replayed ones (repair renumbers in place)
     result = repair(state, [], ["p5"], state.version, live)
-    assert list(result.state.leases) == [leases["p1"].lease_id]
-    assert sorted(a.peer for a in result.voided if type(a).__name__ == "Expired") == ["p2", "p3", "p4", "p5"]
+    assert sorted(result.state.leases) == sorted([leases["p1"].lease_id, leases["p3"].lease_id])
+    assert sorted(a.peer for a in result.voided if type(a).__name__ == "Expired") == ["p2", "p4", "p5"]
+    kept = result.state.leases
+    assert kept[leases["p3"].lease_id].base_version == base["p3"] + 1  # the live one
+    assert kept[leases["p1"].lease_id].base_version == base["p1"]
+    # the derived lease book follows the renumbering: p3's lease is indexed under its live base version
+    from asyncloco.coordinator.logic.leases import _book
+
+    book = _book(result.state)
+    assert leases["p3"].lease_id in book.by_version[base["p3"] + 1]
+    assert leases["p3"].lease_id not in book.by_version.get(base["p3"], {})
 
 
 def test_a_kept_lease_is_applied_to_the_repaired_theta() -> None:
@@ -350,5 +362,42 @@ def test_a_kept_lease_is_applied_to_the_repaired_theta() -> None:
     _, actions = handle(repaired, SubmitUpdate("h", mine.lease_id, mine.base_version, honest.clone()), 3.0)
     assert [type(a) for a in actions] == [Applied]
     reference_params = torch.zeros(DIM)
+    OuterNesterov(0.7, 0.9).step(reference_params, honest)
+    assert torch.equal(repaired.params, reference_params)
+
+
+def test_a_lease_issued_after_the_attackers_update_is_kept_and_applied_at_its_live_base() -> None:
+    """The common case in a run (issue 16 benchmark: 45 of 48 honest refusals in attack runs were such leases): an
+    honest lease issued on a θ that already held the attacker's update. The replay without that update numbers it one
+    version lower; the lease is kept at the live base version its peer names, and its submission is applied to the
+    repaired θ with the staleness it really has (the repair's version jump, live version + 1, is above it)."""
+    from asyncloco.coordinator.logic import Applied, Fetched
+
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
+    live = copy.deepcopy(anchor)
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(live, event, now)[1]
+
+    for peer in ("h", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    theirs = next(x.lease for x in feed(RequestWork("a"), 0.0) if isinstance(x, Assign))
+    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    assert live.version == 1
+    mine = next(x.lease for x in feed(RequestWork("h"), 1.5) if isinstance(x, Assign))
+    assert mine.base_version == 1  # issued on the θ that holds the attacker's update
+    feed(Fetched("h", mine.base_version), 1.5)
+    feed(Verified("a", theirs.lease_id, False, "relative error 1.0"), 2.0)
+    result = repair(anchor, log, live.verification.expelled, live.version, live.leases)
+    repaired = result.state
+    assert list(repaired.leases) == [mine.lease_id] and result.voided == [] and result.discarded == 1
+    assert repaired.leases[mine.lease_id].base_version == 1 and repaired.version == 2  # live numbering; the jump
+    honest = torch.arange(DIM, dtype=torch.float32)
+    _, actions = handle(repaired, SubmitUpdate("h", mine.lease_id, mine.base_version, honest.clone()), 3.0)
+    applied = [a for a in actions if isinstance(a, Applied)]
+    assert len(applied) == 1 and applied[0].staleness == 1 and repaired.version == 3
+    reference_params = torch.zeros(DIM)  # θ never saw the attacker: the outer step on the honest update alone
     OuterNesterov(0.7, 0.9).step(reference_params, honest)
     assert torch.equal(repaired.params, reference_params)

@@ -52,10 +52,12 @@ import torch
 from asyncloco.coordinator.logic import (
     Action,
     CoordinatorState,
+    DerivedIndexes,
     Discard,
     Event,
     Expelled,
     Expired,
+    Fetched,
     Lease,
     SubmitUpdate,
     Verdict,
@@ -320,9 +322,9 @@ def repair(
     becomes a :class:`Discard` (its lease is consumed, θ untouched, so every later lease is issued exactly as it was);
     every other submission is replayed with its base version renumbered to the replayed lease's. Verdicts in the
     records are replayed (counters, expulsions) but start no nested repair. Afterwards an active lease stays valid
-    when it is one of ``live_leases`` (the live coordinator's, before the repair) with the same peer and base version,
-    its θ downloaded (the repair drops the retained base θs), of a peer not expelled, not chosen for verification,
-    and the method needs no θ_base: its update is then applied
+    when it is one of ``live_leases`` (the live coordinator's, before the repair) with the same peer, its θ downloaded
+    (the repair drops the retained base θs), of a peer not expelled, not chosen for verification, and the method needs
+    no θ_base: it keeps the live base version (the one its peer's submission names) and its update is then applied
     to the repaired θ as a stale one. Every other active lease is given back (all of them without ``live_leases``).
     The version jumps to ``live_version + 1``."""
     state = anchor
@@ -338,6 +340,8 @@ def repair(
                 lease = state.leases.get(event.lease_id)
                 if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
                     event = dataclasses.replace(event, base_version=lease.base_version)
+        elif isinstance(event, Fetched) and live_leases is not None:
+            event = _renumbered_fetch(state, event, live_leases)
         handle(state, event, now)  # Verify and Expelled actions of the past start nothing here
     # Honest work in flight stays valid (issue 16: repairs voided 5.7 % of honest leases, measured): its update is
     # applied to the repaired θ as a stale one, like any update trained from an older θ. Given back: leases chosen
@@ -345,13 +349,35 @@ def repair(
     # them for methods that need θ_base at submission.
     def keep(lease: Lease) -> bool:
         live = live_leases.get(lease.lease_id) if live_leases is not None else None
-        return (live is not None and live.peer == lease.peer and live.base_version == lease.base_version and lease.fetched
-                and lease.peer not in excluded and not lease.verify and not state.needs_base_params)
+        return (live is not None and live.peer == lease.peer and lease.fetched and lease.peer not in excluded
+                and not lease.verify and not state.needs_base_params)
 
     voided = void_leases(state, "θ was repaired after an expulsion: ask for a new lease", keep)
+    # A kept lease keeps the base version its peer knows (its submission names it): the replay numbers versions
+    # without the discarded updates, so a lease issued after one of them has a lower replayed base version. Its
+    # staleness is then counted from the version the peer really trained from (the repair's version jump is above it).
+    renumbered = False
+    for lease in state.leases.values():
+        live = live_leases[lease.lease_id] if live_leases is not None else lease
+        if lease.base_version != live.base_version:
+            lease.base_version, renumbered = live.base_version, True
+    if renumbered:
+        state.indexes = DerivedIndexes()  # the lease book indexes leases by base version: rebuilt on next use
     state.verification.pending.clear()
     state.version = max(state.version, live_version) + 1
     return RepairResult(state, voided, discarded, replayed)
+
+
+def _renumbered_fetch(state: CoordinatorState, event: Fetched, live_leases: Mapping[str, Lease]) -> Fetched:
+    """A download of θ(v) names the live numbering; in a replay without discarded updates a lease still active at the
+    repair may have a lower base version. The event then names the replayed one, so that the lease counts as fetched
+    (kept across the repair)."""
+    for lease_id, live in live_leases.items():
+        replayed = state.leases.get(lease_id)
+        if (live.peer == event.peer and live.base_version == event.version and replayed is not None
+                and replayed.base_version != event.version):
+            return dataclasses.replace(event, version=replayed.base_version)
+    return event
 
 
 def log_events(
