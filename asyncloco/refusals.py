@@ -1,5 +1,5 @@
 """The typed refusal codes, one enum both ends import (the coordinator decides them in
-``handle`` (coordinator/logic/); the peer in peer/runner.py reacts to them, never to the text).
+``handle`` (coordinator/logic/); the peer in peer/runner.py and peer/joining.py reacts to them, never to the text).
 
 A refusal travels in two ways:
 

@@ -154,9 +154,9 @@ def test_run_info_names_the_run_and_judges_fingerprints() -> None:
             runner = PeerRunner(PeerOptions(initial_peers=[address], run_id="wrong-run"))
             started = time.monotonic()
             with pytest.raises(PeerError) as info:
-                await runner._check_run_id(asking, "wrong-run", time.monotonic() + 60.0)
+                await runner.joiner.check_run_id(asking, "wrong-run", time.monotonic() + 60.0)
             elapsed = time.monotonic() - started
-            await runner._check_run_id(asking, "the-run", time.monotonic() + 60.0)  # the right one passes
+            await runner.joiner.check_run_id(asking, "the-run", time.monotonic() + 60.0)  # the right one passes
             return {"plain": plain, "fits": fits, "refused": refused, "error": str(info.value), "elapsed": elapsed,
                     "peer_id": peer.peer_id.to_base58(), "coordinator_id": coordinator_id}
         finally:

@@ -18,21 +18,24 @@ round ``slowdown``-fold to emulate a slower device (demos, heterogeneity tests):
 back, then the peer pauses for ``slowdown - 1`` times their duration. (Sleeping after each step instead
 lets caches go cold between steps, which on a CPU makes every step itself 1.3-1.7x slower: a
 ``--slowdown 4`` peer then behaved like a device 5-7x slower.)
+
+This module holds :class:`PeerRunner` (the hivemind wiring in :meth:`PeerRunner.run`, the rounds in
+:meth:`PeerRunner.serve`, one method per step) and :class:`PeerOptions`. Beside it: peer/joining.py (the DHT start,
+run id, config and compatibility check before the first lease; :class:`PeerError`), peer/summary.py (the summary
+file, time bookkeeping, the observed speed), peer/upload.py (error feedback, the submit resent until acknowledged),
+peer/waits.py (the waits a second Ctrl+C cuts short); peer/inner.py trains, peer/reveal.py holds the commitments.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import math
-import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
@@ -53,64 +56,22 @@ from asyncloco.peer.distributed import (
     broadcast_json,
 )
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
-from asyncloco.refusals import FATAL, RefusalCode
+from asyncloco.peer.joining import PeerError, RunJoiner, as_dict, ask_for_lease, coordinator_id_from, refused_admission
+from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, update_idle, write_summary
+from asyncloco.peer.upload import error_feedback, submit_with_retry
+from asyncloco.peer.waits import Aborted, pause, race
+from asyncloco.refusals import RefusalCode
 
-__all__ = ["PeerOptions", "PeerRunner", "PeerError"]
+__all__ = ["PeerOptions", "PeerRunner", "PeerError", "PeerSummary", "coordinator_id_from"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PEER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the wire's AssignRequest.name (transport/wire.py)
+_refused_admission = refused_admission  # its name here before the split (tests/test_refusal_codes.py imports it)
 
 
-class _Aborted(Exception):
-    """A wait ended because the volunteer asked to leave."""
-
-
-def _as_dict(message: Any) -> dict[str, Any]:
-    """A wire message as a map: RPC replies are maps or (typed transport messages) dataclasses."""
-    if message is None:
-        return {}
-    if isinstance(message, dict):
-        return message
-    if dataclasses.is_dataclass(message):
-        return {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
-    raise TypeError(f"unexpected reply {message!r}")
-
-
-async def _ask_for_lease(
-    client: Any, tokens_per_s: float, token: Optional[str] = None, name: Optional[str] = None, signer: Optional[str] = None
-) -> Any:
-    """``assign`` with this peer's speed, its admission token and ``--name`` (if it has them), and the
-    fingerprint of its DHT signing key: the coordinator binds it to this peer id, so only this peer's own
-    speed records count for it."""
-    return await client.assign(tokens_per_s, token=token, name=name, signer=signer)
-
-
-def _refused_admission(error: Exception) -> bool:
-    """The coordinator refused this peer (admission, expelled, incompatible: a FATAL code of
-    asyncloco/refusals.py): retrying cannot help; the message says what to do."""
-    return getattr(error, "code", None) in FATAL
-
-
-class PeerError(RuntimeError):
-    """A condition the volunteer must fix (the message says how)."""
-
-
-def _reap_p2pd_zombies() -> None:
-    """Collect exited p2pd children (a failed DHT start leaves its daemon unreaped): retries must not pile up
-    zombies. Only this process's own exited ``p2pd`` children are touched."""
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if name == "p2pd" and fields[0] == "Z" and int(fields[1]) == os.getpid():
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(int(entry.name), os.WNOHANG)
+class _Leave(Exception):
+    """The rounds end: the volunteer asked to leave at once (a step of :meth:`PeerRunner.serve` logged what is dropped)."""
 
 
 @dataclass
@@ -137,42 +98,9 @@ class PeerOptions:
     serve_bandwidth: Optional[float] = None  # --serve-bandwidth, bytes/s of chunks served (None: no cap)
 
 
-@dataclass
-class PeerSummary:
-    peer_id: str = ""
-    rounds: int = 0
-    steps: int = 0
-    accepted: int = 0
-    duplicates: int = 0
-    rejected: int = 0
-    resends: int = 0
-    tokens_per_s: float = 0.0
-    slowdown: float = 1.0
-    traffic: dict[str, Any] = field(default_factory=dict)
-    world_size: int = 1  # ranks of this peer's torch.distributed group
-    units_per_step: int = 0  # tokens (samples) of the global batch
-    # wall seconds from the first lease request on, split by what the peer waited for; idle = 1 - train / wall
-    timing: dict[str, float] = field(default_factory=dict)
-    wall_seconds: float = 0.0
-    idle_fraction: float = 0.0
-    prefetch_hits: int = 0
-    swarm_downloads: int = 0  # --swarm: θ bodies taken from the swarm (transport/swarm.py)
-    swarm_fallbacks: int = 0  # --swarm: downloads the coordinator served after the swarm failed
-    prefetch_misses: int = 0
-
-
-def coordinator_id_from(multiaddr: str) -> str:
-    if "/p2p/" not in multiaddr:
-        raise PeerError(
-            f"initial peer {multiaddr!r} has no /p2p/<peer id> part; copy the full address the coordinator "
-            "printed (it ends with /p2p/Qm... or /p2p/12D3...)"
-        )
-    return multiaddr.rsplit("/p2p/", 1)[1].split("/")[0]
-
-
 class PeerRunner:
-    """``await PeerRunner(options).run()`` joins over hivemind; :meth:`serve` runs the rounds over any
-    :class:`~asyncloco.transport.link.CoordinatorLink` (the in-memory one in tests: testing/memory.py).
+    """``await PeerRunner(options).run()`` joins over hivemind (the steps in peer/joining.py); :meth:`serve` runs the
+    rounds over any :class:`~asyncloco.transport.link.CoordinatorLink` (the in-memory one in tests: testing/memory.py).
 
     :param clock: what deadlines and pauses are measured on (asyncloco/clock.py); a fake one in tests.
     :param crash_hook: tests only: called with the name of each kill point the runner passes (``"trained"``:
@@ -215,6 +143,9 @@ class PeerRunner:
         self.clock = clock  # --- transport seam (issue 8): deadlines and pauses on this clock
         self.crash_hook = crash_hook
         self.feedback: Any = None  # peer/feedback.py ErrorFeedback: this peer's residual, kept across leases and rejoins
+        self._prefetch: Optional[asyncio.Task[Any]] = None  # --prefetch: the newest θ, fetched after an ack
+        self._idle_wait = 0.0  # the pause after a "no lease" answer (doubles while quarantined)
+        self.joiner = RunJoiner(options, self.coordinator_id, self._stop)  # peer/joining.py: DHT, run id, config, fingerprint
 
     def stop(self) -> None:
         """Finish the current lease (train it, submit it), then leave."""
@@ -226,133 +157,292 @@ class PeerRunner:
         self._abort.set()
         self._abort_flag.set()
 
-    # ---------------------------------------------------------------------------------- setup
+    # ---------------------------------------------------------------------------------- joining over hivemind
 
-    def _start_dht(self) -> Any:
-        from asyncloco.transport.dht import start_dht
+    async def run(self) -> PeerSummary:
+        """Join over hivemind (DHT, the coordinator's RPCs), then :meth:`serve` until stopped."""
+        from asyncloco.transport.dht import stop_dht
+        from asyncloco.transport.link import DhtSpeedPublisher
+        from asyncloco.transport.records import RunRecords
+        from asyncloco.transport.linkspeed import LinkSpeed
+        from asyncloco.transport.rpc import CoordinatorClient, TrafficCounters
 
+        group_phase = "config"  # what the followers wait for: the config, then commands
+        dht = None
+        p2p = None
+        swarm: Any = None
         try:
-            if self.options.identity_path is not None:  # hivemind creates the key file, not its folder
-                Path(self.options.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            # A DHT client by default: it dials out only and answers no DHT requests, so a volunteer behind a
-            # home NAT or firewall takes part (its stores and lookups go through DHT servers such as the
-            # coordinator). Relays on: should someone have to dial this peer, libp2p can go through a relay.
-            return start_dht(
-                initial_peers=self.options.initial_peers,
-                host_maddrs=[f"/ip4/{self.options.host}/tcp/0"],
-                identity_path=self.options.identity_path,
-                client_mode=not self.options.dht_server,
-                use_relay=True,
-                use_auto_relay=not self.options.dht_server,
-            )
-        except Exception as error:  # hivemind raises several types when bootstrap fails
-            raise PeerError(
-                f"could not join the DHT through {self.options.initial_peers}: {error}. Check that the coordinator "
-                "is running, that the address is the one it printed (including /p2p/...), and that its port is "
-                "reachable from this machine"
-            ) from error
+            dht = await self.joiner.join_dht()
+            self.summary.peer_id = dht.peer_id.to_base58()
+            p2p = await dht.replicate_p2p()
+            namespace = self.options.run_id
+            if namespace is None:
+                raise PeerError("internal: run id unknown")  # set by the CLI from the coordinator or --run-id
+            cfg, hello = await self.joiner.fetch_config(p2p, namespace)
+            self._cfg = cfg
+            if hello.get("run_id") != namespace:
+                raise PeerError(f"the coordinator serves run {hello.get('run_id')!r}, not {namespace!r}; check --run-id")
+            from asyncloco.workloads import build_workload
 
-    async def _join_dht(self) -> Any:
-        """:meth:`_start_dht`, retried with backoff (1, 2, 4 ... 15 s) until ``connect_timeout`` (``--join-timeout``):
-        a coordinator that is restarting, or not up yet, is waited for, saying so; Ctrl+C stops the wait."""
-        deadline = time.monotonic() + self.options.connect_timeout
-        delay, attempt = 1.0, 0
-        while True:
-            attempt += 1
-            try:
-                return self._start_dht()
-            except PeerError as error:
-                _reap_p2pd_zombies()  # the failed attempt's p2pd
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    raise PeerError(f"{error} (gave up after {attempt} attempts in {self.options.connect_timeout:.0f} s, "
-                                    "--join-timeout)") from None
-                wait = min(delay, left)
-                logger.warning("waiting for the coordinator at %s: not reachable yet (attempt %d; next in %.0f s, "
-                               "giving up in %.0f s: --join-timeout)", " ".join(self.options.initial_peers), attempt, wait, left)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), timeout=wait)
-                if self._stop.is_set():
-                    raise PeerError("stopped while waiting for the coordinator") from None
-                delay = min(2 * delay, 15.0)
-
-    async def _check_run_id(self, p2p: Any, namespace: str, deadline: float) -> None:
-        """Ask the coordinator which run it serves (asyncloco/transport/discovery.py): a wrong ``--run-id``
-        fails at once, naming the right one, instead of waiting out the connect timeout."""
-        from asyncloco.transport.discovery import ask_run_info
-        from asyncloco.transport.errors import TransportError
-
-        while True:
-            try:
-                info = await ask_run_info(p2p, self.coordinator_id, timeout=10.0)
-                break
-            except TransportError as error:
-                if "protocols not supported" in str(error):
-                    return  # a coordinator without run info (older version): the config request will tell
-                if time.monotonic() > deadline:
-                    raise PeerError(
-                        f"the coordinator {self.coordinator_id} did not answer within {self.options.connect_timeout:.0f}s "
-                        f"({error}); is it running, is its address the one it printed, and is its port reachable?"
-                    ) from error
-                await asyncio.sleep(1.0)
-        if info.run_id != namespace:
-            raise PeerError(
-                f"the coordinator {self.coordinator_id} serves run {info.run_id!r}, not {namespace!r}: "
-                f"join with --run-id {info.run_id}"
-            )
-
-    async def _check_fingerprint(self, p2p: Any, cfg: RunConfig, workload: Any, model: Any) -> None:
-        """Send this peer's model/tokenizer/data/codec fingerprint (asyncloco/fingerprint.py); the coordinator
-        compares it with its own and refuses a peer whose updates would not fit its model."""
-        from asyncloco.fingerprint import run_fingerprint
-        from asyncloco.transport.discovery import ask_run_info
-        from asyncloco.transport.errors import TransportError
-
-        fingerprint = await asyncio.to_thread(run_fingerprint, cfg, workload, model)
-        deadline = time.monotonic() + self.options.connect_timeout
-        while True:  # a coordinator restarting meanwhile is waited for (--join-timeout), like at the first contact
-            try:
-                info = await ask_run_info(
-                    p2p, self.coordinator_id, timeout=30.0, fingerprint=fingerprint, software_version=__version__
+            if self.group is not None:
+                await asyncio.to_thread(broadcast_json, self.group, cfg.model_dump(mode="json"))
+                group_phase = "commands"
+            workload = build_workload(cfg)
+            device = self.group.device if self.group is not None else self.options.device
+            trainer = InnerTrainer.from_config(cfg, workload, device=device, group=self.group)
+            numel = int(hello["model_numel"])
+            if trainer.numel != numel:
+                raise PeerError(
+                    f"this peer builds a {trainer.numel}-parameter model but the coordinator serves {numel}; "
+                    f"upgrade asyncloco (coordinator runs {hello.get('software_version')}, this is {__version__})"
                 )
-                break
-            except TransportError as error:
-                if "protocols not supported" in str(error):
-                    return  # an older coordinator: it does not check fingerprints
-                if time.monotonic() > deadline or self._stop.is_set():
-                    raise PeerError(f"the coordinator did not answer the compatibility check: {error}") from error
-                logger.warning("waiting for the coordinator's compatibility check: %s", error)
-                await asyncio.sleep(2.0)
-        if info.refused:
-            raise PeerError(f"the coordinator refused this peer: {info.refused}")
+            await self.joiner.check_fingerprint(p2p, cfg, workload, trainer.fingerprint_model)  # FSDP: unsharded class
+            codec = str(hello["codec"])
+            counters = TrafficCounters()
+            hold = 630.0 if cfg.schedule.method == "sync_diloco" else cfg.schedule.grace_period + 60.0
+            client: Any = CoordinatorClient(
+                p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold, counters=counters,
+                download_codec=str(hello.get("download_codec", "none")),
+                link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
+            )
+            if self.options.swarm:  # issue 19: θ from other peers (transport/swarm.py; docs/transport.md "Swarm")
+                from asyncloco.transport.swarm import SwarmLink
 
-    async def _fetch_config(self, p2p: Any, namespace: str) -> tuple[RunConfig, dict[str, Any]]:
-        from asyncloco.transport.errors import TransportError
-        from asyncloco.transport.rpc import CoordinatorClient
+                serve = self.options.dht_server if self.options.serve is None else self.options.serve
+                swarm = client = SwarmLink(client, p2p, namespace, serve=serve, bandwidth=self.options.serve_bandwidth)
+                await swarm.start()
+            records = RunRecords(dht, namespace)
+            publisher = DhtSpeedPublisher(
+                records, self.coordinator_id, self.summary.peer_id, self.options.device, __version__,
+                cfg.runtime.speed_report_period,
+            )
+            return await self.serve(client, publisher, cfg, workload, trainer, codec, counters)
+        finally:
+            self._stop.set()
+            self._closing.set()
+            self._update_idle()
+            if swarm is not None:
+                self.summary.swarm_downloads, self.summary.swarm_fallbacks = swarm.swarm_downloads, swarm.fallbacks
+            self._write_summary()
+            if swarm is not None:
+                await swarm.close()
+            if p2p is not None:
+                await p2p.shutdown()
+            if dht is not None:
+                stop_dht(dht)
+            if self.group is not None:
+                await asyncio.to_thread(self._release_group, group_phase)
 
-        probe = CoordinatorClient(p2p, self.coordinator_id, 1, namespace=namespace)
-        deadline = time.monotonic() + self.options.connect_timeout
-        await self._check_run_id(p2p, namespace, deadline)
-        while True:
-            try:
-                reply = _as_dict(await probe.hello(name=self.options.name, token=self.options.token, timeout=10.0))
-                break
-            except TransportError as error:
-                if _refused_admission(error):
-                    raise PeerError(f"the coordinator refused this peer: {error}") from error
-                if time.monotonic() > deadline:
-                    raise PeerError(
-                        f"the coordinator {self.coordinator_id} did not answer within {self.options.connect_timeout:.0f}s "
-                        f"({error}); is it running, and is this the run's coordinator id?"
-                    ) from error
-                await asyncio.sleep(1.0)
+    def _release_group(self, phase: str) -> None:
+        """Tell the followers to stop (unless the group is broken), then leave it."""
+        import torch.distributed as dist
+
+        assert self.group is not None
         try:
-            cfg = RunConfig.model_validate(json.loads(reply["config"]))
-        except (KeyError, ValueError) as error:
-            raise PeerError(f"the coordinator sent a config this version ({__version__}) cannot read: {error}") from error
-        return cfg, reply
+            if phase == "config":
+                broadcast_json(self.group, None)
+            else:
+                broadcast_command(self.group, Command(OP_STOP))
+        except GroupFailed as error:
+            logger.warning("the group is broken (%s); followers exit on their own", error)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # ---------------------------------------------------------------------------------- rounds
+
+    async def serve(
+        self, client: Any, publisher: Any, cfg: RunConfig, workload: Any, trainer: InnerTrainer, codec: str, counters: Any
+    ) -> PeerSummary:
+        """The rounds (lease, download, train, submit) until stopped, over any transport: ``client`` is a
+        transport.link.CoordinatorLink, ``publisher`` a transport.link.SpeedPublisher, ``counters`` the
+        client's transport.rpc.TrafficCounters. The speed is measured first unless :attr:`speed` is set.
+
+        One round is :meth:`_ask`, :meth:`_fetch`, :meth:`_train_round`, :meth:`_upload` and, once acknowledged,
+        :meth:`_settle`; a step returns None when the round is given up (the loop asks again) and raises
+        :class:`_Leave` when the peer leaves at once."""
+        self._cfg = cfg  # the run's config (in-process transports skip joiner.fetch_config): commitments read it
+        publishing: Optional[asyncio.Task[None]] = None
+        self._prefetch = None
+        try:
+            if self.speed is None:
+                self.speed = await asyncio.to_thread(self._measure, cfg, workload)
+            self.summary.tokens_per_s = self.speed
+            self.summary.units_per_step = workload.units_per_step
+            logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g%s)", self.options.run_id, self.summary.peer_id, self.speed,
+                        self.options.slowdown, f", {self.group.world_size} ranks" if self.group is not None else "")
+            self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
+            publishing = asyncio.create_task(self._publish_loop(publisher, cfg.runtime.speed_report_period))
+            self._loop_started = time.monotonic()
+            self._idle_wait = 0.0
+            while not self._stop.is_set():
+                if self.options.max_rounds is not None and self.summary.rounds >= self.options.max_rounds:
+                    break
+                try:
+                    lease = await self._ask(client, publisher)
+                    if lease is None:
+                        continue
+                    theta = await self._fetch(client, lease)
+                    if theta is None:
+                        continue
+                    pseudo_gradient = await self._train_round(trainer, theta, lease, cfg, workload)
+                    ack = await self._upload(client, trainer, lease, pseudo_gradient, cfg, codec)
+                except _Leave:
+                    break
+                if ack:
+                    await self._settle(client, lease, ack, counters)
+            self.summary.traffic = counters.as_dict()
+            return self.summary
+        finally:
+            self._stop.set()
+            self._closing.set()
+            if self._prefetch is not None:
+                self._prefetch.cancel()
+                await asyncio.gather(self._prefetch, return_exceptions=True)
+            if publishing is not None:
+                await asyncio.gather(publishing, return_exceptions=True)
+            self._update_idle()
+            self._write_summary()
+
+    async def _ask(self, client: Any, publisher: Any) -> Optional[dict[str, Any]]:
+        """A lease, or None after a failed request or a "no lease" answer (paused: 2 s after a failure; 1 s
+        after "no lease", doubling up to 30 s while quarantined)."""
+        from asyncloco.transport.errors import TransportError
+
+        asked = time.monotonic()
+        try:
+            # a first Ctrl+C lets this request finish: a lease handed out meanwhile is trained and
+            # submitted like any other (cancelling would leave it to expire at the coordinator)
+            reply = as_dict(await self._unless_aborted(ask_for_lease(client, float(self.speed or 0.0), self.options.token, self.options.name, publisher.signer)))
+        except Aborted:
+            logger.warning("leaving at once while asking for a lease; a lease handed out right now is given "
+                           "back by the coordinator at its deadline")
+            raise _Leave() from None
+        except TransportError as error:
+            if refused_admission(error):
+                raise PeerError(f"the coordinator refused this peer: {error}") from error
+            logger.warning("could not get a lease (%s); retrying", error)
+            await self._pause(2.0)
+            return None
+        finally:
+            add_timing(self.summary, "assign", time.monotonic() - asked)
+        if reply.get("lease") is None:
+            # back off while quarantined (1 s, doubling up to 30 s); otherwise ask again after 1 s
+            quarantined = reply.get("code") == RefusalCode.QUARANTINED.value
+            self._idle_wait = min(30.0, 2 * self._idle_wait) if (self._idle_wait and quarantined) else 1.0
+            logger.info("no lease: %s (asking again in %.0f s)", reply.get("reason"), self._idle_wait)
+            await self._pause(self._idle_wait)
+            return None
+        self._idle_wait = 0.0
+        lease = as_dict(reply["lease"])
+        if self._stop.is_set():
+            logger.info("lease %s arrived as this peer was stopping: training and submitting it first",
+                        lease["lease_id"])
+        return lease
+
+    async def _fetch(self, client: Any, lease: dict[str, Any]) -> Optional[torch.Tensor]:
+        """θ of the lease's base version (the prefetched one if it fits), or None after a failed download."""
+        from asyncloco.transport.errors import TransportError
+
+        downloading = time.monotonic()
+        try:
+            return await self._download(client, lease, self._prefetch)
+        except Aborted:
+            logger.warning("leaving at once: lease %s dropped before training (the coordinator gives its "
+                           "%s steps back)", lease["lease_id"], lease["steps"])
+            raise _Leave() from None
+        except TransportError as error:
+            logger.warning("could not download θ for %s (%s); asking for a new lease", lease["lease_id"], error)
+            await self._pause(1.0)
+            return None
+        finally:
+            self._prefetch = None
+            add_timing(self.summary, "download", time.monotonic() - downloading)
+
+    async def _train_round(
+        self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], cfg: RunConfig, workload: Any
+    ) -> torch.Tensor:
+        """Train the lease (then pause for the emulated slowdown) and fold the round's speed into :attr:`speed`;
+        returns the pseudo-gradient."""
+        bar = self._progress_bar(lease)
+        training = time.monotonic()
+        try:
+            pseudo_gradient, seconds, step_seconds = await asyncio.to_thread(self._train, trainer, theta, lease, bar)
+            if self.options.slowdown > 1.0:
+                # emulate a slower device: one pause after the steps, so that they ran warm (module doc)
+                await self._pause(seconds * (self.options.slowdown - 1.0))
+        except LeaseAborted as aborted:
+            logger.warning("leaving at once: lease %s dropped after %d of %d steps (the coordinator gives its "
+                           "steps back)", lease["lease_id"], aborted.steps_done, aborted.steps)
+            raise _Leave() from None
+        except GroupFailed as error:
+            raise PeerError(
+                f"{error}. Lease {lease['lease_id']} is dropped (the coordinator gives its steps back at its "
+                "deadline or when it sees this peer gone); restart the group to rejoin"
+            ) from error
+        finally:
+            add_timing(self.summary, "train", time.monotonic() - training)
+            if bar is not None:
+                bar.close()
+        if self._abort.is_set():
+            logger.warning("leaving at once: the trained pseudo-gradient of lease %s is dropped, unsent",
+                           lease["lease_id"])
+            raise _Leave()
+        if self.crash_hook is not None:  # tests: a peer that dies after training, before its submit
+            self.crash_hook("trained")
+        observed = observed_speed(step_seconds, workload.units_per_step, self.options.slowdown, self.speed)
+        if observed is not None:
+            self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
+        if self.speed is not None:  # always: serve() measured it (or was given it) before the first round
+            self.summary.tokens_per_s = self.speed
+        return pseudo_gradient
+
+    async def _upload(
+        self, client: Any, trainer: InnerTrainer, lease: dict[str, Any], pseudo_gradient: torch.Tensor, cfg: RunConfig,
+        codec: str,
+    ) -> Optional[dict[str, Any]]:
+        """Encode (with error feedback) and submit the pseudo-gradient, and count the round; returns the ack, or
+        None when nothing was sent or nothing acknowledged."""
+        from asyncloco.transport.errors import CodecError
+
+        uploading = time.monotonic()
+        try:
+            self.feedback = error_feedback(self.feedback, cfg, codec)
+            encoded = await asyncio.to_thread(self.feedback.encode, pseudo_gradient)
+        except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
+            logger.warning("lease %s not submitted: %s", lease["lease_id"], error)
+            trainer.reset_inner_state()  # the commitment chain goes on from the fresh state
+            return None
+        if self._stop.is_set():
+            logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease["lease_id"])
+        ack = as_dict(await submit_with_retry(client, lease, encoded, inner_loss=self._inner_loss, digests=self._digests,
+                                              clock=self.clock, abort=self._abort, summary=self.summary))
+        add_timing(self.summary, "upload", time.monotonic() - uploading)
+        self.summary.rounds += 1
+        self.summary.steps += int(lease["steps"])
+        self.feedback.settle(bool(ack and ack["accepted"]))  # not applied: the residual is dropped
+        if self._commits(trainer) and not (ack and ack["accepted"]):
+            trainer.reset_inner_state()  # only applied leases advance the commitment chain (logic._broken_chain)
+        return ack or None
+
+    async def _settle(self, client: Any, lease: dict[str, Any], ack: dict[str, Any], counters: Any) -> None:
+        """After an ack: prefetch the newest θ (--prefetch), reveal if asked, count the verdict, write the summary."""
+        if self.options.prefetch and not self._stop.is_set():
+            # the next lease most likely starts from the newest θ: fetch it while asking for the lease
+            self._prefetch = asyncio.ensure_future(client.get_model(None))
+        if ack.get("reveal"):  # chosen for verification after the submission: send the lease's start state
+            await self._reveal(client, str(lease["lease_id"]), self._digests[0])
+        if ack["accepted"]:
+            self.summary.accepted += 1
+            self.summary.duplicates += int(bool(ack["duplicate"]))
+            logger.info("lease %s accepted: version %d%s", lease["lease_id"], ack["version"], " (duplicate)" if ack["duplicate"] else "")
+        else:
+            self.summary.rejected += 1
+            logger.warning("lease %s rejected: %s", lease["lease_id"], ack["reason"])
+        self.summary.traffic = counters.as_dict()
+        self._update_idle()
+        self._write_summary()
+
+    # ---------------------------------------------------------------------------------- what the steps use
 
     def _train(
         self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], bar: Any
@@ -399,49 +489,6 @@ class PeerRunner:
         verify = self._cfg.runtime.verify
         return verify.enabled and verify.inner_state == "carry" and trainer.state_digest() is not None
 
-    async def _submit_with_retry(self, client: Any, lease: dict[str, Any], encoded: Any) -> Optional[dict[str, Any]]:
-        """Send the same encoded bytes until acknowledged or the lease's deadline passes. A first Ctrl+C
-        does not stop this (the lease is being finished); a second one does (None)."""
-        from asyncloco.transport.errors import TransportError
-
-        delay = 0.5
-        deadline = float(lease["deadline"])
-        while not self._abort.is_set():
-            try:
-                return await self._unless_aborted(client.submit(
-                    lease["lease_id"], int(lease["base_version"]), encoded, inner_loss=self._inner_loss,
-                    state_start=self._digests[0], state_end=self._digests[1]))
-            except _Aborted:
-                break
-            except TransportError as error:
-                if self.clock.time() > deadline:
-                    logger.warning("giving up on lease %s: deadline passed (%s)", lease["lease_id"], error)
-                    return None
-                self.summary.resends += 1
-                logger.warning("submit of %s failed (%s); resending in %.1fs", lease["lease_id"], error, delay)
-                await self._pause(delay)
-                delay = min(delay * 2, 10.0)
-        logger.warning("leaving at once: the trained pseudo-gradient of lease %s (%s steps) is dropped, unsent",
-                       lease["lease_id"], lease["steps"])
-        return None
-
-    def _observed_speed(self, step_seconds: list[float], units_per_step: int) -> Optional[float]:
-        """This round's steady-state throughput of the (emulated) device, or None for no new sample.
-
-        The first step is left out (module doc). A 1-step round has only that cold step: it is used only
-        when it is faster than the current estimate — it then proves the estimate too low (a peer measured
-        during a busy start-up must be able to climb out of 1-step leases), and it can never drag it down.
-        In a group ``units_per_step`` is the global batch's and the step times are the leader's (they
-        include DDP's all-reduce): the group reports one combined speed."""
-        warm = step_seconds[1:]
-        if warm and sum(warm) > 0:
-            return len(warm) * units_per_step / (sum(warm) * self.options.slowdown)
-        if step_seconds and step_seconds[0] > 0:
-            cold = units_per_step / (step_seconds[0] * self.options.slowdown)
-            if self.speed is None or cold > self.speed:
-                return cold
-        return None
-
     async def _publish_loop(self, publisher: Any, period: float) -> None:
         """Publish this peer's speed every ``period`` seconds (``publisher``: a transport.link.SpeedPublisher)."""
         while not self._closing.is_set():
@@ -450,8 +497,8 @@ class PeerRunner:
                     await publisher.publish_speed(float(self.speed))
                 except Exception as error:  # retried next period
                     logger.warning("could not publish the speed report: %r", error)
-            with contextlib.suppress(_Aborted):
-                await self._race(self.clock.sleep(period), self._closing)
+            with contextlib.suppress(Aborted):
+                await race(self.clock.sleep(period), self._closing)
 
     def _measure(self, cfg: RunConfig, workload: Any) -> float:
         """Initial throughput from a few real steps of a throwaway replica (tokens or samples per second of
@@ -463,24 +510,8 @@ class PeerRunner:
         return probe_speed(cfg, workload, device, group=self.group) / self.options.slowdown
 
     async def _unless_aborted(self, call: Awaitable[T]) -> T:
-        """Await ``call`` unless a second Ctrl+C comes first (then cancel it and raise :class:`_Aborted`)."""
-        return await self._race(call, self._abort)
-
-    @staticmethod
-    async def _race(call: Awaitable[T], event: asyncio.Event) -> T:
-        task = asyncio.ensure_future(call)
-        waiter = asyncio.ensure_future(event.wait())
-        try:
-            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
-            raise _Aborted()
-        finally:
-            for pending in (task, waiter):
-                if not pending.done():
-                    pending.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await pending
+        """Await ``call`` unless a second Ctrl+C comes first (then cancel it and raise :class:`Aborted`)."""
+        return await race(call, self._abort)
 
     async def _download(self, client: Any, lease: dict[str, Any], prefetch: Optional["asyncio.Task[Any]"]) -> torch.Tensor:
         """θ of the lease's base version: the prefetched latest θ when it is that version, else a download."""
@@ -488,7 +519,7 @@ class PeerRunner:
         if prefetch is not None:
             try:
                 version, theta = await self._unless_aborted(prefetch)
-            except _Aborted:
+            except Aborted:
                 raise
             except Exception as error:  # only a hint; the download below is the real thing
                 logger.debug("θ prefetch failed: %r", error)
@@ -500,263 +531,12 @@ class PeerRunner:
         _, theta = await self._unless_aborted(client.get_model(base))
         return theta
 
-    def _update_timing(self, key: str, seconds: float) -> None:
-        self.summary.timing[key] = self.summary.timing.get(key, 0.0) + seconds
-
     def _update_idle(self) -> None:
-        if self._loop_started is None:
-            return
-        wall = time.monotonic() - self._loop_started
-        busy = self.summary.timing.get("train", 0.0)
-        self.summary.wall_seconds = wall
-        self.summary.idle_fraction = max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
-
-    async def run(self) -> PeerSummary:
-        """Join over hivemind (DHT, the coordinator's RPCs), then :meth:`serve` until stopped."""
-        from asyncloco.transport.dht import stop_dht
-        from asyncloco.transport.link import DhtSpeedPublisher
-        from asyncloco.transport.records import RunRecords
-        from asyncloco.transport.linkspeed import LinkSpeed
-        from asyncloco.transport.rpc import CoordinatorClient, TrafficCounters
-
-        group_phase = "config"  # what the followers wait for: the config, then commands
-        dht = None
-        p2p = None
-        swarm: Any = None
-        try:
-            dht = await self._join_dht()
-            self.summary.peer_id = dht.peer_id.to_base58()
-            p2p = await dht.replicate_p2p()
-            namespace = self.options.run_id
-            if namespace is None:
-                raise PeerError("internal: run id unknown")  # set by the CLI from the coordinator or --run-id
-            cfg, hello = await self._fetch_config(p2p, namespace)
-            self._cfg = cfg
-            if hello.get("run_id") != namespace:
-                raise PeerError(f"the coordinator serves run {hello.get('run_id')!r}, not {namespace!r}; check --run-id")
-            from asyncloco.workloads import build_workload
-
-            if self.group is not None:
-                await asyncio.to_thread(broadcast_json, self.group, cfg.model_dump(mode="json"))
-                group_phase = "commands"
-            workload = build_workload(cfg)
-            device = self.group.device if self.group is not None else self.options.device
-            trainer = InnerTrainer.from_config(cfg, workload, device=device, group=self.group)
-            numel = int(hello["model_numel"])
-            if trainer.numel != numel:
-                raise PeerError(
-                    f"this peer builds a {trainer.numel}-parameter model but the coordinator serves {numel}; "
-                    f"upgrade asyncloco (coordinator runs {hello.get('software_version')}, this is {__version__})"
-                )
-            await self._check_fingerprint(p2p, cfg, workload, trainer.fingerprint_model)  # FSDP: unsharded class
-            codec = str(hello["codec"])
-            counters = TrafficCounters()
-            hold = 630.0 if cfg.schedule.method == "sync_diloco" else cfg.schedule.grace_period + 60.0
-            client: Any = CoordinatorClient(
-                p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold, counters=counters,
-                download_codec=str(hello.get("download_codec", "none")),
-                link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
-            )
-            if self.options.swarm:  # issue 19: θ from other peers (transport/swarm.py; docs/transport.md "Swarm")
-                from asyncloco.transport.swarm import SwarmLink
-
-                serve = self.options.dht_server if self.options.serve is None else self.options.serve
-                swarm = client = SwarmLink(client, p2p, namespace, serve=serve, bandwidth=self.options.serve_bandwidth)
-                await swarm.start()
-            records = RunRecords(dht, namespace)
-            publisher = DhtSpeedPublisher(
-                records, self.coordinator_id, self.summary.peer_id, self.options.device, __version__,
-                cfg.runtime.speed_report_period,
-            )
-            return await self.serve(client, publisher, cfg, workload, trainer, codec, counters)
-        finally:
-            self._stop.set()
-            self._closing.set()
-            self._update_idle()
-            if swarm is not None:
-                self.summary.swarm_downloads, self.summary.swarm_fallbacks = swarm.swarm_downloads, swarm.fallbacks
-            self._write_summary()
-            if swarm is not None:
-                await swarm.close()
-            if p2p is not None:
-                await p2p.shutdown()
-            if dht is not None:
-                stop_dht(dht)
-            if self.group is not None:
-                await asyncio.to_thread(self._release_group, group_phase)
-
-    async def serve(
-        self, client: Any, publisher: Any, cfg: RunConfig, workload: Any, trainer: InnerTrainer, codec: str, counters: Any
-    ) -> PeerSummary:
-        """The rounds (lease, download, train, submit) until stopped, over any transport: ``client`` is a
-        transport.link.CoordinatorLink, ``publisher`` a transport.link.SpeedPublisher, ``counters`` the
-        client's transport.rpc.TrafficCounters. The speed is measured first unless :attr:`speed` is set."""
-        from asyncloco.transport.errors import CodecError, TransportError
-
-        self._cfg = cfg  # the run's config (in-process transports skip _fetch_config): commitments read it
-        publishing: Optional[asyncio.Task[None]] = None
-        prefetch: Optional[asyncio.Task[Any]] = None
-        try:
-            if self.speed is None:
-                self.speed = await asyncio.to_thread(self._measure, cfg, workload)
-            self.summary.tokens_per_s = self.speed
-            self.summary.units_per_step = workload.units_per_step
-            logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g%s)", self.options.run_id, self.summary.peer_id, self.speed,
-                        self.options.slowdown, f", {self.group.world_size} ranks" if self.group is not None else "")
-            self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
-            publishing = asyncio.create_task(self._publish_loop(publisher, cfg.runtime.speed_report_period))
-            self._loop_started = time.monotonic()
-            idle_wait = 0.0
-            while not self._stop.is_set():
-                if self.options.max_rounds is not None and self.summary.rounds >= self.options.max_rounds:
-                    break
-                asked = time.monotonic()
-                try:
-                    # a first Ctrl+C lets this request finish: a lease handed out meanwhile is trained and
-                    # submitted like any other (cancelling would leave it to expire at the coordinator)
-                    reply = _as_dict(await self._unless_aborted(_ask_for_lease(client, float(self.speed), self.options.token, self.options.name, publisher.signer)))
-                except _Aborted:
-                    logger.warning("leaving at once while asking for a lease; a lease handed out right now is given "
-                                   "back by the coordinator at its deadline")
-                    break
-                except TransportError as error:
-                    if _refused_admission(error):
-                        raise PeerError(f"the coordinator refused this peer: {error}") from error
-                    logger.warning("could not get a lease (%s); retrying", error)
-                    await self._pause(2.0)
-                    continue
-                finally:
-                    self._update_timing("assign", time.monotonic() - asked)
-                if reply.get("lease") is None:
-                    # back off while quarantined (1 s, doubling up to 30 s); otherwise ask again after 1 s
-                    quarantined = reply.get("code") == RefusalCode.QUARANTINED.value
-                    idle_wait = min(30.0, 2 * idle_wait) if (idle_wait and quarantined) else 1.0
-                    logger.info("no lease: %s (asking again in %.0f s)", reply.get("reason"), idle_wait)
-                    await self._pause(idle_wait)
-                    continue
-                idle_wait = 0.0
-                lease = _as_dict(reply["lease"])
-                if self._stop.is_set():
-                    logger.info("lease %s arrived as this peer was stopping: training and submitting it first",
-                                lease["lease_id"])
-                downloading = time.monotonic()
-                try:
-                    theta = await self._download(client, lease, prefetch)
-                except _Aborted:
-                    logger.warning("leaving at once: lease %s dropped before training (the coordinator gives its "
-                                   "%s steps back)", lease["lease_id"], lease["steps"])
-                    break
-                except TransportError as error:
-                    logger.warning("could not download θ for %s (%s); asking for a new lease", lease["lease_id"], error)
-                    await self._pause(1.0)
-                    continue
-                finally:
-                    prefetch = None
-                    self._update_timing("download", time.monotonic() - downloading)
-                bar = self._progress_bar(lease)
-                training = time.monotonic()
-                try:
-                    pseudo_gradient, seconds, step_seconds = await asyncio.to_thread(self._train, trainer, theta, lease, bar)
-                    if self.options.slowdown > 1.0:
-                        # emulate a slower device: one pause after the steps, so that they ran warm (module doc)
-                        await self._pause(seconds * (self.options.slowdown - 1.0))
-                except LeaseAborted as aborted:
-                    logger.warning("leaving at once: lease %s dropped after %d of %d steps (the coordinator gives its "
-                                   "steps back)", lease["lease_id"], aborted.steps_done, aborted.steps)
-                    break
-                except GroupFailed as error:
-                    raise PeerError(
-                        f"{error}. Lease {lease['lease_id']} is dropped (the coordinator gives its steps back at its "
-                        "deadline or when it sees this peer gone); restart the group to rejoin"
-                    ) from error
-                finally:
-                    self._update_timing("train", time.monotonic() - training)
-                    if bar is not None:
-                        bar.close()
-                if self._abort.is_set():
-                    logger.warning("leaving at once: the trained pseudo-gradient of lease %s is dropped, unsent",
-                                   lease["lease_id"])
-                    break
-                if self.crash_hook is not None:  # tests: a peer that dies after training, before its submit
-                    self.crash_hook("trained")
-                observed = self._observed_speed(step_seconds, workload.units_per_step)
-                if observed is not None:
-                    self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
-                self.summary.tokens_per_s = self.speed
-                uploading = time.monotonic()
-                try:
-                    encoded = await asyncio.to_thread(self._error_feedback(cfg, codec).encode, pseudo_gradient)
-                except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
-                    logger.warning("lease %s not submitted: %s", lease["lease_id"], error)
-                    trainer.reset_inner_state()  # the commitment chain goes on from the fresh state
-                    continue
-                if self._stop.is_set():
-                    logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease["lease_id"])
-                ack = _as_dict(await self._submit_with_retry(client, lease, encoded))
-                self._update_timing("upload", time.monotonic() - uploading)
-                self.summary.rounds += 1
-                self.summary.steps += int(lease["steps"])
-                self.feedback.settle(bool(ack and ack["accepted"]))  # not applied: the residual is dropped
-                if self._commits(trainer) and not (ack and ack["accepted"]):
-                    trainer.reset_inner_state()  # only applied leases advance the commitment chain (logic._broken_chain)
-                if not ack:
-                    continue
-                if self.options.prefetch and not self._stop.is_set():
-                    # the next lease most likely starts from the newest θ: fetch it while asking for the lease
-                    prefetch = asyncio.ensure_future(client.get_model(None))
-                if ack.get("reveal"):  # chosen for verification after the submission: send the lease's start state
-                    await self._reveal(client, str(lease["lease_id"]), self._digests[0])
-                if ack["accepted"]:
-                    self.summary.accepted += 1
-                    self.summary.duplicates += int(bool(ack["duplicate"]))
-                    logger.info("lease %s accepted: version %d%s", lease["lease_id"], ack["version"], " (duplicate)" if ack["duplicate"] else "")
-                else:
-                    self.summary.rejected += 1
-                    logger.warning("lease %s rejected: %s", lease["lease_id"], ack["reason"])
-                self.summary.traffic = counters.as_dict()
-                self._update_idle()
-                self._write_summary()
-            self.summary.traffic = counters.as_dict()
-            return self.summary
-        finally:
-            self._stop.set()
-            self._closing.set()
-            if prefetch is not None:
-                prefetch.cancel()
-                await asyncio.gather(prefetch, return_exceptions=True)
-            if publishing is not None:
-                await asyncio.gather(publishing, return_exceptions=True)
-            self._update_idle()
-            self._write_summary()
-
-    def _error_feedback(self, cfg: RunConfig, codec: str) -> Any:
-        """This peer's error feedback (peer/feedback.py), made anew only when the run's codec changes."""
-        from asyncloco.peer.feedback import ErrorFeedback
-
-        enabled = cfg.runtime.uses_error_feedback
-        if self.feedback is None or self.feedback.codec != codec or self.feedback.enabled != (enabled and codec != "none"):
-            self.feedback = ErrorFeedback(codec, enabled)
-        return self.feedback
-
-    def _release_group(self, phase: str) -> None:
-        """Tell the followers to stop (unless the group is broken), then leave it."""
-        import torch.distributed as dist
-
-        assert self.group is not None
-        try:
-            if phase == "config":
-                broadcast_json(self.group, None)
-            else:
-                broadcast_command(self.group, Command(OP_STOP))
-        except GroupFailed as error:
-            logger.warning("the group is broken (%s); followers exit on their own", error)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        update_idle(self.summary, self._loop_started)
 
     async def _pause(self, seconds: float) -> None:
         """Wait ``seconds`` (emulated device time, backoff) on the runner's clock unless asked to leave at once."""
-        with contextlib.suppress(_Aborted):
-            await self._race(self.clock.sleep(seconds), self._abort)
+        await pause(self.clock, seconds, self._abort)
 
     def _progress_bar(self, lease: dict[str, Any]) -> Any:
         if not self.options.progress:
@@ -766,10 +546,4 @@ class PeerRunner:
         return tqdm(total=int(lease["steps"]), desc=f"lease {lease['lease_id']} shard {lease['shard']}", unit="step", leave=False)
 
     def _write_summary(self) -> None:
-        if self.options.summary_path is None:
-            return
-        path = self.options.summary_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.summary.__dict__, indent=1))
-        tmp.replace(path)
+        write_summary(self.summary, self.options.summary_path)

@@ -1,0 +1,88 @@
+"""What a volunteer peer counts about itself: its summary, where its time went, and its measured speed.
+
+:class:`PeerSummary` is what ``asyncloco peer join --summary`` writes (as JSON, replaced atomically after every
+round; dashboards, demo.py and the tests read it): rounds, steps, verdicts, resends, traffic, the wall seconds
+split by what the peer waited for (``assign``, ``download``, ``train``, ``upload``) and the idle fraction
+``1 - train / wall``. :func:`observed_speed` turns one round's step times into the steady-state throughput the
+peer publishes (peer/runner.py's module doc says why the first step is left out). The rounds are peer/runner.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["PeerSummary", "add_timing", "observed_speed", "update_idle", "write_summary"]
+
+
+@dataclass
+class PeerSummary:
+    peer_id: str = ""
+    rounds: int = 0
+    steps: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    resends: int = 0
+    tokens_per_s: float = 0.0
+    slowdown: float = 1.0
+    traffic: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1  # ranks of this peer's torch.distributed group
+    units_per_step: int = 0  # tokens (samples) of the global batch
+    # wall seconds from the first lease request on, split by what the peer waited for; idle = 1 - train / wall
+    timing: dict[str, float] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+    idle_fraction: float = 0.0
+    prefetch_hits: int = 0
+    swarm_downloads: int = 0  # --swarm: θ bodies taken from the swarm (transport/swarm.py)
+    swarm_fallbacks: int = 0  # --swarm: downloads the coordinator served after the swarm failed
+    prefetch_misses: int = 0
+
+
+def write_summary(summary: PeerSummary, path: Optional[Path]) -> None:
+    """Replace ``path`` (if any) with ``summary`` as JSON, atomically (a reader never sees half a file)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary.__dict__, indent=1))
+    tmp.replace(path)
+
+
+def add_timing(summary: PeerSummary, key: str, seconds: float) -> None:
+    """Count ``seconds`` spent on ``key`` (``assign``, ``download``, ``train``, ``upload``)."""
+    summary.timing[key] = summary.timing.get(key, 0.0) + seconds
+
+
+def update_idle(summary: PeerSummary, loop_started: Optional[float]) -> None:
+    """The wall seconds since ``loop_started`` (the first lease request; monotonic) and the idle fraction."""
+    if loop_started is None:
+        return
+    wall = time.monotonic() - loop_started
+    busy = summary.timing.get("train", 0.0)
+    summary.wall_seconds = wall
+    summary.idle_fraction = max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
+
+
+def observed_speed(
+    step_seconds: list[float], units_per_step: int, slowdown: float, speed: Optional[float]
+) -> Optional[float]:
+    """This round's steady-state throughput of the (emulated) device, or None for no new sample; ``speed`` is
+    the current estimate, ``slowdown`` the emulated slowdown (``--slowdown``).
+
+    The first step is left out (peer/runner.py's module doc). A 1-step round has only that cold step: it is used
+    only when it is faster than the current estimate — it then proves the estimate too low (a peer measured
+    during a busy start-up must be able to climb out of 1-step leases), and it can never drag it down.
+    In a group ``units_per_step`` is the global batch's and the step times are the leader's (they
+    include DDP's all-reduce): the group reports one combined speed."""
+    warm = step_seconds[1:]
+    if warm and sum(warm) > 0:
+        return len(warm) * units_per_step / (sum(warm) * slowdown)
+    if step_seconds and step_seconds[0] > 0:
+        cold = units_per_step / (step_seconds[0] * slowdown)
+        if speed is None or cold > speed:
+            return cold
+    return None

@@ -1,0 +1,72 @@
+"""Sending a trained round to the coordinator (peer/runner.py's upload step).
+
+:func:`error_feedback` keeps the peer's one :class:`~asyncloco.peer.feedback.ErrorFeedback` (its residual lives across
+leases), made anew only when the run's codec changes. :func:`submit_with_retry` sends the *same encoded bytes* until the
+coordinator acknowledges them, with exponential backoff (0.5 s doubling up to 10 s), until the lease's deadline: a
+coordinator restart loses nothing, since it acknowledges a resend of an applied lease as a duplicate. The inner-state
+commitments travel with the submission (peer/reveal.py sends the reveal when the ack asks for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional
+
+from asyncloco.clock import Clock
+from asyncloco.config import RunConfig
+from asyncloco.peer.summary import PeerSummary
+from asyncloco.peer.waits import Aborted, pause, race
+
+__all__ = ["error_feedback", "submit_with_retry"]
+
+logger = logging.getLogger("asyncloco.peer.runner")  # the peer's log lines keep their name (operators filter on it)
+
+
+def error_feedback(current: Any, cfg: RunConfig, codec: str) -> Any:
+    """This peer's error feedback (peer/feedback.py): ``current`` unless the run's codec (or whether it uses
+    error feedback) changed, then a fresh one."""
+    from asyncloco.peer.feedback import ErrorFeedback
+
+    enabled = cfg.runtime.uses_error_feedback
+    if current is None or current.codec != codec or current.enabled != (enabled and codec != "none"):
+        return ErrorFeedback(codec, enabled)
+    return current
+
+
+async def submit_with_retry(
+    client: Any,
+    lease: dict[str, Any],
+    encoded: Any,
+    *,
+    inner_loss: Optional[float],
+    digests: tuple[Optional[str], Optional[str]],
+    clock: Clock,
+    abort: asyncio.Event,
+    summary: PeerSummary,
+) -> Optional[dict[str, Any]]:
+    """Send the same encoded bytes until acknowledged or the lease's deadline (on ``clock``) passes; each resend is
+    counted in ``summary.resends``. A first Ctrl+C does not stop this (the lease is being finished); a second one
+    (``abort``) does (None). ``digests``: the inner-state commitments (start, end) of the lease."""
+    from asyncloco.transport.errors import TransportError
+
+    delay = 0.5
+    deadline = float(lease["deadline"])
+    while not abort.is_set():
+        try:
+            return await race(client.submit(
+                lease["lease_id"], int(lease["base_version"]), encoded, inner_loss=inner_loss,
+                state_start=digests[0], state_end=digests[1]), abort)
+        except Aborted:
+            break
+        except TransportError as error:
+            if clock.time() > deadline:
+                logger.warning("giving up on lease %s: deadline passed (%s)", lease["lease_id"], error)
+                return None
+            summary.resends += 1
+            logger.warning("submit of %s failed (%s); resending in %.1fs", lease["lease_id"], error, delay)
+            await pause(clock, delay, abort)
+            delay = min(delay * 2, 10.0)
+    logger.warning("leaving at once: the trained pseudo-gradient of lease %s (%s steps) is dropped, unsent",
+                   lease["lease_id"], lease["steps"])
+    return None
