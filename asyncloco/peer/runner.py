@@ -199,9 +199,10 @@ class PeerRunner:
             await self.joiner.check_fingerprint(p2p, cfg, workload, trainer.fingerprint_model)  # FSDP: unsharded class
             codec = str(hello["codec"])
             counters = TrafficCounters()
-            hold = 630.0 if cfg.schedule.method == "sync_diloco" else cfg.schedule.grace_period + 60.0
-            client: Any = CoordinatorClient(
-                p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold, counters=counters,
+            from asyncloco.coordinator.methods import hold_timings
+
+            client: Any = CoordinatorClient(  # a held lease request is answered before this times out
+                p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold_timings(cfg).client, counters=counters,
                 download_codec=str(hello.get("download_codec", "none")),
                 link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
             )
