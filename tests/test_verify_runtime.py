@@ -36,6 +36,7 @@ from asyncloco.peer.inner import InnerTrainer
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
 from asyncloco.transport.rpc import TrafficCounters
+from asyncloco.transport.wire import LeaseGrant
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -69,13 +70,13 @@ class HostileRunner(PeerRunner):
         self.trained = 0
         self.tampered: list[str] = []
 
-    def _train(self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], bar: Any) -> tuple[torch.Tensor, float, list[float]]:
+    def _train(self, trainer: InnerTrainer, theta: torch.Tensor, lease: LeaseGrant, bar: Any) -> tuple[torch.Tensor, float, list[float]]:
         update, seconds, steps = super()._train(trainer, theta, lease, bar)
         self.trained += 1
         if self.trained > self.honest_leases:
             direction = torch.randn(update.numel(), generator=torch.Generator().manual_seed(99))
             update = update + 0.05 * update.norm() * direction / direction.norm()
-            self.tampered.append(str(lease["lease_id"]))
+            self.tampered.append(lease.lease_id)
         return update, seconds, steps
 
 

@@ -3,29 +3,33 @@
 :class:`RunJoiner` starts the DHT, waiting for a coordinator that is restarting or not up yet with backoff
 (``--join-timeout``); asks which run the coordinator serves (a wrong ``--run-id`` fails at once, naming the right
 one); fetches the run's config with ``hello``; and sends the model/tokenizer/data/codec fingerprint for the
-compatibility check. Beside it: the ``assign`` request as the peer sends it each round, how a refusal that no retry
-can help is recognised (a FATAL code of asyncloco/refusals.py), the reaping of failed DHT starts' p2pd children,
-and :class:`PeerError`, the error whose message tells the volunteer what to fix (re-exported by peer/runner.py).
+compatibility check. Every wait and deadline here is on the runner's :class:`~asyncloco.clock.Clock`. Beside it: the
+``assign`` request as the peer sends it each round, how a refusal that no retry can help is recognised (a FATAL code
+of asyncloco/refusals.py), the reaping of failed DHT starts' p2pd children, and :class:`PeerError`, the error whose
+message tells the volunteer what to fix (re-exported by peer/runner.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
-import time
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from asyncloco import __version__
+from asyncloco.clock import SYSTEM_CLOCK, Clock
 from asyncloco.config import RunConfig
+from asyncloco.peer.waits import pause
 from asyncloco.refusals import FATAL
 
+if TYPE_CHECKING:  # the transport package imports hivemind: the peer imports it where it joins (runner.run)
+    from asyncloco.transport.wire import HelloReply, LeaseReply
+
 __all__ = [
-    "JoinOptions", "PeerError", "RunJoiner", "as_dict", "ask_for_lease", "coordinator_id_from", "reap_p2pd_zombies",
+    "JoinOptions", "PeerError", "RunJoiner", "ask_for_lease", "coordinator_id_from", "reap_p2pd_zombies",
     "refused_admission",
 ]
 
@@ -48,20 +52,9 @@ class JoinOptions(Protocol):
     token: Optional[str]
 
 
-def as_dict(message: Any) -> dict[str, Any]:
-    """A wire message as a map: RPC replies are maps or (typed transport messages) dataclasses."""
-    if message is None:
-        return {}
-    if isinstance(message, dict):
-        return message
-    if dataclasses.is_dataclass(message):
-        return {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
-    raise TypeError(f"unexpected reply {message!r}")
-
-
 async def ask_for_lease(
     client: Any, tokens_per_s: float, token: Optional[str] = None, name: Optional[str] = None, signer: Optional[str] = None
-) -> Any:
+) -> LeaseReply:
     """``assign`` with this peer's speed, its admission token and ``--name`` (if it has them), and the
     fingerprint of its DHT signing key: the coordinator binds it to this peer id, so only this peer's own
     speed records count for it."""
@@ -104,12 +97,16 @@ class RunJoiner:
     """The steps of joining the run of coordinator ``coordinator_id``, as the peer's ``options`` say.
 
     :param stop: set when the volunteer asks to leave (the runner's first Ctrl+C): it ends the waits here.
+    :param clock: what the deadlines (``--join-timeout``) and the pauses between attempts are measured on.
     """
 
-    def __init__(self, options: JoinOptions, coordinator_id: str, stop: asyncio.Event) -> None:
+    def __init__(
+        self, options: JoinOptions, coordinator_id: str, stop: asyncio.Event, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.options = options
         self.coordinator_id = coordinator_id
         self._stop = stop
+        self.clock = clock
 
     def start_dht(self) -> Any:
         from asyncloco.transport.dht import start_dht
@@ -138,7 +135,7 @@ class RunJoiner:
     async def join_dht(self) -> Any:
         """:meth:`start_dht`, retried with backoff (1, 2, 4 ... 15 s) until ``connect_timeout`` (``--join-timeout``):
         a coordinator that is restarting, or not up yet, is waited for, saying so; Ctrl+C stops the wait."""
-        deadline = time.monotonic() + self.options.connect_timeout
+        deadline = self.clock.monotonic() + self.options.connect_timeout
         delay, attempt = 1.0, 0
         while True:
             attempt += 1
@@ -146,22 +143,22 @@ class RunJoiner:
                 return self.start_dht()
             except PeerError as error:
                 reap_p2pd_zombies()  # the failed attempt's p2pd
-                left = deadline - time.monotonic()
+                left = deadline - self.clock.monotonic()
                 if left <= 0 or self._stop.is_set():
                     raise PeerError(f"{error} (gave up after {attempt} attempts in {self.options.connect_timeout:.0f} s, "
                                     "--join-timeout)") from None
                 wait = min(delay, left)
                 logger.warning("waiting for the coordinator at %s: not reachable yet (attempt %d; next in %.0f s, "
                                "giving up in %.0f s: --join-timeout)", " ".join(self.options.initial_peers), attempt, wait, left)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), timeout=wait)
+                await pause(self.clock, wait, self._stop)  # ends early on Ctrl+C
                 if self._stop.is_set():
                     raise PeerError("stopped while waiting for the coordinator") from None
                 delay = min(2 * delay, 15.0)
 
     async def check_run_id(self, p2p: Any, namespace: str, deadline: float) -> None:
         """Ask the coordinator which run it serves (asyncloco/transport/discovery.py): a wrong ``--run-id``
-        fails at once, naming the right one, instead of waiting out the connect timeout."""
+        fails at once, naming the right one, instead of waiting out the connect timeout (``deadline``: on
+        ``self.clock.monotonic()``)."""
         from asyncloco.transport.discovery import ask_run_info
         from asyncloco.transport.errors import TransportError
 
@@ -172,12 +169,12 @@ class RunJoiner:
             except TransportError as error:
                 if "protocols not supported" in str(error):
                     return  # a coordinator without run info (older version): the config request will tell
-                if time.monotonic() > deadline:
+                if self.clock.monotonic() > deadline:
                     raise PeerError(
                         f"the coordinator {self.coordinator_id} did not answer within {self.options.connect_timeout:.0f}s "
                         f"({error}); is it running, is its address the one it printed, and is its port reachable?"
                     ) from error
-                await asyncio.sleep(1.0)
+                await self.clock.sleep(1.0)
         if info.run_id != namespace:
             raise PeerError(
                 f"the coordinator {self.coordinator_id} serves run {info.run_id!r}, not {namespace!r}: "
@@ -192,7 +189,7 @@ class RunJoiner:
         from asyncloco.transport.errors import TransportError
 
         fingerprint = await asyncio.to_thread(run_fingerprint, cfg, workload, model)
-        deadline = time.monotonic() + self.options.connect_timeout
+        deadline = self.clock.monotonic() + self.options.connect_timeout
         while True:  # a coordinator restarting meanwhile is waited for (--join-timeout), like at the first contact
             try:
                 info = await ask_run_info(
@@ -202,36 +199,36 @@ class RunJoiner:
             except TransportError as error:
                 if "protocols not supported" in str(error):
                     return  # an older coordinator: it does not check fingerprints
-                if time.monotonic() > deadline or self._stop.is_set():
+                if self.clock.monotonic() > deadline or self._stop.is_set():
                     raise PeerError(f"the coordinator did not answer the compatibility check: {error}") from error
                 logger.warning("waiting for the coordinator's compatibility check: %s", error)
-                await asyncio.sleep(2.0)
+                await self.clock.sleep(2.0)
         if info.refused:
             raise PeerError(f"the coordinator refused this peer: {info.refused}")
 
-    async def fetch_config(self, p2p: Any, namespace: str) -> tuple[RunConfig, dict[str, Any]]:
+    async def fetch_config(self, p2p: Any, namespace: str) -> tuple[RunConfig, HelloReply]:
         """The run's config and the coordinator's ``hello`` reply (model size, codecs, software version)."""
         from asyncloco.transport.errors import TransportError
         from asyncloco.transport.rpc import CoordinatorClient
 
         probe = CoordinatorClient(p2p, self.coordinator_id, 1, namespace=namespace)
-        deadline = time.monotonic() + self.options.connect_timeout
+        deadline = self.clock.monotonic() + self.options.connect_timeout
         await self.check_run_id(p2p, namespace, deadline)
         while True:
             try:
-                reply = as_dict(await probe.hello(name=self.options.name, token=self.options.token, timeout=10.0))
+                reply = await probe.hello(name=self.options.name, token=self.options.token, timeout=10.0)
                 break
             except TransportError as error:
                 if refused_admission(error):
                     raise PeerError(f"the coordinator refused this peer: {error}") from error
-                if time.monotonic() > deadline:
+                if self.clock.monotonic() > deadline:
                     raise PeerError(
                         f"the coordinator {self.coordinator_id} did not answer within {self.options.connect_timeout:.0f}s "
                         f"({error}); is it running, and is this the run's coordinator id?"
                     ) from error
-                await asyncio.sleep(1.0)
+                await self.clock.sleep(1.0)
         try:
-            cfg = RunConfig.model_validate(json.loads(reply["config"]))
+            cfg = RunConfig.model_validate(json.loads(reply.config))
         except (KeyError, ValueError) as error:
             raise PeerError(f"the coordinator sent a config this version ({__version__}) cannot read: {error}") from error
         return cfg, reply

@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
 
 import torch
 
@@ -56,11 +56,14 @@ from asyncloco.peer.distributed import (
     broadcast_json,
 )
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
-from asyncloco.peer.joining import PeerError, RunJoiner, as_dict, ask_for_lease, coordinator_id_from, refused_admission
+from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
 from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, update_idle, write_summary
 from asyncloco.peer.upload import error_feedback, submit_with_retry
 from asyncloco.peer.waits import Aborted, pause, race
 from asyncloco.refusals import RefusalCode
+
+if TYPE_CHECKING:  # the transport package imports hivemind: run() imports it when the peer joins
+    from asyncloco.transport.wire import Ack, LeaseGrant
 
 __all__ = ["PeerOptions", "PeerRunner", "PeerError", "PeerSummary", "coordinator_id_from"]
 
@@ -140,12 +143,13 @@ class PeerRunner:
         self._cfg: Optional[RunConfig] = None  # the run's config, once fetched
         self._closing = asyncio.Event()
         self._loop_started: Optional[float] = None
-        self.clock = clock  # --- transport seam (issue 8): deadlines and pauses on this clock
+        self.clock = clock  # --- transport seam (issue 8): deadlines, pauses and the summary's wall times on this clock
         self.crash_hook = crash_hook
         self.feedback: Any = None  # peer/feedback.py ErrorFeedback: this peer's residual, kept across leases and rejoins
         self._prefetch: Optional[asyncio.Task[Any]] = None  # --prefetch: the newest θ, fetched after an ack
         self._idle_wait = 0.0  # the pause after a "no lease" answer (doubles while quarantined)
-        self.joiner = RunJoiner(options, self.coordinator_id, self._stop)  # peer/joining.py: DHT, run id, config, fingerprint
+        # peer/joining.py: DHT, run id, config, fingerprint (its waits on the same clock)
+        self.joiner = RunJoiner(options, self.coordinator_id, self._stop, clock)
 
     def stop(self) -> None:
         """Finish the current lease (train it, submit it), then leave."""
@@ -180,8 +184,8 @@ class PeerRunner:
                 raise PeerError("internal: run id unknown")  # set by the CLI from the coordinator or --run-id
             cfg, hello = await self.joiner.fetch_config(p2p, namespace)
             self._cfg = cfg
-            if hello.get("run_id") != namespace:
-                raise PeerError(f"the coordinator serves run {hello.get('run_id')!r}, not {namespace!r}; check --run-id")
+            if hello.run_id != namespace:
+                raise PeerError(f"the coordinator serves run {hello.run_id!r}, not {namespace!r}; check --run-id")
             from asyncloco.workloads import build_workload
 
             if self.group is not None:
@@ -190,20 +194,20 @@ class PeerRunner:
             workload = build_workload(cfg)
             device = self.group.device if self.group is not None else self.options.device
             trainer = InnerTrainer.from_config(cfg, workload, device=device, group=self.group)
-            numel = int(hello["model_numel"])
+            numel = hello.model_numel
             if trainer.numel != numel:
                 raise PeerError(
                     f"this peer builds a {trainer.numel}-parameter model but the coordinator serves {numel}; "
-                    f"upgrade asyncloco (coordinator runs {hello.get('software_version')}, this is {__version__})"
+                    f"upgrade asyncloco (coordinator runs {hello.software_version}, this is {__version__})"
                 )
             await self.joiner.check_fingerprint(p2p, cfg, workload, trainer.fingerprint_model)  # FSDP: unsharded class
-            codec = str(hello["codec"])
+            codec = hello.codec
             counters = TrafficCounters()
             from asyncloco.coordinator.methods import hold_timings
 
             client: Any = CoordinatorClient(  # a held lease request is answered before this times out
                 p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold_timings(cfg).client, counters=counters,
-                download_codec=str(hello.get("download_codec", "none")),
+                download_codec=hello.download_codec,
                 link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
             )
             if self.options.swarm:  # issue 19: θ from other peers (transport/swarm.py; docs/transport.md "Swarm")
@@ -273,7 +277,7 @@ class PeerRunner:
                         self.options.slowdown, f", {self.group.world_size} ranks" if self.group is not None else "")
             self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
             publishing = asyncio.create_task(self._publish_loop(publisher, cfg.runtime.speed_report_period))
-            self._loop_started = time.monotonic()
+            self._loop_started = self.clock.monotonic()
             self._idle_wait = 0.0
             while not self._stop.is_set():
                 if self.options.max_rounds is not None and self.summary.rounds >= self.options.max_rounds:
@@ -289,7 +293,7 @@ class PeerRunner:
                     ack = await self._upload(client, trainer, lease, pseudo_gradient, cfg, codec)
                 except _Leave:
                     break
-                if ack:
+                if ack is not None:
                     await self._settle(client, lease, ack, counters)
             self.summary.traffic = counters.as_dict()
             return self.summary
@@ -304,16 +308,18 @@ class PeerRunner:
             self._update_idle()
             self._write_summary()
 
-    async def _ask(self, client: Any, publisher: Any) -> Optional[dict[str, Any]]:
+    async def _ask(self, client: Any, publisher: Any) -> Optional[LeaseGrant]:
         """A lease, or None after a failed request or a "no lease" answer (paused: 2 s after a failure; 1 s
         after "no lease", doubling up to 30 s while quarantined)."""
         from asyncloco.transport.errors import TransportError
 
-        asked = time.monotonic()
+        asked = self.clock.monotonic()
         try:
             # a first Ctrl+C lets this request finish: a lease handed out meanwhile is trained and
             # submitted like any other (cancelling would leave it to expire at the coordinator)
-            reply = as_dict(await self._unless_aborted(ask_for_lease(client, float(self.speed or 0.0), self.options.token, self.options.name, publisher.signer)))
+            reply = await self._unless_aborted(
+                ask_for_lease(client, float(self.speed or 0.0), self.options.token, self.options.name, publisher.signer)
+            )
         except Aborted:
             logger.warning("leaving at once while asking for a lease; a lease handed out right now is given "
                            "back by the coordinator at its deadline")
@@ -325,68 +331,75 @@ class PeerRunner:
             await self._pause(2.0)
             return None
         finally:
-            add_timing(self.summary, "assign", time.monotonic() - asked)
-        if reply.get("lease") is None:
+            add_timing(self.summary, "assign", self.clock.monotonic() - asked)
+        lease = reply.lease
+        if lease is None:
             # back off while quarantined (1 s, doubling up to 30 s); otherwise ask again after 1 s
-            quarantined = reply.get("code") == RefusalCode.QUARANTINED.value
+            quarantined = reply.code == RefusalCode.QUARANTINED.value
             self._idle_wait = min(30.0, 2 * self._idle_wait) if (self._idle_wait and quarantined) else 1.0
-            logger.info("no lease: %s (asking again in %.0f s)", reply.get("reason"), self._idle_wait)
+            logger.info("no lease: %s (asking again in %.0f s)", reply.reason, self._idle_wait)
             await self._pause(self._idle_wait)
             return None
         self._idle_wait = 0.0
-        lease = as_dict(reply["lease"])
         if self._stop.is_set():
             logger.info("lease %s arrived as this peer was stopping: training and submitting it first",
-                        lease["lease_id"])
+                        lease.lease_id)
         return lease
 
-    async def _fetch(self, client: Any, lease: dict[str, Any]) -> Optional[torch.Tensor]:
+    async def _fetch(self, client: Any, lease: LeaseGrant) -> Optional[torch.Tensor]:
         """θ of the lease's base version (the prefetched one if it fits), or None after a failed download."""
         from asyncloco.transport.errors import TransportError
 
-        downloading = time.monotonic()
+        downloading = self.clock.monotonic()
         try:
             return await self._download(client, lease, self._prefetch)
         except Aborted:
             logger.warning("leaving at once: lease %s dropped before training (the coordinator gives its "
-                           "%s steps back)", lease["lease_id"], lease["steps"])
+                           "%s steps back)", lease.lease_id, lease.steps)
             raise _Leave() from None
         except TransportError as error:
-            logger.warning("could not download θ for %s (%s); asking for a new lease", lease["lease_id"], error)
+            logger.warning("could not download θ for %s (%s); asking for a new lease", lease.lease_id, error)
             await self._pause(1.0)
             return None
         finally:
             self._prefetch = None
-            add_timing(self.summary, "download", time.monotonic() - downloading)
+            add_timing(self.summary, "download", self.clock.monotonic() - downloading)
 
     async def _train_round(
-        self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], cfg: RunConfig, workload: Any
+        self, trainer: InnerTrainer, theta: torch.Tensor, lease: LeaseGrant, cfg: RunConfig, workload: Any
     ) -> torch.Tensor:
         """Train the lease (then pause for the emulated slowdown) and fold the round's speed into :attr:`speed`;
-        returns the pseudo-gradient."""
+        returns the pseudo-gradient. The summary's ``train`` seconds are the computation's (perf_counter: a thread
+        computing, which a fake clock does not see) plus the emulated pause (on the runner's clock)."""
         bar = self._progress_bar(lease)
-        training = time.monotonic()
+        training = time.perf_counter()  # times a computation (the training thread), not a wait
+        computed: Optional[float] = None
+        pausing: Optional[float] = None
         try:
             pseudo_gradient, seconds, step_seconds = await asyncio.to_thread(self._train, trainer, theta, lease, bar)
+            computed = time.perf_counter() - training
             if self.options.slowdown > 1.0:
                 # emulate a slower device: one pause after the steps, so that they ran warm (module doc)
+                pausing = self.clock.monotonic()
                 await self._pause(seconds * (self.options.slowdown - 1.0))
         except LeaseAborted as aborted:
             logger.warning("leaving at once: lease %s dropped after %d of %d steps (the coordinator gives its "
-                           "steps back)", lease["lease_id"], aborted.steps_done, aborted.steps)
+                           "steps back)", lease.lease_id, aborted.steps_done, aborted.steps)
             raise _Leave() from None
         except GroupFailed as error:
             raise PeerError(
-                f"{error}. Lease {lease['lease_id']} is dropped (the coordinator gives its steps back at its "
+                f"{error}. Lease {lease.lease_id} is dropped (the coordinator gives its steps back at its "
                 "deadline or when it sees this peer gone); restart the group to rejoin"
             ) from error
         finally:
-            add_timing(self.summary, "train", time.monotonic() - training)
+            computed = time.perf_counter() - training if computed is None else computed
+            paused = 0.0 if pausing is None else self.clock.monotonic() - pausing
+            add_timing(self.summary, "train", computed + paused)
             if bar is not None:
                 bar.close()
         if self._abort.is_set():
             logger.warning("leaving at once: the trained pseudo-gradient of lease %s is dropped, unsent",
-                           lease["lease_id"])
+                           lease.lease_id)
             raise _Leave()
         if self.crash_hook is not None:  # tests: a peer that dies after training, before its submit
             self.crash_hook("trained")
@@ -398,47 +411,48 @@ class PeerRunner:
         return pseudo_gradient
 
     async def _upload(
-        self, client: Any, trainer: InnerTrainer, lease: dict[str, Any], pseudo_gradient: torch.Tensor, cfg: RunConfig,
+        self, client: Any, trainer: InnerTrainer, lease: LeaseGrant, pseudo_gradient: torch.Tensor, cfg: RunConfig,
         codec: str,
-    ) -> Optional[dict[str, Any]]:
+    ) -> Optional[Ack]:
         """Encode (with error feedback) and submit the pseudo-gradient, and count the round; returns the ack, or
         None when nothing was sent or nothing acknowledged."""
         from asyncloco.transport.errors import CodecError
 
-        uploading = time.monotonic()
+        uploading = self.clock.monotonic()
         try:
             self.feedback = error_feedback(self.feedback, cfg, codec)
             encoded = await asyncio.to_thread(self.feedback.encode, pseudo_gradient)
         except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
-            logger.warning("lease %s not submitted: %s", lease["lease_id"], error)
+            logger.warning("lease %s not submitted: %s", lease.lease_id, error)
             trainer.reset_inner_state()  # the commitment chain goes on from the fresh state
             return None
         if self._stop.is_set():
-            logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease["lease_id"])
-        ack = as_dict(await submit_with_retry(client, lease, encoded, inner_loss=self._inner_loss, digests=self._digests,
-                                              clock=self.clock, abort=self._abort, summary=self.summary))
-        add_timing(self.summary, "upload", time.monotonic() - uploading)
+            logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
+        ack = await submit_with_retry(client, lease, encoded, inner_loss=self._inner_loss, digests=self._digests,
+                                      clock=self.clock, abort=self._abort, summary=self.summary)
+        add_timing(self.summary, "upload", self.clock.monotonic() - uploading)
         self.summary.rounds += 1
-        self.summary.steps += int(lease["steps"])
-        self.feedback.settle(bool(ack and ack["accepted"]))  # not applied: the residual is dropped
-        if self._commits(trainer) and not (ack and ack["accepted"]):
+        self.summary.steps += lease.steps
+        applied = ack is not None and ack.accepted
+        self.feedback.settle(applied)  # not applied: the residual is dropped
+        if self._commits(trainer) and not applied:
             trainer.reset_inner_state()  # only applied leases advance the commitment chain (logic._broken_chain)
-        return ack or None
+        return ack
 
-    async def _settle(self, client: Any, lease: dict[str, Any], ack: dict[str, Any], counters: Any) -> None:
+    async def _settle(self, client: Any, lease: LeaseGrant, ack: Ack, counters: Any) -> None:
         """After an ack: prefetch the newest θ (--prefetch), reveal if asked, count the verdict, write the summary."""
         if self.options.prefetch and not self._stop.is_set():
             # the next lease most likely starts from the newest θ: fetch it while asking for the lease
             self._prefetch = asyncio.ensure_future(client.get_model(None))
-        if ack.get("reveal"):  # chosen for verification after the submission: send the lease's start state
-            await self._reveal(client, str(lease["lease_id"]), self._digests[0])
-        if ack["accepted"]:
+        if ack.reveal:  # chosen for verification after the submission: send the lease's start state
+            await self._reveal(client, lease.lease_id, self._digests[0])
+        if ack.accepted:
             self.summary.accepted += 1
-            self.summary.duplicates += int(bool(ack["duplicate"]))
-            logger.info("lease %s accepted: version %d%s", lease["lease_id"], ack["version"], " (duplicate)" if ack["duplicate"] else "")
+            self.summary.duplicates += int(ack.duplicate)
+            logger.info("lease %s accepted: version %d%s", lease.lease_id, ack.version, " (duplicate)" if ack.duplicate else "")
         else:
             self.summary.rejected += 1
-            logger.warning("lease %s rejected: %s", lease["lease_id"], ack["reason"])
+            logger.warning("lease %s rejected: %s", lease.lease_id, ack.reason)
         self.summary.traffic = counters.as_dict()
         self._update_idle()
         self._write_summary()
@@ -446,12 +460,12 @@ class PeerRunner:
     # ---------------------------------------------------------------------------------- what the steps use
 
     def _train(
-        self, trainer: InnerTrainer, theta: torch.Tensor, lease: dict[str, Any], bar: Any
+        self, trainer: InnerTrainer, theta: torch.Tensor, lease: LeaseGrant, bar: Any
     ) -> tuple[torch.Tensor, float, list[float]]:
         """Train the lease (on the whole group: the leader broadcasts it first); returns (pseudo-gradient,
         seconds of training, each step's seconds), all without the emulated slowdown. Raises
         :class:`LeaseAborted` after a second Ctrl+C, :class:`GroupFailed` when a rank is gone."""
-        started = time.perf_counter()
+        started = time.perf_counter()  # times the computation (the speed measurement's seconds), not a wait
         step_seconds: list[float] = []
 
         def on_step(seconds: float) -> None:
@@ -459,7 +473,7 @@ class PeerRunner:
             if bar is not None:
                 bar.update(1)
 
-        shard, start, steps, lr_offset = (int(lease[k]) for k in ("shard", "start_offset", "steps", "lr_offset"))
+        shard, start, steps, lr_offset = lease.shard, lease.start_offset, lease.steps, lease.lr_offset
         if self.group is not None:
             broadcast_command(self.group, Command(OP_TRAIN, shard, start, steps, lr_offset))
         commit = self._commits(trainer)  # runtime.verify with carried inner state: digests before and after
@@ -469,7 +483,7 @@ class PeerRunner:
 
             if self.reveals is None and self._cfg is not None:
                 self.reveals = RevealStore(self._cfg.runtime.verify.reveal_keep)
-            self.reveals.hold(str(lease["lease_id"]), trainer.optimizer)
+            self.reveals.hold(lease.lease_id, trainer.optimizer)
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
         self._digests = (state_start, trainer.state_digest() if commit else None)
         loss = float(result.mean_loss)
@@ -514,9 +528,9 @@ class PeerRunner:
         """Await ``call`` unless a second Ctrl+C comes first (then cancel it and raise :class:`Aborted`)."""
         return await race(call, self._abort)
 
-    async def _download(self, client: Any, lease: dict[str, Any], prefetch: Optional["asyncio.Task[Any]"]) -> torch.Tensor:
+    async def _download(self, client: Any, lease: LeaseGrant, prefetch: Optional["asyncio.Task[Any]"]) -> torch.Tensor:
         """θ of the lease's base version: the prefetched latest θ when it is that version, else a download."""
-        base = int(lease["base_version"])
+        base = lease.base_version
         if prefetch is not None:
             try:
                 version, theta = await self._unless_aborted(prefetch)
@@ -533,18 +547,18 @@ class PeerRunner:
         return theta
 
     def _update_idle(self) -> None:
-        update_idle(self.summary, self._loop_started)
+        update_idle(self.summary, self._loop_started, self.clock)
 
     async def _pause(self, seconds: float) -> None:
         """Wait ``seconds`` (emulated device time, backoff) on the runner's clock unless asked to leave at once."""
         await pause(self.clock, seconds, self._abort)
 
-    def _progress_bar(self, lease: dict[str, Any]) -> Any:
+    def _progress_bar(self, lease: LeaseGrant) -> Any:
         if not self.options.progress:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=int(lease["steps"]), desc=f"lease {lease['lease_id']} shard {lease['shard']}", unit="step", leave=False)
+        return tqdm(total=lease.steps, desc=f"lease {lease.lease_id} shard {lease.shard}", unit="step", leave=False)
 
     def _write_summary(self) -> None:
         write_summary(self.summary, self.options.summary_path)

@@ -10,10 +10,11 @@ peer publishes (peer/runner.py's module doc says why the first step is left out)
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from asyncloco.clock import Clock
 
 __all__ = ["PeerSummary", "add_timing", "observed_speed", "update_idle", "write_summary"]
 
@@ -57,11 +58,11 @@ def add_timing(summary: PeerSummary, key: str, seconds: float) -> None:
     summary.timing[key] = summary.timing.get(key, 0.0) + seconds
 
 
-def update_idle(summary: PeerSummary, loop_started: Optional[float]) -> None:
-    """The wall seconds since ``loop_started`` (the first lease request; monotonic) and the idle fraction."""
+def update_idle(summary: PeerSummary, loop_started: Optional[float], clock: Clock) -> None:
+    """The wall seconds since ``loop_started`` (the first lease request; ``clock.monotonic()``) and the idle fraction."""
     if loop_started is None:
         return
-    wall = time.monotonic() - loop_started
+    wall = clock.monotonic() - loop_started
     busy = summary.timing.get("train", 0.0)
     summary.wall_seconds = wall
     summary.idle_fraction = max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from asyncloco.clock import Clock
 from asyncloco.config import RunConfig
 from asyncloco.peer.summary import PeerSummary
 from asyncloco.peer.waits import Aborted, pause, race
+
+if TYPE_CHECKING:  # the transport package imports hivemind: imported where used
+    from asyncloco.transport.wire import Ack, LeaseGrant
 
 __all__ = ["error_feedback", "submit_with_retry"]
 
@@ -36,7 +39,7 @@ def error_feedback(current: Any, cfg: RunConfig, codec: str) -> Any:
 
 async def submit_with_retry(
     client: Any,
-    lease: dict[str, Any],
+    lease: LeaseGrant,
     encoded: Any,
     *,
     inner_loss: Optional[float],
@@ -44,29 +47,30 @@ async def submit_with_retry(
     clock: Clock,
     abort: asyncio.Event,
     summary: PeerSummary,
-) -> Optional[dict[str, Any]]:
-    """Send the same encoded bytes until acknowledged or the lease's deadline (on ``clock``) passes; each resend is
-    counted in ``summary.resends``. A first Ctrl+C does not stop this (the lease is being finished); a second one
-    (``abort``) does (None). ``digests``: the inner-state commitments (start, end) of the lease."""
+) -> Optional[Ack]:
+    """Send the same encoded bytes until acknowledged or the lease's deadline (the coordinator's wall time, compared
+    with ``clock.time()``) passes; each resend is counted in ``summary.resends``. A first Ctrl+C does not stop this (the
+    lease is being finished); a second one (``abort``) does (None). ``digests``: the inner-state commitments (start,
+    end) of the lease."""
     from asyncloco.transport.errors import TransportError
 
     delay = 0.5
-    deadline = float(lease["deadline"])
     while not abort.is_set():
         try:
-            return await race(client.submit(
-                lease["lease_id"], int(lease["base_version"]), encoded, inner_loss=inner_loss,
+            ack: Ack = await race(client.submit(
+                lease.lease_id, lease.base_version, encoded, inner_loss=inner_loss,
                 state_start=digests[0], state_end=digests[1]), abort)
+            return ack
         except Aborted:
             break
         except TransportError as error:
-            if clock.time() > deadline:
-                logger.warning("giving up on lease %s: deadline passed (%s)", lease["lease_id"], error)
+            if clock.time() > lease.deadline:  # the coordinator's wall time
+                logger.warning("giving up on lease %s: deadline passed (%s)", lease.lease_id, error)
                 return None
             summary.resends += 1
-            logger.warning("submit of %s failed (%s); resending in %.1fs", lease["lease_id"], error, delay)
+            logger.warning("submit of %s failed (%s); resending in %.1fs", lease.lease_id, error, delay)
             await pause(clock, delay, abort)
             delay = min(delay * 2, 10.0)
     logger.warning("leaving at once: the trained pseudo-gradient of lease %s (%s steps) is dropped, unsent",
-                   lease["lease_id"], lease["steps"])
+                   lease.lease_id, lease.steps)
     return None
