@@ -442,11 +442,14 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
         events = cluster.events()
         for name in ("group", "single"):
             assigned, applied = _leases_of(events, ids[name])
-            # an assign reply lost in transit on a loaded machine (the peer logs "could not get a lease" and asks
-            # again): the coordinator gives that lease back when the peer asks again; the peer never held it
+            # an assign reply lost in transit on a loaded machine (the peer logs "could not get a lease"), or a θ
+            # download cut mid-body (it logs "could not download θ for <lease>"): the peer asks again and the
+            # coordinator gives that lease back; the peer never trained it. Each such lease has its line in the log.
             lost = {e["lease_id"] for e in events if e["type"] == "expired" and e.get("peer") == ids[name]
                     and str(e.get("reason", "")).startswith("peer asked for new work before submitting")}
-            assert len(lost) <= (tmp_path / f"{name}.log").read_text().count("could not get a lease"), name
+            log = (tmp_path / f"{name}.log").read_text()
+            undownloaded = {lease for lease in lost if f"could not download θ for {lease}" in log}
+            assert len(lost - undownloaded) <= log.count("could not get a lease"), name
             received = assigned - lost
             assert received and received == applied, name  # nothing dropped
             summary = cluster.peer_summary(name)  # the peer's own count agrees exactly with the coordinator's
