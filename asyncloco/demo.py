@@ -111,8 +111,9 @@ def swarm_line(status: dict[str, Any], peers: dict[str, dict[str, Any]]) -> str:
     if not downloads and not fallbacks:
         return ""
     seed = (status.get("swarm") or {}).get("seed_bytes_sent", 0) / 1e6
+    served = sum(int(summary.get("swarm_bytes_served", 0)) for summary in peers.values()) / 1e6
     return (f"θ swarm: {downloads} downloads through the swarm, {fallbacks} fell back to the coordinator; "
-            f"the coordinator's seed sent {seed:.2f} MB of chunks")
+            f"the peers served {served:.2f} MB of chunks to each other, the coordinator's seed {seed:.2f} MB")
 
 
 def _plot(evals: list[dict[str, Any]], started: float, path: Path) -> None:

@@ -385,6 +385,12 @@ def test_swarm_peers_take_theta_from_the_seed_and_each_other(harness: Harness, t
     served = {holder for body in swarm["bodies"] for holder in body["holders"]}
     assert served <= set(ids.values()) and served, swarm
     assert not swarm["reports"] and not of_type(events, "swarm_report")
+    # every chunk a peer used was sent by the seed or by the other peer (their summaries count what they served)
+    (chunks,) = {body["chunks"] for body in swarm["bodies"]}  # one codec, one size: every body has as many chunks
+    by_peers = sum(s["swarm_chunks_served"] for s in summaries.values())
+    assert swarm["seed_chunks_sent"] + by_peers >= chunks * sum(s["swarm_downloads"] for s in summaries.values())
+    assert all(s["swarm_bytes_served"] >= s["swarm_chunks_served"] > 0 or s["swarm_chunks_served"] == 0
+               for s in summaries.values()), summaries
 
 
 @pytest.mark.timeout(300)

@@ -228,6 +228,9 @@ class PeerRunner:
             self._update_idle()
             if swarm is not None:
                 self.summary.swarm_downloads, self.summary.swarm_fallbacks = swarm.swarm_downloads, swarm.fallbacks
+                if swarm.server is not None:
+                    served = swarm.server.counters
+                    self.summary.swarm_chunks_served, self.summary.swarm_bytes_served = served.chunks_sent, served.bytes_sent
             self._write_summary()
             if swarm is not None:
                 await swarm.close()

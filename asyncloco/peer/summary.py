@@ -40,6 +40,8 @@ class PeerSummary:
     prefetch_hits: int = 0
     swarm_downloads: int = 0  # --swarm: θ bodies taken from the swarm (transport/swarm.py)
     swarm_fallbacks: int = 0  # --swarm: downloads the coordinator served after the swarm failed
+    swarm_chunks_served: int = 0  # --swarm --serve: θ chunks this peer served to others (transport/swarm_serve.py)
+    swarm_bytes_served: int = 0  # their payload bytes
     prefetch_misses: int = 0
 
 
