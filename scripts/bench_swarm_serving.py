@@ -12,6 +12,10 @@ Phases, ``--repeats`` times, the order alternating: **alone** (downloaders pause
 ``--model`` preset on random tokens. Reported: median steps/s per phase, the ratio serving / alone, the
 MB/s this peer served during the phase, and this process's CPU seconds per step.
 
+``--pin`` puts the training peer (and its p2pd) on the first core and the downloaders on the others, so a phase
+measures what serving costs the peer and not the downloaders' own load on shared cores (a real peer's downloaders
+are other machines).
+
 Every download of a version is a fresh one (a new version number sharing the same body bytes), so the server's
 "already sent to this caller" memory never turns a request away.
 
@@ -27,6 +31,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -98,8 +103,10 @@ async def _downloaders_main(count: int, maddrs: List[str], server_id: str, names
 
 
 def downloaders_process(count: int, maddrs: List[str], server_id: str, namespace: str, manifest_bytes: bytes,
-                        commands: Any, results: Any) -> None:
+                        commands: Any, results: Any, cpus: Optional[List[int]] = None) -> None:
     logging.basicConfig(level=logging.WARNING)
+    if cpus:  # --pin: the downloaders (and the p2pd they start) on their own cores, off the training peer's
+        os.sched_setaffinity(0, set(cpus))
     torch.set_num_threads(1)
     asyncio.run(_downloaders_main(count, maddrs, server_id, namespace, manifest_bytes, commands, results))
 
@@ -156,6 +163,16 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
     from asyncloco.transport.codecs import encode
     from asyncloco.transport.swarm import BodyStore, ChunkServer, Manifest, ServeLimits, _Body, _TokenBucket
 
+    pinned: Optional[List[int]] = None
+    if args.pin:
+        # the training peer and its p2pd (started below, inheriting this) on the first core, the downloaders on the
+        # others: the phases then measure what serving costs the peer, not the downloaders' load on shared cores
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise SystemExit("--pin needs at least 2 cores")
+        os.sched_setaffinity(0, {cores[0]})
+        pinned = cores[1:]
+        torch.set_num_threads(1)
     if args.threads:
         torch.set_num_threads(args.threads)
     training = Training(args.model, args.batch_size, args.seq_len)
@@ -176,7 +193,7 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
     ctx = mp.get_context("spawn")
     commands, results = ctx.Queue(), ctx.Queue()
     worker = ctx.Process(target=downloaders_process, args=(args.downloaders, maddrs, str(p2p.peer_id.to_base58()), namespace,
-                                                           base.to_bytes(), commands, results), daemon=True)
+                                                           base.to_bytes(), commands, results, pinned), daemon=True)
     worker.start()
     bandwidths = parse_bandwidths(args.serve_bandwidth)
     rates: Dict[str, List[float]] = {"alone": [], **{label(b): [] for b in bandwidths}}
@@ -238,7 +255,7 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
             "model": args.model, "numel": numel, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "steps": args.steps, "repeats": args.repeats, "downloaders": args.downloaders, "codec": "int8",
             "body_bytes": len(body), "chunk_bytes": base.chunk_bytes, "serve_bandwidth_mbit": args.serve_bandwidth,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "pinned": bool(args.pin),
         },
         "phases": phases_out,
         "download_errors": errors,
@@ -256,6 +273,8 @@ def main() -> None:
     parser.add_argument("--downloaders", type=int, default=8)
     parser.add_argument("--serve-bandwidth", default="none,50", help="comma list of Mbit/s caps to measure, 'none' = no cap")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--pin", action="store_true",
+                        help="training peer (and its p2pd) on the first core, the downloaders on the others")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
