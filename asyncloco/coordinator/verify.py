@@ -15,7 +15,7 @@ offset and the run's config — exactly what the coordinator knows. This module:
   a full queue skips a check and counts it), one re-run at a time in a worker thread, so submissions and acks never
   wait for it. Each verdict goes back through the daemon's single decision entry point as a
   :class:`~asyncloco.coordinator.logic.Verified` event (write-ahead log, journal, status.json).
-* :func:`repair` — the exact remedy after a failed check: the logic expels the peer, and θ (with the outer
+* :func:`repair` (asyncloco/coordinator/repair.py, re-exported here) — the exact remedy after a failed check: the logic expels the peer, and θ (with the outer
   optimizer's state, the gate's statistics, every counter) is rebuilt by replaying the write-ahead log from an
   *anchor* (a snapshot kept for this purpose) with the expelled peers' submissions turned into
   :class:`~asyncloco.coordinator.logic.Discard` events. Honest submissions are replayed as they were (their base
@@ -23,7 +23,7 @@ offset and the run's config — exactly what the coordinator knows. This module:
   to the repaired θ) unless chosen for verification; those are given back (their base θ no
   longer exists) and the version jumps past the live one, so no version number ever names two different θ.
   Deterministic: a ``--resume`` that meets the same ``Verified`` record in the log repeats the same repair.
-* :class:`Anchors` — which snapshots a repair may start from: a hard link of ``state.pt`` taken every
+* :class:`Anchors` (asyncloco/coordinator/repair.py) — which snapshots a repair may start from: a hard link of ``state.pt`` taken every
   ``runtime.verify.horizon`` applied updates (and the initial one), the newest ``KEEP_ANCHORS`` kept; the log
   segments after the oldest anchor stay in ``wal/archive/`` (the daemon archives instead of deleting while
   verification is on) and older ones are pruned.
@@ -36,36 +36,27 @@ peer the gate refused recently.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
-import os
-import shutil
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import torch
 
 from asyncloco.coordinator.logic import (
     Action,
     CoordinatorState,
-    DerivedIndexes,
-    Discard,
-    Event,
     Expelled,
     Expired,
-    Fetched,
     Lease,
-    SubmitUpdate,
     Verdict,
     Verified,
     Verify,
-    handle,
-    void_leases,
 )
+
+from asyncloco.coordinator.repair import ANCHOR_DIR, KEEP_ANCHORS, Anchors, RepairResult, log_events, repair
 
 if TYPE_CHECKING:
     from asyncloco.config import RunConfig
@@ -90,8 +81,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ANCHOR_DIR = "verify-anchors"
-KEEP_ANCHORS = 3
 
 
 # ------------------------------------------------------------------------------------------- comparing
@@ -295,208 +284,6 @@ def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
         and a.state_start != FRESH_STATE_DIGEST
         for a in actions
     )
-
-
-# ------------------------------------------------------------------------------------------------ repair
-
-
-@dataclass
-class RepairResult:
-    state: CoordinatorState
-    voided: list[Action]  # what the repair itself did after the replay: leases given back, held requests released
-    discarded: int  # submissions of expelled peers replayed as Discard
-    replayed: int  # events replayed
-
-
-def repair(
-    anchor: CoordinatorState,
-    records: Iterable[tuple[Event, float]],
-    expelled: Collection[str],
-    live_version: int,
-    live_leases: Optional[Mapping[str, Lease]] = None,
-) -> RepairResult:
-    """θ and the whole coordinator state as if the expelled peers' updates had never been applied.
-
-    ``anchor`` (mutated and returned) is the state at some log record; ``records`` every later ``(event, now)`` up to
-    and including the ``Verified`` event that expelled the last of ``expelled``. Each submission of an expelled peer
-    becomes a :class:`Discard` (its lease is consumed, θ untouched, so every later lease is issued exactly as it was);
-    every other submission is replayed with its base version renumbered to the replayed lease's. Verdicts in the
-    records are replayed (counters, expulsions) but start no nested repair. Afterwards an active lease stays valid
-    when it is one of ``live_leases`` (the live coordinator's, before the repair) with the same peer, its θ downloaded
-    (the repair drops the retained base θs), of a peer not expelled, not chosen for verification, and the method needs
-    no θ_base: it keeps the live base version (the one its peer's submission names) and its update is then applied
-    to the repaired θ as a stale one. Every other active lease is given back (all of them without ``live_leases``).
-    The version jumps to ``live_version + 1``."""
-    state = anchor
-    excluded = set(expelled)
-    discarded = replayed = 0
-    for event, now in records:
-        replayed += 1
-        if isinstance(event, SubmitUpdate):
-            if event.peer in excluded:
-                event = Discard(event.peer, event.lease_id)
-                discarded += 1
-            else:
-                lease = state.leases.get(event.lease_id)
-                if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
-                    event = dataclasses.replace(event, base_version=lease.base_version)
-        elif isinstance(event, Fetched) and live_leases is not None:
-            event = _renumbered_fetch(state, event, live_leases)
-        handle(state, event, now)  # Verify and Expelled actions of the past start nothing here
-    # Honest work in flight stays valid (issue 16: repairs voided 5.7 % of honest leases, measured): its update is
-    # applied to the repaired θ as a stale one, like any update trained from an older θ. Given back: leases chosen
-    # for verification (their base θ, the one the peer trained from, no longer exists to re-run from), and all of
-    # them for methods that need θ_base at submission.
-    def keep(lease: Lease) -> bool:
-        live = live_leases.get(lease.lease_id) if live_leases is not None else None
-        return (live is not None and live.peer == lease.peer and lease.fetched and lease.peer not in excluded
-                and not lease.verify and not state.needs_base_params)
-
-    voided = void_leases(state, "θ was repaired after an expulsion: ask for a new lease", keep)
-    # A kept lease keeps the base version its peer knows (its submission names it): the replay numbers versions
-    # without the discarded updates, so a lease issued after one of them has a lower replayed base version. Its
-    # staleness is then counted from the version the peer really trained from (the repair's version jump is above it).
-    renumbered = False
-    for lease in state.leases.values():
-        live = live_leases[lease.lease_id] if live_leases is not None else lease
-        if lease.base_version != live.base_version:
-            lease.base_version, renumbered = live.base_version, True
-    if renumbered:
-        state.indexes = DerivedIndexes()  # the lease book indexes leases by base version: rebuilt on next use
-    state.verification.pending.clear()
-    state.version = max(state.version, live_version) + 1
-    return RepairResult(state, voided, discarded, replayed)
-
-
-def _renumbered_fetch(state: CoordinatorState, event: Fetched, live_leases: Mapping[str, Lease]) -> Fetched:
-    """A download of θ(v) names the live numbering; in a replay without discarded updates a lease still active at the
-    repair may have a lower base version. The event then names the replayed one, so that the lease counts as fetched
-    (kept across the repair)."""
-    for lease_id, live in live_leases.items():
-        replayed = state.leases.get(lease_id)
-        if (live.peer == event.peer and live.base_version == event.version and replayed is not None
-                and replayed.base_version != event.version):
-            return dataclasses.replace(event, version=replayed.base_version)
-    return event
-
-
-def log_events(
-    wal_dir: Path,
-    after_seq: int,
-    upto_seq: int,
-    event_types: Mapping[str, type],
-    numel: int,
-) -> Iterator[tuple[Event, float]]:
-    """Events of log records ``after_seq < seq <= upto_seq``, from the archived and the live segments of
-    ``wal_dir``, oldest first, submissions decoded as the daemon decodes them."""
-    from asyncloco.coordinator.wal import ARCHIVE_DIR, decode_event, read_records
-    from asyncloco.transport.codecs import EncodedTensor, decode
-
-    def decode_blob(codec: str, count: int, data: memoryview) -> torch.Tensor:
-        return decode(EncodedTensor.from_bytes(codec, count, data), numel)
-
-    expected = after_seq + 1
-    for directory in (wal_dir / ARCHIVE_DIR, wal_dir):
-        if not directory.is_dir():
-            continue
-        for record in read_records(directory, expected - 1):
-            if record.seq > upto_seq:
-                return
-            if record.seq != expected:
-                raise ValueError(
-                    f"the repair needs log record {expected} but {directory} continues at {record.seq}: the log "
-                    "segments after the repair anchor are missing"
-                )
-            expected += 1
-            if record.kind == "event":
-                yield decode_event(record, event_types, decode_blob), record.now
-    if expected <= upto_seq:
-        raise ValueError(f"the repair needs log records {expected}..{upto_seq}, which are not in {wal_dir}")
-
-
-class Anchors:
-    """Snapshots a repair may start from, as hard links of ``state.pt`` under ``<checkpoint_dir>/verify-anchors/
-    <wal seq>/state.pt``. :meth:`note_snapshot` (after a durable snapshot) takes one every ``horizon`` applied
-    updates; the newest :data:`KEEP_ANCHORS` are kept and archived log segments older than the oldest are pruned
-    (unless ``keep_archive``: ``runtime.wal_archive`` wants them all)."""
-
-    def __init__(self, checkpoint_dir: Path, horizon: int, keep_archive: bool, keep: int = KEEP_ANCHORS) -> None:
-        self.dir = checkpoint_dir / ANCHOR_DIR
-        self.wal_dir = checkpoint_dir / "wal"
-        self.horizon = horizon
-        self.keep_archive = keep_archive
-        self.keep = keep
-        self._last_version: Optional[int] = None
-        # held while a snapshot thread rotates anchors / prunes segments and while a repair reads them
-        self.lock = threading.Lock()
-        self._pinned: dict[int, int] = {}  # anchor seq -> verdicts being decided that name it (never rotated away)
-
-    def pin_oldest(self) -> int:
-        """The anchor a verdict names (the oldest), kept until :meth:`unpin` even if newer anchors arrive meanwhile."""
-        with self.lock:
-            seq = self.oldest()
-            if seq >= 0:
-                self._pinned[seq] = self._pinned.get(seq, 0) + 1
-            return seq
-
-    def unpin(self, seq: int) -> None:
-        with self.lock:
-            if seq in self._pinned:
-                self._pinned[seq] -= 1
-                if not self._pinned[seq]:
-                    del self._pinned[seq]
-
-    def seqs(self) -> list[int]:
-        if not self.dir.is_dir():
-            return []
-        return sorted(int(p.name) for p in self.dir.iterdir() if p.name.isdigit() and (p / "state.pt").is_file())
-
-    def oldest(self) -> int:
-        """The anchor a repair starts from now (-1: none yet)."""
-        seqs = self.seqs()
-        return seqs[0] if seqs else -1
-
-    def path(self, seq: int) -> Path:
-        return self.dir / f"{seq:020d}"
-
-    def note_snapshot(self, snapshot: Path, wal_seq: int, version: int) -> bool:
-        """Called in the snapshot thread once ``snapshot`` (covering log records up to ``wal_seq``) is durable."""
-        with self.lock:
-            return self._note(snapshot, wal_seq, version)
-
-    def _note(self, snapshot: Path, wal_seq: int, version: int) -> bool:
-        if self._last_version is None:
-            seqs = self.seqs()
-            self._last_version = -self.horizon if not seqs else version  # a resumed run anchored before
-        if version - self._last_version < self.horizon and self.seqs():
-            return False
-        target = self.path(wal_seq)
-        if (target / "state.pt").is_file():
-            return False
-        target.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(snapshot, target / "state.pt")  # state.pt is replaced by rename: this inode stays as it is
-        except OSError:
-            shutil.copyfile(snapshot, target / "state.pt")
-        self._last_version = version
-        for old in self.seqs()[: -self.keep]:
-            if old not in self._pinned:
-                shutil.rmtree(self.path(old), ignore_errors=True)
-        self._prune_archive()
-        return True
-
-    def _prune_archive(self) -> None:
-        if self.keep_archive:
-            return
-        oldest = self.oldest()
-        archive = self.wal_dir / "archive"
-        if oldest < 0 or not archive.is_dir():
-            return
-        segments = sorted((int(p.name[:-4]), p) for p in archive.glob("*.wal") if p.name[:-4].isdigit())
-        for index, (first, path) in enumerate(segments):
-            following = segments[index + 1][0] if index + 1 < len(segments) else None
-            if following is not None and following - 1 <= oldest:
-                path.unlink(missing_ok=True)  # every record in it is covered by the oldest anchor
 
 
 # ------------------------------------------------------------------------------------ the daemon's side
