@@ -104,10 +104,10 @@ def parse_row(row: str, colluders: int) -> tuple[str, Optional[float], int]:
     return attack, (float(scale) if scale else None), max(1, count)
 
 
-def write_config(base: Path, directory: Path, gate: bool, verify: bool = False) -> Path:
+def write_config(base: Path, directory: Path, gate: bool, verify: bool = False, run_id: Optional[str] = None) -> Path:
     config = yaml.safe_load(base.read_text())
     runtime = config.setdefault("runtime", {})
-    runtime["run_id"] = f"bench-{uuid.uuid4().hex[:10]}"
+    runtime["run_id"] = run_id or f"bench-{uuid.uuid4().hex[:10]}"
     runtime.setdefault("gate", {})["enabled"] = gate
     if verify:
         # the carried inner state (the default since the reveal RPC): the peers train as they do without verification
@@ -244,9 +244,10 @@ def final_perplexity(config: Path, checkpoint_dir: Path) -> tuple[float, float]:
     return perplexity, max_abs
 
 
-def final_metrics(config: Path, checkpoint_dir: Path) -> tuple[float, float, float, float]:
+def final_metrics(config: Path, checkpoint_dir: Path, start: Optional[Path] = None) -> tuple[float, float, float, float]:
     """Of the run's final θ: validation perplexity, max |θ|, the cosine of θ − θ₀ with the hidden direction,
-    and the loss on the trigger sequence."""
+    and the loss on the trigger sequence. θ₀ is the initial model, or the θ of the checkpoint ``start`` (a warm
+    start: the run's own displacement)."""
     import torch
 
     from asyncloco.config import load_config
@@ -259,7 +260,7 @@ def final_metrics(config: Path, checkpoint_dir: Path) -> tuple[float, float, flo
     cfg = load_config(config)
     workload = build_workload(cfg)
     model = workload.build_model(cfg.seed)
-    theta0 = flatten_params(model)
+    theta0 = flatten_params(model) if start is None else load_snapshot(start)["coordinator"]["params"].float()
     theta = load_snapshot(checkpoint_dir)["coordinator"]["params"]
     max_abs = float(theta.abs().max()) if bool(torch.isfinite(theta).all()) else math.inf
     moved = theta.float() - theta0
@@ -276,9 +277,41 @@ def final_metrics(config: Path, checkpoint_dir: Path) -> tuple[float, float, flo
     return perplexity, max_abs, cosine, trigger
 
 
+@dataclass(frozen=True)
+class Warm:
+    """A clean run stopped at ``version`` applied updates: every measured run resumes a copy of its coordinator."""
+
+    checkpoint_dir: Path
+    run_id: str
+    version: int
+
+
+def warm_up(base: Path, out: Path, gate: bool, verify: bool, updates: int, threads: int) -> Warm:
+    """``--warm-updates``: the 3 honest peers train a clean run to ``updates`` applied updates, then the coordinator
+    stops cleanly (a final snapshot). The runs that follow start from there, past the first updates' instability,
+    where single runs differ by 1.4 × in perplexity (docs/threat-model.md)."""
+    workdir = out / "warm"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    run_id = f"bench-{uuid.uuid4().hex[:10]}"
+    config = write_config(base, workdir, gate, verify, run_id)
+    with LocalCluster(config, workdir / "run", threads=threads) as cluster:
+        cluster.start_coordinator()
+        for peer, slowdown in zip([f"peer{i}" for i in range(len(SLOWDOWNS))], SLOWDOWNS):
+            cluster.start_peer(peer, slowdown)
+        cluster.wait_for(lambda: cluster.status().get("version", 0) >= updates, 1800, f"{updates} warm-up updates")
+        for name in list(cluster.peers):
+            cluster.stop(cluster.peers[name])
+        cluster.stop_coordinator()
+        version = int(cluster.status().get("version", 0))
+    logger.info("warm-up: a clean run to version %d (%s)", version, cluster.checkpoint_dir)
+    return Warm(cluster.checkpoint_dir, run_id, version)
+
+
 def run_one(
     base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int, updates: Optional[int] = None,
     repeat: int = 0, verify: bool = False, colluders: int = 1, honest_updates: Optional[int] = None,
+    warm: Optional["Warm"] = None,
 ) -> Result:
     row = attack
     attack, scale, identities = parse_row(row, colluders)
@@ -286,12 +319,14 @@ def run_one(
     workdir = out / name
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    config = write_config(base, workdir, gate, verify)
+    config = write_config(base, workdir, gate, verify, warm.run_id if warm is not None else None)
     cluster = LocalCluster(config, workdir / "run", threads=threads)
     honest_names = [f"peer{i}" for i in range(len(SLOWDOWNS))]
     hostile_ids: set[str] = set()
+    if warm is not None:  # every run goes on from the same warmed-up coordinator (--resume of a copy of its directory)
+        shutil.copytree(warm.checkpoint_dir, cluster.checkpoint_dir)
     try:
-        cluster.start_coordinator()
+        cluster.start_coordinator(resume=warm is not None)
         for peer, slowdown in zip(honest_names, SLOWDOWNS):
             cluster.start_peer(peer, slowdown)
         # the clock starts when the honest peers have joined (start-up time varies with the machine's load)
@@ -347,7 +382,8 @@ def run_one(
         cluster.close()
     events = cluster.events()
     status = cluster.status()
-    perplexity, max_abs, cosine, trigger = final_metrics(config, cluster.checkpoint_dir)
+    perplexity, max_abs, cosine, trigger = final_metrics(config, cluster.checkpoint_dir,
+                                                         warm.checkpoint_dir if warm is not None else None)
     hostile_ids.discard("")
     return Result(
         attack=row,
@@ -533,6 +569,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per row, interleaved; each row is judged by the geometric mean of its ratios")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--warm-updates", type=int,
+                        help="first a clean run to this many applied updates; every run then resumes a copy of it (the "
+                             "attack acts on a warm model; with --honest-updates the runs then count the new ones only)")
     parser.add_argument("--new", action="store_true", help=f"the issue 16 rows {NEW} (instead of --attacks)")
     parser.add_argument("--verify", action="store_true", help="runtime.verify: {enabled: true} (carried inner state) in every run")
     parser.add_argument("--colluders", type=int, default=1, help="hostile identities per attack row (a row's xK overrides)")
@@ -572,12 +611,17 @@ def main() -> int:
     results: list[Result] = []
     for gate in gates:
         runs: list[Result] = []
+        warm = None
+        if args.warm_updates:
+            warm = warm_up(Path(args.config), out / ("gate-on" if gate else "gate-off"), gate, args.verify,
+                           args.warm_updates, args.threads)
         # rounds interleave the rows (clean, attack, ..., clean, attack, ...) so that every row sees the same load
         for repeat in range(args.repeats):
             for attack in ["clean", *args.attacks]:
                 logger.info("run %s, gate %s, repeat %d, %.0f s", attack, "on" if gate else "off", repeat, args.duration)
                 result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates, repeat,
-                                 verify=args.verify, colluders=args.colluders, honest_updates=args.honest_updates)
+                                 verify=args.verify, colluders=args.colluders, honest_updates=args.honest_updates,
+                                 warm=warm)
                 runs.append(result)
                 logger.info("%s gate %s: perplexity %.4g", attack, "on" if gate else "off", result.perplexity)
         # each run against the clean runs' geometric mean (one clean run without --repeats)
@@ -596,7 +640,7 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
-            {"updates": args.updates, "honest_updates": args.honest_updates, "duration_s": args.duration, "verify": args.verify, "colluders": args.colluders,
+            {"updates": args.updates, "honest_updates": args.honest_updates, "warm_updates": args.warm_updates, "duration_s": args.duration, "verify": args.verify, "colluders": args.colluders,
              "acceptance": acceptance(results), "acceptance_issue16": acceptance16(results),
              "table": table(results), "runs": [asdict(r) for r in results]}, indent=1))
         print(f"wrote {args.json}")
