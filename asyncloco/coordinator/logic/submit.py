@@ -19,7 +19,8 @@ from asyncloco.coordinator.logic.events import (
 from asyncloco.coordinator.logic.leases import (
     _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta,
 )
-from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, Lease
+from asyncloco.coordinator.gate import GatePolicy, GateVerdict
+from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, Lease, PeerInfo
 from asyncloco.refusals import RefusalCode
 
 
@@ -109,18 +110,12 @@ def update_problem(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -
 
 
 def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[Action]:
-    if event.lease_id in state.applied:
-        version = state.applied[event.lease_id]
-        return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
-    lease = state.leases.get(event.lease_id)
-    if lease is None:
-        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back", RefusalCode.UNKNOWN_LEASE)]
-    problem = update_problem(state, event, lease)
-    if problem is not None:
-        return [Rejected(event.peer, event.lease_id, problem[1], problem[0])]
-    broken = _broken_chain(state, event)
-    if broken is not None:
-        return broken
+    """A peer's update for one of its leases: refused (:func:`_refusal`), rejected by the gate, dropped by the
+    staleness policy, or applied to θ — in that order of checks (each step a function below)."""
+    refused = _refusal(state, event)
+    if refused is not None:
+        return refused
+    lease = state.leases[event.lease_id]
     staleness = state.version - lease.base_version
     info = state.peers.get(event.peer)
     if info is not None:
@@ -128,25 +123,14 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     update = event.pseudo_gradient
     policy = state.policy
     verdict = None
-    # a lease chosen for verification: keep θ at its base version and the update exactly as submitted (the gate may
-    # clip it in place, the optimizer step changes θ in place); Verify is emitted only if the update is applied
-    check: tuple[torch.Tensor | None, torch.Tensor] | None = None
-    if policy.verify is not None and lease.verify:
-        base_now = base_theta(state, lease.base_version)
-        check = (None if base_now is None else base_now.clone() if base_now is state.params else base_now, update.clone())
+    check = _verification_copy(state, lease, update)
     if policy.gate is not None:
         probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
         verdict = update_gate.score(
             policy.gate, state.gate, update, lease.steps, event.peer, policy.norm_bound_per_step, probe
         )
         if verdict.action == "reject":
-            # The work is refused and its steps go back to the shard (its batches get trained by someone else).
-            quarantine = update_gate.record(policy.gate, state.gate, verdict, None, lease.steps, event.peer, now)
-            actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}", RefusalCode.GATE)]
-            actions += _give_back(state, lease, "its update was rejected by the gate")
-            if quarantine is not None:
-                actions += _quarantine(state, event.peer, now, quarantine)
-            return actions
+            return _gate_reject(state, policy.gate, event, lease, verdict, now)
         if verdict.action == "clip":
             update.mul_(verdict.scale)
     base = base_theta(state, lease.base_version) if state.needs_base_params else None
@@ -154,10 +138,7 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     del state.leases[lease.lease_id]
     _unindex_lease(state, lease)
     if info is not None and not policy.trust_speeds:
-        busy = now - lease.issued_at - max(0.0, event.transfer_s)
-        if busy > 0:
-            info.observed = ema(info.observed, lease.steps * policy.units_per_step / busy, 0.5)
-        info.transfer_s = max(0.0, event.transfer_s)
+        _observe_speed(state, info, lease, event, now)
     if adjusted.pseudo_gradient is None:
         # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
         state.applied[lease.lease_id] = state.version
@@ -168,20 +149,8 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     state.version += 1
     state.local_updates += lease.steps
     state.applied[lease.lease_id] = state.version
-    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
-        state.verification.chain[event.peer] = event.state_end  # the chain advances with applied leases only
-    gate_note = ""
-    if verdict is not None and policy.gate is not None:
-        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, event.peer, now)
-        gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
-    _drop_unused_base_params(state)
-    verify: list[Action] = []
-    if check is not None:
-        if check[0] is None:
-            state.verification.unverifiable += 1
-        else:
-            state.verification.pending[lease.lease_id] = event.peer
-            verify = [Verify(event.peer, lease, check[0], check[1], lease.verify, "", event.state_start or "", event.state_end or "")]
+    gate_note = _after_step(state, event, lease, verdict, update, now)
+    verify = _verify_actions(state, event, lease, check)
     return retained + verify + [
         Applied(
             event.peer,
@@ -195,6 +164,86 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
             gate_note,
         )
     ]
+
+
+def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
+    """The actions for a submission that must not reach the gate or θ — a resend of an applied lease
+    (Duplicate), an unknown or expired lease, an invalid update (:func:`update_problem`), an inner-state
+    chain that does not link (:func:`_broken_chain`) — or None when it may go on."""
+    if event.lease_id in state.applied:
+        version = state.applied[event.lease_id]
+        return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
+    lease = state.leases.get(event.lease_id)
+    if lease is None:
+        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back", RefusalCode.UNKNOWN_LEASE)]
+    problem = update_problem(state, event, lease)
+    if problem is not None:
+        return [Rejected(event.peer, event.lease_id, problem[1], problem[0])]
+    return _broken_chain(state, event)
+
+
+def _verification_copy(
+    state: CoordinatorState, lease: Lease, update: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """For a lease chosen for verification: θ at its base version (None when no longer held) and the update
+    exactly as submitted, copied before the gate may clip it in place and the optimizer step changes θ in
+    place; None for a lease not checked. Verify is emitted only if the update is applied (:func:`_verify_actions`)."""
+    if state.policy.verify is None or not lease.verify:
+        return None
+    base_now = base_theta(state, lease.base_version)
+    return (None if base_now is None else base_now.clone() if base_now is state.params else base_now, update.clone())
+
+
+def _gate_reject(
+    state: CoordinatorState, gate: GatePolicy, event: SubmitUpdate, lease: Lease, verdict: GateVerdict, now: float
+) -> list[Action]:
+    """The gate rejected the update: the work is refused and its steps go back to the shard (its batches get
+    trained by someone else); the gate's record may quarantine the peer."""
+    quarantine = update_gate.record(gate, state.gate, verdict, None, lease.steps, event.peer, now)
+    actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}", RefusalCode.GATE)]
+    actions += _give_back(state, lease, "its update was rejected by the gate")
+    if quarantine is not None:
+        actions += _quarantine(state, event.peer, now, quarantine)
+    return actions
+
+
+def _observe_speed(state: CoordinatorState, info: PeerInfo, lease: Lease, event: SubmitUpdate, now: float) -> None:
+    """The peer's observed speed (steps' units per busy second, the lease's time less its transfers) and its
+    transfer time, from this submission (when the policy does not trust reported speeds)."""
+    busy = now - lease.issued_at - max(0.0, event.transfer_s)
+    if busy > 0:
+        info.observed = ema(info.observed, lease.steps * state.policy.units_per_step / busy, 0.5)
+    info.transfer_s = max(0.0, event.transfer_s)
+
+
+def _after_step(
+    state: CoordinatorState, event: SubmitUpdate, lease: Lease, verdict: GateVerdict | None, update: torch.Tensor, now: float
+) -> str:
+    """Bookkeeping once θ moved: the peer's commitment chain advances (applied leases only), the gate records the
+    update it passed, unused base parameters are dropped. Returns the gate's note for Applied ("" without a gate)."""
+    policy = state.policy
+    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
+        state.verification.chain[event.peer] = event.state_end  # the chain advances with applied leases only
+    gate_note = ""
+    if verdict is not None and policy.gate is not None:
+        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, event.peer, now)
+        gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
+    _drop_unused_base_params(state)
+    return gate_note
+
+
+def _verify_actions(
+    state: CoordinatorState, event: SubmitUpdate, lease: Lease, check: tuple[torch.Tensor | None, torch.Tensor] | None
+) -> list[Action]:
+    """The Verify for an applied lease chosen for verification (pending until its Verified), or none: a lease not
+    chosen, or one whose base θ is no longer held (counted as unverifiable)."""
+    if check is None:
+        return []
+    if check[0] is None:
+        state.verification.unverifiable += 1
+        return []
+    state.verification.pending[lease.lease_id] = event.peer
+    return [Verify(event.peer, lease, check[0], check[1], lease.verify, "", event.state_start or "", event.state_end or "")]
 
 
 def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
