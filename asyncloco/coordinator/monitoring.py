@@ -198,43 +198,13 @@ class Monitoring:
 
     def record(self, action: Action) -> bool:
         """Journal and count one action; True when it changed durable state."""
-        state = self.node.state
         if isinstance(action, Assign):
-            lease = action.lease
-            stats = self.stats.peer(action.peer)
-            stats.leases += 1
-            stats.steps_assigned += lease.steps
-            info = state.peers.get(action.peer)
-            stats.speed = info.speed if info is not None else 0.0
-            stats.last_steps = lease.steps
-            stats.last_seen = self.clock.time()
-            self.journal.write("assign", reason=action.reason, **lease.to_dict())
-            logger.debug("lease %s → %s: %d steps on shard %d (%s)", lease.lease_id, action.peer[-8:], lease.steps, lease.shard, action.reason)
-            return True
+            return self._record_assign(action)
         if isinstance(action, Hold):
             self.journal.write("hold", peer=action.peer, until=action.until, waiting_for=list(action.waiting_for), reason=action.reason)
             return False
         if isinstance(action, Applied):
-            stats = self.stats.peer(action.peer)
-            stats.applied += 1
-            stats.steps_applied += action.steps
-            stats.staleness_sum += action.staleness
-            stats.last_seen = self.clock.time()
-            self.stats.updates.note(stats.last_seen)
-            self.journal.write(
-                "applied",
-                peer=action.peer,
-                lease_id=action.lease_id,
-                version=action.version,
-                staleness=action.staleness,
-                steps=action.steps,
-                shard=action.shard,
-                local_updates=state.local_updates,
-                reason=action.reason,
-                gate=action.gate,
-            )
-            logger.debug("applied %s from %s: version %d, staleness %d", action.lease_id, action.peer[-8:], action.version, action.staleness)
-            return True
+            return self._record_applied(action)
         if isinstance(action, Expired):
             self.stats.peer(action.peer).expired += 1
             self.journal.write("expired", peer=action.peer, lease_id=action.lease_id, shard=action.shard, steps=action.steps, reason=action.reason)
@@ -246,37 +216,9 @@ class Monitoring:
             self.journal.write("duplicate", peer=action.peer, lease_id=action.lease_id, version=action.version, reason=action.reason)
             return False
         if isinstance(action, Rejected):
-            if not action.lease_id and self._repeated_refusal(action.peer, action.reason):
-                return False  # the same refused request again (e.g. a quarantined peer polling): counted once a minute
-            self.stats.peer(action.peer).rejected += 1
-            self.stats.peer(action.peer).last_seen = self.clock.time()
-            self.journal.write("rejected", peer=action.peer, lease_id=action.lease_id, reason=action.reason)
-            logger.warning("rejected %s from %s: %s", action.lease_id or "request", action.peer[-8:], action.reason)
-            # a dropped-by-policy update consumed its lease: durable state changed
-            return action.lease_id in state.applied
-        # --- admission (coordinator/admission.py)
-        if isinstance(action, Admitted):
-            if action.new:
-                self.journal.write("admitted", peer=action.peer, token_id=action.token_id, name=action.name, reason=action.reason)
-                logger.info("admitted %s as %r (token %s)", action.peer[-8:], action.name, action.token_id)
-            return action.new
-        if isinstance(action, Refused):
-            self.refusals.note(self.journal, action.peer, action.reason, action.token_id, action.lease_id, now=self.clock.time())
-            return False
-        if isinstance(action, Incompatible):  # the compatibility check refused this peer (asyncloco/fingerprint.py)
-            self.journal.write("incompatible", peer=action.peer, differing=list(action.differing),
-                               peer_version=action.peer_version, reason=action.reason)
-            logger.warning("refused %s: %s differ (peer runs asyncloco %s)", action.peer[-8:], ", ".join(action.differing), action.peer_version)
-            return True
-        if isinstance(action, Revoked):
-            self.journal.write("revoked", token_id=action.token_id, peer=action.peer, reason=action.reason)
-            logger.warning("token %s revoked%s", action.token_id, f" (peer {action.peer[-8:]})" if action.peer else "")
-            return True
-        if isinstance(action, Quarantined):
-            self.stats.peer(action.peer).quarantined_until = action.until
-            self.journal.write("quarantined", peer=action.peer, until=action.until, reason=action.reason)
-            logger.warning("peer %s quarantined until %.0f: %s", action.peer[-8:], action.until, action.reason)
-            return True
+            return self._record_rejected(action)
+        if isinstance(action, (Admitted, Refused, Incompatible, Revoked, Quarantined)):
+            return self._record_admission(action)
         if isinstance(action, Released):
             waiter = self.waiters.pop(action.peer, None)
             if waiter is not None and not waiter.future.done():
@@ -294,6 +236,80 @@ class Monitoring:
             logger.warning("%s", action.reason)
             return False
         raise AssertionError(f"unhandled action {action!r}")
+
+    def _record_assign(self, action: Assign) -> bool:
+        """A lease handed out: the peer's lease and step counts, its speed as the logic knows it, the journal."""
+        lease = action.lease
+        stats = self.stats.peer(action.peer)
+        stats.leases += 1
+        stats.steps_assigned += lease.steps
+        info = self.node.state.peers.get(action.peer)
+        stats.speed = info.speed if info is not None else 0.0
+        stats.last_steps = lease.steps
+        stats.last_seen = self.clock.time()
+        self.journal.write("assign", reason=action.reason, **lease.to_dict())
+        logger.debug("lease %s → %s: %d steps on shard %d (%s)", lease.lease_id, action.peer[-8:], lease.steps, lease.shard, action.reason)
+        return True
+
+    def _record_applied(self, action: Applied) -> bool:
+        """An update applied to θ: the peer's applied counts and staleness, the update rate, the journal."""
+        stats = self.stats.peer(action.peer)
+        stats.applied += 1
+        stats.steps_applied += action.steps
+        stats.staleness_sum += action.staleness
+        stats.last_seen = self.clock.time()
+        self.stats.updates.note(stats.last_seen)
+        self.journal.write(
+            "applied",
+            peer=action.peer,
+            lease_id=action.lease_id,
+            version=action.version,
+            staleness=action.staleness,
+            steps=action.steps,
+            shard=action.shard,
+            local_updates=self.node.state.local_updates,
+            reason=action.reason,
+            gate=action.gate,
+        )
+        logger.debug("applied %s from %s: version %d, staleness %d", action.lease_id, action.peer[-8:], action.version, action.staleness)
+        return True
+
+    def _record_rejected(self, action: Rejected) -> bool:
+        """A refused request or update: counted and journaled (a request refused again for the same reason within
+        a minute is not); durable state changed only when a dropped-by-policy update consumed its lease."""
+        if not action.lease_id and self._repeated_refusal(action.peer, action.reason):
+            return False  # the same refused request again (e.g. a quarantined peer polling): counted once a minute
+        self.stats.peer(action.peer).rejected += 1
+        self.stats.peer(action.peer).last_seen = self.clock.time()
+        self.journal.write("rejected", peer=action.peer, lease_id=action.lease_id, reason=action.reason)
+        logger.warning("rejected %s from %s: %s", action.lease_id or "request", action.peer[-8:], action.reason)
+        # a dropped-by-policy update consumed its lease: durable state changed
+        return action.lease_id in self.node.state.applied
+
+    def _record_admission(self, action: Admitted | Refused | Incompatible | Revoked | Quarantined) -> bool:
+        """Admission (coordinator/admission.py), the compatibility check (asyncloco/fingerprint.py) and quarantine:
+        journaled and logged; True when durable state changed."""
+        if isinstance(action, Admitted):
+            if action.new:
+                self.journal.write("admitted", peer=action.peer, token_id=action.token_id, name=action.name, reason=action.reason)
+                logger.info("admitted %s as %r (token %s)", action.peer[-8:], action.name, action.token_id)
+            return action.new
+        if isinstance(action, Refused):
+            self.refusals.note(self.journal, action.peer, action.reason, action.token_id, action.lease_id, now=self.clock.time())
+            return False
+        if isinstance(action, Incompatible):  # the compatibility check refused this peer (asyncloco/fingerprint.py)
+            self.journal.write("incompatible", peer=action.peer, differing=list(action.differing),
+                               peer_version=action.peer_version, reason=action.reason)
+            logger.warning("refused %s: %s differ (peer runs asyncloco %s)", action.peer[-8:], ", ".join(action.differing), action.peer_version)
+            return True
+        if isinstance(action, Revoked):
+            self.journal.write("revoked", token_id=action.token_id, peer=action.peer, reason=action.reason)
+            logger.warning("token %s revoked%s", action.token_id, f" (peer {action.peer[-8:]})" if action.peer else "")
+            return True
+        self.stats.peer(action.peer).quarantined_until = action.until
+        self.journal.write("quarantined", peer=action.peer, until=action.until, reason=action.reason)
+        logger.warning("peer %s quarantined until %.0f: %s", action.peer[-8:], action.until, action.reason)
+        return True
 
     def _repeated_refusal(self, peer: str, reason: str, every_s: float = 60.0) -> bool:
         """True when ``peer``'s request was refused for the same reason less than ``every_s`` ago."""
