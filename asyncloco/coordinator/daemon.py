@@ -66,6 +66,16 @@ ENDPOINT_FILE = "endpoint.json"
 IDENTITY_FILE = "identity.key"
 
 
+@dataclasses.dataclass
+class _Started:
+    """What :meth:`CoordinatorDaemon.run` started on the DHT node, filled in as it starts (None: not started),
+    so that its shutdown undoes exactly that."""
+
+    p2p: Any = None
+    service: Any = None
+    seed: Any = None
+
+
 class CoordinatorDaemon:
     """``await CoordinatorDaemon(cfg, checkpoint_dir=..., resume=...).run(stop_event)``.
 
@@ -400,10 +410,29 @@ class CoordinatorDaemon:
         return service
 
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:
+        """Serve until ``stop`` is set, then shut down; ``ready`` is set once the coordinator serves. The steps:
+        start the DHT node (:meth:`_start_dht`), serve on it (:meth:`_serve_on`), check the announced address
+        (:meth:`_check_reach`), announce the start (:meth:`_announce_start`), run the timed loops
+        (:meth:`_start_loops`) until ``stop``, write the final snapshot (:meth:`_wind_down`) and undo whatever was
+        started (:meth:`_shut_down`, also after a failure)."""
         self._stop_event = stop
-        from asyncloco.transport.dht import start_dht, stop_dht
-        from asyncloco.transport.discovery import RunInfo, serve_run_info
-        from asyncloco.transport.records import RunRecords
+        dht, port = await self._start_dht()
+        started = _Started()
+        try:
+            records, bound = await self._serve_on(dht, port, started)
+            await self._check_reach(bound)
+            await self._announce_start(ready)
+            tasks = self._start_loops(dht, records, stop)
+            await stop.wait()
+            await self._wind_down(tasks)
+        finally:
+            await self._shut_down(dht, started)
+
+    async def _start_dht(self) -> tuple[Any, int]:
+        """Reap what a killed predecessor of this directory left, choose the port (the previous one on
+        ``--resume``; a free one ahead when an ``--announce-addr`` must carry it) and start the DHT node. Returns the
+        node and the port asked for (0: any)."""
+        from asyncloco.transport.dht import start_dht
 
         self.dir.mkdir(parents=True, exist_ok=True)
         # a previous coordinator of this directory killed alone (OOM killer, SIGKILL of its main process) left
@@ -425,88 +454,109 @@ class CoordinatorDaemon:
             identity_path=str(self.dir / IDENTITY_FILE),
             **reach,
         )
-        p2p = None
-        service = None
-        seed = None
-        try:
-            if dht.pid is not None:
-                record_children(self.dir, [dht.pid, *child_pids(dht.pid)])  # reaped by the next start if orphaned
-            records = RunRecords(dht, self.cfg.runtime.run_id)
-            self.peer_id = dht.peer_id.to_base58()
-            self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
-            bound = int(str(self.multiaddrs[0]).split("/tcp/")[1].split("/")[0]) if self.multiaddrs else port
-            (self.dir / ENDPOINT_FILE).write_text(
-                json.dumps({"peer_id": self.peer_id, "multiaddrs": self.multiaddrs, "port": bound}, indent=1)
-            )
-            p2p = await dht.replicate_p2p()
-            service = self.new_service()
-            await service.add_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
-            seed = self.swarm_seed = await self._start_swarm_seed(p2p)
-            # --- which run this is, and the peers' compatibility check (transport/discovery.py, fingerprint.py)
-            self.serving.fingerprint = await asyncio.to_thread(run_fingerprint, self.cfg, self.workload, self.model)
-            await serve_run_info(p2p, RunInfo(self.cfg.runtime.run_id, __version__), self.serving.check_fingerprint)
-            await self._check_reach(bound)
-            if not self.resume:
+        return dht, port
+
+    async def _serve_on(self, dht: Any, port: int, started: _Started) -> tuple[Any, int]:
+        """On the started DHT node: record its processes, write the endpoint file, serve the RPC service, the swarm
+        seed and the run's info with the compatibility check (transport/discovery.py, fingerprint.py). What it
+        starts goes into ``started`` as it starts. Returns the run's DHT records and the bound port."""
+        from asyncloco.transport.discovery import RunInfo, serve_run_info
+        from asyncloco.transport.records import RunRecords
+
+        if dht.pid is not None:
+            record_children(self.dir, [dht.pid, *child_pids(dht.pid)])  # reaped by the next start if orphaned
+        records = RunRecords(dht, self.cfg.runtime.run_id)
+        self.peer_id = dht.peer_id.to_base58()
+        self.multiaddrs = [str(m) for m in dht.get_visible_maddrs()]
+        bound = int(str(self.multiaddrs[0]).split("/tcp/")[1].split("/")[0]) if self.multiaddrs else port
+        (self.dir / ENDPOINT_FILE).write_text(
+            json.dumps({"peer_id": self.peer_id, "multiaddrs": self.multiaddrs, "port": bound}, indent=1)
+        )
+        started.p2p = await dht.replicate_p2p()
+        started.service = self.new_service()
+        await started.service.add_p2p_handlers(started.p2p, namespace=self.cfg.runtime.run_id)
+        started.seed = self.swarm_seed = await self._start_swarm_seed(started.p2p)
+        # --- which run this is, and the peers' compatibility check (transport/discovery.py, fingerprint.py)
+        self.serving.fingerprint = await asyncio.to_thread(run_fingerprint, self.cfg, self.workload, self.model)
+        await serve_run_info(started.p2p, RunInfo(self.cfg.runtime.run_id, __version__), self.serving.check_fingerprint)
+        return records, bound
+
+    async def _announce_start(self, ready: Optional[asyncio.Event]) -> None:
+        """The first snapshot of a new run (a replayed state is snapshotted soon), the monitoring started, the
+        ``start`` record, ``status.json``, a first evaluation, the log lines, then ``ready``."""
+        if not self.resume:
+            await self._save()
+        elif self.replayed:
+            self.durability.updates_since_snapshot = self.cfg.runtime.snapshot_every  # snapshot the replayed state soon
+        self.monitoring.start()  # sinks + dashboard (status.py); stopped in _shut_down
+        self.journal.write(
+            "start",
+            peer_id=self.peer_id,
+            multiaddrs=self.multiaddrs,
+            version=self.state.version,
+            method=self.spec.name,
+            resumed=self.resume,
+            numel=self.numel,
+        )
+        self._write_status()
+        self.monitoring.maybe_evaluate(force=True)
+        logger.info("coordinator of run %r (%s) serving a %.1f M-parameter model (%d)", self.cfg.runtime.run_id, self.spec.label,
+                    self.numel / 1e6, self.numel)
+        for addr in self.multiaddrs:
+            logger.info("listening at %s", addr)
+        if ready is not None:
+            ready.set()
+
+    def _start_loops(self, dht: Any, records: Any, stop: asyncio.Event) -> list[asyncio.Task[Any]]:
+        """The timed loops (coordinator/loops.py: ticks, speed reports, the run's announcement, revocations) and
+        the monitoring's loop, each until ``stop``."""
+        return [
+            asyncio.create_task(tick_loop(self.node, stop)),
+            asyncio.create_task(speed_loop(self.node, self.stats, self.cfg, records, stop, dht)),
+            asyncio.create_task(announce_loop(records, stop, self.cfg, self.peer_id, self.multiaddrs, self.numel,
+                                              lambda: self.node.state.version)),
+            asyncio.create_task(revocation_loop(self.node, stop)),  # admission
+            asyncio.create_task(self.monitoring.loop(stop)),
+        ]
+
+    async def _wind_down(self, tasks: list[asyncio.Task[Any]]) -> None:
+        """After ``stop``: refuse new events, end the loops, cancel the held requests, let running evaluations
+        finish, write the final snapshot and ``status.json``, then the ``stop`` record."""
+        async with self.lock:
+            self._stopping = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for waiter in self.waiters.values():
+            waiter.future.cancel()
+        if self._eval_tasks:
+            await asyncio.gather(*self._eval_tasks, return_exceptions=True)
+        async with self.lock:
+            try:
                 await self._save()
-            elif self.replayed:
-                self.durability.updates_since_snapshot = self.cfg.runtime.snapshot_every  # snapshot the replayed state soon
-            self.monitoring.start()  # sinks + dashboard (status.py); stopped in the finally below
-            self.journal.write(
-                "start",
-                peer_id=self.peer_id,
-                multiaddrs=self.multiaddrs,
-                version=self.state.version,
-                method=self.spec.name,
-                resumed=self.resume,
-                numel=self.numel,
-            )
-            self._write_status()
-            self.monitoring.maybe_evaluate(force=True)
-            logger.info("coordinator of run %r (%s) serving a %.1f M-parameter model (%d)", self.cfg.runtime.run_id, self.spec.label,
-                        self.numel / 1e6, self.numel)
-            for addr in self.multiaddrs:
-                logger.info("listening at %s", addr)
-            if ready is not None:
-                ready.set()
-            tasks = [
-                asyncio.create_task(tick_loop(self.node, stop)),
-                asyncio.create_task(speed_loop(self.node, self.stats, self.cfg, records, stop, dht)),
-                asyncio.create_task(announce_loop(records, stop, self.cfg, self.peer_id, self.multiaddrs, self.numel,
-                                                  lambda: self.node.state.version)),
-                asyncio.create_task(revocation_loop(self.node, stop)),  # admission
-                asyncio.create_task(self.monitoring.loop(stop)),
-            ]
-            await stop.wait()
-            async with self.lock:
-                self._stopping = True
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for waiter in self.waiters.values():
-                waiter.future.cancel()
-            if self._eval_tasks:
-                await asyncio.gather(*self._eval_tasks, return_exceptions=True)
-            async with self.lock:
-                try:
-                    await self._save()
-                    self._write_status()
-                    logger.info("checkpoint written at version %d; shutting down", self.state.version)
-                except OSError as error:  # the last durable snapshot stands; nothing unsaved was acknowledged
-                    logger.critical("final checkpoint failed (%r); --resume continues from the last good one", error)
-            self.journal.write("stop", version=self.state.version, local_updates=self.state.local_updates)
-        finally:
-            self.monitoring.stop()
-            if service is not None and p2p is not None:
-                try:
-                    await service.remove_p2p_handlers(p2p, namespace=self.cfg.runtime.run_id)
-                    if seed is not None:
-                        await seed.remove_handlers(p2p, self.cfg.runtime.run_id)
-                except Exception as error:  # shutting down anyway
-                    logger.debug("removing handlers failed: %r", error)
-            if p2p is not None:
-                await p2p.shutdown()
-            stop_dht(dht)
-            if self.verification is not None:
-                await self.verification.close()
-            self.wal.close()
-            self.journal.close()
+                self._write_status()
+                logger.info("checkpoint written at version %d; shutting down", self.state.version)
+            except OSError as error:  # the last durable snapshot stands; nothing unsaved was acknowledged
+                logger.critical("final checkpoint failed (%r); --resume continues from the last good one", error)
+        self.journal.write("stop", version=self.state.version, local_updates=self.state.local_updates)
+
+    async def _shut_down(self, dht: Any, started: _Started) -> None:
+        """Undo what :meth:`run` started, whether it ended or failed: the monitoring, the handlers, p2p, the DHT
+        node (no orphaned p2pd), the verifier; then the write-ahead log and the journal are closed."""
+        from asyncloco.transport.dht import stop_dht
+
+        self.monitoring.stop()
+        if started.service is not None and started.p2p is not None:
+            try:
+                await started.service.remove_p2p_handlers(started.p2p, namespace=self.cfg.runtime.run_id)
+                if started.seed is not None:
+                    await started.seed.remove_handlers(started.p2p, self.cfg.runtime.run_id)
+            except Exception as error:  # shutting down anyway
+                logger.debug("removing handlers failed: %r", error)
+        if started.p2p is not None:
+            await started.p2p.shutdown()
+        stop_dht(dht)
+        if self.verification is not None:
+            await self.verification.close()
+        self.wal.close()
+        self.journal.close()
