@@ -118,10 +118,13 @@ def run_wan(
     threads: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Run ``config`` over the links of ``peers`` for ``budget_s`` seconds of training; results in ``out``."""
+    """Run ``config`` over the links of ``peers`` for ``budget_s`` seconds of training; results in ``out``.
+
+    The steps: the coordinator started in its namespace (:func:`_start_coordinator`), each peer behind its proxy
+    (:func:`_start_peer`), training for the budget counted from the first lease (:func:`_train_for`), everything
+    stopped (:func:`_stop_all`), the results read from the journal and the peers' summaries (:func:`_results`)."""
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = out / "coordinator"
-    python = sys.executable
     logs: list[Any] = []
     peer_processes: list[Any] = []
     parameters: Optional[int] = None
@@ -131,73 +134,110 @@ def run_wan(
             nodes = [net.add_node(f"peer{i}", spec.profile) for i, spec in enumerate(peers)]
             log = (out / "coordinator.log").open("ab")
             logs.append(log)
-            coordinator = net.spawn(
-                coord,
-                [python, "-m", "asyncloco.cli", "coordinator", "--config", str(config), "--checkpoint-dir",
-                 str(checkpoint_dir), "--port", str(COORDINATOR_PORT), "--threads", str(threads)],
-                log=log,
-            )  # fmt: skip
+            coordinator = _start_coordinator(net, coord, config, checkpoint_dir, threads, log)
             status_path = checkpoint_dir / "status.json"
-
-            def coordinator_id() -> Optional[str]:
-                try:
-                    status = json.loads(status_path.read_text())
-                except (OSError, json.JSONDecodeError):
-                    return None
-                addresses = status.get("multiaddrs") or []
-                return str(addresses[0]).rsplit("/p2p/", 1)[1] if addresses else None
-
-            peer_id = _wait(coordinator_id, 300, "the coordinator to start", [coordinator])
+            peer_id = _wait(lambda: _coordinator_id(status_path), 300, "the coordinator to start", [coordinator])
             started_status = json.loads(status_path.read_text())
             run_id = started_status.get("run_id")
             parameters = started_status.get("parameters")
             for i, (spec, node) in enumerate(zip(peers, nodes)):
-                port_file = str(Path(scratch) / f"proxy{i}.port")
-                profile = spec.profile
-                net.spawn(
-                    coord,
-                    [python, "-m", "asyncloco.wan.proxy", "--listen", f"{coord.address}:{PROXY_BASE_PORT + i}",
-                     "--target", f"127.0.0.1:{COORDINATOR_PORT}", "--latency-ms", str(profile.latency_ms),
-                     "--loss", str(profile.loss * 100), "--seed", str(seed * 1000 + i), "--port-file", port_file,
-                     *_rate_args(profile)],
-                    log=log,
-                )  # fmt: skip
-                wait_for_port_file(port_file)
-                peer_log = (out / f"peer{i}.log").open("ab")
-                logs.append(peer_log)
-                peer_processes.append(net.spawn(
-                    node,
-                    [python, "-m", "asyncloco.cli", "peer", "join", "--initial-peers",
-                     f"/ip4/{coord.address}/tcp/{PROXY_BASE_PORT + i}/p2p/{peer_id}", "--run-id", str(run_id),
-                     "--slowdown", str(spec.slowdown), "--threads", str(threads), "--no-progress",
-                     "--summary", str(out / f"peer{i}.json")],
-                    log=peer_log,
-                ))  # fmt: skip
-            journal = checkpoint_dir / "events.jsonl"
-            first = _wait(
-                lambda: next((e for e in read_journal(journal) if e["type"] == "assign"), None),
-                600, "the first lease", [coordinator],
-            )  # fmt: skip
-            t0 = float(first["time"])
-            logger.info("training started; running for %.0f s", budget_s)
-            while time.time() < t0 + budget_s:
-                if coordinator.poll() is not None:
-                    raise NetnsError(f"the coordinator exited with {coordinator.returncode}; see {out / 'coordinator.log'}")
-                time.sleep(1.0)
-            # the budget is spent: stop every peer at once (a peer finishes its lease on the first signal;
-            # the measurement is over, so the stragglers are killed after a short grace)
-            for process in peer_processes:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGTERM)
-            grace = time.monotonic() + 15.0
-            while any(p.poll() is None for p in peer_processes) and time.monotonic() < grace:
-                time.sleep(0.2)
-            for process in peer_processes:
-                net.stop(process, timeout=1)
-            net.stop(coordinator, timeout=60)
+                peer = _start_peer(net, coord, node, i, spec, peer_id, run_id, Path(scratch), out,
+                                   seed=seed, threads=threads, log=log, logs=logs)
+                peer_processes.append(peer)
+            t0 = _train_for(coordinator, checkpoint_dir / "events.jsonl", budget_s, out)
+            _stop_all(net, coordinator, peer_processes)
         finally:
             for handle in logs:
                 handle.close()
+    return _results(out, checkpoint_dir, peers, budget_s, parameters, t0)
+
+
+def _start_coordinator(net: WanNetwork, coord: Any, config: Path, checkpoint_dir: Path, threads: int, log: Any) -> Any:
+    """The coordinator process in namespace ``coord``, on :data:`COORDINATOR_PORT`, logging to ``log``."""
+    return net.spawn(
+        coord,
+        [sys.executable, "-m", "asyncloco.cli", "coordinator", "--config", str(config), "--checkpoint-dir",
+         str(checkpoint_dir), "--port", str(COORDINATOR_PORT), "--threads", str(threads)],
+        log=log,
+    )  # fmt: skip
+
+
+def _coordinator_id(status_path: Path) -> Optional[str]:
+    """The coordinator's peer id from its ``status.json`` once it lists an address, else None."""
+    try:
+        status = json.loads(status_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    addresses = status.get("multiaddrs") or []
+    return str(addresses[0]).rsplit("/p2p/", 1)[1] if addresses else None
+
+
+def _start_peer(
+    net: WanNetwork, coord: Any, node: Any, i: int, spec: PeerSpec, peer_id: str, run_id: Any, scratch: Path, out: Path,
+    *, seed: int, threads: int, log: Any, logs: list[Any],
+) -> Any:
+    """Peer ``i``: its proxy in ``coord``'s namespace (the profile's latency, loss and rates; logging to the
+    coordinator's ``log``), waited for until it listens, then the peer process in ``node`` dialling the coordinator
+    through it. The peer's log file is added to ``logs`` (closed by the caller). Returns the peer process."""
+    python = sys.executable
+    port_file = str(scratch / f"proxy{i}.port")
+    profile = spec.profile
+    net.spawn(
+        coord,
+        [python, "-m", "asyncloco.wan.proxy", "--listen", f"{coord.address}:{PROXY_BASE_PORT + i}",
+         "--target", f"127.0.0.1:{COORDINATOR_PORT}", "--latency-ms", str(profile.latency_ms),
+         "--loss", str(profile.loss * 100), "--seed", str(seed * 1000 + i), "--port-file", port_file,
+         *_rate_args(profile)],
+        log=log,
+    )  # fmt: skip
+    wait_for_port_file(port_file)
+    peer_log = (out / f"peer{i}.log").open("ab")
+    logs.append(peer_log)
+    return net.spawn(
+        node,
+        [python, "-m", "asyncloco.cli", "peer", "join", "--initial-peers",
+         f"/ip4/{coord.address}/tcp/{PROXY_BASE_PORT + i}/p2p/{peer_id}", "--run-id", str(run_id),
+         "--slowdown", str(spec.slowdown), "--threads", str(threads), "--no-progress",
+         "--summary", str(out / f"peer{i}.json")],
+        log=peer_log,
+    )  # fmt: skip
+
+
+def _train_for(coordinator: Any, journal: Path, budget_s: float, out: Path) -> float:
+    """Wait for the first lease in the coordinator's ``journal``, then for ``budget_s`` seconds from it (failing
+    if the coordinator exits). Returns the first lease's time."""
+    first = _wait(
+        lambda: next((e for e in read_journal(journal) if e["type"] == "assign"), None),
+        600, "the first lease", [coordinator],
+    )  # fmt: skip
+    t0 = float(first["time"])
+    logger.info("training started; running for %.0f s", budget_s)
+    while time.time() < t0 + budget_s:
+        if coordinator.poll() is not None:
+            raise NetnsError(f"the coordinator exited with {coordinator.returncode}; see {out / 'coordinator.log'}")
+        time.sleep(1.0)
+    return t0
+
+
+def _stop_all(net: WanNetwork, coordinator: Any, peer_processes: list[Any]) -> None:
+    """The budget is spent: stop every peer at once (a peer finishes its lease on the first signal; the
+    measurement is over, so the stragglers are killed after a short grace), then the coordinator."""
+    for process in peer_processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    grace = time.monotonic() + 15.0
+    while any(p.poll() is None for p in peer_processes) and time.monotonic() < grace:
+        time.sleep(0.2)
+    for process in peer_processes:
+        net.stop(process, timeout=1)
+    net.stop(coordinator, timeout=60)
+
+
+def _results(
+    out: Path, checkpoint_dir: Path, peers: Sequence[PeerSpec], budget_s: float, parameters: Optional[int], t0: float
+) -> dict[str, Any]:
+    """The run's result, also written to ``out/result.json``: the evaluations (seconds since the first lease,
+    perplexity), the applied and expired counts from the journal, and each peer's summary ({} when unreadable)."""
     events = read_journal(checkpoint_dir / "events.jsonl")
     evals = [
         {"t": float(e["time"]) - t0, "version": e.get("version"), "perplexity": _perplexity(e)}
