@@ -12,11 +12,14 @@ time leaves the others' results (its own "status" says "failed" or "timeout" and
 2. ``tests`` — ``pytest -m gpu tests/test_gpu.py``: a peer on ``--device cuda`` against a coordinator on the
    CPU that evaluates on CUDA, bf16 autocast, pinned copies, 8-bit AdamW training the 20m preset, evaluation
    on CUDA, one-GPU NCCL groups under DDP and FSDP (all skipped, with the reason, without CUDA);
-3. ``bench`` — scripts/bench_peer.py (the peer's inner loop vs a plain transformers + torch loop on the same
-   batches) for 20m, 60m and 150m in bf16: tokens/s, their ratio, and model FLOPs utilisation computed here
+3. ``verify`` — scripts/verify_tolerance.py: the same lease run twice on the device (as verified work re-runs
+   it), in bf16 and fp32, with and without deterministic algorithms, against an honest different lease and
+   against the CPU's fp32 run: the figures behind ``runtime.verify.tolerance`` for GPU peers;
+4. ``bench`` — scripts/bench_peer.py (the peer's inner loop vs a plain transformers + torch loop on the same
+   batches, leases of H = 50 steps) for 20m, 60m and 150m in bf16: tokens/s, their ratio, and model FLOPs utilisation computed here
    from the parameter count (6 N + 12 L·d_attn·T FLOPs per token, N without the input-embedding lookup)
    and the GPU's dense bf16 peak (``--peak-tflops``, or known from the device's name);
-4. ``run`` — the paper's claim in the real runtime: a coordinator and 4 peer processes on this machine (the
+5. ``run`` — the paper's claim in the real runtime: a coordinator and 4 peer processes on this machine (the
    GPU shared, peers slowed ×1, ×1.5, ×2, ×4 as in ``asyncloco demo``), the 20m preset on the embedded
    corpus, Async DN + DyLU and then sync DiLoCo for the same wall time each: validation perplexity against
    time, updates applied, each peer's idle fraction; perplexity at equal wall time and the time DN + DyLU
@@ -74,6 +77,7 @@ class Plan:
     bench_args: list[str]
     bench_limit: float
     tests_limit: float
+    verify_runs: dict[str, list[str]]  # name -> scripts/verify_tolerance.py arguments
     run_sizes: list[str]
     slowdowns: list[float]
     run_seconds: float
@@ -92,7 +96,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
             tiny=True, device="cpu", precision="fp32", bench_models=["tiny"],
             bench_args=["--batch-size", "4", "--seq-len", "32", "--steps", "3", "--repeats", "3", "--warmup", "1",
                         "--threads", "1"],
-            bench_limit=60.0, tests_limit=90.0, run_sizes=["tiny"], slowdowns=[1.0, 2.0], run_seconds=10.0,
+            bench_limit=60.0, tests_limit=90.0,
+            verify_runs={"tiny-cpu-fp32": ["--model", "tiny", "--device", "cpu", "--steps", "5", "--threads", "1"]},
+            run_sizes=["tiny"], slowdowns=[1.0, 2.0], run_seconds=10.0,
             run_overhead=45.0, threads=1,
             task={"seq_len": 64, "batch_size": 8, "num_shards": 2, "val_sequences": 16, "max_train_sequences": 2000},
             schedule={"max_local_steps": 10, "min_steps": 1, "grace_period": 0.5},
@@ -102,9 +108,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         plan = Plan(
             tiny=False, device="cuda", precision="bf16", bench_models=["20m", "60m", "150m"],
-            # the paper's sequence length; batch 64 x 256 = 16k tokens per step
-            bench_args=["--batch-size", "64", "--seq-len", "256", "--steps", "10", "--repeats", "7", "--warmup", "1"],
-            bench_limit=60.0, tests_limit=180.0, run_sizes=["20m"], slowdowns=[1.0, 1.5, 2.0, 4.0],
+            # the paper's sequence length; batch 64 x 256 = 16k tokens per step; leases of the paper's H = 50 steps
+            bench_args=["--batch-size", "64", "--seq-len", "256", "--steps", "50", "--repeats", "3", "--warmup", "1"],
+            bench_limit=90.0, tests_limit=180.0,
+            # the 20m preset as peers run it (bf16), with the CPU fp32 run of the same lease; and in fp32
+            verify_runs={
+                "20m-cuda-bf16": ["--model", "20m", "--device", "cuda", "--precision", "bf16", "--steps", "10",
+                                  "--batch-size", "8", "--seq-len", "256"],
+                "20m-cuda-fp32": ["--model", "20m", "--device", "cuda", "--precision", "fp32", "--steps", "10",
+                                  "--batch-size", "8", "--seq-len", "256", "--no-cpu-reference"],
+            },
+            run_sizes=["20m"], slowdowns=[1.0, 1.5, 2.0, 4.0],
             run_seconds=90.0, run_overhead=75.0, threads=max(1, min(4, cores // 5)),
             task={"seq_len": 256, "batch_size": 32, "num_shards": 4, "val_sequences": 64},
             schedule={"max_local_steps": 50, "min_steps": 5, "grace_period": 1.0},  # H = 50 as in the paper
@@ -367,6 +381,34 @@ def run_bench(part: dict[str, Any], deadline: float, plan: Plan, work: Path, rep
         part["status"] = "partial" if any(e.get("status") == "ok" for e in part["results"].values()) else "failed"
 
 
+# ---------------------------------------------------------------------------------------- verify tolerance
+
+
+def run_verify(part: dict[str, Any], deadline: float, plan: Plan, work: Path, report: Report) -> None:
+    """scripts/verify_tolerance.py per variant: how exactly an honest re-run of a lease reproduces it."""
+    part["results"] = {}
+    for name, arguments in plan.verify_runs.items():
+        out = work / f"verify-{name}.json"
+        command = [sys.executable, "scripts/verify_tolerance.py", *arguments, "--json", str(out)]
+        entry: dict[str, Any] = {"command": " ".join(["python", *command[1:]])}
+        part["results"][name] = entry
+        try:
+            rc = run_command(command, work / f"verify-{name}.log", deadline)
+        except PartTimeout as error:
+            entry.update({"status": "timeout", "error": str(error)})
+            report.save()
+            break
+        if rc != 0 or not out.is_file():
+            entry.update({"status": "failed", "error": f"exit code {rc}; see verify-{name}.log"})
+        else:
+            entry.update({"status": "ok", **json.loads(out.read_text())})
+            logger.info("verify %s: re-run bitwise %s, relative error %.3g", name, entry["rerun"]["bitwise"],
+                        entry["rerun"]["rel_error"])
+        report.save()
+    if any(e.get("status") != "ok" for e in part["results"].values()):
+        part["status"] = "failed"
+
+
 # ---------------------------------------------------------------------------------------- real runs
 
 
@@ -580,7 +622,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--wheels", help="install the wheels in this directory first (scripts/gpu_wheels.sh)")
     parser.add_argument("--site", default="/tmp/asyncloco-gpu-site", help="where --wheels are installed")
     parser.add_argument("--budget", type=float, help="seconds for everything (default 520 on a GPU, 240 with --tiny)")
-    parser.add_argument("--parts", default="tests,bench,run", help="comma-separated subset of tests,bench,run")
+    parser.add_argument("--parts", default="tests,verify,bench,run",
+                        help="comma-separated subset of tests,verify,bench,run")
     parser.add_argument("--bench-models", help="presets for bench_peer (default 20m,60m,150m; tiny with --tiny)")
     parser.add_argument("--sizes", help="presets for the real runs (default 20m; e.g. 20m,60m with more time)")
     parser.add_argument("--slowdowns", help="one peer per factor (default 1,1.5,2,4; 1,2 with --tiny)")
@@ -588,9 +631,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--device", help="peers' and bench's device (default cuda; cpu with --tiny)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak for MFU (default: by name)")
     args = parser.parse_args(argv)
-    unknown = set(args.parts.split(",")) - {"tests", "bench", "run"}
+    unknown = set(args.parts.split(",")) - {"tests", "verify", "bench", "run"}
     if unknown:
-        parser.error(f"--parts: unknown part(s) {sorted(unknown)}; choose from tests, bench, run")
+        parser.error(f"--parts: unknown part(s) {sorted(unknown)}; choose from tests, verify, bench, run")
     return args
 
 
@@ -626,6 +669,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "tests" in parts:
             limit = min(plan.tests_limit, deadline - time.monotonic())
             run_part(report, "tests", limit, lambda part, until: run_tests(part, until, work))
+        if "verify" in parts:
+            run_part(report, "verify", min(90.0, deadline - time.monotonic()),
+                     lambda part, until: run_verify(part, until, plan, work, report))
         if "bench" in parts:
             # leave the real runs their share: at least two runs' start-up and a short training each
             reserve = 2 * len(plan.run_sizes) * (plan.run_overhead + 10) if "run" in parts else 0

@@ -2,7 +2,7 @@
 GPU loans. The script runs as a user would run it; the test reads its JSON and files:
 
 * ``test_tiny_mode_writes_every_part`` — the CUDA tests are reported skipped with the reason (no GPU here),
-  bench_peer's ratio and the FLOPs per token (the closed form of the tiny preset) are there, and both real
+  verify_tolerance finds a CPU re-run of a lease bit-identical and another lease far from it, bench_peer's ratio and the FLOPs per token (the closed form of the tiny preset) are there, and both real
   runs (Async DN + DyLU, sync DiLoCo: a coordinator and two peer processes, slowdowns 1 and 2) applied
   updates, with finite, falling validation perplexity, idle fractions per peer and the comparison;
 * ``test_a_failing_part_is_recorded_and_the_rest_still_written`` — a bench entry that fails is recorded as
@@ -63,6 +63,15 @@ def test_tiny_mode_writes_every_part(tmp_path: Path) -> None:
     assert bench["flops_per_token"] == 6 * bench["parameters"] + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq
     assert bench["peer_mfu"] is None and report["parts"]["bench"]["peak_tflops"] is None  # no peak known on a CPU
 
+    verify = report["parts"]["verify"]["results"]["tiny-cpu-fp32"]
+    assert report["parts"]["verify"]["status"] == "ok" and verify["status"] == "ok" and verify["device"] == "cpu"
+    # a CPU re-run of a lease is bit-identical (what verified work's default, bitwise, relies on); an honest
+    # lease on other batches is not
+    assert verify["rerun"] == {**verify["rerun"], "bitwise": True, "rel_error": 0.0, "max_abs_diff": 0.0}
+    assert verify["rerun_deterministic"]["bitwise"] is True and verify["deterministic_vs_default"]["bitwise"] is True
+    assert verify["other_lease"]["bitwise"] is False and verify["other_lease"]["rel_error"] > 0.1
+    assert "vs_cpu_fp32" not in verify
+
     run = report["parts"]["run"]
     assert run["status"] == "ok" and run["slowdowns"] == [1.0, 2.0]
     methods = run["sizes"]["tiny"]["methods"]
@@ -88,7 +97,7 @@ def test_tiny_mode_writes_every_part(tmp_path: Path) -> None:
 
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"junit-gpu.xml", "bench-tiny.json", "tiny-async_dn_dylu/cluster/coordinator.log",
+    assert {"junit-gpu.xml", "bench-tiny.json", "verify-tiny-cpu-fp32.json", "tiny-async_dn_dylu/cluster/coordinator.log",
             "tiny-sync_diloco/cluster/peer1.log"} <= names
 
 

@@ -1,0 +1,113 @@
+"""How exactly a lease reproduces: the figure that sets ``runtime.verify.tolerance`` (docs/threat-model.md).
+
+Verified work (asyncloco/coordinator/verify.py) re-runs a sampled lease and compares the pseudo-gradient
+with the one submitted: bitwise by default, or within a relative L2 error. This script measures, for one
+model on one device, what an honest re-run gives, side by side with what an honest *different* lease gives
+(the scale of a real difference):
+
+* ``rerun`` — the same lease (same θ, batches, steps, LR offset, fresh AdamW state) run twice on ``--device``
+  in ``--precision``: bitwise equal or not, relative L2 error, cosine;
+* ``rerun_deterministic`` — the same with ``torch.use_deterministic_algorithms(True)`` (on CUDA: deterministic
+  kernels for the embedding's backward and the like, cuBLAS with a fixed workspace);
+* ``other_lease`` — the lease against one on other batches from the same θ: an honest different update;
+* ``vs_cpu_fp32`` (``--device cuda`` only) — the device's lease against the same lease on the CPU in fp32:
+  what a CPU verifier of a GPU peer would see.
+
+    python scripts/verify_tolerance.py --model tiny --device cpu --json runs/verify-tolerance-cpu.json
+    python scripts/verify_tolerance.py --model 20m --device cuda --precision bf16 --json /tmp/tol.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# cuBLAS reproducibility needs this before CUDA is initialised (torch's "Reproducibility" notes)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_peer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's asyncloco, installed or not
+
+from bench_peer import RandomTokens  # noqa: E402
+
+from asyncloco.algo.schedule import ShardSchedule  # noqa: E402
+from asyncloco.coordinator.verify import compare  # noqa: E402
+from asyncloco.models.workload import flatten_params  # noqa: E402
+from asyncloco.peer.distributed import validate_device  # noqa: E402
+from asyncloco.peer.inner import InnerTrainer  # noqa: E402
+
+
+def lease(workload: RandomTokens, theta: torch.Tensor, device: str, precision: str, steps: int, offset: int) -> torch.Tensor:
+    """One lease as a verifier re-runs it: a fresh trainer (fresh AdamW state), θ in, pseudo-gradient out."""
+    trainer = InnerTrainer(workload, ShardSchedule(1e-3, 1e-4, 0, 10**6), seed=0, optimizer="adamw",
+                           weight_decay=0.1, grad_clip=1.0, device=device, precision=precision)
+    return trainer.run(theta, 0, offset, steps, 0).pseudo_gradient.clone()
+
+
+def judged(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    c = compare(a, b)
+    return {"bitwise": c.bitwise, "rel_error": c.rel_error, "cosine": c.cosine,
+            "max_abs_diff": float((a - b).abs().max()), "norm": float(a.norm())}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    device = str(validate_device(args.device))
+    workload = RandomTokens(args.model, args.batch_size, args.seq_len, batches=2 * args.steps)
+    theta = flatten_params(workload.build_model(seed=0)).detach().clone()
+    started = time.perf_counter()
+    first = lease(workload, theta, device, args.precision, args.steps, 0)
+    result: dict[str, Any] = {
+        "model": args.model, "parameters": theta.numel(), "device": device, "precision": args.precision,
+        "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+        "rerun": judged(first, lease(workload, theta, device, args.precision, args.steps, 0)),
+        "other_lease": judged(first, lease(workload, theta, device, args.precision, args.steps, args.steps)),
+    }
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = lease(workload, theta, device, args.precision, args.steps, 0)
+        result["rerun_deterministic"] = judged(det, lease(workload, theta, device, args.precision, args.steps, 0))
+        result["deterministic_vs_default"] = judged(first, det)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    if device != "cpu" and args.cpu_reference:
+        result["vs_cpu_fp32"] = judged(lease(workload, theta, "cpu", "fp32", args.steps, 0), first)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="preset (tiny, 20m, 60m, 150m)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--steps", type=int, default=10, help="inner steps per lease")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--no-cpu-reference", dest="cpu_reference", action="store_false",
+                        help="skip the CPU fp32 run of the same lease (slow for the larger presets)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = measure(args)
+    for key in ("rerun", "rerun_deterministic", "deterministic_vs_default", "other_lease", "vs_cpu_fp32"):
+        if key in result:
+            r = result[key]
+            print(f"{key:>24}: bitwise {r['bitwise']!s:5}  relative error {r['rel_error']:.3e}  cosine {r['cosine']:.8f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
