@@ -179,6 +179,36 @@ def test_wants_probe() -> None:
         G.GatePolicy(probe_step=0.0)
 
 
+
+@pytest.mark.timeout(30)
+def test_needs_probe_is_exactly_where_score_reads_the_probe() -> None:
+    """The daemon evaluates the probe only for the updates ``needs_probe`` names (the gray zone, past the norm and
+    echo checks); for every other update ``score`` gives the same verdict with any probe or none."""
+    policy = G.GatePolicy()
+    state = warm_state()  # median cosine 0.4: gray zone [−flip_margin × 0.4, max(cap, 0.5 × 0.4) = 0.2)
+    away = -policy.flip_margin * 0.4
+    cases = {  # update, steps -> expected needs_probe
+        "gray, weakly against": (with_cosine(-0.05), 10, True),
+        "gray, just at the lower edge": (with_cosine(away + 1e-3), 10, True),
+        "gray, just under the upper edge": (with_cosine(0.19), 10, True),
+        "agreeing (cosine 0.5)": (with_cosine(0.5), 10, False),
+        "pointing away": (with_cosine(-0.9), 10, False),
+        "gray but 1,000 × the median norm": (with_cosine(-0.05, norm=10_000.0), 10, False),
+        "an echo of the consensus": (with_cosine(0.99), 10, False),
+        "non-finite": (torch.full((N,), math.nan), 10, False),
+    }
+    probes = [None, (5.0, 5.5), (5.0, 4.5), (5.0, 5.0)]
+    for name, (update, steps, expected) in cases.items():
+        assert G.needs_probe(policy, state, update, steps, "old") is expected, name
+        verdicts = {(v.action, v.scale, v.counts, v.weak) for v in (G.score(policy, state, update, steps, "old", probe=p) for p in probes)}
+        # outside the gray zone the probe cannot change the verdict; inside, a rise and a fall decide differently
+        assert (len(verdicts) > 1) is expected, (name, verdicts)
+    # before warm-up there is no gray zone for an established peer; with the probe off, never
+    cold = warm_state(accepted=policy.warmup - 1)
+    assert G.needs_probe(policy, cold, with_cosine(-0.05), 10, "old") is False
+    assert G.needs_probe(G.GatePolicy(probe=False), state, with_cosine(-0.05), 10, "old") is False
+    assert G.needs_probe(policy, G.GateState(), with_cosine(-0.05), 10, "old") is False  # the run's first update
+
 @pytest.mark.timeout(30)
 def test_probe_losses_travel_in_the_write_ahead_log(tmp_path: Path) -> None:
     event = SubmitUpdate("peer", "lease", 3, torch.ones(4), transfer_s=0.5, probe_before=5.25, probe_after=5.125)

@@ -43,7 +43,8 @@ trains on?), not the step size — that is the norm check's job — hence the sh
 moves every parameter by about the learning rate per step, so a newcomer's first update is ≈ 3× the norm
 of its peers' and overshoots at the full step (probe loss +1.5 % at s = 1 in a test run) although it is a
 descent direction (−0.18 % at s = 0.2, where a sign-flipped update gave +0.5 % and a random one ±0.01 %).
-Which updates the daemon probes: :func:`wants_probe`.
+Which updates the daemon probes: :func:`wants_probe` (by the model's size and the peer's probation) and
+:func:`needs_probe` (only those in the gray zone, where :func:`score` reads it).
 
 Peers start on **probation**: for their first ``probation_updates`` accepted updates, the bounds are
 tightened by ``probation_tightening`` (the norm bounds shrink, the cosine threshold rises), and a
@@ -66,7 +67,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
-    "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "wants_probe", "suspect", "close_bar",
+    "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "wants_probe", "needs_probe", "suspect", "close_bar",
 ]
 
 
@@ -286,6 +287,30 @@ def score(
     median (:func:`_norm_check`), echoing the consensus (:func:`_echo_check`), the probe in the gray zone
     (:func:`_probe_check`), the direction against the consensus (:func:`_cosine_check`), then clipping
     (:func:`_clip_or_accept`). The first verdict wins."""
+    seen = _prepare(policy, gate, update, steps, peer, bound_per_step)
+    if isinstance(seen, GateVerdict):
+        return seen
+    verdict = _norm_check(policy, seen) or _echo_check(policy, gate, seen)
+    if verdict is not None:
+        return verdict
+    probed = ""  # set when the probe vouched for the update's direction
+    if probe is not None and policy.probe:
+        outcome = _probe_check(policy, gate, seen, probe)
+        if isinstance(outcome, GateVerdict):
+            return outcome
+        probed = outcome
+    if not probed:
+        verdict = _cosine_check(policy, gate, seen)
+        if verdict is not None:
+            return verdict
+    return _clip_or_accept(policy, seen, probed)
+
+
+def _prepare(
+    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None
+) -> GateVerdict | _Update:
+    """The verdicts that need no statistics (non-finite, above the absolute bound, the run's first update), or
+    what the other checks read about the update."""
     squared = float(torch.dot(update, update))
     if not math.isfinite(squared):
         return GateVerdict("reject", 0.0, math.nan, None, "pseudo-gradient contains NaN or Inf, or its norm overflows float32")
@@ -302,25 +327,40 @@ def score(
     cosine = None
     if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
         cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
-    seen = _Update(
+    return _Update(
         steps, norm, per_step, median(gate.norms), cosine, probation,
         policy.probation_tightening if probation else 1.0, " (peer on probation)" if probation else "",
         gate.accepted >= policy.warmup,
     )  # fmt: skip
-    verdict = _norm_check(policy, seen) or _echo_check(policy, gate, seen)
-    if verdict is not None:
-        return verdict
-    probed = ""  # set when the probe vouched for the update's direction
-    if probe is not None and policy.probe:
-        outcome = _probe_check(policy, gate, seen, probe)
-        if isinstance(outcome, GateVerdict):
-            return outcome
-        probed = outcome
-    if not probed:
-        verdict = _cosine_check(policy, gate, seen)
-        if verdict is not None:
-            return verdict
-    return _clip_or_accept(policy, seen, probed)
+
+
+def needs_probe(
+    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None = None
+) -> bool:
+    """Whether :func:`score` with these arguments would read the probe: the update passes the checks before it
+    and lies in the gray zone. For any other update the verdict is the same with or without the probe, so the
+    daemon evaluates the probe's two forward passes only when this says yes (at the 20m preset on a CPU
+    coordinator they cost seconds under the lock; docs/threat-model.md). Costs two dot products over Δ."""
+    if not policy.probe:
+        return False
+    seen = _prepare(policy, gate, update, steps, peer, bound_per_step)
+    if isinstance(seen, GateVerdict) or _norm_check(policy, seen) or _echo_check(policy, gate, seen):
+        return False
+    return _in_gray_zone(policy, gate, seen)
+
+
+def _in_gray_zone(policy: GatePolicy, gate: GateState, seen: _Update) -> bool:
+    """A direction that agrees weakly with the recent consensus — not one that points away from it (below
+    −flip_margin × median: the cosine rule rejects that, counted, whatever 8 rows of loss say: a sign-flipped
+    newcomer update at cosine −0.55 lowered the probe loss by 0.02 % in a test run). Not before warm-up: the
+    first updates of a run, from random initialisation, overshoot (two honest ones at cosine 0.75 raised the
+    probe loss by 2 % in a clean benchmark run); the absolute norm bound guards them."""
+    cosine = seen.cosine
+    if not (seen.warm and cosine is not None and len(gate.cosines) >= 3):
+        return False
+    center = median(gate.cosines)
+    away = -policy.flip_margin * center if center > 0 else -math.inf
+    return away <= cosine < max(policy.cosine_cap, policy.probe_below * center)
 
 
 def _norm_check(policy: GatePolicy, seen: _Update) -> GateVerdict | None:
@@ -364,17 +404,7 @@ def _probe_check(policy: GatePolicy, gate: GateState, seen: _Update, probe: tupl
     direction ("" when the update is not in the gray zone or the probe did not vouch)."""
     before, after = float(probe[0]), float(probe[1])
     cosine, probation, on = seen.cosine, seen.probation, seen.on
-    # the gray zone: a direction that agrees weakly with the recent consensus — not one that points away from
-    # it (below −flip_margin × median: the cosine rule rejects that, counted, whatever 8 rows of loss say: a
-    # sign-flipped newcomer update at cosine −0.55 lowered the probe loss by 0.02 % in a test run). Not before
-    # warm-up: the first updates of a run, from random initialisation, overshoot (two honest ones at cosine
-    # 0.75 raised the probe loss by 2 % in a clean benchmark run); the absolute norm bound guards them.
-    gray = False
-    if seen.warm and cosine is not None and len(gate.cosines) >= 3:
-        center = median(gate.cosines)
-        away = -policy.flip_margin * center if center > 0 else -math.inf
-        gray = away <= cosine < max(policy.cosine_cap, policy.probe_below * center)
-    if not gray:
+    if not _in_gray_zone(policy, gate, seen):
         return ""
     # the first-order effect of Δ on the loss grows with its steps: so does the margin
     margin = policy.probe_margin * min(1.0, seen.steps / max(1, policy.full_steps))

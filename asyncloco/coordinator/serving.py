@@ -205,15 +205,19 @@ class Serving:
     async def gate_probe(
         self, peer_id: str, lease_id: str, base_version: int, update: torch.Tensor
     ) -> tuple[Optional[float], Optional[float]]:
-        """The probe-batch losses at θ and θ − s·Δ for an update the gate may need them for (``gate.wants_probe``),
-        else (None, None). Call with the node's lock held: θ must not change until ``handle`` has judged it. Only a
-        live lease of this peer at its base version is probed (junk costs no forward pass)."""
+        """The probe-batch losses at θ and θ − s·Δ for an update the gate will read them for (``gate.wants_probe``
+        and ``gate.needs_probe``: in the gray zone), else (None, None). Call with the node's lock held: θ must
+        not change until ``handle`` has judged it. Only a live lease of this peer at its base version is probed
+        (junk costs no forward pass)."""
         state = self.node.state
         gate = state.policy.gate
         lease = state.leases.get(lease_id)
         if gate is None or lease is None or lease.peer != peer_id or lease.base_version != base_version:
             return None, None
         if not update_gate.wants_probe(gate, state.gate, peer_id, self.numel):
+            return None, None
+        # only where score() will read it: an update outside the gray zone gets the same verdict without it
+        if not update_gate.needs_probe(gate, state.gate, update, lease.steps, peer_id, state.policy.norm_bound_per_step):
             return None, None
         if self._probe is None:
             self._probe = Probe(self.workload, self.model, self.cfg.runtime.gate.probe_sequences, self.cfg.runtime.eval_device)
