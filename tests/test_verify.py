@@ -335,6 +335,50 @@ def test_repair_keeps_unchecked_honest_work_in_flight() -> None:
     assert leases["p3"].lease_id not in book.by_version.get(base["p3"], {})
 
 
+def test_a_repair_never_hands_out_a_lease_id_issued_before_it() -> None:
+    """The replay behind a repair can issue fewer leases than the live run did (found in a 3-colluder benchmark run:
+    a lease id voided by a repair was issued again to another honest peer, the first peer's submission then
+    "belonged to another peer" and the second was expelled for a broken commitment chain). The repaired state's
+    lease counter is at least the live one, so every lease issued after the repair has an id never seen before."""
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+    issued = set()
+    for peer in ("p1", "p2", "p3"):
+        handle(state, SpeedReport(peer, 10.0), 0.0)
+        issued |= {a.lease.lease_id for a in handle(state, RequestWork(peer), 0.0)[1] if isinstance(a, Assign)}
+    live_counter = state.lease_counter
+    assert len(issued) == live_counter == 3
+    replayed = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)  # a replay that issued none of them
+    replayed.lease_secret = state.lease_secret
+    result = repair(replayed, [], ["p3"], state.version, dict(state.leases), live_counter)
+    assert result.state.lease_counter == live_counter
+    handle(result.state, SpeedReport("p1", 10.0), 1.0)
+    new = [a.lease.lease_id for a in handle(result.state, RequestWork("p1"), 1.0)[1] if isinstance(a, Assign)]
+    assert len(new) == 1 and new[0] not in issued
+    # without the live counter (the old behaviour) the same request gets the first id issued before the repair
+    old = repair(verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0), [], ["p3"], state.version).state
+    old.lease_secret = state.lease_secret
+    handle(old, SpeedReport("p1", 10.0), 1.0)
+    again = [a.lease.lease_id for a in handle(old, RequestWork("p1"), 1.0)[1] if isinstance(a, Assign)]
+    assert again and again[0] in issued
+
+
+def test_a_repair_keeps_the_live_commitment_chain_of_every_peer_not_expelled() -> None:
+    """The inner-state chain is what each peer really trained from: a replay that does not re-apply one of an honest
+    peer's updates (after an earlier repair the replay can number its leases differently) must not move the chain
+    back, or the peer's next lease is judged "chain broken" and the honest peer expelled (measured in the same
+    colluder run). The expelled peer's entry goes."""
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+    live_chain = {"p1": "a" * 64, "p2": "b" * 64, "p3": "c" * 64}
+    replayed = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+    replayed.verification.chain = {"p1": "0" * 64, "p3": "c" * 64}  # the replay lost p1's last update and all of p2's
+    result = repair(replayed, [], ["p3"], state.version, {}, 0, live_chain)
+    assert result.state.verification.chain == {"p1": "a" * 64, "p2": "b" * 64}
+    # without the live chain the replay's own is kept (the old behaviour)
+    other = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+    other.verification.chain = {"p1": "0" * 64}
+    assert repair(other, [], ["p3"], state.version).state.verification.chain == {"p1": "0" * 64}
+
+
 def test_a_kept_lease_is_applied_to_the_repaired_theta() -> None:
     """An honest lease in flight across a repair is applied to the repaired θ as a stale update: θ equals the outer
     optimizer stepping on the honest update alone, bitwise."""

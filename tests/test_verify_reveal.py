@@ -200,10 +200,12 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -
     first = events[cuts[0]][0].peer
     again = out["fresh"]()
     again.load_state_dict(anchor["coordinator"])
-    live_then = repair(again, events[: cuts[0] + 1], [first], repairs[0]["version_before"], live_then.leases).state
+    live_then = repair(again, events[: cuts[0] + 1], [first], repairs[0]["version_before"], live_then.leases,
+                       live_then.lease_counter, live_then.verification.chain).state
     for event, now in events[cuts[0] + 1 : cuts[1] + 1]:
         handle(live_then, event, now)
-    replayed = repair(state, events[: cuts[1] + 1], [LIAR, SILENT], repairs[-1]["version_before"], live_then.leases).state
+    replayed = repair(state, events[: cuts[1] + 1], [LIAR, SILENT], repairs[-1]["version_before"], live_then.leases,
+                      live_then.lease_counter, live_then.verification.chain).state
     for event, now in events[cuts[1] + 1 :]:
         handle(replayed, event, now)
     assert torch.equal(replayed.params, live.params)

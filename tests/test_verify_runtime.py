@@ -179,7 +179,8 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     before.load_state_dict(anchor["coordinator"])
     for event, now in events[: cut + 1]:
         handle(before, event, now)
-    replayed = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"], before.leases).state
+    replayed = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"], before.leases,
+                      before.lease_counter, before.verification.chain).state
     for event, now in events[cut + 1 :]:
         handle(replayed, event, now)
     assert torch.equal(replayed.params, live.params)

@@ -495,7 +495,8 @@ class DaemonVerification:
             state.load_state_dict(snapshot["coordinator"])
             after = snapshot_wal_seq(snapshot)
             records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
-            result = repair(state, records, live.verification.expelled, live.version, dict(live.leases))
+            result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
+                            live.lease_counter, dict(live.verification.chain))
         daemon.state = result.state
         seconds = time.perf_counter() - started
         summary = {
