@@ -144,7 +144,7 @@ def test_corrupt_holder_is_detected_skipped_reported_and_download_completes() ->
                 await server.add_handlers(p2p, "run")
                 maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
                 return p2p, SwarmDownloader(p2p, seed_id, store, namespace="run", maddrs=maddrs,
-                                            chunk_timeout_base=20.0), server
+                                            chunk_timeout_base=20.0, timeout=60.0), server  # a stall names itself
 
             honest_p2p, honest, _ = await peer(ChunkServer)
             hostile_p2p, hostile, hostile_server = await peer(CorruptServer)
