@@ -153,9 +153,9 @@ def test_selection_rate_and_secret() -> None:
 DIM = 6
 
 
-def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: int = 1) -> CoordinatorState:
+def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: int = 1, grace: float = 0.0) -> CoordinatorState:
     policy = CoordinatorPolicy(
-        max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=100.0,
+        max_local_steps=4, grace_period=grace, lease_timeout_factor=3.0, lease_slack=100.0,
         verify=VerifyPolicy(fraction=fraction, probation_updates=probation, suspect_fraction=0.5),
     )
     return new_state(torch.zeros(DIM), optimizer, [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
@@ -445,3 +445,89 @@ def test_a_lease_issued_after_the_attackers_update_is_kept_and_applied_at_its_li
     reference_params = torch.zeros(DIM)  # θ never saw the attacker: the outer step on the honest update alone
     OuterNesterov(0.7, 0.9).step(reference_params, honest)
     assert torch.equal(repaired.params, reference_params)
+
+
+def test_a_later_repair_repeats_an_earlier_repairs_give_backs_and_keeps_the_honest_update_applied_between() -> None:
+    """Two attackers expelled one after the other (the 3-colluder benchmark's case), with DyLU's grace window. The
+    first repair gives back an honest lease whose θ was not downloaded yet and releases a held request; the peers
+    ask again and the honest peer's new lease is applied. The second repair replays the whole log from the anchor:
+    with the first repair's :class:`Repaired` record in the log it gives back the same leases at the same point,
+    issues the same new ones and re-applies the honest update — θ equals the outer optimizer stepping on the honest
+    update alone, bitwise. Without the record (the old log) the replay still holds the voided lease and the old
+    grace window when the peers ask again, issues their leases in another order, and the honest update is lost."""
+    from asyncloco.coordinator.logic import Applied, Fetched, Repaired, Tick
+
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0, grace=1.0)
+    live = copy.deepcopy(anchor)
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(live, event, now)[1]
+
+    def lease_of(actions: list[Any]) -> Any:
+        return next(x.lease for x in actions if isinstance(x, Assign))
+
+    for peer in ("h", "a", "b"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    first = lease_of(feed(RequestWork("a"), 0.0))
+    feed(SubmitUpdate("a", first.lease_id, first.base_version, torch.full((DIM,), 5.0)), 1.0)
+    voided = lease_of(feed(RequestWork("h"), 1.0))  # θ not downloaded yet when the first repair comes
+    assert not any(isinstance(x, Assign) for x in feed(RequestWork("b"), 1.05))  # held: DyLU's grace window
+    feed(Verified("a", first.lease_id, False, "relative error 1.0"), 1.1)
+    one = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
+                 live.lease_counter, dict(live.verification.chain))
+    assert voided.lease_id not in one.state.leases and one.repaired.kept == ()
+    live = one.state
+    log.append((one.repaired, 1.1))  # what the daemon logs after the Verified record
+    second = lease_of(feed(RequestWork("b"), 1.2))
+    feed(RequestWork("h"), 1.3)
+    mine = lease_of(feed(Tick(), 2.5))
+    feed(Fetched("h", mine.base_version), 2.5)
+    honest = torch.arange(DIM, dtype=torch.float32)
+    assert [type(a) for a in feed(SubmitUpdate("h", mine.lease_id, mine.base_version, honest.clone()), 3.0)] == [Applied]
+    feed(SubmitUpdate("b", second.lease_id, second.base_version, torch.full((DIM,), -3.0)), 3.5)
+    feed(Verified("b", second.lease_id, False, "relative error 1.0"), 4.0)
+
+    two = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
+                 live.lease_counter, dict(live.verification.chain))
+    assert two.discarded == 2 and mine.lease_id in two.state.applied and voided.lease_id not in two.state.applied
+    reference = torch.zeros(DIM)
+    OuterNesterov(0.7, 0.9).step(reference, honest)
+    assert torch.equal(two.state.params, reference)
+    assert two.state.version == live.version + 1 and two.state.lease_counter == live.lease_counter
+    # the same log without the first repair's record: the honest update is not re-applied
+    old_log = [(event, now) for event, now in log if not isinstance(event, Repaired)]
+    old = repair(copy.deepcopy(anchor), old_log, live.verification.expelled, live.version, live.leases,
+                 live.lease_counter, dict(live.verification.chain))
+    assert mine.lease_id not in old.state.applied and torch.equal(old.state.params, torch.zeros(DIM))
+
+
+def test_a_repaired_event_handled_twice_changes_nothing() -> None:
+    """A --resume replays the Verified record (which re-derives the repair) and then meets the logged Repaired: the
+    second handling must leave the state as it is."""
+    from asyncloco.coordinator.logic import Fetched
+
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+    for peer in ("p1", "p2", "p3"):
+        handle(state, SpeedReport(peer, 10.0), 0.0)
+    leases = [a.lease for peer in ("p1", "p2") for a in handle(state, RequestWork(peer), 0.0)[1] if isinstance(a, Assign)]
+    handle(state, Fetched("p1", leases[0].base_version), 0.0)
+    result = repair(state, [], ["p3"], state.version, {lease.lease_id: lease for lease in leases}, state.lease_counter,
+                    {"p1": "a" * 64, "p3": "c" * 64})
+    assert result.repaired.kept == (leases[0].lease_id,) and list(result.state.leases) == [leases[0].lease_id]
+    assert result.state.verification.chain == {"p1": "a" * 64}
+    before = copy.deepcopy(result.state.state_dict())
+    _, actions = handle(result.state, result.repaired, 1.0)
+    assert actions == [] and equal_states(result.state.state_dict(), before)
+
+
+def equal_states(a: Any, b: Any) -> bool:
+    """Deep equality of two state dicts: tensors bitwise, everything else with ==."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(equal_states(x, y) for x, y in zip(a, b))
+    return bool(a == b)

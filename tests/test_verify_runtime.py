@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,8 +30,9 @@ import torch
 from asyncloco.clock import FakeClock
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.checkpoint import load_snapshot
-from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE
-from asyncloco.coordinator.logic import Verified, handle
+from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE, CoordinatorDaemon
+from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, decode_event, read_records
+from asyncloco.coordinator.logic import Repaired, Verified, handle
 from asyncloco.coordinator.verify import ANCHOR_DIR, log_events, repair
 from asyncloco.peer.inner import InnerTrainer
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
@@ -179,8 +181,13 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     before.load_state_dict(anchor["coordinator"])
     for event, now in events[: cut + 1]:
         handle(before, event, now)
-    replayed = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"], before.leases,
-                      before.lease_counter, before.verification.chain).state
+    result = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"], before.leases,
+                    before.lease_counter, before.verification.chain)
+    replayed = result.state
+    repaired_params, repaired_version = replayed.params.clone(), replayed.version  # θ right after the repair
+    # the repair's own decisions are the log's next record (a later repair's replay repeats them there)
+    assert events[cut + 1][0] == result.repaired
+    assert sum(isinstance(e, Repaired) for e, _ in events) == 1
     for event, now in events[cut + 1 :]:
         handle(replayed, event, now)
     assert torch.equal(replayed.params, live.params)
@@ -188,3 +195,44 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     for key, value in live.optimizer.state_dict().items():
         other = replayed.optimizer.state_dict()[key]
         assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value
+
+    # --resume from the initial anchor with the whole log replays the Verified record (the repair, again) and then
+    # meets the logged Repaired: the resumed coordinator equals the live one
+    resumed = resume_from_anchor(cfg, run_dir, tmp_path / "resumed")
+    assert torch.equal(resumed.state.params, live.params) and resumed.state.version == live.version
+    assert resumed.state.lease_counter == live.lease_counter and resumed.state.local_updates == live.local_updates
+    # a coordinator that died between the Verified record and its Repaired: the replay re-derives the repair and
+    # writes the missing record, which a later repair's replay will meet
+    cut_seq = next(record.seq for record in read_records(run_dir / WAL_DIR / ARCHIVE_DIR, 0) if record.type == "Repaired")
+    died = resume_from_anchor(cfg, run_dir, tmp_path / "died", upto=cut_seq - 1)
+    assert torch.equal(died.state.params, repaired_params) and died.state.version == repaired_version
+    written = list(read_records(tmp_path / "died" / WAL_DIR, cut_seq - 1))
+    assert [r.type for r in written] == ["Repaired", "Restarted"] and written[0].seq == cut_seq
+    assert decode_event(written[0], EVENT_TYPES, lambda *_: None) == result.repaired
+
+
+def resume_from_anchor(cfg: RunConfig, run_dir: Path, out: Path, upto: Optional[int] = None) -> CoordinatorDaemon:
+    """A coordinator resumed (in ``out``) from the run's initial repair anchor and its whole log, cut after record
+    ``upto`` when given (a crash there); closed again after loading."""
+    from asyncloco.coordinator.wal import _scan_segment
+
+    wal = out / WAL_DIR
+    wal.mkdir(parents=True)
+    shutil.copytree(run_dir / ANCHOR_DIR, out / ANCHOR_DIR)
+    shutil.copyfile(run_dir / ANCHOR_DIR / f"{0:020d}" / "state.pt", out / "state.pt")
+    segments = sorted((run_dir / WAL_DIR / ARCHIVE_DIR).glob("*.wal")) + sorted((run_dir / WAL_DIR).glob("*.wal"))
+    for segment in segments:
+        records, _ = _scan_segment(segment, last=False)
+        if upto is not None and records and records[0][0] > upto:
+            break
+        target = wal / segment.name
+        shutil.copyfile(segment, target)
+        cut = [offset for seq, offset, _ in records if upto is not None and seq > upto]
+        if cut:
+            with target.open("r+b") as fh:
+                fh.truncate(cut[0])
+            break
+    daemon = CoordinatorDaemon(cfg, checkpoint_dir=out, resume=True)
+    daemon.journal.close()
+    daemon.wal.close()
+    return daemon

@@ -18,7 +18,7 @@ import torch
 from asyncloco.config import RunConfig
 from asyncloco.coordinator import node as node_module
 from asyncloco.coordinator.checkpoint import SNAPSHOT_NAME, load_snapshot, save_snapshot, snapshot_wal_seq
-from asyncloco.coordinator.logic import Applied, Action, Restarted
+from asyncloco.coordinator.logic import Applied, Action, Repaired, Restarted
 from asyncloco.coordinator.monitoring import Monitoring, PeerStats
 from asyncloco.coordinator.node import EVENT_TYPES, CoordinatorNode
 from asyncloco.coordinator.verify import DaemonVerification
@@ -74,6 +74,11 @@ class Durability:
         self.snapshot_seq = snapshot_wal_seq(snapshot)
         self.node.wal = open_log(self.dir, self.snapshot_seq, archive=self.archive, stamp=SOFTWARE_STAMP)
         self.replayed = self.replay(read_records(self.dir / WAL_DIR, self.snapshot_seq))
+        if self.verification is not None and self.verification.unlogged_repair is not None:
+            # the coordinator died between a Verified record and its repair's Repaired: the replay re-derived the
+            # repair, and the record a later repair needs goes into the log now
+            self.node.wal.append_event(self.verification.unlogged_repair, self.node.clock.time())
+            self.verification.unlogged_repair = None
         # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
         # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
         now = self.node.clock.time()
@@ -112,6 +117,8 @@ class Durability:
                         _, actions = node_module.handle(self.node.state, event, record.now)
                         if self.verification is not None:
                             self.verification.replay_seq = record.seq  # a repair replays up to this record
+                            if isinstance(event, Repaired):  # the repair just re-derived is in the log already
+                                self.verification.unlogged_repair = None
                         self.monitoring.bookkeep(actions)
                     else:  # e.g. the "HoldDropped" marks of older logs, which stamps refuse before this point
                         raise ValueError(f"log record {record.seq}: unknown mark {record.type!r}")

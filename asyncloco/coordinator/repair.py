@@ -25,12 +25,12 @@ from asyncloco.coordinator.logic import (
     Event,
     Fetched,
     Lease,
+    Repaired,
     SubmitUpdate,
     handle,
-    void_leases,
 )
 
-__all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "Anchors", "RepairResult", "log_events", "repair"]
+__all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "Anchors", "RepairResult", "log_events", "repair", "repaired_event"]
 
 logger = logging.getLogger("asyncloco.coordinator.verify")  # one logger for verification and its repairs
 
@@ -47,6 +47,7 @@ class RepairResult:
     voided: list[Action]  # what the repair itself did after the replay: leases given back, held requests released
     discarded: int  # submissions of expelled peers replayed as Discard
     replayed: int  # events replayed
+    repaired: Repaired  # what the repair decided beyond the replay: the daemon logs it after the Verified record
 
 
 def repair(
@@ -77,12 +78,18 @@ def repair(
     expelled in a 3-colluder benchmark run). With ``live_chain`` (the live coordinator's inner-state commitment
     chain) every peer not expelled keeps its live chain end: the chain records what a peer really trained from, which
     a replay cannot change — where the replay does not re-apply one of its updates (a lease the replay numbered
-    differently after an earlier repair), the peer's next lease must still chain to the state it actually has."""
+    differently after an earlier repair), the peer's next lease must still chain to the state it actually has.
+
+    What the repair decides after its replay (kept leases, version, counter, chain) is a :class:`Repaired` event,
+    handled here and returned for the daemon to log after the ``Verified`` record: a later repair whose replay
+    crosses this point then repeats it there (a ``Repaired`` in ``records`` is handled like any event)."""
     state = anchor
     excluded = set(expelled)
     discarded = replayed = 0
+    last_now = 0.0
     for event, now in records:
         replayed += 1
+        last_now = now
         if isinstance(event, SubmitUpdate):
             if event.peer in excluded:
                 event = Discard(event.peer, event.lease_id)
@@ -93,33 +100,48 @@ def repair(
                     event = dataclasses.replace(event, base_version=lease.base_version)
         elif isinstance(event, Fetched) and live_leases is not None:
             event = _renumbered_fetch(state, event, live_leases)
-        handle(state, event, now)  # Verify and Expelled actions of the past start nothing here
+        handle(state, event, now)  # Verify and Expelled actions of the past start nothing here; a Repaired repeats
+        # the give-backs and the version jump of an earlier repair at the point where the live run made them
+    repaired = repaired_event(state, excluded, live_version, live_leases, live_lease_counter, live_chain)
+    _, voided = handle(state, repaired, last_now)
+    return RepairResult(state, voided, discarded, replayed, repaired)
+
+
+def repaired_event(
+    state: CoordinatorState,
+    excluded: Collection[str],
+    live_version: int,
+    live_leases: Optional[Mapping[str, Lease]],
+    live_lease_counter: int,
+    live_chain: Optional[Mapping[str, str]],
+) -> Repaired:
+    """What a repair decides after its replay of ``state`` (:func:`repair`'s docstring says why), as the event that
+    carries it out through ``handle`` and that a later repair's replay meets in the log."""
     # Honest work in flight stays valid (issue 16: repairs voided 5.7 % of honest leases, measured): its update is
     # applied to the repaired θ as a stale one, like any update trained from an older θ. Given back: leases chosen
     # for verification (their base θ, the one the peer trained from, no longer exists to re-run from), and all of
-    # them for methods that need θ_base at submission.
+    # them for methods that need θ_base at submission. A kept lease keeps the base version its peer knows (its
+    # submission names it): the replay numbers versions without the discarded updates, so a lease issued after one
+    # of them has a lower replayed base version; its staleness is then counted from the version the peer really
+    # trained from (the repair's version jump is above it).
     def keep(lease: Lease) -> bool:
         live = live_leases.get(lease.lease_id) if live_leases is not None else None
         return (live is not None and live.peer == lease.peer and lease.fetched and lease.peer not in excluded
                 and not lease.verify and not state.needs_base_params)
 
-    voided = void_leases(state, "θ was repaired after an expulsion: ask for a new lease", keep)
-    # A kept lease keeps the base version its peer knows (its submission names it): the replay numbers versions
-    # without the discarded updates, so a lease issued after one of them has a lower replayed base version. Its
-    # staleness is then counted from the version the peer really trained from (the repair's version jump is above it).
-    renumbered = False
-    for lease in state.leases.values():
-        live = live_leases[lease.lease_id] if live_leases is not None else lease
-        if lease.base_version != live.base_version:
-            lease.base_version, renumbered = live.base_version, True
-    if renumbered:
-        state.indexes = DerivedIndexes()  # the lease book indexes leases by base version: rebuilt on next use
-    state.verification.pending.clear()
-    state.version = max(state.version, live_version) + 1
-    state.lease_counter = max(state.lease_counter, live_lease_counter)
-    if live_chain is not None:
-        state.verification.chain = {peer: digest for peer, digest in live_chain.items() if peer not in excluded}
-    return RepairResult(state, voided, discarded, replayed)
+    kept = sorted(lease_id for lease_id, lease in state.leases.items() if keep(lease))
+    assert live_leases is not None or not kept
+    chain = dict(state.verification.chain) if live_chain is None else dict(live_chain)
+    peers = sorted(peer for peer in chain if peer not in excluded)
+    return Repaired(
+        expelled=tuple(sorted(excluded)),
+        version=max(state.version, live_version) + 1,
+        lease_counter=max(state.lease_counter, live_lease_counter),
+        kept=tuple(kept),
+        kept_versions=tuple(live_leases[lease_id].base_version for lease_id in kept) if live_leases else (),
+        chain_peers=tuple(peers),
+        chain_digests=tuple(chain[peer] for peer in peers),
+    )
 
 
 def _renumbered_fetch(state: CoordinatorState, event: Fetched, live_leases: Mapping[str, Lease]) -> Fetched:

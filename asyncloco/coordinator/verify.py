@@ -51,6 +51,7 @@ from asyncloco.coordinator.logic import (
     Expelled,
     Expired,
     Lease,
+    Repaired,
     Verdict,
     Verified,
     Verify,
@@ -307,6 +308,7 @@ class DaemonVerification:
             moot=lambda task: task.peer in self.daemon.state.verification.expelled,
         )
         self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
+        self.unlogged_repair: Optional[Repaired] = None  # re-derived in a --resume replay and not (yet) met in the log
         self.repairs: list[dict[str, Any]] = []
         self._stop: Optional[asyncio.Event] = None
         self._task: Optional["asyncio.Task[None]"] = None
@@ -498,6 +500,14 @@ class DaemonVerification:
             result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
                             live.lease_counter, dict(live.verification.chain))
         daemon.state = result.state
+        # The repair's own decisions (leases given back, the version jump) go into the log right after the Verified
+        # record, so that a later repair replaying across this point repeats them (logic.Repaired). A --resume
+        # that replays the Verified record re-derives this repair; the record is then already in the log — or, if
+        # the coordinator died before writing it, appended once the replay is done (unlogged_repair).
+        if self.replay_seq is None:
+            daemon.wal.append_event(result.repaired, daemon.clock.time())
+        else:
+            self.unlogged_repair = result.repaired
         seconds = time.perf_counter() - started
         summary = {
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,

@@ -24,7 +24,9 @@ Events and what the coordinator decides:
   ``fraction``, every update of a peer on probation, more for a peer the gate refused recently), and an applied
   update of such a lease yields a :class:`Verify` action carrying θ at its base version and the update as
   submitted. :class:`Discard` voids a lease's update (consumed, θ untouched): the repair after an expulsion
-  replays the log with the expelled peer's submissions discarded (coordinator/verify.py, ``repair``).
+  replays the log with the expelled peer's submissions discarded (coordinator/verify.py, ``repair``), and
+  :class:`Repaired` records what that repair decided beyond the replay (leases given back, the version jump), so a
+  later repair's replay repeats it.
 * :class:`Admit` / :class:`Revoke` — admission (``runtime.admission: token``): a verified token
   binds to the libp2p peer id that first uses it (:class:`Admitted` or :class:`Refused`); a revoked
   token's peer loses its leases and its say in DyLU. In ``token`` and ``allowlist`` mode, speed
@@ -61,7 +63,7 @@ from asyncloco.coordinator.logic.admission import (
 from asyncloco.coordinator.logic.events import (
     Action, Admit, Admitted, Applied, Assign, Discard, Duplicate, Event, Expelled, Expired, Fetched, Fingerprint,
     Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
-    RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Verdict, Verified, Verify,
+    Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
     VERIFY_PIN_FACTOR, _LeaseBook, _alive_speeds, _book, _book_add, _book_issued, _drop_unused_base_params,
@@ -75,7 +77,7 @@ from asyncloco.coordinator.logic.state import (
     ShardState, VerificationState, VerifyPolicy,
 )
 from asyncloco.coordinator.logic.submit import (
-    _broken_chain, _on_discard, _on_submit, _on_verified, _quarantine, update_problem, validate_update, void_leases,
+    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_verified, _quarantine, update_problem, validate_update, void_leases,
 )
 
 
@@ -96,6 +98,7 @@ __all__ = [
     "HoldDropped",
     "Verified",
     "Discard",
+    "Repaired",
     "Fingerprint",
     "Incompatible",
     "admission_code",
@@ -163,6 +166,8 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
         actions = _on_verified(state, event, now)
     elif isinstance(event, Discard):
         actions = _on_discard(state, event)
+    elif isinstance(event, Repaired):
+        actions = _on_repaired(state, event)
     else:
         raise TypeError(f"unknown event {event!r}")
     actions += _release_held(state, now)

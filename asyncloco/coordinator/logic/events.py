@@ -142,9 +142,28 @@ class Discard:
     lease_id: str
 
 
+@dataclass(frozen=True)
+class Repaired:
+    """What the repair after an expulsion (``expelled``: every peer expelled so far) decided beyond the replay itself (coordinator/repair.py): which
+    leases stayed valid (``kept``, each at the live base version ``kept_versions`` its peer names; every other one
+    is given back), θ's version after the jump, the lease counter, and the inner-state commitment chain of the peers
+    not expelled (``chain_peers`` → ``chain_digests``). The daemon logs it after the ``Verified`` that expelled the
+    peer: a *later* repair, replaying the log across this point, must give back the same leases and jump at the same
+    place — without it the later replay kept leases the live run had voided, numbered the leases their peers asked for
+    again differently and refused honest updates the live run had applied. Handling it twice changes nothing."""
+
+    expelled: tuple[str, ...]
+    version: int
+    lease_counter: int
+    kept: tuple[str, ...]
+    kept_versions: tuple[int, ...]
+    chain_peers: tuple[str, ...]
+    chain_digests: tuple[str, ...]
+
+
 Event = Union[
     SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped,
-    Verified, Discard, Fingerprint,
+    Verified, Discard, Fingerprint, Repaired,
 ]
 
 

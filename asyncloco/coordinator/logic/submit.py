@@ -13,14 +13,14 @@ from asyncloco.algo.dylu import ema
 from asyncloco.algo.staleness import apply_transforms
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.logic.events import (
-    Action, Applied, Discard, Duplicate, Expelled, Quarantined, Rejected, Released, SubmitUpdate, Verdict, Verified,
-    Verify,
+    Action, Applied, Discard, Duplicate, Expelled, Quarantined, Rejected, Released, Repaired, SubmitUpdate, Verdict,
+    Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
     _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta,
 )
 from asyncloco.coordinator.gate import GatePolicy, GateVerdict
-from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, Lease, PeerInfo
+from asyncloco.coordinator.logic.state import CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, Lease, PeerInfo
 from asyncloco.refusals import RefusalCode
 
 
@@ -56,6 +56,27 @@ def _on_discard(state: CoordinatorState, event: Discard) -> list[Action]:
     state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
     _drop_unused_base_params(state)
     return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled", RefusalCode.DISCARDED)]
+
+
+def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
+    """Repeat what a repair decided beyond its replay (events.Repaired): give back every lease but the kept ones,
+    which keep their live base version; jump the version and the lease counter; restore the commitment chain."""
+    kept = dict(zip(event.kept, event.kept_versions))
+    actions = void_leases(state, "θ was repaired after an expulsion: ask for a new lease",
+                          lambda lease: lease.lease_id in kept)
+    renumbered = False
+    for lease in state.leases.values():
+        if lease.base_version != kept[lease.lease_id]:
+            lease.base_version, renumbered = kept[lease.lease_id], True
+    if renumbered:
+        state.indexes = DerivedIndexes()  # the lease book indexes leases by base version: rebuilt on next use
+    state.verification.pending.clear()
+    state.version = max(state.version, event.version)
+    state.lease_counter = max(state.lease_counter, event.lease_counter)
+    expelled = state.verification.expelled
+    state.verification.chain = {peer: digest for peer, digest in zip(event.chain_peers, event.chain_digests)
+                                if peer not in expelled}
+    return actions
 
 
 def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None) -> list[Action]:
