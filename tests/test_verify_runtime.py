@@ -47,7 +47,7 @@ HONEST = ("h0", "h1", "h2")
 HOSTILE = "mal"
 
 
-def config() -> RunConfig:
+def config(**runtime: Any) -> RunConfig:
     return RunConfig.model_validate({
         "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
         "inner": {"lr": 1e-2},
@@ -59,6 +59,7 @@ def config() -> RunConfig:
             "gate": {"enabled": False},  # the hidden direction is shaped to pass it anyway; verification does not need it
             "verify": {"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2, "horizon": 100000,
                        "queue": 256},
+            **runtime,
         },
     })
 
@@ -236,3 +237,65 @@ def resume_from_anchor(cfg: RunConfig, run_dir: Path, out: Path, upto: Optional[
     daemon.journal.close()
     daemon.wal.close()
     return daemon
+
+
+@pytest.mark.parametrize("snapshot", [False, True], ids=["replayed", "before-snapshot"])
+def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot: bool) -> None:
+    """A coordinator that dies with checks queued (their verdicts not yet in the log) queues them again after
+    ``--resume`` where the replay met them (their Verify actions): every such lease gets its verdict; checks applied
+    before the snapshot the resume starts from (``snapshot``: one written just before the crash) end as
+    ``Unverified`` events (counted, journaled). Nothing stays pending — before, a restart dropped checks unjudged and
+    a newcomer's dropped probation checks counted as "on the way" forever. A check whose re-run fails ends
+    ``Unverified`` too."""
+    from asyncloco.coordinator.verify import DaemonVerification, Rerunner
+
+    cfg = config(snapshot_every=100_000)  # the log holds every check since the start (unless ``snapshot``)
+    clock = FakeClock()
+    run_dir = tmp_path / "run"
+    original_start = DaemonVerification._start
+    monkeypatch.setattr(DaemonVerification, "_start", lambda self: None)  # first life: no worker, checks stay queued
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        await transport.start()
+        try:
+            peers = {name: start_peer(transport, name, rounds=4) for name in HONEST}
+            await drive(clock, {name: task for name, (_, task) in peers.items()}, real_timeout=150.0)
+            first = transport.daemon
+            assert first is not None and first.state.verification.checked == 0
+            chosen = dict(first.state.verification.pending)
+            if snapshot:
+                async with first.lock:
+                    await first._save()
+            monkeypatch.setattr(DaemonVerification, "_start", original_start)
+            failing = sorted(chosen)[0]
+            check = Rerunner.check
+
+            def check_or_fail(self: Rerunner, task: Any) -> Any:
+                if task.lease.lease_id == failing:
+                    raise RuntimeError("the workload cannot serve this lease")
+                return check(self, task)
+
+            monkeypatch.setattr(Rerunner, "check", check_or_fail)
+            daemon = await transport.restart()
+            assert daemon.verification is not None
+            await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
+            return {"chosen": chosen, "failing": failing, "book": daemon.state.verification}
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    out = asyncio.run(asyncio.wait_for(scenario(), timeout=200.0))
+    chosen, book = out["chosen"], out["book"]
+    assert len(chosen) >= 6  # every peer's probation leases at least
+    assert book.pending == {} and book.failed == 0 and not book.expelled
+    verdicts = read_journal(run_dir, "verdict")
+    unverified = {u["lease_id"]: u["reason"] for u in read_journal(run_dir, "unverified")}
+    if snapshot:
+        assert book.checked == 0 and not verdicts and book.unverifiable == len(chosen) == len(unverified)
+        assert all("before the snapshot it resumed from" in reason for reason in unverified.values())
+        return
+    assert book.checked == len(chosen) - 1 and sum(book.passed.values()) == len(chosen) - 1 and book.unverifiable == 1
+    assert sorted(v["lease_id"] for v in verdicts) == sorted(set(chosen) - {out["failing"]}) and all(v["ok"] for v in verdicts)
+    assert list(unverified) == [out["failing"]] and "the re-run failed" in unverified[out["failing"]]

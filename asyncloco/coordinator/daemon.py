@@ -407,6 +407,8 @@ class CoordinatorDaemon:
             # at the transport's bounded rate (ServiceLimits.error_log_*)
             on_protocol_error=lambda peer, reason: self.journal.write("protocol_error", peer=peer, reason=reason),
         )
+        if self.verification is not None:
+            self.verification.start()  # checks a --resume found unjudged are queued again once the daemon serves
         return service
 
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:

@@ -52,6 +52,7 @@ from asyncloco.coordinator.logic import (
     Expired,
     Lease,
     Repaired,
+    Unverified,
     Verdict,
     Verified,
     Verify,
@@ -213,9 +214,11 @@ class Verifier:
         capacity: int = 16,
         clock: Callable[[], float] = time.monotonic,
         moot: Callable[[Verify], bool] = lambda task: False,
+        on_skip: Optional[Callable[[Verify, str], Awaitable[None]]] = None,
     ) -> None:
         self.rerunner = rerunner
         self.on_verdict = on_verdict
+        self.on_skip = on_skip  # a check that ends without a verdict (its re-run failed)
         self.moot = moot  # a queued check no longer needed (its peer was expelled meanwhile): dropped unrun
         self.clock = clock
         # (check, when it was offered, the revealed start state: None for a reset-state lease re-run from θ alone)
@@ -258,6 +261,8 @@ class Verifier:
                     comparison = await asyncio.to_thread(self.rerunner.check_revealed, task, revealed)
             except Exception as error:  # a bug or a lease the workload cannot serve: no verdict, never an expulsion
                 logger.error("re-running lease %s failed (%r); no verdict", task.lease.lease_id, error)
+                if self.on_skip is not None:
+                    await self.on_skip(task, f"the re-run failed: {error!r}"[:300])
                 self._done()
                 continue
             self.stats.busy_s += time.perf_counter() - started
@@ -306,9 +311,12 @@ class DaemonVerification:
         self.verifier = Verifier(
             Rerunner(cfg, daemon.workload, device=cfg.runtime.eval_device), self._verdict, self.knobs.queue,
             moot=lambda task: task.peer in self.daemon.state.verification.expelled,
+            on_skip=self._unverified,
         )
         self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
         self.unlogged_repair: Optional[Repaired] = None  # re-derived in a --resume replay and not (yet) met in the log
+        # checks a --resume replay met without their verdict (lease id -> check): queued again by start()
+        self.resumed_checks: dict[str, Verify] = {}
         self.repairs: list[dict[str, Any]] = []
         self._stop: Optional[asyncio.Event] = None
         self._task: Optional["asyncio.Task[None]"] = None
@@ -323,22 +331,13 @@ class DaemonVerification:
     def record(self, action: Action, journal: Any) -> bool:
         """Carry out one verification action; True when durable state changed."""
         if isinstance(action, Verify):
-            if self.replay_seq is None:  # a replayed Verify was queued (or its verdict logged) in its own life
-                if action.failed:  # a broken commitment chain: nothing to re-run, the verdict is already known
-                    failed = Comparison(False, False, math.inf, -1.0, action.failed)
-                    task = asyncio.get_running_loop().create_task(self._verdict(action, failed))
-                    self._decided.add(task)
-                    task.add_done_callback(self._decided.discard)
-                    return False
-                self._start()
-                if not action.state_start:
-                    self.verifier.offer(action)  # inner_state reset: θ at the base version and the data suffice
-                elif not needs_reveal([action], action.lease.lease_id):
-                    self.verifier.offer(action, b"")  # a carried state that started fresh: the verifier knows it
-                else:
-                    self._await_reveal(action)
+            if self.replay_seq is not None:  # its verdict may follow in the log; if not, start() queues it again
+                self.resumed_checks[action.lease.lease_id] = action
+            else:
+                self._check(action)
             return False
         if isinstance(action, Verdict):
+            self.resumed_checks.pop(action.lease_id, None)
             journal.write("verdict", peer=action.peer, lease_id=action.lease_id, ok=action.ok, detail=action.detail)
             if not action.ok:
                 logger.warning("lease %s of %s failed verification: %s", action.lease_id, action.peer[-8:], action.detail)
@@ -354,6 +353,33 @@ class DaemonVerification:
             self._repair(action, journal)
             return True
         raise AssertionError(f"not a verification action: {action!r}")
+
+    def start(self) -> None:
+        """Once the daemon serves (its event loop runs): queue again the checks a ``--resume`` replay met without a
+        verdict — a re-run from θ and the data is queued like a new one; a check that awaited the peer's reveal
+        cannot be asked for again (the ack that asked for it is gone) and ends unverified, so it no longer counts
+        toward the peer's probation as one on its way."""
+        pending = self.daemon.state.verification.pending
+        checks = [check for lease_id, check in sorted(self.resumed_checks.items()) if pending.get(lease_id) == check.peer]
+        self.resumed_checks.clear()
+        queued = 0
+        for check in checks:
+            if not check.failed and check.state_start and needs_reveal([check], check.lease.lease_id):
+                self._decide_later(self._unverified_id(check.peer, check.lease.lease_id,
+                                                       "the coordinator restarted while the check awaited the peer's reveal"))
+            else:
+                self._check(check)
+                queued += 1
+        # checks applied before the snapshot the resume started from: the replay did not meet them, so their update
+        # and base θ are not at hand — ended, counted as unverifiable
+        found = {check.lease.lease_id for check in checks}
+        lost = sorted((lease_id, peer) for lease_id, peer in pending.items() if lease_id not in found)
+        for lease_id, peer in lost:
+            self._decide_later(self._unverified_id(peer, lease_id, "the coordinator restarted before this check ran "
+                                                   "(applied before the snapshot it resumed from)"))
+        if checks or lost:
+            logger.warning("%d verification check(s) found unjudged after the restart: %d queued again, %d ended "
+                           "unverified", len(checks) + len(lost), queued, len(checks) + len(lost) - queued)
 
     def note_snapshot(self, path: Path, wal_seq: int, version: int) -> None:
         if self.anchors.note_snapshot(path, wal_seq, version):
@@ -404,6 +430,7 @@ class DaemonVerification:
         self.reveals["received"] += 1
         self._start()
         if not self.verifier.offer(task, state, offered_at=asked_at):
+            self._decide_later(self._unverified(task, "the verification queue was full"))
             return RevealReply(False, "the verification queue is full; this check is skipped")
         return RevealReply(True, "queued for verification")
 
@@ -426,6 +453,39 @@ class DaemonVerification:
         await self.verifier.idle.wait()
 
     # --- internals
+
+    def _check(self, action: Verify) -> None:
+        """Queue the re-run of a check, or wait for its peer's reveal first; a full queue ends it unverified."""
+        if action.failed:  # a broken commitment chain: nothing to re-run, the verdict is already known
+            self._decide_later(self._verdict(action, Comparison(False, False, math.inf, -1.0, action.failed)))
+            return
+        self._start()
+        if action.state_start and needs_reveal([action], action.lease.lease_id):
+            self._await_reveal(action)
+            return
+        # inner_state reset: θ at the base version and the data suffice; a carried state that started fresh: the
+        # verifier knows it
+        if not self.verifier.offer(action, b"" if action.state_start else None):
+            self._decide_later(self._unverified(action, "the verification queue was full"))
+
+    def _decide_later(self, decision: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(decision)
+        self._decided.add(task)
+        task.add_done_callback(self._decided.discard)
+
+    async def _unverified(self, task: Verify, reason: str) -> None:
+        await self._unverified_id(task.peer, task.lease.lease_id, reason)
+
+    async def _unverified_id(self, peer: str, lease_id: str, reason: str) -> None:
+        """End a check without a verdict: an :class:`~asyncloco.coordinator.logic.Unverified` event through the
+        daemon's decision entry point, journaled."""
+        daemon = self.daemon
+        async with daemon.lock:
+            if daemon._stopping:
+                return
+            await daemon._decide(Unverified(peer, lease_id, reason))
+        daemon.journal.write("unverified", peer=peer, lease_id=lease_id, reason=reason)
+        logger.warning("lease %s of %s is not verified: %s", lease_id, peer[-8:], reason)
 
     def _await_reveal(self, action: Verify) -> None:
         """Wait for the peer to reveal ``action``'s start state; a failed check at ``reveal_timeout`` without it."""

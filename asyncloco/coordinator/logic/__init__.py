@@ -63,7 +63,7 @@ from asyncloco.coordinator.logic.admission import (
 from asyncloco.coordinator.logic.events import (
     Action, Admit, Admitted, Applied, Assign, Discard, Duplicate, Event, Expelled, Expired, Fetched, Fingerprint,
     Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
-    Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Verdict, Verified, Verify,
+    Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Unverified, Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
     VERIFY_PIN_FACTOR, _LeaseBook, _alive_speeds, _book, _book_add, _book_issued, _drop_unused_base_params,
@@ -77,7 +77,7 @@ from asyncloco.coordinator.logic.state import (
     ShardState, VerificationState, VerifyPolicy,
 )
 from asyncloco.coordinator.logic.submit import (
-    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_verified, _quarantine, update_problem, validate_update, void_leases,
+    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, update_problem, validate_update, void_leases,
 )
 
 
@@ -99,6 +99,7 @@ __all__ = [
     "Verified",
     "Discard",
     "Repaired",
+    "Unverified",
     "Fingerprint",
     "Incompatible",
     "admission_code",
@@ -168,6 +169,8 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
         actions = _on_discard(state, event)
     elif isinstance(event, Repaired):
         actions = _on_repaired(state, event)
+    elif isinstance(event, Unverified):
+        actions = _on_unverified(state, event)
     else:
         raise TypeError(f"unknown event {event!r}")
     actions += _release_held(state, now)

@@ -134,6 +134,17 @@ class Verified:
 
 
 @dataclass(frozen=True)
+class Unverified:
+    """The check of lease ``lease_id`` of ``peer`` ends without a verdict (coordinator/verify.py): the verification
+    queue was full, the re-run failed, or a coordinator restart lost the ack that asked for the peer's reveal.
+    Counted as unverifiable; the check no longer counts toward the peer's probation as one on its way."""
+
+    peer: str
+    lease_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Discard:
     """Void ``peer``'s update for ``lease_id``: the lease is consumed (its batches count as used, as for an update a
     staleness policy drops), θ is untouched. Only the repair's replay feeds it (coordinator/verify.py)."""
@@ -163,7 +174,7 @@ class Repaired:
 
 Event = Union[
     SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped,
-    Verified, Discard, Fingerprint, Repaired,
+    Verified, Unverified, Discard, Fingerprint, Repaired,
 ]
 
 

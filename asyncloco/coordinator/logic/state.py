@@ -118,7 +118,7 @@ class VerificationState:
     pending: dict[str, str] = field(default_factory=dict)  # lease id -> peer: applied, re-run not yet judged
     checked: int = 0
     failed: int = 0
-    unverifiable: int = 0  # selected leases whose base θ was no longer retained at submission
+    unverifiable: int = 0  # chosen leases never judged: base θ no longer retained, queue full, re-run failed, restart (Unverified)
     chain: dict[str, str] = field(default_factory=dict)  # peer -> inner-state digest at the end of its last applied lease
 
     def state_dict(self) -> dict[str, Any]:

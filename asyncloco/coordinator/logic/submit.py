@@ -13,8 +13,8 @@ from asyncloco.algo.dylu import ema
 from asyncloco.algo.staleness import apply_transforms
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.logic.events import (
-    Action, Applied, Discard, Duplicate, Expelled, Quarantined, Rejected, Released, Repaired, SubmitUpdate, Verdict,
-    Verified, Verify,
+    Action, Applied, Discard, Duplicate, Expelled, Quarantined, Rejected, Released, Repaired, SubmitUpdate, Unverified,
+    Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
     _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta,
@@ -45,6 +45,15 @@ def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[A
         if lease.peer == event.peer:
             actions += _give_back(state, lease, "peer expelled")
     return actions
+
+
+def _on_unverified(state: CoordinatorState, event: Unverified) -> list[Action]:
+    book = state.verification
+    if book.pending.get(event.lease_id) != event.peer:
+        return []  # judged meanwhile, or cleared by a repair
+    del book.pending[event.lease_id]
+    book.unverifiable += 1
+    return []
 
 
 def _on_discard(state: CoordinatorState, event: Discard) -> list[Action]:
