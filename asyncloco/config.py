@@ -221,7 +221,7 @@ class GateConfig(StrictModel):
     probe_sequences: int = Field(16, ge=1, description="rows of the probe batch (the last held-out rows)")
     probe_step: float = Field(0.2, gt=0, le=1, description="the probe evaluates the loss at θ − probe_step × Δ")
     probe_margin: float = Field(
-        0.0005, ge=0, description="a gray-zone update raising the probe loss by more (relative) is rejected, lowering it by more accepted"
+        0.0005, ge=0, description="a gray-zone update raising the probe loss by more (relative; × √(steps ÷ max_local_steps) for a shorter lease) is rejected, lowering it by more accepted"
     )
     probe_below: float = Field(0.5, ge=0, description="gray zone: cosine below this × the median of recent cosines, or probation")
     probe_all_below_params: int = Field(

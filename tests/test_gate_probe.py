@@ -80,11 +80,26 @@ def test_probe_decides_the_gray_zone() -> None:
     assert G.score(policy, spread, random_like, 10, "old", probe=(5.0, 4.9995)).weak
     assert G.score(policy, spread, random_like, 10, "new", probe=(5.0, 5.0001)).action == "reject"
     assert G.score(policy, spread, random_like, 10, "old", probe=(5.0, 4.99)).action == "accept"
-    # the margin is for a lease of full_steps: a 10-step update of a 20-step schedule needs half of it (0.025 %)
-    half = G.GatePolicy(full_steps=20)
+    # the margin is for a lease of full_steps and shrinks with the square root of the steps: a 10-step update of a
+    # 40-step schedule needs half of it (0.025 %)
+    half = G.GatePolicy(full_steps=40)
+    assert G.probe_margin(half, 10) == 0.00025 and G.probe_margin(half, 40) == G.probe_margin(half, 80) == 0.0005
     assert G.score(half, state, weak, 10, "old", probe=(5.0, 4.9985)).action == "accept"  # −0.03 %
     assert G.score(policy, state, weak, 10, "old", probe=(5.0, 4.9985)).weak
     assert G.score(half, state, weak, 10, "new", probe=(5.0, 5.0015)).action == "reject"  # +0.03 % > 0.025 %
+    # a one-step lease (a repair's re-training of a range given back) of a 30-step schedule: margin 0.05 % × √(1/30)
+    # = 0.0091 %. The honest rise measured on such leases in the warm colluder benchmark (6.11378 → 6.11484,
+    # +0.0174 %) is within 4 × that: taken with weak agreement, not counted — scaled linearly (0.0017 %) it counted
+    # and quarantined two honest peers (docs/threat-model.md)
+    thirty = G.GatePolicy(full_steps=30)
+    assert G.probe_margin(thirty, 1) == 0.0005 * math.sqrt(1 / 30)
+    one_step = with_cosine(-0.05, norm=1.0)
+    honest = G.score(thirty, state, one_step, 1, "old", probe=(6.11378, 6.11484))
+    assert (honest.action, honest.weak) == ("accept", True), honest.reason
+    assert "within 4 × the 0.00913 % margin" in honest.reason
+    # a clear rise of a one-step lease still counts: +0.05 % > 4 × 0.0091 %
+    clear = G.score(thirty, state, one_step, 1, "old", probe=(6.0, 6.003))
+    assert (clear.action, clear.counts) == ("reject", True), clear.reason
     # pointing away (below −0.25 × 0.4 = −0.1) is not gray: rejected and counted whatever the probe says
     away = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 4.9))
     assert (away.action, away.counts) == ("reject", True) and "direction disagrees" in away.reason
@@ -366,3 +381,29 @@ def test_an_echo_of_the_consensus_is_refused_and_quarantines_but_close_honest_ag
     assert G.score(policy, close, with_cosine(0.999), 10, "old").action == "accept"
     # before warm-up nothing is judged on direction
     assert G.score(policy, warm_state(center=0.4, accepted=3), with_cosine(0.99), 10, "old").action == "accept"
+
+
+@pytest.mark.timeout(300)
+def test_probe_noise_script_writes_the_changes_and_both_margin_rules(tmp_path: Path) -> None:
+    """scripts/probe_noise.py (the measurement behind gate.probe_margin's square root) runs as a user runs it: one
+    lease per length and mode; the JSON holds each change and, per rule, the margins in closed form."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "noise.json"
+    root = Path(__file__).resolve().parents[1]
+    completed = subprocess.run(
+        [sys.executable, str(root / "scripts" / "probe_noise.py"), "--samples", "1", "--steps", "1", "30",
+         "--warm-steps", "8", "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=280, cwd=root,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["max_local_steps"] == 30 and data["probe_margin"] == 0.0005
+    assert {mode: sorted(by) for mode, by in data["changes_pct"].items()} == {"carried": ["1", "30"], "fresh": ["1", "30"]}
+    assert all(len(v) == 1 and math.isfinite(v[0]) for by in data["changes_pct"].values() for v in by.values())
+    linear, root_rule = (data["verdicts"][k] for k in sorted(data["verdicts"]))  # "linear ...", "square root ..."
+    assert linear["carried/1"]["margin_pct"] == pytest.approx(0.05 / 30)
+    assert root_rule["carried/1"]["margin_pct"] == pytest.approx(0.05 * math.sqrt(1 / 30))
+    assert linear["fresh/30"]["margin_pct"] == root_rule["fresh/30"]["margin_pct"] == pytest.approx(0.05)
