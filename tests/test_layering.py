@@ -69,6 +69,27 @@ def test_no_print_in_library_code() -> None:
         assert not calls, f"{path.relative_to(PACKAGE)} calls print(); use logging"
 
 
+MAX_FILE_LINES = 600  # issue 20: each concern in a room of its own
+MAX_FUNCTION_LINES = 80
+
+
+def test_files_and_functions_stay_small() -> None:
+    """No module of the library above MAX_FILE_LINES lines, no function (docstring included) above
+    MAX_FUNCTION_LINES: a change that grows one past it splits it at a seam instead."""
+    too_long: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        where = str(path.relative_to(PACKAGE))
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            too_long.append(f"{where}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{where}:{node.lineno} {node.name}(): {length} lines")
+    assert not too_long, "split these at a seam: " + "; ".join(too_long)
+
+
 def test_transport_does_not_import_coordinator() -> None:
     """transport/ is below coordinator/: the in-process double that wires a daemon lives in asyncloco/testing/."""
     for path in files("transport"):
