@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -531,3 +532,46 @@ def equal_states(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(equal_states(x, y) for x, y in zip(a, b))
     return bool(a == b)
+
+
+def test_a_discarded_submission_is_heard_like_the_submission_it_replaces() -> None:
+    """The replay behind a repair turns the expelled peer's submissions into Discard events; its peer must count
+    as heard at that moment, as it was in the live run. Before, the replay saw it silent since its lease request,
+    declared it left at the next tick (peer_timeout), refused its next request and numbered every later lease one
+    lower than the live run — honest peers' leases were then unknown to the repaired state and their updates refused
+    (warm colluder benchmark, one honest update per run)."""
+    from asyncloco.coordinator.logic import Fetched, Tick
+
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
+    anchor.policy = dataclasses.replace(anchor.policy, peer_timeout=10.0)
+    live = copy.deepcopy(anchor)
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(live, event, now)[1]
+
+    def lease_of(actions: list[Any]) -> Any:
+        return next(x.lease for x in actions if isinstance(x, Assign))
+
+    for peer in ("h", "a", "b"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    first = lease_of(feed(RequestWork("a"), 0.0))
+    feed(SubmitUpdate("a", first.lease_id, first.base_version, torch.full((DIM,), 5.0)), 8.0)
+    feed(SpeedReport("h", 10.0), 12.0)
+    feed(SpeedReport("b", 10.0), 12.0)
+    feed(Tick(), 12.0)  # 12 s after a's request, 4 s after its submission: alive in the live run
+    assert live.peers["a"].alive
+    lease_of(feed(RequestWork("a"), 12.5))
+    mine = lease_of(feed(RequestWork("h"), 12.5))
+    feed(Fetched("h", mine.base_version), 12.5)
+    second = lease_of(feed(RequestWork("b"), 12.5))
+    feed(SubmitUpdate("b", second.lease_id, second.base_version, torch.ones(DIM)), 13.0)
+    feed(Verified("a", first.lease_id, False, "relative error 1.0"), 14.0)
+    result = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
+                    live.lease_counter, dict(live.verification.chain))
+    # the replay issued the same leases: the honest peer's lease is kept, and its update is applied
+    assert mine.lease_id in result.state.leases and result.state.leases[mine.lease_id].peer == "h"
+    assert second.lease_id in result.state.applied
+    _, actions = handle(result.state, SubmitUpdate("h", mine.lease_id, mine.base_version, torch.ones(DIM)), 15.0)
+    assert any(type(a).__name__ == "Applied" for a in actions)

@@ -166,7 +166,7 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
     elif isinstance(event, Verified):
         actions = _on_verified(state, event, now)
     elif isinstance(event, Discard):
-        actions = _on_discard(state, event)
+        actions = _on_discard(state, event, now)
     elif isinstance(event, Repaired):
         actions = _on_repaired(state, event)
     elif isinstance(event, Unverified):

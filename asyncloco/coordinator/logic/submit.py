@@ -56,10 +56,16 @@ def _on_unverified(state: CoordinatorState, event: Unverified) -> list[Action]:
     return []
 
 
-def _on_discard(state: CoordinatorState, event: Discard) -> list[Action]:
+def _on_discard(state: CoordinatorState, event: Discard, now: float) -> list[Action]:
     lease = state.leases.get(event.lease_id)
     if lease is None or lease.peer != event.peer:
         return []
+    # the peer was heard, as in the live run: without this a replay saw the expelled peer silent, declared it left
+    # at the next tick, refused its next request and numbered every later lease one lower than the live run did —
+    # honest peers' leases then were unknown to the repaired state (found in the warm colluder benchmark)
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.last_seen = now
     del state.leases[lease.lease_id]
     _unindex_lease(state, lease)
     state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
