@@ -575,3 +575,40 @@ def test_a_discarded_submission_is_heard_like_the_submission_it_replaces() -> No
     assert second.lease_id in result.state.applied
     _, actions = handle(result.state, SubmitUpdate("h", mine.lease_id, mine.base_version, torch.ones(DIM)), 15.0)
     assert any(type(a).__name__ == "Applied" for a in actions)
+
+
+def test_a_lease_at_the_version_its_peer_prefetched_is_fetched_and_survives_a_repair() -> None:
+    """A peer prefetches the newest θ while its update is on the way; when its next lease is at that version it
+    trains without downloading again. The lease is marked held at issue (the logic remembers the newest version a
+    peer downloaded), so a repair keeps it — before, it was given back as "not downloaded" while its peer trained on
+    it, and the update was refused as an unknown lease (warm colluder benchmark). A lease at a version the peer does
+    not hold is not held."""
+    from asyncloco.coordinator.logic import Fetched
+
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
+    live = copy.deepcopy(anchor)
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(live, event, now)[1]
+
+    def lease_of(actions: list[Any]) -> Any:
+        return next(x.lease for x in actions if isinstance(x, Assign))
+
+    for peer in ("h", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    theirs = lease_of(feed(RequestWork("a"), 0.0))
+    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    feed(Fetched("h", live.version), 1.5)  # h's prefetch of the newest θ (no lease of h at it yet)
+    mine = lease_of(feed(RequestWork("h"), 2.0))
+    assert mine.base_version == live.version == 1 and live.leases[mine.lease_id].held
+    assert not live.leases[mine.lease_id].fetched  # θ(1) stays retained in case h downloads it anyway
+    other = lease_of(feed(RequestWork("a"), 2.0))
+    assert not live.leases[other.lease_id].held  # a never downloaded θ(1)
+    feed(Verified("a", theirs.lease_id, False, "relative error 1.0"), 3.0)
+    result = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
+                    live.lease_counter, dict(live.verification.chain))
+    assert list(result.state.leases) == [mine.lease_id] and result.repaired.kept == (mine.lease_id,)
+    _, actions = handle(result.state, SubmitUpdate("h", mine.lease_id, mine.base_version, torch.ones(DIM)), 4.0)
+    assert any(type(a).__name__ == "Applied" for a in actions)

@@ -126,8 +126,10 @@ def repaired_event(
     # trained from (the repair's version jump is above it).
     def keep(lease: Lease) -> bool:
         live = live_leases.get(lease.lease_id) if live_leases is not None else None
-        return (live is not None and live.peer == lease.peer and lease.fetched and lease.peer not in excluded
-                and not lease.verify and not state.needs_base_params)
+        # downloaded, or held by its peer at issue (a prefetch), as the live coordinator knew it (a replay numbers
+        # versions differently, so a download it replays may not match the lease it served)
+        return (live is not None and live.peer == lease.peer and (lease.fetched or live.fetched or live.held)
+                and lease.peer not in excluded and not lease.verify and not state.needs_base_params)
 
     kept = sorted(lease_id for lease_id, lease in state.leases.items() if keep(lease))
     assert live_leases is not None or not kept

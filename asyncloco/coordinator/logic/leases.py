@@ -385,6 +385,10 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
         issued_at=now,
         expected_finish=now + duration,
         deadline=now + min(duration * policy.lease_timeout_factor + policy.lease_slack + transfer, policy.max_lease_s),
+        # a peer that already holds θ at this version (it prefetched the newest θ while its last update was on the
+        # way) trains without downloading it again. Unmarked, a repair gave such leases back as "not downloaded"
+        # while their peers trained on them (warm colluder benchmark)
+        held=info.fetched_version == state.version,
     )
     if policy.verify is not None:
         lease = dataclasses.replace(lease, verify=verify_reason(state, policy.verify, peer, lease.lease_id))
@@ -509,6 +513,7 @@ def _on_fetched(state: CoordinatorState, event: Fetched, now: float) -> list[Act
     info = state.peers.get(event.peer)
     if info is not None:
         info.last_seen = now
+        info.fetched_version = max(info.fetched_version, event.version)
     for lease in _peer_leases(state, event.peer):
         if lease.base_version == event.version:
             lease.fetched = True

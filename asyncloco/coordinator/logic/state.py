@@ -32,6 +32,9 @@ class Lease:
     deadline: float
     fetched: bool = False  # the peer downloaded θ(base_version): the coordinator may stop retaining it
     verify: str = ""  # why this lease's update will be re-run (verify_reason), "" if not; never sent to the peer
+    # the peer held θ(base_version) when the lease was issued (its prefetch of the newest θ): it may train without a
+    # download, so a repair keeps it like a fetched one. Not ``fetched``: θ stays retained in case it downloads anyway
+    held: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -56,6 +59,7 @@ class PeerInfo:
     transfer_s: float | None = None  # seconds its last upload took, as the coordinator measured it
     name: str = ""
     failed: bool = False  # gave a lease back before ever delivering: its claim no longer sets others' steps
+    fetched_version: int = -1  # the newest θ version it downloaded (its prefetch included): a lease at it is fetched
 
 
 @dataclass(frozen=True)
