@@ -612,3 +612,51 @@ def test_a_lease_at_the_version_its_peer_prefetched_is_fetched_and_survives_a_re
     assert list(result.state.leases) == [mine.lease_id] and result.repaired.kept == (mine.lease_id,)
     _, actions = handle(result.state, SubmitUpdate("h", mine.lease_id, mine.base_version, torch.ones(DIM)), 4.0)
     assert any(type(a).__name__ == "Applied" for a in actions)
+
+
+def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_the_theta_its_peer_had() -> None:
+    """An honest lease chosen for verification (here: every lease, fraction 1) and downloaded when a repair comes is
+    kept: it stays chosen, the live θ at its base version — the one its peer trained from, which holds the expelled
+    peer's update — is retained, and its submission's check carries exactly that θ, while the update itself is
+    applied to the repaired θ. Before, such leases were given back (in the warm attack benchmark all 8 honest
+    refusals of 702: peers a weak agreement had made suspects, sampled at 0.5). Without the live θ (no
+    ``live_base``) it is given back as before."""
+    from asyncloco.coordinator.logic import Applied, Fetched
+    from asyncloco.coordinator.verify import live_base
+
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=1.0, probation=0)
+    live = copy.deepcopy(anchor)
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(live, event, now)[1]
+
+    def lease_of(actions: list[Any]) -> Any:
+        return next(x.lease for x in actions if isinstance(x, Assign))
+
+    for peer in ("h", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    theirs = lease_of(feed(RequestWork("a"), 0.0))
+    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    mine = lease_of(feed(RequestWork("h"), 1.5))
+    assert mine.verify and mine.base_version == 1
+    feed(Fetched("h", mine.base_version), 1.5)
+    trained_from = live.params.clone()  # θ(1): holds the attacker's update
+    feed(Verified("a", theirs.lease_id, False, "relative error 1.0"), 2.0)
+    without = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
+                     live.lease_counter, dict(live.verification.chain))
+    assert without.state.leases == {}  # no live θ at hand: given back
+    result = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
+                    live.lease_counter, dict(live.verification.chain), live_base(live))
+    repaired = result.state
+    assert list(repaired.leases) == [mine.lease_id] and repaired.leases[mine.lease_id].verify == mine.verify
+    assert torch.equal(repaired.base_params[1], trained_from) and repaired.base_params[1] is not live.params
+    honest = torch.arange(DIM, dtype=torch.float32)
+    _, actions = handle(repaired, SubmitUpdate("h", mine.lease_id, mine.base_version, honest.clone()), 3.0)
+    checks = [a for a in actions if isinstance(a, Verify)]
+    assert [type(a) for a in actions if not isinstance(a, Verify)] == [Applied] and len(checks) == 1
+    assert torch.equal(checks[0].base, trained_from) and torch.equal(checks[0].update, honest)
+    reference = torch.zeros(DIM)
+    OuterNesterov(0.7, 0.9).step(reference, honest)
+    assert torch.equal(repaired.params, reference)

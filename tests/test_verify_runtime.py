@@ -33,7 +33,7 @@ from asyncloco.coordinator.checkpoint import load_snapshot
 from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE, CoordinatorDaemon
 from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, decode_event, read_records
 from asyncloco.coordinator.logic import Repaired, Verified, handle
-from asyncloco.coordinator.verify import ANCHOR_DIR, log_events, repair
+from asyncloco.coordinator.verify import ANCHOR_DIR, live_base, log_events, repair
 from asyncloco.peer.inner import InnerTrainer
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
@@ -183,7 +183,7 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     for event, now in events[: cut + 1]:
         handle(before, event, now)
     result = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"], before.leases,
-                    before.lease_counter, before.verification.chain)
+                    before.lease_counter, before.verification.chain, live_base(before))
     replayed = result.state
     repaired_params, repaired_version = replayed.params.clone(), replayed.version  # θ right after the repair
     # the repair's own decisions are the log's next record (a later repair's replay repeats them there)

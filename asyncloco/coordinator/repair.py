@@ -13,7 +13,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Iterable, Iterator, Mapping, Optional
+from typing import Callable, Collection, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -58,6 +58,7 @@ def repair(
     live_leases: Optional[Mapping[str, Lease]] = None,
     live_lease_counter: int = 0,
     live_chain: Optional[Mapping[str, str]] = None,
+    live_base: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
 ) -> RepairResult:
     """θ and the whole coordinator state as if the expelled peers' updates had never been applied.
 
@@ -79,6 +80,10 @@ def repair(
     chain) every peer not expelled keeps its live chain end: the chain records what a peer really trained from, which
     a replay cannot change — where the replay does not re-apply one of its updates (a lease the replay numbered
     differently after an earlier repair), the peer's next lease must still chain to the state it actually has.
+
+    ``live_base(v)``: the live θ at version ``v`` (or None): with it, a lease chosen for verification is kept too, its
+    live base θ retained for the re-run (without it such leases are given back). A later replay's ``Repaired`` has no
+    θ to hand: there such a lease's check is counted unverifiable, which changes no θ.
 
     What the repair decides after its replay (kept leases, version, counter, chain) is a :class:`Repaired` event,
     handled here and returned for the daemon to log after the ``Verified`` record: a later repair whose replay
@@ -102,9 +107,25 @@ def repair(
             event = _renumbered_fetch(state, event, live_leases)
         handle(state, event, now)  # Verify and Expelled actions of the past start nothing here; a Repaired repeats
         # the give-backs and the version jump of an earlier repair at the point where the live run made them
-    repaired = repaired_event(state, excluded, live_version, live_leases, live_lease_counter, live_chain)
+    repaired = repaired_event(state, excluded, live_version, live_leases, live_lease_counter, live_chain, live_base)
     _, voided = handle(state, repaired, last_now)
+    if live_leases is not None and live_base is not None:
+        _keep_checks(state, live_leases, live_base)
     return RepairResult(state, voided, discarded, replayed, repaired)
+
+
+def _keep_checks(state: CoordinatorState, live_leases: Mapping[str, Lease],
+                 live_base: Callable[[int], Optional[torch.Tensor]]) -> None:
+    """A kept lease that the live coordinator chose for verification stays chosen (the live draw is the one that
+    counts), and θ at its base version — the live one its peer trained from — is retained for the re-run."""
+    for lease in state.leases.values():
+        live = live_leases[lease.lease_id]
+        if not (live.verify or lease.verify):
+            continue
+        lease.verify = live.verify or lease.verify
+        base = live_base(lease.base_version)
+        if base is not None and lease.base_version not in state.base_params:
+            state.base_params[lease.base_version] = base
 
 
 def repaired_event(
@@ -114,13 +135,15 @@ def repaired_event(
     live_leases: Optional[Mapping[str, Lease]],
     live_lease_counter: int,
     live_chain: Optional[Mapping[str, str]],
+    live_base: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
 ) -> Repaired:
     """What a repair decides after its replay of ``state`` (:func:`repair`'s docstring says why), as the event that
     carries it out through ``handle`` and that a later repair's replay meets in the log."""
     # Honest work in flight stays valid (issue 16: repairs voided 5.7 % of honest leases, measured): its update is
-    # applied to the repaired θ as a stale one, like any update trained from an older θ. Given back: leases chosen
-    # for verification (their base θ, the one the peer trained from, no longer exists to re-run from), and all of
-    # them for methods that need θ_base at submission. A kept lease keeps the base version its peer knows (its
+    # applied to the repaired θ as a stale one, like any update trained from an older θ. A lease chosen for
+    # verification is kept when the live θ at its base version (the one its peer trained from, which the re-run
+    # needs) is at hand (``live_base``); given back otherwise, and all of them for methods that need θ_base at
+    # submission. A kept lease keeps the base version its peer knows (its
     # submission names it): the replay numbers versions without the discarded updates, so a lease issued after one
     # of them has a lower replayed base version; its staleness is then counted from the version the peer really
     # trained from (the repair's version jump is above it).
@@ -128,8 +151,10 @@ def repaired_event(
         live = live_leases.get(lease.lease_id) if live_leases is not None else None
         # downloaded, or held by its peer at issue (a prefetch), as the live coordinator knew it (a replay numbers
         # versions differently, so a download it replays may not match the lease it served)
-        return (live is not None and live.peer == lease.peer and (lease.fetched or live.fetched or live.held)
-                and lease.peer not in excluded and not lease.verify and not state.needs_base_params)
+        if not (live is not None and live.peer == lease.peer and (lease.fetched or live.fetched or live.held)
+                and lease.peer not in excluded and not state.needs_base_params):
+            return False
+        return not (lease.verify or live.verify) or (live_base is not None and live_base(live.base_version) is not None)
 
     kept = sorted(lease_id for lease_id, lease in state.leases.items() if keep(lease))
     assert live_leases is not None or not kept

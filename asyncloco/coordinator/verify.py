@@ -77,6 +77,7 @@ __all__ = [
     "Anchors",
     "log_events",
     "needs_reveal",
+    "live_base",
     "ANCHOR_DIR",
     "KEEP_ANCHORS",
 ]
@@ -278,6 +279,18 @@ class Verifier:
         self.queue.task_done()
         if self.queue.empty():
             self.idle.set()
+
+
+def live_base(live: CoordinatorState) -> Callable[[int], Optional[torch.Tensor]]:
+    """θ at a version as the live coordinator holds it (a copy of θ itself when it is the current version, which
+    changes in place): what a kept lease chosen for verification is re-run from after a repair."""
+    from asyncloco.coordinator.logic import base_theta
+
+    def base(version: int) -> Optional[torch.Tensor]:
+        theta = base_theta(live, version)
+        return theta.clone() if theta is live.params else theta
+
+    return base
 
 
 def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
@@ -558,7 +571,7 @@ class DaemonVerification:
             after = snapshot_wal_seq(snapshot)
             records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
             result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
-                            live.lease_counter, dict(live.verification.chain))
+                            live.lease_counter, dict(live.verification.chain), live_base(live))
         daemon.state = result.state
         # The repair's own decisions (leases given back, the version jump) go into the log right after the Verified
         # record, so that a later repair replaying across this point repeats them (logic.Repaired). A --resume
