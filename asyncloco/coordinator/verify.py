@@ -19,9 +19,10 @@ offset and the run's config — exactly what the coordinator knows. This module:
   optimizer's state, the gate's statistics, every counter) is rebuilt by replaying the write-ahead log from an
   *anchor* (a snapshot kept for this purpose) with the expelled peers' submissions turned into
   :class:`~asyncloco.coordinator.logic.Discard` events. Honest submissions are replayed as they were (their base
-  version renumbered to the replayed lease's). Leases still active afterwards stay valid (applied as stale updates
-  to the repaired θ) unless chosen for verification; those are given back (their base θ no
-  longer exists) and the version jumps past the live one, so no version number ever names two different θ.
+  version renumbered to the replayed lease's). Downloaded leases still active afterwards stay valid (applied as
+  stale updates to the repaired θ; one chosen for verification is re-run from the live θ its peer trained from,
+  retained for it); the others are given back, and the version jumps past the live one, so no version number ever
+  names two different θ.
   Deterministic: a ``--resume`` that meets the same ``Verified`` record in the log repeats the same repair.
 * :class:`Anchors` (asyncloco/coordinator/repair.py) — which snapshots a repair may start from: a hard link of ``state.pt`` taken every
   ``runtime.verify.horizon`` applied updates (and the initial one), the newest ``KEEP_ANCHORS`` kept; the log
