@@ -162,6 +162,11 @@ def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: in
     return new_state(torch.zeros(DIM), optimizer, [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
 
 
+def lease_of(actions: list[Any]) -> Any:
+    """The lease an Assign among ``actions`` hands out."""
+    return next(x.lease for x in actions if isinstance(x, Assign))
+
+
 def test_verdicts_count_probation_and_expel() -> None:
     state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=1)
     handle(state, SpeedReport("p", 10.0), 0.0)
@@ -466,9 +471,6 @@ def test_a_later_repair_repeats_an_earlier_repairs_give_backs_and_keeps_the_hone
         log.append((event, now))
         return handle(live, event, now)[1]
 
-    def lease_of(actions: list[Any]) -> Any:
-        return next(x.lease for x in actions if isinstance(x, Assign))
-
     for peer in ("h", "a", "b"):
         feed(SpeedReport(peer, 10.0), 0.0)
     first = lease_of(feed(RequestWork("a"), 0.0))
@@ -551,9 +553,6 @@ def test_a_discarded_submission_is_heard_like_the_submission_it_replaces() -> No
         log.append((event, now))
         return handle(live, event, now)[1]
 
-    def lease_of(actions: list[Any]) -> Any:
-        return next(x.lease for x in actions if isinstance(x, Assign))
-
     for peer in ("h", "a", "b"):
         feed(SpeedReport(peer, 10.0), 0.0)
     first = lease_of(feed(RequestWork("a"), 0.0))
@@ -593,9 +592,6 @@ def test_a_lease_at_the_version_its_peer_prefetched_is_fetched_and_survives_a_re
         log.append((event, now))
         return handle(live, event, now)[1]
 
-    def lease_of(actions: list[Any]) -> Any:
-        return next(x.lease for x in actions if isinstance(x, Assign))
-
     for peer in ("h", "a"):
         feed(SpeedReport(peer, 10.0), 0.0)
     theirs = lease_of(feed(RequestWork("a"), 0.0))
@@ -631,9 +627,6 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     def feed(event: Event, now: float) -> list[Any]:
         log.append((event, now))
         return handle(live, event, now)[1]
-
-    def lease_of(actions: list[Any]) -> Any:
-        return next(x.lease for x in actions if isinstance(x, Assign))
 
     for peer in ("h", "a"):
         feed(SpeedReport(peer, 10.0), 0.0)
