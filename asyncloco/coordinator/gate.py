@@ -53,21 +53,30 @@ rejection on probation counts twice. A peer with ``quarantine_after`` rejections
 −``flip_margin`` × median: pointing away, not merely agreeing weakly) is **quarantined** for ``quarantine_s`` seconds (doubling each time):
 the logic refuses it leases.
 
+**No one peer owns the consensus**: an accepted update joins the reference with weight ``w = 1 − d`` unless its
+peer already holds ``reference_share`` of the reference's weight while other present peers hold some; then ``w``
+shrinks to keep it there, but never below ``(1 − d) / 4`` (the reference never freezes). Without this a peer with
+a consistent direction of its own (an honest newcomer's fresh AdamW state) became the consensus within a few
+updates while the others' weakly agreeing updates stayed out of it, until their honest work looked like
+pointing away (:func:`reference_weight`).
+
 Cost: two dot products over θ to score (‖Δ‖², Δ·r) and, for an accepted update, one fused
-``r ← d·r + (1−d)·Δ/‖Δ‖`` plus one norm to keep the reference — no θ-sized allocation.
+``r ← (1−w)·r + w·Δ/‖Δ‖`` plus one norm to keep the reference — no θ-sized allocation.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from statistics import median
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
+from asyncloco.coordinator.gate_state import GatePolicy, GateState, join_reference, reference_weight
+
 __all__ = [
-    "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "probe_margin", "wants_probe", "needs_probe", "suspect", "close_bar",
+    "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "probe_margin", "wants_probe", "needs_probe", "suspect", "close_bar", "reference_weight",
 ]
 
 
@@ -78,93 +87,6 @@ def adamw_norm_bound(lr_max: float, numel: int, weight_decay: float = 0.0, betas
     |θ| ≤ 10). Doubled for safety: no honest update comes near it, a scaled-up one does."""
     per_element = max(1.0, (1.0 - betas[0]) / math.sqrt(1.0 - betas[1])) + 10.0 * weight_decay
     return 2.0 * lr_max * per_element * math.sqrt(numel)
-
-
-@dataclass(frozen=True)
-class GatePolicy:
-    """Knobs of the gate (``runtime.gate`` in the run config). The defaults need no per-run tuning."""
-
-    clip_factor: float = 4.0
-    reject_factor: float = 20.0
-    cosine_mads: float = 6.0
-    cosine_cap: float = 0.05
-    flip_margin: float = 0.25
-    echo_cosine: float = 0.95
-    suspect_cosine: float = 0.85  # an applied update agreeing at least this closely marks its peer a verification suspect
-    suspect_mads: float = 4.0  # ... raised to median + suspect_mads × MAD where honest work agrees closely
-    window: int = 32
-    warmup: int = 6
-    reference_decay: float = 0.8
-    probation_updates: int = 3
-    probation_tightening: float = 0.5
-    quarantine_after: int = 3
-    quarantine_window: int = 6
-    quarantine_s: float = 600.0
-    probe: bool = True  # use the probe-batch losses when the daemon supplies them
-    probe_step: float = 0.2  # the probe evaluates θ − probe_step·Δ
-    probe_margin: float = 0.0005  # relative probe-loss change that counts as evidence, for a lease of full_steps
-    full_steps: int = 1  # the schedule's max_local_steps: a shorter lease moves θ less, its margin shrinks (probe_margin())
-    probe_count_factor: float = 4.0  # a rise above this × the margin also counts toward quarantine
-    probe_below: float = 0.5  # the gray zone: cosine below this × the median of recent cosines (or on probation)
-    probe_all_below_params: int = 25_000_000  # models up to this size: probe every update; larger: probation only
-    probe_max_params: int = 50_000_000  # above this size no probe (two forward passes under the lock: see wants_probe)
-
-    def __post_init__(self) -> None:
-        if not 1.0 <= self.clip_factor <= self.reject_factor:
-            raise ValueError("gate: need 1 <= clip_factor <= reject_factor")
-        if not 0.0 <= self.reference_decay < 1.0:
-            raise ValueError("gate: reference_decay must be in [0, 1)")
-        if self.window < 3 or self.warmup < 1 or self.quarantine_after < 1 or self.quarantine_window < self.quarantine_after:
-            raise ValueError("gate: window >= 3, warmup >= 1, 1 <= quarantine_after <= quarantine_window")
-        if self.probe_margin < 0 or self.probe_below < 0 or not 0 < self.probe_step <= 1:
-            raise ValueError("gate: probe_margin and probe_below must be >= 0, probe_step in (0, 1]")
-
-
-@dataclass
-class GateState:
-    norms: list[float] = field(default_factory=list)  # per-step norms of the last `window` accepted updates
-    cosines: list[float] = field(default_factory=list)  # their cosines with the reference at the time
-    reference: torch.Tensor | None = None  # EMA of unit accepted updates (flat fp32), None before the first
-    reference_norm: float = 0.0
-    accepted: int = 0
-    peer_accepted: dict[str, int] = field(default_factory=dict)
-    verdicts: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent: True = rejected
-    quarantined_until: dict[str, float] = field(default_factory=dict)
-    quarantines: dict[str, int] = field(default_factory=dict)
-    weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement
-    close: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = close to an echo
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "norms": list(self.norms),
-            "cosines": list(self.cosines),
-            "reference": self.reference,
-            "reference_norm": self.reference_norm,
-            "accepted": self.accepted,
-            "peer_accepted": dict(self.peer_accepted),
-            "verdicts": {k: list(v) for k, v in self.verdicts.items()},
-            "quarantined_until": dict(self.quarantined_until),
-            "quarantines": dict(self.quarantines),
-            "weak": {k: list(v) for k, v in self.weak.items()},
-            "close": {k: list(v) for k, v in self.close.items()},
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "GateState":
-        reference = state["reference"]
-        return cls(
-            norms=[float(x) for x in state["norms"]],
-            cosines=[float(x) for x in state["cosines"]],
-            reference=None if reference is None else reference.clone(),
-            reference_norm=float(state["reference_norm"]),
-            accepted=int(state["accepted"]),
-            peer_accepted={k: int(v) for k, v in state["peer_accepted"].items()},
-            verdicts={k: [bool(x) for x in v] for k, v in state["verdicts"].items()},
-            quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
-            quarantines={k: int(v) for k, v in state["quarantines"].items()},
-            weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent before issue 16
-            close={k: [bool(x) for x in v] for k, v in state.get("close", {}).items()},  # absent before its signal
-        )
 
 
 @dataclass(frozen=True)
@@ -532,6 +454,9 @@ def record(
     weak = gate.weak.setdefault(peer, [])
     weak.append(verdict.weak and not rejected)
     del weak[: max(0, len(weak) - policy.quarantine_window)]
+    if not rejected and update is not None:
+        gate.present.append(peer)
+        del gate.present[: max(0, len(gate.present) - policy.window)]
     if not rejected and update is not None and verdict.weak:
         # applied, but not part of the consensus the gate judges others by (a weakly agreeing stream must not
         # pull the bar down for everyone)
@@ -546,11 +471,7 @@ def record(
         del gate.norms[: max(0, len(gate.norms) - policy.window)]
         del gate.cosines[: max(0, len(gate.cosines) - policy.window)]
         if norm > 0:
-            if gate.reference is None:
-                gate.reference = update / norm
-            else:
-                gate.reference.mul_(policy.reference_decay).add_(update, alpha=(1.0 - policy.reference_decay) / norm)
-            gate.reference_norm = float(torch.linalg.vector_norm(gate.reference))
+            join_reference(policy, gate, update, norm, peer)
         gate.accepted += 1
         gate.peer_accepted[peer] = gate.peer_accepted.get(peer, 0) + 1
         return None

@@ -1,0 +1,141 @@
+"""The update gate's knobs and state (``runtime.gate``; the gate itself: coordinator/gate.py), and the consensus the
+gate judges directions against: an exponential moving average of the unit vectors of accepted updates in which no
+one peer holds more than ``reference_share`` of the weight while others are present (:func:`reference_weight`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["GatePolicy", "GateState", "reference_weight", "join_reference"]
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    """Knobs of the gate (``runtime.gate`` in the run config). The defaults need no per-run tuning."""
+
+    clip_factor: float = 4.0
+    reject_factor: float = 20.0
+    cosine_mads: float = 6.0
+    cosine_cap: float = 0.05
+    flip_margin: float = 0.25
+    echo_cosine: float = 0.95
+    suspect_cosine: float = 0.85  # an applied update agreeing at least this closely marks its peer a verification suspect
+    suspect_mads: float = 4.0  # ... raised to median + suspect_mads × MAD where honest work agrees closely
+    window: int = 32
+    warmup: int = 6
+    reference_decay: float = 0.8
+    reference_share: float = 0.5  # the most of the reference one peer's updates may hold while others are present
+    probation_updates: int = 3
+    probation_tightening: float = 0.5
+    quarantine_after: int = 3
+    quarantine_window: int = 6
+    quarantine_s: float = 600.0
+    probe: bool = True  # use the probe-batch losses when the daemon supplies them
+    probe_step: float = 0.2  # the probe evaluates θ − probe_step·Δ
+    probe_margin: float = 0.0005  # relative probe-loss change that counts as evidence, for a lease of full_steps
+    full_steps: int = 1  # the schedule's max_local_steps: a shorter lease moves θ less, its margin shrinks (probe_margin())
+    probe_count_factor: float = 4.0  # a rise above this × the margin also counts toward quarantine
+    probe_below: float = 0.5  # the gray zone: cosine below this × the median of recent cosines (or on probation)
+    probe_all_below_params: int = 25_000_000  # models up to this size: probe every update; larger: probation only
+    probe_max_params: int = 50_000_000  # above this size no probe (two forward passes under the lock: see wants_probe)
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.clip_factor <= self.reject_factor:
+            raise ValueError("gate: need 1 <= clip_factor <= reject_factor")
+        if not 0.0 <= self.reference_decay < 1.0:
+            raise ValueError("gate: reference_decay must be in [0, 1)")
+        if not 0.0 < self.reference_share <= 1.0:
+            raise ValueError("gate: reference_share must be in (0, 1]")
+        if self.window < 3 or self.warmup < 1 or self.quarantine_after < 1 or self.quarantine_window < self.quarantine_after:
+            raise ValueError("gate: window >= 3, warmup >= 1, 1 <= quarantine_after <= quarantine_window")
+        if self.probe_margin < 0 or self.probe_below < 0 or not 0 < self.probe_step <= 1:
+            raise ValueError("gate: probe_margin and probe_below must be >= 0, probe_step in (0, 1]")
+
+
+@dataclass
+class GateState:
+    norms: list[float] = field(default_factory=list)  # per-step norms of the last `window` accepted updates
+    cosines: list[float] = field(default_factory=list)  # their cosines with the reference at the time
+    reference: torch.Tensor | None = None  # EMA of unit accepted updates (flat fp32), None before the first
+    reference_norm: float = 0.0
+    accepted: int = 0
+    peer_accepted: dict[str, int] = field(default_factory=dict)
+    verdicts: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent: True = rejected
+    quarantined_until: dict[str, float] = field(default_factory=dict)
+    quarantines: dict[str, int] = field(default_factory=dict)
+    weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement
+    close: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = close to an echo
+    shares: dict[str, float] = field(default_factory=dict)  # each peer's weight in the reference (sums to <= 1)
+    present: list[str] = field(default_factory=list)  # the peers of the last `window` applied updates, weak ones too
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "norms": list(self.norms),
+            "cosines": list(self.cosines),
+            "reference": self.reference,
+            "reference_norm": self.reference_norm,
+            "accepted": self.accepted,
+            "peer_accepted": dict(self.peer_accepted),
+            "verdicts": {k: list(v) for k, v in self.verdicts.items()},
+            "quarantined_until": dict(self.quarantined_until),
+            "quarantines": dict(self.quarantines),
+            "weak": {k: list(v) for k, v in self.weak.items()},
+            "close": {k: list(v) for k, v in self.close.items()},
+            "shares": dict(self.shares),
+            "present": list(self.present),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "GateState":
+        reference = state["reference"]
+        return cls(
+            norms=[float(x) for x in state["norms"]],
+            cosines=[float(x) for x in state["cosines"]],
+            reference=None if reference is None else reference.clone(),
+            reference_norm=float(state["reference_norm"]),
+            accepted=int(state["accepted"]),
+            peer_accepted={k: int(v) for k, v in state["peer_accepted"].items()},
+            verdicts={k: [bool(x) for x in v] for k, v in state["verdicts"].items()},
+            quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
+            quarantines={k: int(v) for k, v in state["quarantines"].items()},
+            weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent before issue 16
+            close={k: [bool(x) for x in v] for k, v in state.get("close", {}).items()},  # absent before its signal
+            # absent before the share cap: no shares known, every peer starts from none
+            shares={k: float(v) for k, v in state.get("shares", {}).items()},
+            present=[str(x) for x in state.get("present", [])],
+        )
+
+
+def reference_weight(policy: GatePolicy, gate: GateState, peer: str) -> float:
+    """The weight with which ``peer``'s accepted update joins the reference (module docstring): ``1 − d``, unless
+    that would lift the peer's share above ``reference_share`` while other peers of the last ``window`` applied
+    updates hold at least 5 % of it; then the weight that keeps it at the cap, but at least ``(1 − d) / 4``.
+    A peer alone (or among peers that hold nothing: an attacker whose updates are only ever taken weakly) follows
+    at the full weight."""
+    full = 1.0 - policy.reference_decay
+    if gate.reference is None:
+        return 1.0
+    others = sum(gate.shares.get(p, 0.0) for p in set(gate.present) - {peer})
+    if others < 0.05:
+        return full
+    mine = gate.shares.get(peer, 0.0)
+    capped = (policy.reference_share - mine) / (1.0 - mine) if mine < 1.0 else 0.0
+    return min(full, max(capped, full / 4.0))
+
+
+def join_reference(policy: GatePolicy, gate: GateState, update: torch.Tensor, norm: float, peer: str) -> None:
+    """``r ← (1−w)·r + w·Δ/‖Δ‖`` with ``w`` from :func:`reference_weight`, and every peer's share with it."""
+    weight = reference_weight(policy, gate, peer)
+    if gate.reference is None:
+        gate.reference = update / norm
+    else:
+        gate.reference.mul_(1.0 - weight).add_(update, alpha=weight / norm)
+    for other in list(gate.shares):
+        gate.shares[other] *= 1.0 - weight
+        if gate.shares[other] < 1e-6:  # bounded: a peer gone for long holds nothing
+            del gate.shares[other]
+    gate.shares[peer] = gate.shares.get(peer, 0.0) + weight
+    gate.reference_norm = float(torch.linalg.vector_norm(gate.reference))
