@@ -388,6 +388,13 @@ class RunConfig(StrictModel):
         n = self.outer.buffer_size or self.sim.workers
         if self.outer.activation > 1.0 / n + 1e-12:
             raise ValueError(f"outer.activation c={self.outer.activation} must be <= 1/N = {1.0 / n:g}")
+        verify = self.runtime.verify
+        if verify.enabled and verify.inner_state == "carry" and self.inner.optimizer != "adamw":
+            raise ValueError(
+                f"runtime.verify.inner_state 'carry' needs inner.optimizer 'adamw': a peer commits to its inner state "
+                f"byte for byte, and {self.inner.optimizer!r}'s quantized state has no such layout; use inner.optimizer "
+                "'adamw', or runtime.verify.inner_state 'reset'"
+            )
         return self
 
 

@@ -462,3 +462,36 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
         slow_log = (tmp_path / "slow.log").read_text()
         assert "leaving at once" in slow_log
         assert "Traceback" not in slow_log
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_group_refuses_to_join_a_run_that_verifies_the_carried_inner_state(tmp_path: Path) -> None:
+    """A group of ranks cannot commit to its inner state (it is spread over the ranks), and a run with
+    ``runtime.verify.inner_state: carry`` refuses every update without the commitments: the group says so and
+    leaves at once, naming the fix, instead of training leases that are all thrown away."""
+    import yaml
+
+    from asyncloco.local_cluster import LocalCluster
+
+    repo = Path(__file__).resolve().parent.parent
+    demo = yaml.safe_load((repo / "configs" / "demo.yaml").read_text())
+    demo["runtime"]["verify"] = {"enabled": True, "inner_state": "carry"}
+    config = tmp_path / "demo.yaml"
+    config.write_text(yaml.safe_dump(demo))
+    with LocalCluster(config, tmp_path) as cluster:
+        cluster.start_coordinator()
+        group = cluster.start_peer("group", extra=["--nproc-per-node", "2"])
+        assert group.wait(timeout=300) != 0
+        log = (tmp_path / "group.log").read_text()
+        assert "which a peer of 2 ranks cannot commit to" in log and "--nproc-per-node 1" in log, log[-3000:]
+        assert not [e for e in cluster.events() if e.get("type") in ("assign", "applied", "rejected")]
+
+
+def test_carried_state_verification_needs_the_plain_adamw() -> None:
+    verify = {"enabled": True, "inner_state": "carry"}
+    with pytest.raises(ValueError, match="runtime.verify.inner_state 'carry' needs inner.optimizer 'adamw'"):
+        RunConfig.model_validate({"inner": {"optimizer": "adamw8bit"}, "runtime": {"verify": verify}})
+    reset = RunConfig.model_validate({"inner": {"optimizer": "adamw8bit"}, "runtime": {"verify": {**verify, "inner_state": "reset"}}})
+    assert reset.runtime.verify.inner_state == "reset"
+

@@ -186,6 +186,13 @@ class PeerRunner:
             self._cfg = cfg
             if hello.run_id != namespace:
                 raise PeerError(f"the coordinator serves run {hello.run_id!r}, not {namespace!r}; check --run-id")
+            if self.group is not None and cfg.runtime.verify.enabled and cfg.runtime.verify.inner_state == "carry":
+                # the coordinator would refuse every update without the commitments (docs/threat-model.md)
+                raise PeerError(
+                    f"this run verifies leases from each peer's carried inner state (runtime.verify.inner_state: carry), "
+                    f"which a peer of {self.group.world_size} ranks cannot commit to (its state is spread over the ranks); "
+                    "join with --nproc-per-node 1, or the organiser sets runtime.verify.inner_state: reset"
+                )
             from asyncloco.workloads import build_workload
 
             if self.group is not None:
