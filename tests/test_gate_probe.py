@@ -104,9 +104,22 @@ def test_probe_decides_the_gray_zone() -> None:
     # a clear rise of a one-step lease still counts: +0.05 % > 4 × 0.0091 %
     clear = G.score(thirty, state, one_step, 1, "old", probe=(6.0, 6.003))
     assert (clear.action, clear.counts) == ("reject", True), clear.reason
-    # pointing away (below −0.25 × 0.4 = −0.1) is not gray: rejected and counted whatever the probe says
-    away = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 4.9))
+    # pointing away (below −0.25 × 0.4 = −0.1): from a peer on probation not gray — rejected and counted whatever the
+    # probe says; from an established peer the probe decides (issue 20: honest updates land there when the
+    # consensus is spread): a fall by more than the margin is taken with weak agreement, a rise by more is rejected
+    # and counted, one in between refused without counting
+    away = G.score(policy, state, with_cosine(-0.3), 10, "new", probe=(5.0, 4.9))
     assert (away.action, away.counts) == ("reject", True) and "direction disagrees" in away.reason
+    helps = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 4.99))
+    assert (helps.action, helps.weak) == ("accept", True) and "points away from the consensus, but lowers" in helps.reason
+    assert G.score(policy, state, with_cosine(-0.3, norm=30.0), 10, "old", probe=(5.0, 4.99)).scale == pytest.approx(1 / 3)
+    uphill = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 5.003))
+    assert (uphill.action, uphill.counts) == ("reject", True) and "raises the probe-batch loss" in uphill.reason
+    for after in (5.002, 4.998):
+        flat = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, after))
+        assert (flat.action, flat.counts, flat.weak) == ("reject", False, False) and "not counted" in flat.reason
+    # without the probe (a large model) the cosine rule alone: rejected and counted
+    assert (G.score(policy, state, with_cosine(-0.3), 10, "old").counts, G.score(policy, state, with_cosine(-0.3), 10, "old").action) == (True, "reject")
     # a non-finite probe loss rejects
     assert G.score(policy, state, weak, 10, "old", probe=(5.0, math.inf)).action == "reject"
 
@@ -174,7 +187,7 @@ def test_honest_weak_agreement_is_not_wasted_exact_counts() -> None:
     # a peer on probation: the same updates refused (not counted), pointing away rejected and counted
     refused = [G.score(policy, state, with_cosine(-0.09 + 0.13 * i / 19), 10, "new", probe=(5.0, 5.0)) for i in range(20)]
     assert [(v.action, v.counts) for v in refused] == [("reject", False)] * 20
-    away = G.score(policy, state, with_cosine(-0.11), 10, "old", probe=(5.0, 5.0))
+    away = G.score(policy, state, with_cosine(-0.11), 10, "new", probe=(5.0, 5.0))
     assert (away.action, away.counts) == ("reject", True)
     # and without the probe (models above probe_max_params) the cosine rule alone: the same split
     plain = [G.score(policy, state, with_cosine(c), 10, p) for c, p in ((0.0, "old"), (0.0, "new"), (-0.11, "old"))]
@@ -273,7 +286,7 @@ def test_needs_probe_is_exactly_where_score_reads_the_probe() -> None:
         "gray, just at the lower edge": (with_cosine(away + 1e-3), 10, True),
         "gray, just under the upper edge": (with_cosine(0.19), 10, True),
         "agreeing (cosine 0.5)": (with_cosine(0.5), 10, False),
-        "pointing away": (with_cosine(-0.9), 10, False),
+        "pointing away (an established peer: the probe decides)": (with_cosine(-0.9), 10, True),
         "gray but 1,000 × the median norm": (with_cosine(-0.05, norm=10_000.0), 10, False),
         "an echo of the consensus": (with_cosine(0.99), 10, False),
         "non-finite": (torch.full((N,), math.nan), 10, False),
@@ -284,6 +297,9 @@ def test_needs_probe_is_exactly_where_score_reads_the_probe() -> None:
         verdicts = {(v.action, v.scale, v.counts, v.weak) for v in (G.score(policy, state, update, steps, "old", probe=p) for p in probes)}
         # outside the gray zone the probe cannot change the verdict; inside, a rise and a fall decide differently
         assert (len(verdicts) > 1) is expected, (name, verdicts)
+    # pointing away from a peer on probation: rejected, counted, whatever the probe says
+    assert G.needs_probe(policy, state, with_cosine(-0.9), 10, "new") is False
+    assert {G.score(policy, state, with_cosine(-0.9), 10, "new", probe=p).action for p in probes} == {"reject"}
     # before warm-up there is no gray zone for an established peer; with the probe off, never
     cold = warm_state(accepted=policy.warmup - 1)
     assert G.needs_probe(policy, cold, with_cosine(-0.05), 10, "old") is False

@@ -31,8 +31,9 @@ small fixed probe batch at θ and at θ − s·Δ (``s`` = ``probe_step``: a sho
 local progress) *before* it calls
 ``handle`` and passes both losses in the ``SubmitUpdate`` event (so they are in the write-ahead log and a
 replay makes the same decision without a model: :func:`score` stays pure). For an update in the gray zone
-— after warm-up, a cosine in [−flip_margin × median, max(cosine_cap, probe_below × median)) —
-a probe loss
+— after warm-up, a cosine in [−flip_margin × median, max(cosine_cap, probe_below × median)), and from a peer past
+probation also below that (pointing away: taken with weak agreement only if the probe falls by the margin,
+:func:`_probe_away`) — a probe loss
 that rises by more than ``probe_margin`` (relative, scaled by ``sqrt(steps / full_steps)``: :func:`probe_margin`) rejects it (counted
 toward quarantine when above ``probe_count_factor`` × that: it makes the model worse), one that falls by
 more accepts it even if its cosine is
@@ -283,18 +284,46 @@ def probe_margin(policy: GatePolicy, steps: int) -> float:
     return policy.probe_margin * math.sqrt(min(1.0, max(1, steps) / max(1, policy.full_steps)))
 
 
+def _away_bar(policy: GatePolicy, gate: GateState) -> float:
+    """The cosine below which an update points *away* from the consensus: −flip_margin × the recent median."""
+    center = median(gate.cosines)
+    return -policy.flip_margin * center if center > 0 else -math.inf
+
+
 def _in_gray_zone(policy: GatePolicy, gate: GateState, seen: _Update) -> bool:
-    """A direction that agrees weakly with the recent consensus — not one that points away from it (below
-    −flip_margin × median: the cosine rule rejects that, counted, whatever 8 rows of loss say: a sign-flipped
-    newcomer update at cosine −0.55 lowered the probe loss by 0.02 % in a test run). Not before warm-up: the
-    first updates of a run, from random initialisation, overshoot (two honest ones at cosine 0.75 raised the
-    probe loss by 2 % in a clean benchmark run); the absolute norm bound guards them."""
+    """A direction that agrees weakly with the recent consensus, or — from a peer past probation — one that points
+    away from it (below −flip_margin × median), where the probe decides (:func:`_probe_away`). From a peer on
+    probation a direction pointing away is not gray: the cosine rule rejects it, counted, whatever 8 rows of loss
+    say (a sign-flipped newcomer update at cosine −0.55 lowered the probe loss by 0.02 % in a test run). Not
+    before warm-up: the first updates of a run, from random initialisation, overshoot (two honest ones at cosine
+    0.75 raised the probe loss by 2 % in a clean benchmark run); the absolute norm bound guards them."""
     cosine = seen.cosine
     if not (seen.warm and cosine is not None and len(gate.cosines) >= 3):
         return False
-    center = median(gate.cosines)
-    away = -policy.flip_margin * center if center > 0 else -math.inf
-    return away <= cosine < max(policy.cosine_cap, policy.probe_below * center)
+    lowest = _away_bar(policy, gate) if seen.probation else -math.inf
+    return lowest <= cosine < max(policy.cosine_cap, policy.probe_below * median(gate.cosines))
+
+
+def _probe_away(policy: GatePolicy, seen: _Update, before: float, after: float, margin: float) -> GateVerdict:
+    """An established peer's update pointing away from the consensus, judged by the probe. Honest updates land
+    here (issue 20: three at cosine −0.06…−0.13 against a median of 0.20–0.23, refused as pointing away in one
+    suite run under load — the bar −0.25 × median is near zero when the consensus is spread): one that lowers the
+    probe loss by more than the margin is taken with weak agreement; one that raises it by more is rejected and
+    counted (a sign-flipped update goes uphill); one in between is refused without counting."""
+    cosine = seen.cosine
+    if math.isfinite(before) and math.isfinite(after) and after < before * (1.0 - margin):
+        return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
+                     f"points away from the consensus, but lowers the probe-batch loss {before:.5f} → {after:.5f} "
+                     f"(more than the {100 * margin:.3g} % margin)")
+    uphill = not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin))
+    return GateVerdict(
+        "reject", 0.0, seen.norm, cosine,
+        f"direction points away from the recent consensus (cosine {cosine:.3f}) and "
+        + (f"raises the probe-batch loss {before:.5f} → {after:.5f}" if uphill else
+           f"does not lower the probe-batch loss by more than {100 * margin:.3g} % ({before:.5f} → {after:.5f}); "
+           "not counted toward quarantine"),
+        counts=uphill,
+    )
 
 
 def _norm_check(policy: GatePolicy, seen: _Update) -> GateVerdict | None:
@@ -341,6 +370,8 @@ def _probe_check(policy: GatePolicy, gate: GateState, seen: _Update, probe: tupl
     if not _in_gray_zone(policy, gate, seen):
         return ""
     margin = probe_margin(policy, seen.steps)
+    if cosine is not None and cosine < _away_bar(policy, gate):  # past probation: _in_gray_zone
+        return _probe_away(policy, seen, before, after, margin)
     if not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin)):
         rise = (after - before) / before if before > 0 and math.isfinite(after) else math.inf
         agreement = "" if cosine is None else f", cosine {cosine:.3f} with the consensus"

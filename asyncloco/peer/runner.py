@@ -186,13 +186,7 @@ class PeerRunner:
             self._cfg = cfg
             if hello.run_id != namespace:
                 raise PeerError(f"the coordinator serves run {hello.run_id!r}, not {namespace!r}; check --run-id")
-            if self.group is not None and cfg.runtime.verify.enabled and cfg.runtime.verify.inner_state == "carry":
-                # the coordinator would refuse every update without the commitments (docs/threat-model.md)
-                raise PeerError(
-                    f"this run verifies leases from each peer's carried inner state (runtime.verify.inner_state: carry), "
-                    f"which a peer of {self.group.world_size} ranks cannot commit to (its state is spread over the ranks); "
-                    "join with --nproc-per-node 1, or the organiser sets runtime.verify.inner_state: reset"
-                )
+            self._check_can_commit(cfg)
             from asyncloco.workloads import build_workload
 
             if self.group is not None:
@@ -247,6 +241,17 @@ class PeerRunner:
                 stop_dht(dht)
             if self.group is not None:
                 await asyncio.to_thread(self._release_group, group_phase)
+
+    def _check_can_commit(self, cfg: RunConfig) -> None:
+        """A group of ranks cannot commit to its inner state (it is spread over the ranks), and a run verifying the
+        carried state refuses every update without the commitments (docs/threat-model.md, "Who can commit")."""
+        verify = cfg.runtime.verify
+        if self.group is not None and verify.enabled and verify.inner_state == "carry":
+            raise PeerError(
+                f"this run verifies leases from each peer's carried inner state (runtime.verify.inner_state: carry), "
+                f"which a peer of {self.group.world_size} ranks cannot commit to (its state is spread over the ranks); "
+                "join with --nproc-per-node 1, or the organiser sets runtime.verify.inner_state: reset"
+            )
 
     def _release_group(self, phase: str) -> None:
         """Tell the followers to stop (unless the group is broken), then leave it."""
