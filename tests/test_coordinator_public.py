@@ -241,6 +241,28 @@ def test_silent_peers_leave_on_tick_and_overdue_holds_are_released() -> None:
     assert [a.peer for a in actions if isinstance(a, Left)] == ["a"]
 
 
+def test_a_deadline_that_passed_while_the_coordinator_was_down_gets_the_restart_grace() -> None:
+    """A suite run under load: a coordinator restart took 44 s, the resumed coordinator expired a lease whose
+    deadline had passed meanwhile, and refused its update 0.4 s later. The downtime is not the peer's fault: the
+    ``Restarted`` event gives such a lease the same grace as the peer's silence; later deadlines stay."""
+    state = make_state(policy(lease_slack=5.0))
+    do(state, SpeedReport("a", 1.0), 0.0)
+    do(state, SpeedReport("b", 1.0), 0.0)
+    lease_a = lease_for(state, "a", 0.0)
+    assert lease_a.deadline == 35.0  # 10 steps × 3 + 5
+    lease_b = lease_for(state, "b", 30.0)
+    assert lease_b.deadline == 65.0
+    assert do(state, Tick(), 34.0) == []  # the index of deadlines is built, a's lease first
+    do(state, Restarted(grace_s=10.0), 50.0)  # down from 34 to 50: a's deadline passed meanwhile
+    assert (state.leases[lease_a.lease_id].deadline, state.leases[lease_b.lease_id].deadline) == (60.0, 65.0)
+    assert [a for a in do(state, Tick(), 55.0) if isinstance(a, Expired)] == []
+    applied = do(state, SubmitUpdate("a", lease_a.lease_id, 0, torch.ones(DIM)), 55.5)
+    assert [type(a).__name__ for a in applied if isinstance(a, (Applied, Rejected))] == ["Applied"]
+    # the index was rebuilt: b's lease expires at its own deadline, not before
+    assert [a for a in do(state, Tick(), 64.0) if isinstance(a, Expired)] == []
+    assert [a.lease_id for a in do(state, Tick(), 65.5) if isinstance(a, Expired)] == [lease_b.lease_id]
+
+
 def test_theta_is_retained_copy_on_write_until_fetched_and_bounded() -> None:
     state = make_state(policy(max_retained_versions=1, lease_slack=1000.0))
     for peer in ("a", "b", "c", "d"):

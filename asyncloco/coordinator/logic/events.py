@@ -71,7 +71,8 @@ class SubmitUpdate:
 @dataclass(frozen=True)
 class Restarted:
     """The coordinator restarted (``--resume``): held requests died with their RPCs, and the peers get
-    ``grace_s`` to call again before their silence counts."""
+    ``grace_s`` to call again before their silence counts — and to deliver a lease whose deadline passed while
+    the coordinator was down."""
 
     grace_s: float
 
