@@ -81,7 +81,7 @@ def replay_whole_log(cfg: RunConfig, checkpoint_dir: Path, out: Path) -> Coordin
 def state_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Where two coordinator states differ: every entry of the logic's state dict — θ and the optimizer's
     tensors bitwise — except what the replaying coordinator's own restart changes afterwards (held requests,
-    the grace window, peers' last-seen times)."""
+    the grace window, peers' last-seen times, lease deadlines)."""
     out: list[str] = []
     if a.keys() != b.keys():
         out.append(f"state keys {sorted(a.keys() ^ b.keys())}")
@@ -92,6 +92,9 @@ def state_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         if key == "peers":
             x = {peer: {k: v for k, v in info.items() if k != "last_seen"} for peer, info in x.items()}
             y = {peer: {k: v for k, v in info.items() if k != "last_seen"} for peer, info in y.items()}
+        if key == "leases":  # a restart gives a lease whose θ was not downloaded its time again (logic/leases.py)
+            x = {i: {k: v for k, v in lease.items() if k not in ("deadline", "expected_finish")} for i, lease in x.items()}
+            y = {i: {k: v for k, v in lease.items() if k not in ("deadline", "expected_finish")} for i, lease in y.items()}
         _diff(x, y, key, out)
     return out
 

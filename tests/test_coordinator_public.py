@@ -222,6 +222,7 @@ def test_silent_peers_leave_on_tick_and_overdue_holds_are_released() -> None:
     do(state, SpeedReport("idle", 1.0), 0.0)
     lease_a = lease_for(state, "a", 0.0)  # expected to finish at 10
     assert lease_a.expected_finish == 10.0
+    do(state, Fetched("a", 0), 0.5)  # a downloaded θ: the restart below keeps its deadline
     held = do(state, RequestWork("b"), 1.0)  # a finishes within the grace period: b is held
     assert state.held == {"b": 1.0}, held
     assert do(state, Tick(), 21.0) == []
@@ -242,25 +243,33 @@ def test_silent_peers_leave_on_tick_and_overdue_holds_are_released() -> None:
 
 
 def test_a_deadline_that_passed_while_the_coordinator_was_down_gets_the_restart_grace() -> None:
-    """A suite run under load: a coordinator restart took 44 s, the resumed coordinator expired a lease whose
-    deadline had passed meanwhile, and refused its update 0.4 s later. The downtime is not the peer's fault: the
-    ``Restarted`` event gives such a lease the same grace as the peer's silence; later deadlines stay."""
+    """Suite runs under load: a coordinator restart took 34-44 s, the resumed coordinator expired leases whose
+    deadlines had passed meanwhile and refused their updates 0.4-5 s later. The downtime is not the peers' fault:
+    on ``Restarted`` a lease whose θ was never downloaded (its peer could not start) gets its whole time again from
+    the restart, a downloaded one at least the grace; later deadlines stay."""
     state = make_state(policy(lease_slack=5.0))
-    do(state, SpeedReport("a", 1.0), 0.0)
-    do(state, SpeedReport("b", 1.0), 0.0)
-    lease_a = lease_for(state, "a", 0.0)
-    assert lease_a.deadline == 35.0  # 10 steps × 3 + 5
-    lease_b = lease_for(state, "b", 30.0)
-    assert lease_b.deadline == 65.0
-    assert do(state, Tick(), 34.0) == []  # the index of deadlines is built, a's lease first
-    do(state, Restarted(grace_s=10.0), 50.0)  # down from 34 to 50: a's deadline passed meanwhile
-    assert (state.leases[lease_a.lease_id].deadline, state.leases[lease_b.lease_id].deadline) == (60.0, 65.0)
+    for peer in ("a", "b", "c"):
+        do(state, SpeedReport(peer, 1.0), 0.0)
+    lease_a = lease_for(state, "a", 0.0)  # downloaded, trained during the downtime, resending
+    lease_b = lease_for(state, "b", 2.0)  # issued just before the crash, θ never downloaded
+    lease_c = lease_for(state, "c", 30.0)
+    assert (lease_a.deadline, lease_b.deadline, lease_c.deadline) == (35.0, 37.0, 65.0)  # 10 steps × 3 + 5
+    do(state, Fetched("a", 0), 1.0)
+    do(state, Fetched("c", 0), 31.0)
+    assert do(state, Tick(), 34.0) == []  # the indexes are built, a's lease first
+    do(state, Restarted(grace_s=10.0), 50.0)  # down from 34 to 50: a's and b's deadlines passed meanwhile
+    leases = state.leases
+    assert (leases[lease_a.lease_id].deadline, leases[lease_b.lease_id].deadline, leases[lease_c.lease_id].deadline) == (
+        60.0, 85.0, 65.0)  # a: the grace; b: 35 s again from 50; c: its own
+    assert leases[lease_b.lease_id].expected_finish == 60.0  # 10 s of work from 50
     assert [a for a in do(state, Tick(), 55.0) if isinstance(a, Expired)] == []
     applied = do(state, SubmitUpdate("a", lease_a.lease_id, 0, torch.ones(DIM)), 55.5)
     assert [type(a).__name__ for a in applied if isinstance(a, (Applied, Rejected))] == ["Applied"]
-    # the index was rebuilt: b's lease expires at its own deadline, not before
+    # the index was rebuilt: each lease expires at its new deadline, not before
     assert [a for a in do(state, Tick(), 64.0) if isinstance(a, Expired)] == []
-    assert [a.lease_id for a in do(state, Tick(), 65.5) if isinstance(a, Expired)] == [lease_b.lease_id]
+    assert [a.lease_id for a in do(state, Tick(), 65.5) if isinstance(a, Expired)] == [lease_c.lease_id]
+    assert [a for a in do(state, Tick(), 84.0) if isinstance(a, Expired)] == []
+    assert [a.lease_id for a in do(state, Tick(), 85.5) if isinstance(a, Expired)] == [lease_b.lease_id]
 
 
 def test_theta_is_retained_copy_on_write_until_fetched_and_bounded() -> None:

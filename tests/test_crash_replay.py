@@ -58,9 +58,15 @@ def replay_whole_log(cfg: RunConfig, checkpoint_dir: Path, out: Path) -> Coordin
 
 def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     """Equal coordinator states: θ and the optimizer's tensors bitwise, and every plain value — except
-    what a restart itself changes (held requests, peers' last-seen times)."""
-    for key in ("params", "optimizer", "transforms", "shards", "version", "local_updates", "lease_counter", "leases", "applied"):
+    what a restart itself changes (held requests, peers' last-seen times, the times of leases whose θ was not
+    downloaded: ``Restarted`` gives them their time again)."""
+    for key in ("params", "optimizer", "transforms", "shards", "version", "local_updates", "lease_counter", "applied"):
         _assert_equal(a[key], b[key], key)
+    _assert_equal(*(untimed(x["leases"]) for x in (a, b)), "leases")
+
+
+def untimed(leases: dict[str, Any]) -> dict[str, Any]:
+    return {k: {f: v for f, v in lease.items() if f not in ("deadline", "expected_finish")} for k, lease in leases.items()}
 
 
 def _assert_equal(x: Any, y: Any, where: str) -> None:

@@ -71,8 +71,8 @@ class SubmitUpdate:
 @dataclass(frozen=True)
 class Restarted:
     """The coordinator restarted (``--resume``): held requests died with their RPCs, and the peers get
-    ``grace_s`` to call again before their silence counts — and to deliver a lease whose deadline passed while
-    the coordinator was down."""
+    ``grace_s`` to call again before their silence counts; a lease whose θ was not downloaded gets its whole time
+    again from the restart, any other at least ``grace_s`` to be delivered."""
 
     grace_s: float
 

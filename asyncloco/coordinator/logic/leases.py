@@ -526,15 +526,16 @@ def _on_restarted(state: CoordinatorState, event: Restarted, now: float) -> list
     state.window_end = None
     for info in state.peers.values():
         info.last_seen = max(info.last_seen, now + event.grace_s)
-    # A lease whose deadline passed (or comes within the grace) while the coordinator was down was not its peer's
-    # fault: the peer may have finished and be resending. It gets the same grace to deliver (a suite run under load:
-    # a 44 s restart expired a lease whose update came 0.4 s after the resume).
-    extended = False
+    # The downtime is not the peers' fault: a lease whose θ was not downloaded (nor held) could not start, so it gets
+    # its whole time again; one in training may be resending, so at least the grace (34-44 s restarts under load had
+    # expired such leases and refused their updates 0.4-5 s after the resume).
     for lease in state.leases.values():
-        if lease.deadline < now + event.grace_s:
-            lease.deadline, extended = now + event.grace_s, True
-    if extended:
-        state.indexes.lease_indexes.pop("deadline", None)  # rebuilt from the table on its next query
+        if not (lease.fetched or lease.held):
+            lease.expected_finish = max(lease.expected_finish, now + lease.expected_finish - lease.issued_at)
+            lease.deadline = max(lease.deadline, now + lease.deadline - lease.issued_at)
+        lease.deadline = max(lease.deadline, now + event.grace_s)
+    for key in ("deadline", "expected_finish"):
+        state.indexes.lease_indexes.pop(key, None)  # rebuilt from the table on its next query
     return []
 
 
