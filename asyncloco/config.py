@@ -210,6 +210,8 @@ class GateConfig(StrictModel):
     flip_margin: float = Field(0.25, ge=0, description="never accept a cosine below −this × the recent median")
     echo_cosine: float = Field(0.95, gt=0, le=1, description="refuse (counted) an update agreeing with the consensus "
                                "at least this closely, unless the recent median does too: an echo of others' work")
+    reference_share: float = Field(0.5, gt=0, le=1, description="the most of the consensus one peer's updates may hold "
+                                   "while other peers are present (then they join it at a quarter of the weight)")
     window: int = Field(32, ge=3, description="accepted updates the statistics look back over")
     warmup: int = Field(6, ge=1, description="accepted updates before the direction and clip checks start")
     probation_updates: int = Field(3, ge=0, description="a new peer's first accepted updates are judged more strictly")

@@ -254,6 +254,12 @@ def test_one_peer_does_not_become_the_consensus() -> None:
     assert math.isclose(G.reference_weight(policy, gate, "a"), 0.2)
     with pytest.raises(ValueError, match="reference_share"):
         G.GatePolicy(reference_share=0.0)
+    # a knob of the run config (runtime.gate.reference_share), passed to the coordinator's gate
+    from asyncloco.coordinator.methods import METHODS, coordinator_policy
+
+    cfg = RunConfig.model_validate({"runtime": {"gate": {"reference_share": 0.3}}})
+    built = coordinator_policy(cfg, METHODS[cfg.schedule.method], 1, simulated=False, numel=N).gate
+    assert built is not None and built.reference_share == 0.3
 
 
 @pytest.mark.timeout(30)

@@ -199,6 +199,7 @@ def coordinator_policy(
             cosine_cap=knobs.cosine_cap,
             echo_cosine=knobs.echo_cosine,
             flip_margin=knobs.flip_margin,
+            reference_share=knobs.reference_share,
             window=knobs.window,
             warmup=knobs.warmup,
             probation_updates=knobs.probation_updates,
