@@ -118,7 +118,7 @@ def reference_weight(policy: GatePolicy, gate: GateState, peer: str) -> float:
     full = 1.0 - policy.reference_decay
     if gate.reference is None:
         return 1.0
-    others = sum(gate.shares.get(p, 0.0) for p in set(gate.present) - {peer})
+    others = sum(gate.shares.get(p, 0.0) for p in sorted(set(gate.present) - {peer}))  # sorted: the same sum in a replay
     if others < 0.05:
         return full
     mine = gate.shares.get(peer, 0.0)
