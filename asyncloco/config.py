@@ -272,7 +272,9 @@ class VerifyConfig(StrictModel):
 
 
 # transport.codecs.CODECS as a pattern (this module imports no torch); tests/test_feedback.py checks they agree
-UPLOAD_CODEC_PATTERN = r"none|fp16|bf16|int8|int4|int2|topk(1|2|4|8|16|32|64)b(2|4)|grp(4|8|16|32)b(1|2)"
+UPLOAD_CODEC_PATTERN = (
+    r"none|fp16|bf16|int8|int4|int2|topk(1|2|4|8|16|32|64)b(2|4)|grp(4|8|16|32)b(1|2)|sgn(1of1|7of8|3of4|5of8|1of2|3of8|1of4|1of8|1of16)"
+)
 
 
 class RuntimeConfig(StrictModel):
@@ -280,9 +282,15 @@ class RuntimeConfig(StrictModel):
 
     run_id: str = Field("asyncloco-demo", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # --- pseudo-gradient uploads (transport/codecs.py, docs/compression.md); the names are transport.codecs.CODECS
-    codec: str = Field("none", description="codec of pseudo-gradient uploads: none, fp16, bf16, int8, int4, int2, topk{k}b{bits}, grp{G}b{bits}")
+    codec: str = Field(
+        "none", description="codec of pseudo-gradient uploads: none, fp16, bf16, int8, int4, int2, topk{k}b{bits}, grp{G}b{bits}, sgn{p}of{q}"
+    )
     error_feedback: bool | None = Field(
-        None, description="carry what the codec dropped into the next upload (peer/feedback.py); None: off (measured worse: docs/compression.md)"
+        None, description="carry what the codec dropped into the next upload (peer/feedback.py); None: off (docs/compression.md)"
+    )
+    error_feedback_decay: float = Field(
+        1.0, gt=0, le=1, description="the share of the residual carried into the next upload (1: classic error feedback; "
+        "0.5 with the sgn codecs, measured in docs/compression.md)"
     )
     # --- θ downloads (transport, docs/transport.md): none = fp32; int8 ≈ 0.25 × fp32; no body when the peer holds the version
     download_codec: Literal["none", "bf16", "int8"] = Field("none", description="codec of θ downloads (none = fp32)")
@@ -332,7 +340,8 @@ class RuntimeConfig(StrictModel):
             raise ValueError(
                 f"unknown codec {value!r}: use none, fp16, bf16, int8, int4, int2 or topk{{k}}b{{bits}} with k in "
                 "1, 2, 4, 8, 16, 32, 64 (values kept per 256) and bits 2 or 4, or grp{G}b{bits} with G in 4, 8, 16, 32 and "
-                "bits 1 or 2, e.g. topk8b2 or grp8b1 (docs/compression.md)"
+                "bits 1 or 2, or sgn{p}of{q} for p/q in 1of1, 7of8, 3of4, 5of8, 1of2, 3of8, 1of4, 1of8, 1of16, e.g. topk8b2, "
+                "grp8b1 or sgn3of4 (docs/compression.md)"
             )
         return value
 

@@ -112,6 +112,10 @@ def write_config(base: Path, directory: Path, gate: bool, verify: bool = False, 
     if verify:
         # the carried inner state (the default since the reveal RPC): the peers train as they do without verification
         runtime["verify"] = {**runtime.get("verify", {}), "enabled": True}
+        if runtime.get("error_feedback"):  # a re-run cannot know the residual: verified runs upload int8, no feedback
+            logger.info("--verify: uploads in int8 without error feedback (the config's %s + feedback cannot be re-run)",
+                        runtime.get("codec"))
+            runtime.update(codec="int8", error_feedback=False)
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -39,9 +39,12 @@ DEFAULT_CODECS = "none,int8,int2,grp4b2,grp4b1,grp8b2,topk16b2,topk8b2,topk4b2"
 logger = logging.getLogger("compression_study")
 
 
-def label(codec: str, ef: bool) -> str:
-    """A run's name in the tables: the codec, with ``+ef`` when error feedback was on for a lossy codec."""
-    return f"{codec}+ef" if ef and codec not in LOSSLESS else codec
+def label(codec: str, ef: bool, decay: float = 1.0) -> str:
+    """A run's name in the tables: the codec, with ``+ef`` when error feedback was on for a lossy codec (``+ef0.5``
+    when it carried half the residual: ``runtime.error_feedback_decay``)."""
+    if not ef or codec in LOSSLESS:
+        return codec
+    return f"{codec}+ef" if decay == 1.0 else f"{codec}+ef{decay:g}"
 
 
 def feedback_modes(codec: str, feedback: str) -> list[bool]:
@@ -53,7 +56,7 @@ def feedback_modes(codec: str, feedback: str) -> list[bool]:
 
 
 def run_task(task: str, seeds: list[int], codecs: list[str], updates: int | None, feedback: str,
-             results: list[dict[str, Any]], save: Any) -> None:
+             results: list[dict[str, Any]], save: Any, decay: float = 1.0) -> None:
     for seed in seeds:
         # an override replaces a whole section: start from the config's own sim section
         own = load_config(ROOT / "configs" / f"{task}.yaml")
@@ -75,12 +78,13 @@ def run_task(task: str, seeds: list[int], codecs: list[str], updates: int | None
         for codec, ef in [(c, ef) for c in codecs for ef in feedback_modes(c, feedback)]:
             started = time.monotonic()
             cfg = load_config(ROOT / "configs" / f"{task}.yaml",
-                              {**overrides, "runtime": {**runtime_section, "codec": codec, "error_feedback": ef}})
+                              {**overrides, "runtime": {**runtime_section, "codec": codec, "error_feedback": ef,
+                                                         "error_feedback_decay": decay}})
             sim = Simulation(cfg, "async_dn_dylu", workload, target_loss=target, time_limit=limit, initial_params=theta0)
             result = sim.run()
             reached = result.time_to_reach(target)
             row = {"task": task, "seed": seed, "method": "async_dn_dylu", "codec": codec, "error_feedback": ef,
-                   "label": label(codec, ef),
+                   "error_feedback_decay": decay if ef else None, "label": label(codec, ef, decay),
                    "loss": result.final["loss"], "local_updates": result.final["local_updates"],
                    "time_to_sync": reached, "sync_time": sync.final["time"],
                    "x_fewer": 4 * numel / wire_bytes(codec, numel), "parameters": numel,
@@ -186,6 +190,8 @@ def main() -> None:
     parser.add_argument("--feedback", choices=("on", "off", "both"), default="on",
                         help="error feedback for the lossy codecs; 'both' runs each codec below 8 bits with and without "
                              "it (rows 'codec+ef' and 'codec'), sharing θ0 and the sync run")
+    parser.add_argument("--feedback-decay", type=float, default=1.0,
+                        help="runtime.error_feedback_decay of the runs with feedback on (1: classic; rows 'codec+ef0.5')")
     parser.add_argument("--seed-list", default=None, help="comma-separated seeds instead of 0..--seeds-1 (split a study)")
     parser.add_argument("--out", type=Path, default=None, help="markdown table")
     parser.add_argument("--plot", type=Path, default=None)
@@ -219,10 +225,10 @@ def main() -> None:
         for task in tasks:
             updates = args.toy_updates if task == "toy" else args.lm_updates
             seeds = [int(s) for s in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
-            run_task(task, seeds, codecs, updates, "off" if args.no_error_feedback else args.feedback, results, save)
-    if args.feedback == "both":  # tabulate every variant of each codec
-        codecs = [lab for c in codecs for lab in dict.fromkeys(label(c, ef) for ef in (False, True))
-                  if any(_label_of(r) == lab for r in results)]
+            run_task(task, seeds, codecs, updates, "off" if args.no_error_feedback else args.feedback, results, save,
+                     args.feedback_decay)
+    # tabulate every variant of each codec the results hold (with and without feedback, each decay), in run order
+    codecs = [lab for c in codecs for lab in dict.fromkeys(_label_of(r) for r in results if r["codec"] == c)]
     table = summarise(results, codecs, tasks)
     text = markdown(table, codecs, tasks)
     print(text)

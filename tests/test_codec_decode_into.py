@@ -61,5 +61,5 @@ def test_a_wrong_buffer_is_refused_before_anything_is_written() -> None:
         with pytest.raises(CodecError, match=r"out must be a contiguous fp32 CPU tensor of shape \(100,\)"):
             decode(encoded, 100, bad)
         assert torch.equal(bad, before)
-    with pytest.raises(CodecError, match=r"implemented for int8, int2, topk\* and grp\* only, not 'bf16'"):
+    with pytest.raises(CodecError, match=r"implemented for int8, int2, topk\*, grp\* and sgn\* only, not 'bf16'"):
         decode(encode("bf16", torch.ones(100)), 100, torch.zeros(100))

@@ -1,10 +1,11 @@
 """Error feedback for lossy upload codecs (issue 18; docs/compression.md).
 
-A lossy codec ``C`` (int8, int4, int2, the sparse ``topk{k}b{b}``) sends ``C(Δ)`` instead of the
-pseudo-gradient ``Δ``. With error feedback the peer keeps what was dropped, the residual
-``e = (Δ + e_prev) − decode(C(Δ + e_prev))``, and adds it to its next pseudo-gradient, so over several
-rounds everything a peer computed reaches θ, only later. That is what makes 2-bit and 1–6 %-dense
-uploads train as well as fp32 ones (docs/compression.md has the measurements).
+A lossy codec ``C`` (int8, int4, int2, the sparse ``topk{k}b{b}``/``grp{G}b{b}``, the sign codecs ``sgn{p}of{q}``)
+sends ``C(Δ)`` instead of the pseudo-gradient ``Δ``. With error feedback the peer keeps what was dropped, the
+residual ``e = (Δ + β·e_prev) − decode(C(Δ + β·e_prev))``, and adds the share β (``runtime.error_feedback_decay``;
+1 is classic error feedback) of it to its next pseudo-gradient. With β = 1 everything a peer computed reaches θ,
+only later; with β < 1 the old residual fades, which is what made the sign codecs match fp32 uploads with Delayed
+Nesterov (docs/compression.md has the measurements).
 
 One :class:`ErrorFeedback` per peer, shared by the runtime (asyncloco/peer/runner.py) and the simulator
 (asyncloco/sim/engine.py), so both apply exactly the same arithmetic. What happens to the residual:
@@ -38,9 +39,12 @@ logger = logging.getLogger(__name__)
 class ErrorFeedback:
     """The residual of one peer for codec ``codec``: ``encode`` → send → ``settle(applied)``."""
 
-    def __init__(self, codec: str, enabled: bool = True) -> None:
+    def __init__(self, codec: str, enabled: bool = True, decay: float = 1.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"error-feedback decay must be in (0, 1], got {decay!r} (runtime.error_feedback_decay)")
         self.codec = codec
         self.enabled = enabled and codec not in LOSSLESS
+        self.decay = decay  # the share of the residual carried into the next upload
         self.residual: torch.Tensor | None = None  # what earlier applied uploads dropped
         self._pending: torch.Tensor | None = None  # the residual once the upload in flight is applied
 
@@ -50,7 +54,12 @@ class ErrorFeedback:
         without touching the residual."""
         if not self.enabled:
             return encode(self.codec, pseudo_gradient), None
-        corrected = pseudo_gradient if self.residual is None else pseudo_gradient + self.residual
+        if self.residual is None:
+            corrected = pseudo_gradient
+        elif self.decay == 1.0:
+            corrected = pseudo_gradient + self.residual
+        else:
+            corrected = pseudo_gradient + self.decay * self.residual
         encoded = encode(self.codec, corrected)
         decoded = decode(encoded, corrected.numel())
         self._pending = corrected - decoded

@@ -31,9 +31,10 @@ def error_feedback(current: Any, cfg: RunConfig, codec: str) -> Any:
     error feedback) changed, then a fresh one."""
     from asyncloco.peer.feedback import ErrorFeedback
 
-    enabled = cfg.runtime.uses_error_feedback
-    if current is None or current.codec != codec or current.enabled != (enabled and codec != "none"):
-        return ErrorFeedback(codec, enabled)
+    enabled, decay = cfg.runtime.uses_error_feedback, cfg.runtime.error_feedback_decay
+    if (current is None or current.codec != codec or current.enabled != (enabled and codec != "none")
+            or current.decay != decay):
+        return ErrorFeedback(codec, enabled, decay)
     return current
 
 

@@ -195,7 +195,8 @@ class Simulation:
 
             self.upload_bytes = upload_bytes(cfg.runtime.codec, theta.numel())
             for worker in self.workers.values():
-                worker.feedback = ErrorFeedback(cfg.runtime.codec, cfg.runtime.uses_error_feedback)
+                worker.feedback = ErrorFeedback(cfg.runtime.codec, cfg.runtime.uses_error_feedback,
+                                                cfg.runtime.error_feedback_decay)
         self._queue: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._next_eval = cfg.sim.eval_every

@@ -24,10 +24,14 @@ INT2_BLOCKSIZE = 256
 GROUP_SIZES: tuple[int, ...] = (4, 8, 16, 32)  # grp{G}b{B}: the largest |x| of every G values
 GROUP_BITS: tuple[int, ...] = (1, 2)  # 1: its sign (magnitude = the block's mean kept |x|); 2: sign + magnitude bit
 GROUP_BLOCK = 256  # values per fp32 scale
+# sgn{p}of{q}: the signs of p of every q values, no positions (codecs_sign.py); q divides the 256-value scale block
+SIGN_SHAPES: tuple[tuple[int, int], ...] = ((1, 1), (7, 8), (3, 4), (5, 8), (1, 2), (3, 8), (1, 4), (1, 8), (1, 16))
+SIGN_BLOCK = 256  # values per fp32 scale
 CODECS: tuple[str, ...] = (
     ("none", "fp16", "bf16", "int8", "int4", "int2")
     + tuple(f"topk{k}b{b}" for b in TOPK_BITS for k in TOPK_KS)
     + tuple(f"grp{g}b{b}" for b in GROUP_BITS for g in GROUP_SIZES)
+    + tuple(f"sgn{p}of{q}" for p, q in SIGN_SHAPES)
 )
 LOSSLESS: tuple[str, ...] = ("none",)  # every other codec drops something: error feedback applies
 # Lloyd-Max 4-level quantizer of a unit Gaussian (levels ±0.4528, ±1.510; threshold 0.9816), times the block RMS
@@ -90,6 +94,9 @@ def value_bytes(name: str, numel: int) -> int:
         return (numel + 1) // 2  # two values per byte
     if name == "int2":
         return (numel + 3) // 4  # four values per byte
+    if name.startswith("sgn"):
+        kept, group = sign_params(name)
+        return (math.ceil(numel / group) * kept + 7) // 8  # one sign bit per kept value, no positions
     if name.startswith("grp"):
         group, bits = group_params(name)
         return (math.ceil(numel / group) * (_log2(group) + bits) + 7) // 8  # one (position, value) code per group
@@ -111,6 +118,8 @@ def meta_bytes(name: str, numel: int) -> int:
         return 4 * math.ceil(numel / TOPK_CHUNK)
     if name.startswith("grp"):
         return 4 * math.ceil(numel / GROUP_BLOCK)
+    if name.startswith("sgn"):
+        return 4 + 4 * math.ceil(numel / SIGN_BLOCK)  # the rotation (uint32), then the scales
     return 0
 
 
@@ -126,6 +135,15 @@ def group_params(name: str) -> tuple[int, int]:
             f"{name!r} is not a grouped codec; expected grp{{G}}b{{bits}} with G in {GROUP_SIZES} and bits in "
             f"{GROUP_BITS} (e.g. grp8b1: the largest of every 8 values, its sign)"
         )
+    return int(match.group(1)), int(match.group(2))
+
+
+def sign_params(name: str) -> tuple[int, int]:
+    """``(p, q)`` of a sign codec name ``sgn{p}of{q}``; :class:`CodecError` for any other name."""
+    match = re.fullmatch(r"sgn([0-9]+)of([0-9]+)", name)
+    if match is None or name not in CODECS:
+        shapes = ", ".join(f"sgn{p}of{q}" for p, q in SIGN_SHAPES)
+        raise CodecError(f"{name!r} is not a sign codec; expected one of {shapes} (the signs of p of every q values)")
     return int(match.group(1)), int(match.group(2))
 
 
@@ -148,7 +166,7 @@ def _topk_kept(k: int, numel: int) -> int:
 
 def decodes_into(name: str) -> bool:
     """Whether :func:`decode` can write into a caller's preallocated buffer (``out=``) for codec ``name``."""
-    return name in ("int8", "int2") or name.startswith(("topk", "grp"))
+    return name in ("int8", "int2") or name.startswith(("topk", "grp", "sgn"))
 
 
 def wire_bytes(name: str, numel: int) -> int:

@@ -21,6 +21,8 @@ count from the header before it allocates anything, and benchmarks can assert by
 |        | index), b-bit sign+magnitude  |                                |                                    |
 | "grp{G}b{b}" | per group of G values the | mean (b=1) or max (b=2) kept   | ceil(ceil(n/G)·(log2 G + b) / 8)    |
 |        | largest |x|: position + b bits | |x| per 256 values             | + 4·ceil(n / 256)                  |
+| "sgn{p}of{q}" | the sign of p of every q | rotation (uint32), then        | ceil(ceil(n/q)·p / 8)               |
+|        | values (rotating, no indices) | Σx²/Σ_kept|x| per 256 values   | + 4 + 4·ceil(n / 256)               |
 
 The 8-bit dynamic code book and the NF4 table are constants of bitsandbytes, not sent. Decoding never
 unpickles and validates the codec name, ``numel`` against the caller's expectation, and both lengths
@@ -32,6 +34,8 @@ for pseudo-gradients with error feedback (asyncloco/peer/feedback.py, docs/compr
 own they drop most of the update. A sparse body's local indices must be strictly increasing within each
 chunk and inside the chunk (the last chunk may be short); decoding refuses anything else. ``grp{G}b{b}``
 (G in :data:`GROUP_SIZES`, b in :data:`GROUP_BITS`) keeps one value per group of G: ``grp4b1`` is 36.6×.
+``sgn{p}of{q}`` ((p, q) in :data:`SIGN_SHAPES`, asyncloco/transport/codecs_sign.py) sends one bit per kept value
+and no positions: ``sgn3of4`` is 36.6×, ``sgn1of8`` 128×.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ from asyncloco.transport.codec_format import (  # noqa: F401 (re-exported)
     LOSSLESS,
     MAX_NUMEL,
     meta_bytes,
+    sign_params,
+    SIGN_SHAPES,
     TOPK_BITS,
     TOPK_CHUNK,
     TOPK_KS,
@@ -78,6 +84,7 @@ from asyncloco.transport.codecs_sparse import (  # noqa: F401 (re-exported)
     _encode_int2,
     _encode_topk,
 )
+from asyncloco.transport.codecs_sign import decode_sign, encode_sign
 from asyncloco.transport.errors import CodecError
 
 logger = logging.getLogger(__name__)
@@ -106,6 +113,8 @@ __all__ = [
     "GROUP_SIZES",
     "GROUP_BITS",
     "DECODE_SLAB",
+    "SIGN_SHAPES",
+    "sign_params",
 ]
 
 
@@ -139,6 +148,8 @@ def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
         return _encode_topk(name, tensor)
     if name.startswith("grp"):
         return _encode_group(name, tensor)
+    if name.startswith("sgn"):
+        return encode_sign(name, tensor)
 
     import bitsandbytes.functional as bnbf  # imported lazily: it logs a kernel notice at import on CPU
 
@@ -239,7 +250,7 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             f"{meta_bytes(name, numel)} B, got {len(encoded.payload)} B and {len(encoded.meta)} B"
         )
     if out is not None and not decodes_into(name):
-        raise CodecError(f"decode(out=...) is implemented for int8, int2, topk* and grp* only, not {name!r}; leave out=None")
+        raise CodecError(f"decode(out=...) is implemented for int8, int2, topk*, grp* and sgn* only, not {name!r}; leave out=None")
     if name in ("none", "fp16", "bf16"):
         if name == "none":
             values = torch.from_numpy(np.frombuffer(encoded.payload, dtype="<f4").copy())
@@ -252,13 +263,15 @@ def decode(encoded: EncodedTensor, expected_numel: int, out: torch.Tensor | None
             raise CodecError(f"codec {name!r}: {_count_non_finite(values)} NaN/Inf values in payload")
         return values
 
-    if name == "int2" or name.startswith(("topk", "grp")):
+    if name == "int2" or name.startswith(("topk", "grp", "sgn")):
         if out is None:
             out = torch.empty(numel, dtype=torch.float32)
         else:
             _check_out(out, numel)
         if name == "int2":
             return _decode_int2(encoded, out)
+        if name.startswith("sgn"):
+            return decode_sign(encoded, out)
         return _decode_topk(encoded, out) if name.startswith("topk") else _decode_group(encoded, out)
     absmax = torch.from_numpy(np.frombuffer(encoded.meta, dtype="<f4").copy())
     if not bool(torch.isfinite(absmax).all()):

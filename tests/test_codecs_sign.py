@@ -1,0 +1,106 @@
+"""The sign codecs sgn{p}of{q} (asyncloco/transport/codecs_sign.py, issue 18): exact values against a reference
+written here from the format's definition, hand-built bodies, every malformed body refused, and the decayed error
+feedback (asyncloco/peer/feedback.py) they are used with."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncloco.peer.feedback import ErrorFeedback
+from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, sign_params, wire_bytes
+from asyncloco.transport.codecs_sign import rotation_of
+from asyncloco.transport.errors import CodecError
+
+SIGNS = [c for c in CODECS if c.startswith("sgn")]
+
+
+def reference(x: torch.Tensor, p: int, q: int, rotation: int) -> torch.Tensor:
+    """The format's definition, value by value (float64 sums, then one fp32 scale per 256 values)."""
+    out = torch.zeros(x.numel(), dtype=torch.float32)
+    for start in range(0, x.numel(), 256):
+        block = x[start : start + 256].double()
+        kept = [i for i in range(block.numel()) if ((start + i) % q - rotation) % q < p]
+        mass = float(block[kept].abs().sum())
+        cap = float(block.abs().max()) * q / p
+        scale = np.float32(min(float(block.square().sum()) / mass, cap) if mass > 0 else 0.0)
+        for i in kept:
+            out[start + i] = float(-scale if block[i] < 0 else scale)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", SIGNS)
+def test_decoded_values_are_the_definition_exactly(codec: str) -> None:
+    p, q = sign_params(codec)
+    gen = torch.Generator().manual_seed(7)
+    for numel in (1, 5, 17, 255, 256, 257, 1000, 2 * 65536 + 300):
+        x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen)
+        x[::7] = 0.0  # zeros: sent as +s
+        encoded = encode(codec, x)
+        assert encoded.nbytes == wire_bytes(codec, numel)
+        rotation = int(np.frombuffer(bytes(encoded.meta[:4]), "<u4")[0])
+        assert rotation == rotation_of(x, q) < q
+        decoded = decode(EncodedTensor.from_bytes(codec, numel, encoded.to_bytes()), numel)
+        expected = reference(x, p, q, rotation) if numel < 5000 else None
+        if expected is not None:
+            assert torch.equal(decoded, expected), (codec, numel)
+        out = torch.full((numel,), 9.0)
+        assert torch.equal(decode(encoded, numel, out=out), decoded) and torch.equal(out, decoded)
+        # kept exactly p of every q positions (the rest zero), and the projection on x is ‖x‖² where no cap binds
+        nonzero = (decoded != 0).reshape(-1)
+        assert int(nonzero.sum()) <= -(-numel // q) * p
+    big = torch.randn(65536 * 3, generator=gen)
+    decoded = decode(encode(codec, big), big.numel())
+    blocks, values = big.double().view(-1, 256), decoded.double().view(-1, 256)
+    assert torch.allclose((blocks * values).sum(1), blocks.square().sum(1), rtol=1e-5)
+
+
+@pytest.mark.timeout(30)
+def test_a_hand_built_body_decodes_to_its_values() -> None:
+    # 10 values, sgn1of4, rotation 2: positions 2 and 6 kept (group 2 has positions 8, 9 only: 10 is past numel)
+    meta = np.array([2], "<u4").tobytes() + np.array([0.5], "<f4").tobytes()
+    body = EncodedTensor("sgn1of4", 10, bytes([0b010]), meta)  # position 2: +, position 6: −, position 10: bit 0
+    assert torch.equal(decode(body, 10), torch.tensor([0, 0, 0.5, 0, 0, 0, -0.5, 0, 0, 0], dtype=torch.float32))
+    # sgn3of4, rotation 3: positions 0, 1, 3 of each group of 4 (bit order: ascending positions)
+    meta = np.array([3], "<u4").tobytes() + np.array([2.0], "<f4").tobytes()
+    body = EncodedTensor("sgn3of4", 8, bytes([0b100001]), meta)
+    assert torch.equal(decode(body, 8), torch.tensor([-2, 2, 0, 2, 2, 2, 0, -2], dtype=torch.float32))
+
+
+@pytest.mark.timeout(30)
+def test_malformed_bodies_are_refused() -> None:
+    good = encode("sgn1of4", torch.randn(10, generator=torch.Generator().manual_seed(3)))
+    rotation4 = np.array([4], "<u4").tobytes() + bytes(good.meta[4:])
+    with pytest.raises(CodecError, match="rotation 4 is not below the group size 4"):
+        decode(EncodedTensor("sgn1of4", 10, good.payload, rotation4), 10)
+    for bad in (float("nan"), float("inf"), -1.0):
+        meta = bytes(good.meta[:4]) + np.array([bad], "<f4").tobytes()
+        with pytest.raises(CodecError, match="scale is negative, NaN or Inf"):
+            decode(EncodedTensor("sgn1of4", 10, good.payload, meta), 10)
+    meta = np.array([2], "<u4").tobytes() + np.array([1.0], "<f4").tobytes()
+    for payload in (bytes([0b100]), bytes([0b1000])):  # position 10 (past numel), then a padding bit
+        with pytest.raises(CodecError, match="bits set past the last kept value"):
+            decode(EncodedTensor("sgn1of4", 10, payload, meta), 10)
+    with pytest.raises(CodecError, match="expected payload 1 B and meta 8 B"):
+        decode(EncodedTensor("sgn1of4", 10, b"\x00\x00", meta), 10)
+    with pytest.raises(CodecError, match="'sgn2of4' is not a sign codec; expected one of sgn1of1, sgn7of8"):
+        sign_params("sgn2of4")
+
+
+@pytest.mark.timeout(30)
+def test_error_feedback_carries_the_decayed_residual() -> None:
+    gen = torch.Generator().manual_seed(5)
+    deltas = [torch.randn(3000, generator=gen) for _ in range(3)]
+    feedback = ErrorFeedback("sgn3of4", decay=0.5)
+    residual = torch.zeros(3000)
+    for delta in deltas:
+        corrected = delta + 0.5 * residual
+        expected = decode(encode("sgn3of4", corrected), 3000)
+        assert torch.equal(feedback.roundtrip(delta), expected)
+        feedback.settle(True)
+        residual = corrected - expected
+        assert feedback.residual is not None and torch.equal(feedback.residual, residual)
+    with pytest.raises(ValueError, match=r"decay must be in \(0, 1\], got 0"):
+        ErrorFeedback("sgn3of4", decay=0.0)
