@@ -26,7 +26,7 @@ GROUP_BITS: tuple[int, ...] = (1, 2)  # 1: its sign (magnitude = the block's mea
 GROUP_BLOCK = 256  # values per fp32 scale
 # sgn{p}of{q}: the signs of p of every q values, no positions (codecs_sign.py); q divides the 256-value scale block
 SIGN_SHAPES: tuple[tuple[int, int], ...] = ((1, 1), (7, 8), (3, 4), (5, 8), (1, 2), (3, 8), (1, 4), (1, 8), (1, 16))
-SIGN_BLOCK = 256  # values per fp32 scale
+SIGN_BLOCK = 256  # values per bf16 scale
 CODECS: tuple[str, ...] = (
     ("none", "fp16", "bf16", "int8", "int4", "int2")
     + tuple(f"topk{k}b{b}" for b in TOPK_BITS for k in TOPK_KS)
@@ -119,7 +119,7 @@ def meta_bytes(name: str, numel: int) -> int:
     if name.startswith("grp"):
         return 4 * math.ceil(numel / GROUP_BLOCK)
     if name.startswith("sgn"):
-        return 4 + 4 * math.ceil(numel / SIGN_BLOCK)  # the rotation (uint32), then the scales
+        return 4 + 2 * math.ceil(numel / SIGN_BLOCK)  # the rotation (uint32), then the bf16 scales
     return 0
 
 

@@ -4,7 +4,7 @@ docs/compression.md): one bit per kept value, no positions on the wire.
 In every group of ``q`` consecutive values the ``p`` positions ``(r + t) mod q`` (t = 0 .. p − 1) are kept, for a
 rotation ``r`` the encoder derives from the data (so every position is kept in ``p / q`` of the rounds on
 average, and the decoder reads ``r`` from the body instead of any index). A kept value is sent as its sign; each
-block of 256 values (whole groups: ``q`` divides 256) has one fp32 scale
+block of 256 values (whole groups: ``q`` divides 256) has one bfloat16 scale
 
     s = min(Σ x² / Σ_kept |x|,  (q / p) · max |x|)      (0 when nothing kept is non-zero)
 
@@ -13,7 +13,7 @@ so the decoded block ``x̂`` (``± s`` at the kept positions, 0 elsewhere) has t
 entirely in its dropped positions from producing a huge value. Meant to be used with error feedback
 (asyncloco/peer/feedback.py, ``runtime.error_feedback_decay`` 0.5: measured in docs/compression.md).
 
-Body: meta = ``r`` (uint32 LE) then the fp32 LE scales; payload = the sign bits (1 = negative) of the kept
+Body: meta = ``r`` (uint32 LE) then the bf16 LE scales (round to nearest from fp32; 1/16 bit per value); payload = the sign bits (1 = negative) of the kept
 positions, group by group and ascending inside a group, packed first bit in the lowest bit of a byte. Kept
 positions past ``numel`` (a short last group) and the padding of the last byte are zero bits; the decoder
 refuses anything else, a rotation ≥ q and a negative or non-finite scale.
@@ -64,7 +64,8 @@ def encode_sign(name: str, tensor: torch.Tensor) -> EncodedTensor:
     scale = torch.where(kept_mass > 0, torch.minimum(energy / kept_mass.clamp(min=1e-300), cap), torch.zeros_like(cap))
     bits = (blocks[:, keep] < 0).reshape(-1)[: -(-numel // q) * p]  # the padding's kept positions are 0 (not < 0)
     payload = np.packbits(bits.numpy(), bitorder="little").tobytes()
-    meta = np.array([rotation], dtype="<u4").tobytes() + scale.float().numpy().astype("<f4").tobytes()
+    scale16 = scale.float().to(torch.bfloat16).view(torch.int16).numpy().astype("<i2")
+    meta = np.array([rotation], dtype="<u4").tobytes() + scale16.tobytes()
     encoded = EncodedTensor(name, numel, payload=payload, meta=meta)
     assert encoded.nbytes == wire_bytes(name, numel), (name, numel, encoded.nbytes)
     return encoded
@@ -77,7 +78,7 @@ def decode_sign(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     rotation = int(np.frombuffer(meta[:4], dtype="<u4")[0])
     if rotation >= q:
         raise CodecError(f"codec {name!r}: rotation {rotation} is not below the group size {q}")
-    scale = np.frombuffer(meta[4:], dtype="<f4")
+    scale = (np.frombuffer(meta[4:], dtype="<u2").astype(np.uint32) << 16).view(np.float32)  # exact widening
     if not bool((np.isfinite(scale) & (scale >= 0)).all()):
         raise CodecError(f"codec {name!r}: a block scale is negative, NaN or Inf")
     packed = np.frombuffer(encoded.payload, dtype=np.uint8)
