@@ -105,3 +105,25 @@ def test_error_feedback_carries_the_decayed_residual() -> None:
         assert feedback.residual is not None and torch.equal(feedback.residual, residual)
     with pytest.raises(ValueError, match=r"decay must be in \(0, 1\], got 0"):
         ErrorFeedback("sgn3of4", decay=0.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_large_body_decodes_the_same_in_threads() -> None:
+    numel = 16 * 65536 * 2 + 777  # past the threaded decoder's threshold, with a short last block
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(11))
+    encoded = encode("sgn7of8", x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode(encoded, numel)
+        torch.set_num_threads(2)
+        two = decode(encoded, numel)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    # vectorised definition: kept positions (rotation), signs, one bf16 scale per 256 values
+    rotation = int(np.frombuffer(bytes(encoded.meta[:4]), "<u4")[0])
+    kept = ((torch.arange(numel) % 8 - rotation) % 8) < 7
+    scales = torch.from_numpy((np.frombuffer(bytes(encoded.meta[4:]), "<u2").astype(np.uint32) << 16).view(np.float32))
+    expected = torch.where(x < 0, -1.0, 1.0) * scales.repeat_interleave(256)[:numel] * kept
+    assert torch.equal(one, expected)

@@ -21,6 +21,9 @@ refuses anything else, a rotation ≥ q and a negative or non-finite scale.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -86,10 +89,20 @@ def decode_sign(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     dropped = np.setdiff1d(np.arange(q), columns)
     values = out.numpy()
     whole = numel - numel % SIGN_BLOCK
-    for start in range(0, whole, SLAB):
-        stop = min(start + SLAB, whole)  # a multiple of 256: whole groups, and start · p / q whole bytes
-        _decode_slab(packed[start * p // q // 8 : -(-stop * p // q // 8)], values[start:stop], scale, start,
-                     p, q, columns, dropped)
+
+    def decode_range(first: int, last: int) -> None:
+        for start in range(first, last, SLAB):
+            stop = min(start + SLAB, last)  # a multiple of 256: whole groups, and start · p / q whole bytes
+            _decode_slab(packed[start * p // q // 8 : -(-stop * p // q // 8)], values[start:stop], scale, start,
+                         p, q, columns, dropped)
+
+    # numpy releases the GIL: a large body is decoded in torch.get_num_threads() disjoint ranges of whole slabs
+    parts = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, whole // (8 * SLAB)))
+    bounds = [whole * i // parts // SLAB * SLAB for i in range(parts)] + [whole]
+    if parts == 1:
+        decode_range(0, whole)
+    else:
+        list(_pool().map(lambda i: decode_range(bounds[i], bounds[i + 1]), range(parts)))
     if whole < numel:
         _decode_tail(name, packed[whole * p // q // 8 :], values, scale[-1], numel - whole, p, q, columns, dropped)
     return out
@@ -107,6 +120,16 @@ def _decode_tail(name: str, packed: np.ndarray, values: np.ndarray, scale: np.fl
     padded = np.empty(groups * q, dtype=np.float32)
     _place(padded, 1.0 - 2.0 * signs[: groups * p].astype(np.float32), p, q, columns, dropped)
     values[-length:] = padded[:length] * scale
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="sgn-decode")
+    return _POOL
 
 
 def _place(values: np.ndarray, units: np.ndarray, p: int, q: int, columns: np.ndarray, dropped: np.ndarray) -> None:
