@@ -17,10 +17,10 @@ SIGNS = [c for c in CODECS if c.startswith("sgn")]
 
 
 def reference(x: torch.Tensor, p: int, q: int, rotation: int) -> torch.Tensor:
-    """The format's definition, value by value (float64 sums, then one bf16 scale per 256 values)."""
+    """The format's definition, value by value (float64 sums, then one bf16 scale per 512 values)."""
     out = torch.zeros(x.numel(), dtype=torch.float32)
-    for start in range(0, x.numel(), 256):
-        block = x[start : start + 256].double()
+    for start in range(0, x.numel(), 512):
+        block = x[start : start + 512].double()
         kept = [i for i in range(block.numel()) if ((start + i) % q - rotation) % q < p]
         mass = float(block[kept].abs().sum())
         cap = float(block.abs().max()) * q / p
@@ -36,7 +36,7 @@ def reference(x: torch.Tensor, p: int, q: int, rotation: int) -> torch.Tensor:
 def test_decoded_values_are_the_definition_exactly(codec: str) -> None:
     p, q = sign_params(codec)
     gen = torch.Generator().manual_seed(7)
-    for numel in (1, 5, 17, 255, 256, 257, 1000, 2 * 65536 + 300):
+    for numel in (1, 5, 17, 255, 512, 513, 1000, 2 * 65536 + 300):
         x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen)
         x[::7] = 0.0  # zeros: sent as +s
         encoded = encode(codec, x)
@@ -54,7 +54,7 @@ def test_decoded_values_are_the_definition_exactly(codec: str) -> None:
         assert int(nonzero.sum()) <= -(-numel // q) * p
     big = torch.randn(65536 * 3, generator=gen)
     decoded = decode(encode(codec, big), big.numel())
-    blocks, values = big.double().view(-1, 256), decoded.double().view(-1, 256)
+    blocks, values = big.double().view(-1, 512), decoded.double().view(-1, 512)
     assert torch.allclose((blocks * values).sum(1), blocks.square().sum(1), rtol=2**-8)  # up to the bf16 rounding
 
 
@@ -86,7 +86,7 @@ def test_malformed_bodies_are_refused() -> None:
             decode(EncodedTensor("sgn1of4", 10, payload, meta), 10)
     with pytest.raises(CodecError, match="expected payload 1 B and meta 6 B"):
         decode(EncodedTensor("sgn1of4", 10, b"\x00\x00", meta), 10)
-    with pytest.raises(CodecError, match="'sgn2of4' is not a sign codec; expected one of sgn1of1, sgn7of8"):
+    with pytest.raises(CodecError, match="'sgn2of4' is not a sign codec; expected one of sgn1of1, sgn15of16, sgn7of8"):
         sign_params("sgn2of4")
 
 
@@ -121,9 +121,9 @@ def test_a_large_body_decodes_the_same_in_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    # vectorised definition: kept positions (rotation), signs, one bf16 scale per 256 values
+    # vectorised definition: kept positions (rotation), signs, one bf16 scale per 512 values
     rotation = int(np.frombuffer(bytes(encoded.meta[:4]), "<u4")[0])
     kept = ((torch.arange(numel) % 8 - rotation) % 8) < 7
     scales = torch.from_numpy((np.frombuffer(bytes(encoded.meta[4:]), "<u2").astype(np.uint32) << 16).view(np.float32))
-    expected = torch.where(x < 0, -1.0, 1.0) * scales.repeat_interleave(256)[:numel] * kept
+    expected = torch.where(x < 0, -1.0, 1.0) * scales.repeat_interleave(512)[:numel] * kept
     assert torch.equal(one, expected)

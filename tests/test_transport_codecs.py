@@ -45,9 +45,9 @@ def test_encoded_size_is_the_closed_form(codec: str, numel: int) -> None:
     if expected is None and codec.startswith("grp"):  # one (log2 G + b)-bit code per group of G, fp32 scale per 256
         group, bits = group_params(codec)
         expected = math.ceil(math.ceil(numel / group) * (int(math.log2(group)) + bits) / 8) + 4 * math.ceil(numel / 256)
-    if expected is None and codec.startswith("sgn"):  # one sign bit per kept value; rotation + bf16 scale per 256
+    if expected is None and codec.startswith("sgn"):  # one sign bit per kept value; rotation + bf16 scale per 512
         p, q = (int(v) for v in codec[3:].split("of"))
-        expected = math.ceil(math.ceil(numel / q) * p / 8) + 4 + 2 * math.ceil(numel / 256)
+        expected = math.ceil(math.ceil(numel / q) * p / 8) + 4 + 2 * math.ceil(numel / 512)
     if expected is None:  # topk{k}b{b}: k uint8 indices and k b-bit codes per chunk of 256, one fp32 scale per chunk
         k, bits = topk_params(codec)
         kept = k * (numel // 256) + min(k, numel % 256)

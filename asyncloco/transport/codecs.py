@@ -22,7 +22,7 @@ count from the header before it allocates anything, and benchmarks can assert by
 | "grp{G}b{b}" | per group of G values the | mean (b=1) or max (b=2) kept   | ceil(ceil(n/G)·(log2 G + b) / 8)    |
 |        | largest |x|: position + b bits | |x| per 256 values             | + 4·ceil(n / 256)                  |
 | "sgn{p}of{q}" | the sign of p of every q | rotation (uint32), then bf16   | ceil(ceil(n/q)·p / 8)               |
-|        | values (rotating, no indices) | Σx²/Σ_kept|x| per 256 values   | + 4 + 2·ceil(n / 256)               |
+|        | values (rotating, no indices) | Σx²/Σ_kept|x| per 512 values   | + 4 + 2·ceil(n / 512)               |
 
 The 8-bit dynamic code book and the NF4 table are constants of bitsandbytes, not sent. Decoding never
 unpickles and validates the codec name, ``numel`` against the caller's expectation, and both lengths
@@ -35,7 +35,7 @@ own they drop most of the update. A sparse body's local indices must be strictly
 chunk and inside the chunk (the last chunk may be short); decoding refuses anything else. ``grp{G}b{b}``
 (G in :data:`GROUP_SIZES`, b in :data:`GROUP_BITS`) keeps one value per group of G: ``grp4b1`` is 36.6×.
 ``sgn{p}of{q}`` ((p, q) in :data:`SIGN_SHAPES`, asyncloco/transport/codecs_sign.py) sends one bit per kept value
-and no positions: ``sgn7of8`` is 34.1×, ``sgn1of4`` 101.8×.
+and no positions: ``sgn15of16`` is 33.0×, ``sgn1of4`` 113.8×.
 """
 
 from __future__ import annotations

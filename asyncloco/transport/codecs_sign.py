@@ -4,7 +4,7 @@ docs/compression.md): one bit per kept value, no positions on the wire.
 In every group of ``q`` consecutive values the ``p`` positions ``(r + t) mod q`` (t = 0 .. p − 1) are kept, for a
 rotation ``r`` the encoder derives from the data (so every position is kept in ``p / q`` of the rounds on
 average, and the decoder reads ``r`` from the body instead of any index). A kept value is sent as its sign; each
-block of 256 values (whole groups: ``q`` divides 256) has one bfloat16 scale
+block of 512 values (whole groups: ``q`` divides 512) has one bfloat16 scale
 
     s = min(Σ x² / Σ_kept |x|,  (q / p) · max |x|)      (0 when nothing kept is non-zero)
 
@@ -92,7 +92,7 @@ def decode_sign(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
 
     def decode_range(first: int, last: int) -> None:
         for start in range(first, last, SLAB):
-            stop = min(start + SLAB, last)  # a multiple of 256: whole groups, and start · p / q whole bytes
+            stop = min(start + SLAB, last)  # a multiple of 512: whole groups, and start · p / q whole bytes
             _decode_slab(packed[start * p // q // 8 : -(-stop * p // q // 8)], values[start:stop], scale, start,
                          p, q, columns, dropped)
 
@@ -110,7 +110,7 @@ def decode_sign(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
 
 def _decode_tail(name: str, packed: np.ndarray, values: np.ndarray, scale: np.float32, length: int, p: int, q: int,
                  columns: np.ndarray, dropped: np.ndarray) -> None:
-    """The short last block (``length`` < 256 values, its first bit byte-aligned): its kept positions at or past
+    """The short last block (``length`` < 512 values, its first bit byte-aligned): its kept positions at or past
     ``length`` and the padding bits must be 0."""
     groups = -(-length // q)
     signs = np.unpackbits(packed, bitorder="little")
