@@ -273,7 +273,7 @@ class VerifyConfig(StrictModel):
 
 # transport.codecs.CODECS as a pattern (this module imports no torch); tests/test_feedback.py checks they agree
 UPLOAD_CODEC_PATTERN = (
-    r"none|fp16|bf16|int8|int4|int2|topk(1|2|4|8|16|32|64)b(2|4)|grp(4|8|16|32)b(1|2)|sgn(1of1|15of16|7of8|3of4|5of8|1of2|3of8|1of4|1of8|1of16)"
+    r"none|fp16|bf16|int8|int4|int2|topk(1|2|4|8|16|32|64)b(2|4)|grp(4|8|16|32)b(1|2)|sgn(1of1|15of16|7of8|3of4|5of8|1of2)"
 )
 
 
@@ -340,7 +340,7 @@ class RuntimeConfig(StrictModel):
             raise ValueError(
                 f"unknown codec {value!r}: use none, fp16, bf16, int8, int4, int2 or topk{{k}}b{{bits}} with k in "
                 "1, 2, 4, 8, 16, 32, 64 (values kept per 256) and bits 2 or 4, or grp{G}b{bits} with G in 4, 8, 16, 32 and "
-                "bits 1 or 2, or sgn{p}of{q} for p/q in 1of1, 15of16, 7of8, 3of4, 5of8, 1of2, 3of8, 1of4, 1of8, 1of16, e.g. topk8b2, "
+                "bits 1 or 2, or sgn{p}of{q} for p/q in 1of1, 15of16, 7of8, 3of4, 5of8, 1of2, e.g. topk8b2, "
                 "grp8b1 or sgn3of4 (docs/compression.md)"
             )
         return value

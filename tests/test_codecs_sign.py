@@ -60,10 +60,10 @@ def test_decoded_values_are_the_definition_exactly(codec: str) -> None:
 
 @pytest.mark.timeout(30)
 def test_a_hand_built_body_decodes_to_its_values() -> None:
-    # 10 values, sgn1of4, rotation 2: positions 2 and 6 kept (group 2 has positions 8, 9 only: 10 is past numel)
-    meta = np.array([2], "<u4").tobytes() + np.array([0x3F00], "<u2").tobytes()
-    body = EncodedTensor("sgn1of4", 10, bytes([0b010]), meta)  # position 2: +, position 6: −, position 10: bit 0
-    assert torch.equal(decode(body, 10), torch.tensor([0, 0, 0.5, 0, 0, 0, -0.5, 0, 0, 0], dtype=torch.float32))
+    # 9 values, sgn1of2, rotation 1: positions 1, 3, 5, 7 kept (the last group's position 9 is past numel: bit 0)
+    meta = np.array([1], "<u4").tobytes() + np.array([0x3F00], "<u2").tobytes()  # bf16 0.5
+    body = EncodedTensor("sgn1of2", 9, bytes([0b0010]), meta)  # position 3 negative
+    assert torch.equal(decode(body, 9), torch.tensor([0, 0.5, 0, -0.5, 0, 0.5, 0, 0.5, 0], dtype=torch.float32))
     # sgn3of4, rotation 3: positions 0, 1, 3 of each group of 4 (bit order: ascending positions)
     meta = np.array([3], "<u4").tobytes() + np.array([0x4000], "<u2").tobytes()
     body = EncodedTensor("sgn3of4", 8, bytes([0b100001]), meta)
@@ -72,20 +72,20 @@ def test_a_hand_built_body_decodes_to_its_values() -> None:
 
 @pytest.mark.timeout(30)
 def test_malformed_bodies_are_refused() -> None:
-    good = encode("sgn1of4", torch.randn(10, generator=torch.Generator().manual_seed(3)))
-    rotation4 = np.array([4], "<u4").tobytes() + bytes(good.meta[4:])
-    with pytest.raises(CodecError, match="rotation 4 is not below the group size 4"):
-        decode(EncodedTensor("sgn1of4", 10, good.payload, rotation4), 10)
+    good = encode("sgn1of2", torch.randn(9, generator=torch.Generator().manual_seed(3)))
+    rotation2 = np.array([2], "<u4").tobytes() + bytes(good.meta[4:])
+    with pytest.raises(CodecError, match="rotation 2 is not below the group size 2"):
+        decode(EncodedTensor("sgn1of2", 9, good.payload, rotation2), 9)
     for bad in (float("nan"), float("inf"), -1.0):
         meta = bytes(good.meta[:4]) + torch.tensor([bad]).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
         with pytest.raises(CodecError, match="scale is negative, NaN or Inf"):
-            decode(EncodedTensor("sgn1of4", 10, good.payload, meta), 10)
-    meta = np.array([2], "<u4").tobytes() + np.array([0x3F80], "<u2").tobytes()  # bf16 1.0
-    for payload in (bytes([0b100]), bytes([0b1000])):  # position 10 (past numel), then a padding bit
+            decode(EncodedTensor("sgn1of2", 9, good.payload, meta), 9)
+    meta = np.array([1], "<u4").tobytes() + np.array([0x3F80], "<u2").tobytes()  # bf16 1.0
+    for payload in (bytes([0b10000]), bytes([0b100000])):  # position 9 (past numel), then a padding bit
         with pytest.raises(CodecError, match="bits set past the last kept value"):
-            decode(EncodedTensor("sgn1of4", 10, payload, meta), 10)
+            decode(EncodedTensor("sgn1of2", 9, payload, meta), 9)
     with pytest.raises(CodecError, match="expected payload 1 B and meta 6 B"):
-        decode(EncodedTensor("sgn1of4", 10, b"\x00\x00", meta), 10)
+        decode(EncodedTensor("sgn1of2", 9, b"\x00\x00", meta), 9)
     with pytest.raises(CodecError, match="'sgn2of4' is not a sign codec; expected one of sgn1of1, sgn15of16, sgn7of8"):
         sign_params("sgn2of4")
 

@@ -135,7 +135,10 @@ def encode_attack(codec: str, update: torch.Tensor, attack: str) -> Any:
     clean[0] = 0.0
     encoded = encode(codec, clean)
     meta = bytearray(bytes(encoded.meta))
-    meta[0:4] = struct.pack("<f", float("nan"))
+    if codec.startswith("sgn"):  # after the rotation: the first bf16 scale (the upper half of an fp32 NaN)
+        meta[4:6] = struct.pack("<f", float("nan"))[2:4]
+    else:
+        meta[0:4] = struct.pack("<f", float("nan"))
     return EncodedTensor(encoded.codec, encoded.numel, bytes(encoded.payload), bytes(meta))
 
 

@@ -35,7 +35,7 @@ own they drop most of the update. A sparse body's local indices must be strictly
 chunk and inside the chunk (the last chunk may be short); decoding refuses anything else. ``grp{G}b{b}``
 (G in :data:`GROUP_SIZES`, b in :data:`GROUP_BITS`) keeps one value per group of G: ``grp4b1`` is 36.6×.
 ``sgn{p}of{q}`` ((p, q) in :data:`SIGN_SHAPES`, asyncloco/transport/codecs_sign.py) sends one bit per kept value
-and no positions: ``sgn15of16`` is 33.0×, ``sgn1of4`` 113.8×.
+and no positions: ``sgn15of16`` is 33.0×, ``sgn1of2`` 60.2×.
 """
 
 from __future__ import annotations
