@@ -33,6 +33,7 @@ import torch
 from asyncloco.config import load_config
 from asyncloco.sim.engine import Simulation, build_workload, pretrain
 from asyncloco.transport.codecs import LOSSLESS, wire_bytes
+from asyncloco.transport.errors import CodecError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CODECS = "none,int8,int2,grp4b2,grp4b1,grp8b2,topk16b2,topk8b2,topk4b2"
@@ -81,11 +82,15 @@ def run_task(task: str, seeds: list[int], codecs: list[str], updates: int | None
                               {**overrides, "runtime": {**runtime_section, "codec": codec, "error_feedback": ef,
                                                          "error_feedback_decay": decay}})
             sim = Simulation(cfg, "async_dn_dylu", workload, target_loss=target, time_limit=limit, initial_params=theta0)
-            result = sim.run()
-            reached = result.time_to_reach(target)
+            try:
+                result = sim.run()
+                loss, local, reached = result.final["loss"], result.final["local_updates"], result.time_to_reach(target)
+            except CodecError as error:  # a pseudo-gradient became NaN/Inf: the run diverged (recorded, not fatal)
+                logger.warning("%s seed %d %s diverged: %s", task, seed, label(codec, ef, decay), error)
+                loss, local, reached = math.inf, sim.state.local_updates, None
             row = {"task": task, "seed": seed, "method": "async_dn_dylu", "codec": codec, "error_feedback": ef,
                    "error_feedback_decay": decay if ef else None, "label": label(codec, ef, decay),
-                   "loss": result.final["loss"], "local_updates": result.final["local_updates"],
+                   "loss": loss, "local_updates": local,
                    "time_to_sync": reached, "sync_time": sync.final["time"],
                    "x_fewer": 4 * numel / wire_bytes(codec, numel), "parameters": numel,
                    "wall_s": time.monotonic() - started}
