@@ -127,3 +127,13 @@ def test_a_large_body_decodes_the_same_in_threads() -> None:
     scales = torch.from_numpy((np.frombuffer(bytes(encoded.meta[4:]), "<u2").astype(np.uint32) << 16).view(np.float32))
     expected = torch.where(x < 0, -1.0, 1.0) * scales.repeat_interleave(512)[:numel] * kept
     assert torch.equal(one, expected)
+
+
+@pytest.mark.timeout(30)
+def test_every_codec_name_fits_the_wire() -> None:
+    from asyncloco.transport.codec_format import CODEC_NAME_MAX
+    from asyncloco.transport.wire import SubmitHeader
+
+    assert max(len(name) for name in CODECS) <= CODEC_NAME_MAX
+    header = SubmitHeader(lease_id="l", base_version=0, codec="sgn15of16", numel=10)
+    assert SubmitHeader.from_wire(header.to_wire()).codec == "sgn15of16"  # the 9-character name crosses the wire

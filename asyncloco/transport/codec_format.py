@@ -35,6 +35,7 @@ CODECS: tuple[str, ...] = (
     + tuple(f"grp{g}b{b}" for b in GROUP_BITS for g in GROUP_SIZES)
     + tuple(f"sgn{p}of{q}" for p, q in SIGN_SHAPES)
 )
+CODEC_NAME_MAX = 12  # characters: the wire's bound on a codec name (every name in CODECS fits: a test checks)
 LOSSLESS: tuple[str, ...] = ("none",)  # every other codec drops something: error feedback applies
 # Lloyd-Max 4-level quantizer of a unit Gaussian (levels ±0.4528, ±1.510; threshold 0.9816), times the block RMS
 INT2_INNER, INT2_OUTER, INT2_THRESHOLD = 0.4528, 1.5104, 0.9816

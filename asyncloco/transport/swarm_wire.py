@@ -12,6 +12,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from asyncloco.transport.codec_format import CODEC_NAME_MAX
 from asyncloco.transport.codecs import CODECS, MAX_NUMEL, wire_bytes
 from asyncloco.transport.errors import MessageError, ProtocolError
 from asyncloco.transport.framing import MAX_CHUNK_BYTES, pack_header, unpack_header
@@ -202,7 +203,7 @@ class ManifestRequest(_Message):
     REQUIRED: ClassVar[tuple[str, ...]] = ("codec", "serve")
 
     def __post_init__(self) -> None:
-        self._str("codec", 8, choices=CODECS)
+        self._str("codec", CODEC_NAME_MAX, choices=CODECS)
         self._int("version", 0, MAX_VERSION, optional=True)
         self._bool("serve")
         if self.maddrs is not None:
@@ -236,7 +237,7 @@ class ChunkRequest(_Message):
 
     def __post_init__(self) -> None:
         self._int("version", 0, MAX_VERSION)
-        self._str("codec", 8, choices=CODECS)
+        self._str("codec", CODEC_NAME_MAX, choices=CODECS)
         _bytes_field("ChunkRequest", "want", self.want, 1, MAX_CHUNKS // 8)
         self._bool("fallback")
 
@@ -285,6 +286,6 @@ class Report(_Message):
 
     def __post_init__(self) -> None:
         self._int("version", 0, MAX_VERSION)
-        self._str("codec", 8, choices=CODECS)
+        self._str("codec", CODEC_NAME_MAX, choices=CODECS)
         self._str("source", MAX_ID_CHARS, empty=False)
         self._str("reason", MAX_REASON_CHARS)

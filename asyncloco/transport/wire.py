@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Dict, Mapping, Optional, Type, TypeVar
 
+from asyncloco.transport.codec_format import CODEC_NAME_MAX
 from asyncloco.transport.codecs import CODECS, MAX_NUMEL
 from asyncloco.transport.errors import MessageError
 from asyncloco.refusals import RefusalCode, code_of
@@ -190,8 +191,8 @@ class HelloReply(_Message):
     def __post_init__(self) -> None:
         self._str("config", MAX_CONFIG_CHARS, empty=False)
         self._int("model_numel", 1, MAX_NUMEL)
-        self._str("codec", 8, choices=CODECS)
-        self._str("download_codec", 8, choices=CODECS)
+        self._str("codec", CODEC_NAME_MAX, choices=CODECS)
+        self._str("download_codec", CODEC_NAME_MAX, choices=CODECS)
         self._str("run_id", MAX_ID_CHARS, empty=False)
         self._str("software_version", MAX_ID_CHARS)
 
@@ -261,7 +262,7 @@ class ModelRequest(_Message):
     REQUIRED: ClassVar[tuple[str, ...]] = ("codec",)
 
     def __post_init__(self) -> None:
-        self._str("codec", 8, choices=CODECS)
+        self._str("codec", CODEC_NAME_MAX, choices=CODECS)
         self._int("version", 0, MAX_VERSION, optional=True)
         self._int("have_version", 0, MAX_VERSION, optional=True)
         self._int("anchor_version", 0, MAX_VERSION, optional=True)
@@ -282,7 +283,7 @@ class ModelHeader(_Message):
 
     def __post_init__(self) -> None:
         self._int("version", 0, MAX_VERSION)
-        self._str("codec", 8, choices=CODECS)
+        self._str("codec", CODEC_NAME_MAX, choices=CODECS)
         self._int("numel", 1, MAX_NUMEL)
         self._bool("unchanged")
         self._int("delta_from", 0, MAX_VERSION, optional=True)
@@ -309,7 +310,7 @@ class SubmitHeader(_Message):
     def __post_init__(self) -> None:
         self._str("lease_id", MAX_ID_CHARS, empty=False)
         self._int("base_version", 0, MAX_VERSION)
-        self._str("codec", 8, choices=CODECS)
+        self._str("codec", CODEC_NAME_MAX, choices=CODECS)
         self._int("numel", 1, MAX_NUMEL)
         self._float("inner_loss", 0.0, MAX_INNER_LOSS, optional=True)
         for name in ("state_start", "state_end"):
