@@ -358,8 +358,8 @@ class RuntimeConfig(StrictModel):
         if self.error_feedback and self.verify.enabled:
             raise ValueError(
                 "runtime.error_feedback: true cannot be combined with runtime.verify.enabled (a validator re-running a "
-                "lease cannot know the peer's error-feedback residual, so every check would fail); set error_feedback: "
-                "false or leave it unset"
+                "lease cannot know the peer's error-feedback residual, so every check would fail); with verification "
+                "upload without feedback: set runtime.codec: int8 and runtime.error_feedback: false (docs/compression.md)"
             )
         return self
 
