@@ -86,6 +86,27 @@ def unpack_header(data: bytes) -> Dict[str, Any]:
     return value
 
 
+async def read_until_closed(reader: asyncio.StreamReader, timeout: float, max_bytes: int) -> int:
+    """Read and drop what the other end still sends until it closes its side, for at most ``timeout`` seconds
+    and ``max_bytes`` bytes; returns the bytes dropped. A server calls this before closing a stream whose
+    answer it has written, so that it hangs up only after the caller has read the answer and closed:
+    closing first lets p2pd reset the libp2p stream, and a reset can overtake the answer's last bytes."""
+    discarded = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while discarded < max_bytes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            data = await asyncio.wait_for(reader.read(64 << 10), timeout=left)
+            if not data:
+                break
+            discarded += len(data)
+    except (asyncio.TimeoutError, ConnectionError, OSError):
+        pass
+    return discarded
+
+
 class FrameReader:
     """Reads bounded frames from a stream under an idle and a total deadline.
 

@@ -46,7 +46,7 @@ from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RpcTimeou
 from asyncloco.refusals import Refusal, frame_text
 from asyncloco.transport.rpc_client import CoordinatorClient  # re-exported: the client lives in rpc_client.py
 from asyncloco.transport.rpc_common import RPC_NAMES, RpcTraffic, TrafficCounters, handle_name
-from asyncloco.transport.framing import CHUNK_BYTES, FrameReader, FrameWriter
+from asyncloco.transport.framing import CHUNK_BYTES, FrameReader, FrameWriter, read_until_closed
 from asyncloco.transport.wire import (
     Ack,
     AssignRequest,
@@ -72,7 +72,7 @@ __all__ = [
     "RPC_NAMES",
 ]
 
-# after an ERROR frame, what the service reads and drops until the caller closes (CoordinatorService._close_after_error)
+# after an ERROR frame, what the service reads and drops until the caller closes (CoordinatorService._linger)
 ERROR_LINGER_S = 5.0
 ERROR_LINGER_BYTES = 8 << 20
 T = TypeVar("T")
@@ -283,7 +283,7 @@ class CoordinatorService:
         if admitted:
             self._streams += 1
             self._active[peer_id] = self._active.get(peer_id, 0) + 1
-        answered_error = False  # a reply or an ERROR frame went out: close so that it arrives (_close_after_error)
+        answered: Optional[str] = None  # "reply" or "error" went out: close only once it has arrived (_linger)
         try:
             if not admitted:
                 raise _Busy(
@@ -291,7 +291,7 @@ class CoordinatorService:
                     f"{limits.max_calls_per_peer}; {self._streams} in all, at most {limits.max_streams}); retry later"
                 )
             await getattr(self, f"_serve_{rpc}")(peer_id, frames_in, frames_out, traffic)
-            answered_error = True  # a whole reply went out: it must arrive too (a reset overtook a θ body once)
+            answered = "reply"  # a whole reply went out: it must arrive too (a reset overtook a θ body, twice)
         except asyncio.CancelledError:
             traffic.failures += 1
             raise
@@ -299,16 +299,16 @@ class CoordinatorService:
             traffic.failures += 1
             self._protocol_errors(peer_id, rpc, f"{type(error).__name__}: {error}")
             if not isinstance(error, (RpcTimeout, PeerUnreachable)):  # nobody is listening after those
-                answered_error = await self._send_error(frames_out, str(error))
+                answered = await self._send_error(frames_out, str(error))
         except _Refused as error:
             traffic.failures += 1
             self._refusals(peer_id, rpc, str(error))
-            answered_error = await self._send_error(frames_out, str(error))
+            answered = await self._send_error(frames_out, str(error))
         except Exception as error:  # a bug here or in the handler: one line, traceback at DEBUG
             traffic.failures += 1
             logger.error("%s from %s failed: %r", rpc, peer_id, error)
             logger.debug("%s failure", rpc, exc_info=True)
-            answered_error = await self._send_error(frames_out, f"internal error: {type(error).__name__}")
+            answered = await self._send_error(frames_out, f"internal error: {type(error).__name__}")
         finally:
             if admitted:
                 self._streams -= 1
@@ -320,23 +320,30 @@ class CoordinatorService:
             # counted before lingering: the call's bytes are known once its reply is written
             traffic.bytes_received += frames_in.bytes_read
             traffic.bytes_sent += frames_out.bytes_written
-            if answered_error:
-                traffic.bytes_received += await self._close_after_error(reader, writer)
+            if answered is not None:
+                traffic.bytes_received += await self._linger(reader, writer, answered)
             writer.close()
 
     @staticmethod
-    async def _send_error(frames_out: FrameWriter, message: str) -> bool:
-        """Send an ERROR frame; whether it was written (the caller may be gone)."""
+    async def _send_error(frames_out: FrameWriter, message: str) -> Optional[str]:
+        """Send an ERROR frame; ``"error"`` if it was written, None if not (the caller may be gone)."""
         try:
             await frames_out.error(message)
         except Exception:
-            return False
-        return True
+            return None
+        return "error"
 
-    async def _close_after_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
-        """Before closing a stream answered with an error: half-close it, then read (and drop) what the caller
-        still sends until it closes its side, within :data:`ERROR_LINGER_S` and :data:`ERROR_LINGER_BYTES`;
-        returns the bytes dropped.
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answered: str) -> int:
+        """Before closing a stream that carried an answer: read (and drop) what the caller still sends until it
+        closes its side; returns the bytes dropped (at most :data:`ERROR_LINGER_BYTES`).
+
+        After a whole reply (``answered == "reply"``) the stream is not half-closed and the wait lasts up to
+        the idle timeout: the caller closes once it has read the last byte, so nothing we sent can still be
+        in flight when we hang up. Half-closing instead (``write_eof``) makes p2pd close the libp2p stream
+        in both directions at once, and under load that close raced the last chunk of a θ body (the caller
+        read 0 or 32,763 of 34,567 bytes, then "stream closed"). After an ERROR frame (``"error"``) the
+        stream is half-closed (a caller reading until we hang up stops now) and the wait is at most
+        :data:`ERROR_LINGER_S`.
 
         A refusal is sent before the request is read (admission) or mid-body. Closing our socket to p2pd
         with those bytes unread resets it (ECONNRESET on p2pd's read); p2pd then *resets* the libp2p stream,
@@ -344,27 +351,17 @@ class CoordinatorService:
         then "stream closed after 0 of 90 bytes" instead of the refusal. The caller closes the stream as
         soon as it has read the error, so this wait is one round trip. At most ``limits.max_streams`` streams
         wait like this at once; beyond that (a flood of refused calls) they are closed at once."""
-        discarded = 0
         if self._lingering >= self.limits.max_streams:  # a flood of refused calls: close at once
-            return discarded
+            return 0
         self._lingering += 1
-        deadline = time.monotonic() + min(ERROR_LINGER_S, self.limits.idle_timeout)
+        reply = answered == "reply"
+        deadline = time.monotonic() + (self.limits.idle_timeout if reply else min(ERROR_LINGER_S, self.limits.idle_timeout))
         try:
-            if writer.can_write_eof():
+            if not reply and writer.can_write_eof():
                 writer.write_eof()  # the error is all we send: a caller reading until we hang up stops now
-            while discarded < ERROR_LINGER_BYTES:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                data = await asyncio.wait_for(reader.read(64 << 10), timeout=left)
-                if not data:
-                    break
-                discarded += len(data)
-        except (asyncio.TimeoutError, ConnectionError, OSError):
-            pass
+            return await read_until_closed(reader, deadline - time.monotonic(), ERROR_LINGER_BYTES)
         finally:
             self._lingering -= 1
-        return discarded
 
     async def _call_handler(self, call: Awaitable[T]) -> T:
         try:

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from asyncloco.transport.codecs import wire_bytes
 from asyncloco.transport.errors import ProtocolError, RemoteError, TransportError
-from asyncloco.transport.framing import FrameReader, FrameWriter
+from asyncloco.transport.framing import FrameReader, FrameWriter, read_until_closed
 from asyncloco.transport.swarm_wire import (
     ChunkReply,
     ChunkRequest,
@@ -169,6 +169,7 @@ class ChunkServer:
         self._bucket = _TokenBucket(self.limits.bandwidth)
         self._active: Dict[str, int] = {}
         self._streams = 0
+        self._lingering = 0  # answered streams waiting for their caller to close
         self._sent: "OrderedDict[Tuple[str, int, str], Dict[int, float]]" = OrderedDict()  # (caller, body) -> chunk -> sent at
 
     async def add_handlers(self, p2p: Any, namespace: Optional[str]) -> None:
@@ -183,6 +184,7 @@ class ChunkServer:
             frames_in = FrameReader(reader, idle_timeout=self.limits.idle_timeout, deadline=time.monotonic() + self.limits.header_timeout)
             frames_out = FrameWriter(writer, idle_timeout=self.limits.idle_timeout)
             admitted = self._streams < self.limits.max_streams and self._active.get(peer_id, 0) < self.limits.max_per_peer
+            answered = False
             if admitted:
                 self._streams += 1
                 self._active[peer_id] = self._active.get(peer_id, 0) + 1
@@ -192,6 +194,7 @@ class ChunkServer:
                     raise RemoteError(f"too many swarm calls in flight (at most {self.limits.max_per_peer} per peer, "
                                       f"{self.limits.max_streams} in all); retry later")
                 await serve(peer_id, frames_in, frames_out)
+                answered = True
             except asyncio.CancelledError:
                 raise
             except (TransportError, ValueError) as error:
@@ -212,6 +215,13 @@ class ChunkServer:
                         self._active[peer_id] = left
                     else:
                         del self._active[peer_id]
+                if answered and self._lingering < self.limits.max_streams:
+                    # hang up only once the caller has read the answer and closed (transport/framing.py)
+                    self._lingering += 1
+                    try:
+                        await read_until_closed(reader, self.limits.idle_timeout, 1 << 16)
+                    finally:
+                        self._lingering -= 1
                 writer.close()
 
         return handle
