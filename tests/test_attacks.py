@@ -211,7 +211,7 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
                 assert "finite" in call["error"].lower() or "nan" in call["error"].lower(), (attack, call)
                 continue
             # sign-flipped at the honest norm: the probe sees it go uphill (the insider is on probation)
-            assert call["accepted"] is False or attack in ("huge", "signflip", "random"), (attack, call)
+            assert call["accepted"] is False or attack in ("huge", "signflip", "random"), (attack, call, verdicts.get(call["lease_id"]))
             if call["accepted"] and attack in ("huge", "signflip"):
                 # a norm attack may be clipped to the honest scale instead of rejected
                 [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]

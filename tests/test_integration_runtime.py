@@ -254,7 +254,7 @@ def test_three_peers_learn_follow_dylu_and_send_exact_bytes(harness: Harness, tm
 
     # 1. the version advances one applied update at a time, and validation loss falls
     version = assert_versions_applied_once(events)
-    assert status["version"] == version >= 15
+    assert status["version"] == version >= 15, ("status.json's version vs applied events", status["version"], version)
     assert status["local_updates"] == sum(e["steps"] for e in of_type(events, "applied"))
     evals = status["evals"]
     assert evals[0]["version"] == 0 and [e["version"] for e in evals] == sorted({e["version"] for e in evals})
@@ -294,7 +294,7 @@ def test_three_peers_learn_follow_dylu_and_send_exact_bytes(harness: Harness, tm
     for name, summary in summaries.items():
         assert summary["rejected"] == 0 and summary["duplicates"] == 0 and summary["resends"] == 0, summary
         assert summary["traffic"]["submit"]["payload_bytes_sent"] == summary["accepted"] * per_submit, name
-        assert summary["accepted"] == status["peers"][ids[name]]["applied"], name
+        assert summary["accepted"] == status["peers"][ids[name]]["applied"], (name, summary, status["peers"][ids[name]])
     assert received == sum(s["traffic"]["submit"]["payload_bytes_sent"] for s in summaries.values())
     assert received == version * per_submit
 
@@ -376,7 +376,7 @@ def test_swarm_peers_take_theta_from_the_seed_and_each_other(harness: Harness, t
     assert version >= 6
     for name, summary in summaries.items():
         assert summary["swarm_fallbacks"] == 0 and summary["swarm_downloads"] >= 1, (name, summary)
-        assert summary["accepted"] == status["peers"][ids[name]]["applied"], name
+        assert summary["accepted"] == status["peers"][ids[name]]["applied"], (name, summary, status["peers"][ids[name]])
     # every body came through the swarm: the coordinator's get_model sent none, its seed sent the chunks
     assert status["traffic"]["get_model"]["payload_bytes_sent"] == 0, status["traffic"]
     assert status["traffic"]["get_model"]["calls"] >= sum(s["swarm_downloads"] for s in summaries.values())

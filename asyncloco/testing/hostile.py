@@ -80,6 +80,7 @@ ATTACKS = (
 )
 UPDATE_ATTACKS = ("honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
                   "hidden", "poison", "alie", "tailored", "freeride")
+SUBMIT_ATTEMPTS = 4  # sends of one submission (a resend only after a failure without a refusal code)
 HISTORY = 6  # θ versions an estimating attacker (alie, tailored, freeride) keeps
 
 
@@ -405,15 +406,22 @@ class Hostile:
         details["attack"] = attack
         norms = {"norm_sent": float(torch.linalg.vector_norm(torch.nan_to_num(update))),
                  "norm_honest": float(torch.linalg.vector_norm(honest))}
-        try:
-            ack = await client.submit(lease_id, base_version, encoded, state_start=self.digests[0],
-                                      state_end=self.digests[1])
-            self._note("submit", True, lease_id=lease_id, accepted=ack.accepted, duplicate=ack.duplicate,
-                       version=ack.version, reason=ack.reason, **norms, **details)
-            return ack
-        except TransportError as error:
-            self._note("submit", False, lease_id=lease_id, error=str(error), **norms, **details)
-            return None
+        # like an honest peer (peer/upload.py), the same bytes are sent again after a failure that carries no
+        # refusal code (a timeout, a dropped stream, a busy service): the attack is in what it sends, not in
+        # giving up on a lost reply; a coded refusal is an answer
+        for attempt in range(SUBMIT_ATTEMPTS):
+            try:
+                ack = await client.submit(lease_id, base_version, encoded, state_start=self.digests[0],
+                                          state_end=self.digests[1])
+                self._note("submit", True, lease_id=lease_id, accepted=ack.accepted, duplicate=ack.duplicate,
+                           version=ack.version, reason=ack.reason, **norms, **details)
+                return ack
+            except TransportError as error:
+                self._note("submit", False, lease_id=lease_id, error=str(error), **norms, **details)
+                if getattr(error, "code", None) is not None:
+                    return None
+                await asyncio.sleep(0.5 * 2**attempt)
+        return None
 
     # ------------------------------------------------------------------------------ ghosts
 
