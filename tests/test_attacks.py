@@ -210,8 +210,11 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
                 assert outcome == [], (attack, call, outcome)
                 assert "finite" in call["error"].lower() or "nan" in call["error"].lower(), (attack, call)
                 continue
-            # sign-flipped at the honest norm: the probe sees it go uphill (the insider is on probation)
-            assert call["accepted"] is False or attack in ("huge", "signflip", "random"), (attack, call, verdicts.get(call["lease_id"]))
+            # sign-flipped at the honest norm: refused — unless the gate's documented exceptions apply: the probe
+            # saw it lower the probe-batch loss (on probation: at all), or, from a peer past probation, it agrees
+            # weakly without raising the probe loss; then it is taken at no more than the median norm (below)
+            assert call["accepted"] is False or attack in ("huge", "signflip", "random", "signflip-honest"), (
+                attack, call, verdicts.get(call["lease_id"]))
             if call["accepted"] and attack in ("huge", "signflip"):
                 # a norm attack may be clipped to the honest scale instead of rejected
                 [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
@@ -221,8 +224,11 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
                 # probation, by any amount): at the honest norm, with a bounded effect.
                 [applied] = [e for e in verdicts[call["lease_id"]] if e["type"] == "applied"]
                 cosine = float(re.search(r"cosine (-?[0-9.]+)", applied["gate"])[1])  # type: ignore[index]
-                assert abs(cosine) < 0.25 and (cosine > 0 or "lowers the probe-batch loss" in applied["gate"]
-                                               or "weak agreement" in applied["gate"]), (attack, applied)
+                vouched = "lowers the probe-batch loss" in applied["gate"] or "weak agreement" in applied["gate"]
+                if attack == "signflip-honest":  # pointing away: only by the probe's or weak agreement's exception
+                    assert cosine > 0 or vouched, (attack, applied)
+                else:
+                    assert abs(cosine) < 0.25 and (cosine > 0 or vouched), (attack, applied)
             else:
                 assert outcome == ["rejected"], (attack, call, outcome)
                 [rejected] = [e for e in verdicts[call["lease_id"]] if e["type"] == "rejected"]
