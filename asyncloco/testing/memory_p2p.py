@@ -68,7 +68,8 @@ class StreamInfo:
 class Pipe:
     """One direction of a stream: what is written arrives at :attr:`reader`.
 
-    ``drop()``: from now on writes vanish (the other side sees the stream end once this side closes);
+    ``drop()``: the next write vanishes and the connection dies with it (the reader sees the stream end; a server
+    that waits for its caller to hang up after answering must not wait for a caller that never got the answer);
     ``reset_after(writes, fraction)``: let ``writes`` more writes through whole, then ``fraction`` of the next
     one, and reset — the reader sees the stream end early, the writer a :class:`ConnectionResetError`."""
 
@@ -90,7 +91,8 @@ class Pipe:
     def write(self, data: bytes) -> None:
         if self.closed:
             raise ConnectionResetError("the stream was reset")
-        if self.dropping:
+        if self.dropping:  # the answer is lost with the connection: the reader sees the stream end
+            self.cut()
             return
         if self._reset_plan is not None:
             writes, fraction = self._reset_plan
