@@ -269,6 +269,31 @@ class VerifyConfig(StrictModel):
         300.0, gt=0, description="inner_state carry: seconds a peer has to reveal a checked lease's start state; then the check fails"
     )
     reveal_keep: int = Field(2, ge=1, description="inner_state carry: start states of its last N leases a peer keeps to reveal")
+    # --- validator peers (asyncloco/validator.py): organiser-run machines that take checks over the verify_task RPC
+    validators: list[str] = Field(
+        default_factory=list, description="libp2p peer ids of the organiser's validator peers (`asyncloco validator join` "
+        "prints its id); they are trusted: their verdicts expel peers"
+    )
+    local: bool = Field(True, description="the coordinator re-runs checks itself too (false: only its validators do)")
+    validator_timeout: float = Field(
+        600.0, gt=0, description="seconds a validator has for a check it took; then the check goes back to the queue"
+    )
+
+    @field_validator("validators")
+    @classmethod
+    def _peer_ids(cls, value: list[str]) -> list[str]:
+        for peer in value:
+            if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{20,128}", peer):
+                raise ValueError(f"runtime.verify.validators: {peer[:80]!r} is not a libp2p peer id (base58, as "
+                                 "`asyncloco validator join` prints it)")
+        return value
+
+    @model_validator(mode="after")
+    def _someone_verifies(self) -> "VerifyConfig":
+        if self.enabled and not self.local and not self.validators:
+            raise ValueError("runtime.verify.local is false but runtime.verify.validators is empty: nobody would re-run "
+                             "the checks; list the validator peers' ids or set local: true")
+        return self
 
 
 # transport.codecs.CODECS as a pattern (this module imports no torch); tests/test_feedback.py checks they agree

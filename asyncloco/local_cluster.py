@@ -135,6 +135,17 @@ class LocalCluster:
         self.peers[name] = process
         return process
 
+    def start_validator(self, name: str, identity: Path, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """``asyncloco validator join`` with key file ``identity`` (its id must be in runtime.verify.validators);
+        its summary goes to ``<workdir>/<name>.json``."""
+        if self.multiaddr is None:
+            raise ClusterError("start the coordinator first")
+        args = ["validator", "join", "--initial-peers", self.multiaddr, "--run-id", str(self.run_id), "--identity",
+                str(identity), "--threads", str(self.threads), "--summary", str(self.workdir / f"{name}.json"), *extra]
+        process = self._spawn(name, args)
+        self.peers[name] = process
+        return process
+
     def signal_group(self, process: subprocess.Popen[bytes], sig: int) -> None:
         try:
             os.killpg(process.pid, sig)

@@ -169,6 +169,72 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- validator peers (asyncloco/validator.py; docs/threat-model.md "Who verifies") ----
+
+
+def cmd_validator_id(args: argparse.Namespace) -> int:
+    from asyncloco.validator import identity_peer_id
+
+    print(identity_peer_id(args.identity), flush=True)
+    return 0
+
+
+def cmd_validator_join(args: argparse.Namespace) -> int:
+    from asyncloco.peer.joining import PeerError
+    from asyncloco.validator import Validator, ValidatorOptions
+
+    _limit_threads(args.threads)
+    options = ValidatorOptions(
+        initial_peers=list(args.initial_peers), run_id=args.run_id, coordinator_id=args.coordinator_id, host=args.host,
+        identity_path=args.identity, device=args.device, connect_timeout=args.connect_timeout,
+        max_checks=args.max_checks, summary_path=Path(args.summary) if args.summary else None,
+    )
+    try:
+        validator = Validator(options)
+    except PeerError as error:
+        raise ValueError(str(error)) from None
+
+    async def main(stop: asyncio.Event) -> Any:
+        task = asyncio.create_task(validator.run())
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            validator.stop()
+        else:
+            stopper.cancel()
+        return await task
+
+    try:
+        summary = _run_until_signal(main)
+    except PeerError as error:
+        raise ValueError(str(error)) from None
+    print(f"validator {summary.peer_id}: {summary.checks} checks ({summary.passed} passed, {summary.failed} failed), "
+          f"{summary.rerun_steps} steps re-run", flush=True)
+    return 0
+
+
+def _add_validator_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    validator = sub.add_parser("validator", help="organiser-run peers that re-run checks for the coordinator (verified work)")
+    validator_sub = validator.add_subparsers(dest="validator_command", required=True)
+    ident = validator_sub.add_parser("id", help="print the peer id of a key file (created if missing): list it in "
+                                     "runtime.verify.validators")
+    ident.add_argument("--identity", required=True, help="the validator's libp2p key file")
+    ident.set_defaults(func=cmd_validator_id)
+    join = validator_sub.add_parser("join", help="join a run as a validator and re-run checks until Ctrl+C")
+    join.add_argument("--initial-peers", nargs="+", required=True, help="the multiaddr the coordinator printed")
+    join.add_argument("--run-id", default="asyncloco-demo", help="run id (printed by the coordinator)")
+    join.add_argument("--coordinator-id", help="coordinator peer id to pin (default: from the first initial peer)")
+    join.add_argument("--identity", required=True, help="the key file whose peer id is in runtime.verify.validators")
+    join.add_argument("--host", default="127.0.0.1", help="address this validator listens on")
+    join.add_argument("--device", default="cpu", help="torch device for the re-runs (the peers' device type)")
+    join.add_argument("--threads", type=int, help="torch CPU threads")
+    join.add_argument("--max-checks", type=int, help="leave after this many verdicts")
+    join.add_argument("--summary", help="write a JSON summary (checks, verdicts) here")
+    join.add_argument("--join-timeout", dest="connect_timeout", type=float, default=600.0, metavar="SECONDS",
+                      help="how long to wait for an unreachable or restarting coordinator (default 600)")
+    join.set_defaults(func=cmd_validator_join)
+
+
 # ---- admission tokens (asyncloco/coordinator/admission.py) ----
 
 
@@ -343,6 +409,14 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     join.add_argument("--serve-bandwidth", type=_positive_mbit, metavar="MBIT",
                       help="with --swarm: cap the upload of served chunks at this many Mbit/s (default: no cap)")
     join.set_defaults(func=cmd_peer_join)
+
+    _add_validator_commands(sub)
+
+    _add_demo_command(sub)
+
+
+def _add_demo_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from asyncloco.overrides import add_override_arguments
 
     demo = sub.add_parser("demo", help="coordinator + heterogeneous peers on this machine, then a summary")
     demo.add_argument("--config", default="demo", help="run config: a YAML path or a shipped config's name (default demo)")

@@ -329,6 +329,23 @@ class CoordinatorDaemon:
             raise ValueError("this run does not verify work (runtime.verify.enabled is false): nothing to reveal")
         return self.verification.reveal(header.lease_id, state, peer_id)
 
+    # validator peers (asyncloco/validator.py; coordinator/verify.py DaemonVerification.lend)
+
+    def _verification_on(self) -> Any:
+        if self.verification is None:
+            raise ValueError("this run does not verify work (runtime.verify.enabled is false): no checks for validators")
+        return self.verification
+
+    async def verify_task(self, request: Any, peer_id: str) -> Any:
+        return await self._verification_on().desk.lend(min(float(request.wait_s), 60.0), peer_id)
+
+    async def verdict(self, header: Any, peer_id: str) -> Any:
+        return await self._verification_on().desk.take_verdict(header, peer_id)
+
+    def return_check(self, lease_id: Optional[str], peer_id: str) -> None:
+        if self.verification is not None:
+            self.verification.desk.give_back(lease_id, peer_id)
+
     # -------------------------------------------------------------------------------- main loop
 
     def _endpoint_port(self) -> int:

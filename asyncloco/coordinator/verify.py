@@ -6,7 +6,7 @@ like an honest one. The one check it cannot shape its way past is doing the work
 deterministic function of θ at its base version, the shard's batches (``start_offset`` .. ``+ steps``), the LR
 offset and the run's config — exactly what the coordinator knows. This module:
 
-* :class:`Rerunner` — trains a lease again with the peers' own inner loop (:class:`~asyncloco.peer.inner.InnerTrainer`,
+* :class:`Rerunner` (asyncloco/coordinator/rerun.py, re-exported here) — trains a lease again with the peers' own inner loop (:class:`~asyncloco.peer.inner.InnerTrainer`,
   fresh optimizer state), encodes the result with the run's codec as a peer would, and :func:`compare` judges it
   against the submitted pseudo-gradient: bitwise by default (CPU re-runs of a CPU peer's lease are bit-identical:
   measured in tests/test_verify.py), or within ``runtime.verify.tolerance`` (relative L2 error) and
@@ -14,7 +14,8 @@ offset and the run's config — exactly what the coordinator knows. This module:
 * :class:`Verifier` — the coordinator's background worker: a bounded queue of re-runs (``runtime.verify.queue``;
   a full queue skips a check and counts it), one re-run at a time in a worker thread, so submissions and acks never
   wait for it. Each verdict goes back through the daemon's single decision entry point as a
-  :class:`~asyncloco.coordinator.logic.Verified` event (write-ahead log, journal, status.json).
+  :class:`~asyncloco.coordinator.logic.Verified` event (write-ahead log, journal, status.json). Validator peers
+  (asyncloco/coordinator/validators.py, asyncloco/validator.py) take checks off the same queue.
 * :func:`repair` (asyncloco/coordinator/repair.py, re-exported here) — the exact remedy after a failed check: the logic expels the peer, and θ (with the outer
   optimizer's state, the gate's statistics, every counter) is rebuilt by replaying the write-ahead log from an
   *anchor* (a snapshot kept for this purpose) with the expelled peers' submissions turned into
@@ -42,7 +43,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -51,7 +52,6 @@ from asyncloco.coordinator.logic import (
     CoordinatorState,
     Expelled,
     Expired,
-    Lease,
     Repaired,
     Unverified,
     Verdict,
@@ -59,12 +59,9 @@ from asyncloco.coordinator.logic import (
     Verify,
 )
 
+from asyncloco.coordinator.rerun import Comparison, Rerunner, compare
 from asyncloco.coordinator.repair import ANCHOR_DIR, KEEP_ANCHORS, Anchors, RepairResult, log_events, repair
-
-if TYPE_CHECKING:
-    from asyncloco.config import RunConfig
-    from asyncloco.models.workload import Workload
-    from asyncloco.peer.inner import InnerTrainer
+from asyncloco.coordinator.validators import ValidatorDesk
 
 __all__ = [
     "Comparison",
@@ -85,103 +82,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-
-# ------------------------------------------------------------------------------------------- comparing
-
-
-@dataclass(frozen=True)
-class Comparison:
-    ok: bool
-    bitwise: bool
-    rel_error: float  # ‖submitted − rerun‖ / ‖rerun‖
-    cosine: float
-    detail: str
-
-
-def compare(rerun: torch.Tensor, submitted: torch.Tensor, tolerance: float = 0.0, min_cosine: float = -1.0) -> Comparison:
-    """Judge a submitted pseudo-gradient against the verifier's re-run. ``tolerance`` 0: bitwise equality;
-    otherwise relative L2 error ≤ ``tolerance`` and cosine ≥ ``min_cosine``."""
-    if rerun.shape != submitted.shape:
-        return Comparison(False, False, math.inf, -1.0, f"shape {tuple(submitted.shape)} ≠ re-run {tuple(rerun.shape)}")
-    bitwise = bool(torch.equal(rerun, submitted))
-    if bitwise:
-        return Comparison(True, True, 0.0, 1.0, "bitwise equal to the re-run")
-    a, b = rerun.double(), submitted.double()
-    norm = float(a.norm())
-    diff = float((b - a).norm())
-    rel = diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
-    denominator = norm * float(b.norm())
-    cosine = float(torch.dot(a, b)) / denominator if denominator > 0 else 0.0
-    if not (math.isfinite(rel) and math.isfinite(cosine)):
-        return Comparison(False, False, math.inf, -1.0, "non-finite difference from the re-run")
-    ok = tolerance > 0 and rel <= tolerance and cosine >= min_cosine
-    bound = "bitwise equality" if tolerance == 0 else f"≤ {tolerance:g}" + (f", cosine ≥ {min_cosine:g}" if min_cosine > -1 else "")
-    return Comparison(ok, False, rel, cosine, f"relative error {rel:.3g} (cosine {cosine:.6f}) vs the re-run; allowed: {bound}")
-
-
-# -------------------------------------------------------------------------------------------- re-running
-
-
-class Rerunner:
-    """Re-runs leases with the peers' own inner loop. One model replica, built on first use, reused for every
-    lease (its optimizer state is cleared before each: ``inner_state: reset``)."""
-
-    def __init__(self, cfg: "RunConfig", workload: "Workload", device: str = "cpu") -> None:
-        self.cfg = cfg
-        self.workload = workload
-        self.device = device
-        self._trainer: Optional["InnerTrainer"] = None
-
-    @property
-    def trainer(self) -> "InnerTrainer":
-        if self._trainer is None:
-            from asyncloco.peer.inner import InnerTrainer
-
-            self._trainer = InnerTrainer.from_config(self.cfg, self.workload, device=self.device)
-            self._trainer.reset_state = True
-        return self._trainer
-
-    def rerun(self, lease: Lease, base: torch.Tensor) -> torch.Tensor:
-        """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it."""
-        from asyncloco.transport.codecs import decode, encode
-
-        result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
-        codec = self.cfg.runtime.codec
-        if codec == "none":
-            return result.pseudo_gradient
-        return decode(encode(codec, result.pseudo_gradient), result.pseudo_gradient.numel())
-
-    def check(self, task: Verify) -> Comparison:
-        knobs = self.cfg.runtime.verify
-        return compare(self.rerun(task.lease, task.base), task.update, knobs.tolerance, knobs.min_cosine)
-
-    def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
-        """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start in the
-        canonical layout (peer/inner.py ``inner_state_chunks``). It must hash to the committed ``state_start``; the
-        lease re-run from it must give the submitted pseudo-gradient and end at the committed ``state_end``."""
-        from asyncloco.peer.inner import inner_state_digest, load_inner_state, revealed_digest
-
-        if revealed_digest(revealed) != task.state_start:
-            return Comparison(False, False, math.inf, -1.0, "the revealed inner state does not match its commitment")
-        trainer = self.trainer
-        try:
-            load_inner_state(trainer.optimizer, revealed)
-        except ValueError as error:
-            return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
-        trainer.reset_state = False
-        try:
-            rerun = self.rerun(task.lease, task.base)
-        finally:
-            trainer.reset_state = True
-        end = inner_state_digest(trainer.optimizer)
-        trainer.reset_inner_state()
-        knobs = self.cfg.runtime.verify
-        comparison = compare(rerun, task.update, knobs.tolerance, knobs.min_cosine)
-        if comparison.ok and end != task.state_end:
-            return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine,
-                              "the re-run's inner state at the lease's end differs from the committed one")
-        return comparison
 
 
 @dataclass
@@ -339,6 +239,8 @@ class DaemonVerification:
         self.awaiting: dict[str, tuple[Verify, float, "asyncio.Task[None]"]] = {}
         self._state_size: Optional[int] = None
         self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0}  # moot: its peer was expelled
+        # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
+        self.desk = ValidatorDesk(self)
 
     # --- hooks
 
@@ -415,6 +317,7 @@ class DaemonVerification:
             "repairs": list(self.repairs),
             "anchors": self.anchors.seqs(),
             "reveals": {**self.reveals, "awaiting": len(self.awaiting)},
+            "validators": self.desk.status(),
             # re-run inner steps ÷ applied inner steps: verification's compute as a fraction of the run's training
             "compute_fraction": self.verifier.stats.rerun_steps / local_updates,
             **self.verifier.stats.as_dict(),
@@ -449,6 +352,7 @@ class DaemonVerification:
         return RevealReply(True, "queued for verification")
 
     async def close(self) -> None:
+        self.desk.close()
         for _, _, deadline in list(self.awaiting.values()):
             deadline.cancel()
         self.awaiting.clear()
@@ -521,9 +425,18 @@ class DaemonVerification:
         self.awaiting[lease_id] = (action, self.verifier.clock(), task)
 
     def _start(self) -> None:
+        if not self.knobs.local:  # only the validator peers take checks off the queue
+            return
         if self._task is None or self._task.done():
             self._stop = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self.verifier.run(self._stop))
+
+    async def judged(self, task: Verify, ok: bool, bitwise: bool, rel_error: float, cosine: float, detail: str) -> None:
+        """A validator peer's verdict (coordinator/validators.py), decided like the worker's own."""
+        await self._verdict(task, Comparison(ok, bitwise, rel_error, cosine, detail))
+
+    def unverified_later(self, task: Verify, reason: str) -> None:
+        self._decide_later(self._unverified(task, reason))
 
     async def _verdict(self, task: Verify, comparison: Comparison) -> None:
         daemon = self.daemon

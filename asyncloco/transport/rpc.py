@@ -50,6 +50,8 @@ from asyncloco.transport.framing import CHUNK_BYTES, FrameReader, FrameWriter, r
 from asyncloco.transport.wire import (
     Ack,
     AssignRequest,
+    CheckHeader,
+    CheckRequest,
     HelloReply,
     LeaseReply,
     ModelHeader,
@@ -58,6 +60,8 @@ from asyncloco.transport.wire import (
     RevealHeader,
     RevealReply,
     SubmitHeader,
+    VerdictHeader,
+    VerdictReply,
 )
 
 logger = logging.getLogger(__name__)
@@ -479,3 +483,42 @@ class CoordinatorService:
         await frames_out.header(reply.to_wire())
 
 
+
+    async def _serve_verify_task(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter, traffic: RpcTraffic) -> None:
+        """A validator peer (asyncloco/validator.py) asks for a check: the handler lends one (or none within
+        ``wait_s``); θ_base and the update follow as fp32 bodies, then the revealed start state. A check whose
+        bodies do not all go out is given back to the queue at once."""
+        request = CheckRequest.from_wire(await frames_in.read_header())
+        lend = getattr(self.handler, "verify_task", None)
+        if lend is None:
+            raise _Refused("this coordinator takes no validators (runtime.verify is off)")
+        header, bodies = await self._call_handler(lend(request, peer_id))
+        if not isinstance(header, CheckHeader):
+            raise TypeError(f"handler answered verify_task with {type(header).__name__}, not CheckHeader")
+        sent = False
+        try:
+            await frames_out.header(header.to_wire())
+            if not header.empty:
+                async with self._slot(self._download_slots, "download"):
+                    for body in bodies:
+                        if len(body):
+                            await asyncio.wait_for(frames_out.body(body, self.chunk_bytes),
+                                                   timeout=self.limits.transfer_timeout(len(body)))
+                            traffic.payload_bytes_sent += len(body)
+            sent = True
+        finally:
+            if not sent and not header.empty:
+                give_back = getattr(self.handler, "return_check", None)
+                if give_back is not None:
+                    give_back(header.lease_id, peer_id)
+
+    async def _serve_verdict(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter, traffic: RpcTraffic) -> None:
+        """A validator's verdict on the check it was lent."""
+        header = VerdictHeader.from_wire(await frames_in.read_header())
+        take = getattr(self.handler, "verdict", None)
+        if take is None:
+            raise _Refused("this coordinator takes no validators (runtime.verify is off)")
+        reply = await self._call_handler(take(header, peer_id))
+        if not isinstance(reply, VerdictReply):
+            raise TypeError(f"handler answered verdict with {type(reply).__name__}, not VerdictReply")
+        await frames_out.header(reply.to_wire())

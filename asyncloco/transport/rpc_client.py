@@ -22,6 +22,8 @@ from asyncloco.transport.rpc_common import RpcTraffic, TrafficCounters, handle_n
 from asyncloco.transport.wire import (
     Ack,
     AssignRequest,
+    CheckHeader,
+    CheckRequest,
     HelloReply,
     LeaseReply,
     ModelHeader,
@@ -30,6 +32,8 @@ from asyncloco.transport.wire import (
     RevealHeader,
     RevealReply,
     SubmitHeader,
+    VerdictHeader,
+    VerdictReply,
 )
 
 logger = logging.getLogger("asyncloco.transport.rpc")  # one logger name for both ends (operators filter on it)
@@ -281,6 +285,49 @@ class CoordinatorClient:
             return RevealReply.from_wire(await frames_in.read_header(allow_error=True))
 
         return await self._call("reveal", call, timeout if timeout is not None else self.timeouts["submit"])
+
+    async def verify_task(
+        self, wait_s: float, max_revealed: int, *, timeout: Optional[float] = None
+    ) -> Tuple[CheckHeader, Optional[torch.Tensor], Optional[torch.Tensor], Optional[bytes]]:
+        """A validator peer's request for a check (asyncloco/validator.py): ``(header, θ_base, update, revealed)``,
+        or ``(header, None, None, None)`` when none was pending within ``wait_s``. ``revealed`` is None for a re-run
+        from a fresh inner state; a revealed state above ``max_revealed`` bytes is refused before it is read."""
+        request = CheckRequest(float(wait_s))
+
+        async def call(frames_in: FrameReader, frames_out: FrameWriter) -> Tuple[CheckHeader, Optional[torch.Tensor], Optional[torch.Tensor], Optional[bytes]]:
+            await frames_out.header(request.to_wire())
+            frames_in.idle_timeout = None  # the coordinator holds the request up to wait_s; the call timeout applies
+            header = CheckHeader.from_wire(await frames_in.read_header(allow_error=True))
+            if header.empty:
+                return header, None, None, None
+            if header.numel != self.model_numel:
+                raise ProtocolError(f"check of {header.numel} elements; this model has {self.model_numel}")
+            if header.revealed is not None and header.revealed > max_revealed:
+                raise ProtocolError(f"revealed state of {header.revealed} bytes; this model's inner state has at most {max_revealed}")
+            frames_in.idle_timeout = self.idle_timeout
+            nbytes = 4 * self.model_numel
+            tensors = []
+            for _ in range(2):  # θ at the base version, then the update as submitted: fp32, little-endian
+                body = await frames_in.read_body(nbytes, allow_error=True)
+                tensors.append(torch.frombuffer(body, dtype=torch.float32))
+            revealed = None
+            if header.revealed is not None:
+                revealed = bytes(await frames_in.read_body(header.revealed, allow_error=True)) if header.revealed else b""
+            self.counters.verify_task.payload_bytes_received += 2 * nbytes + (header.revealed or 0)
+            return header, tensors[0], tensors[1], revealed
+
+        limit = timeout if timeout is not None else wait_s + self.timeouts["get_model"]
+        return await self._call("verify_task", call, limit)
+
+    async def verdict(self, header: VerdictHeader, *, timeout: Optional[float] = None) -> VerdictReply:
+        """Send a validator's verdict on the check it was lent."""
+
+        async def call(frames_in: FrameReader, frames_out: FrameWriter) -> VerdictReply:
+            await frames_out.header(header.to_wire())
+            frames_in.idle_timeout = None  # the coordinator decides it under its lock; the call timeout applies
+            return VerdictReply.from_wire(await frames_in.read_header(allow_error=True))
+
+        return await self._call("verdict", call, timeout if timeout is not None else self.timeouts["assign"])
 
     async def _submit(self, frames_in: FrameReader, frames_out: FrameWriter, header: SubmitHeader, encoded: EncodedTensor) -> Ack:
         await frames_out.header(header.to_wire())

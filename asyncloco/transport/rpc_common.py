@@ -9,7 +9,7 @@ from typing import Dict, Optional
 __all__ = ["RPC_NAMES", "handle_name", "RpcTraffic", "TrafficCounters"]
 
 
-RPC_NAMES = ("assign", "get_model", "submit", "reveal")
+RPC_NAMES = ("assign", "get_model", "submit", "reveal", "verify_task", "verdict")
 
 
 def handle_name(namespace: Optional[str], rpc: str) -> str:
@@ -37,6 +37,8 @@ class TrafficCounters:
     get_model: RpcTraffic = field(default_factory=RpcTraffic)
     submit: RpcTraffic = field(default_factory=RpcTraffic)
     reveal: RpcTraffic = field(default_factory=RpcTraffic)
+    verify_task: RpcTraffic = field(default_factory=RpcTraffic)  # validator peers (asyncloco/validator.py)
+    verdict: RpcTraffic = field(default_factory=RpcTraffic)
 
     def as_dict(self) -> Dict[str, Dict[str, int]]:
         return {name: asdict(getattr(self, name)) for name in RPC_NAMES}

@@ -20,6 +20,10 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``? |
 | :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
 | :class:`RevealReply` | reveal, reply | ``accepted``, ``reason`` |
+| :class:`CheckRequest` | verify_task, validator → coordinator | ``wait_s`` |
+| :class:`CheckHeader` | verify_task, reply header, then θ_base, the update (fp32) and the revealed state | ``lease_id``?, ``peer``?, lease fields, ``numel``, ``state_start``?, ``state_end``?, ``revealed``? |
+| :class:`VerdictHeader` | verdict, validator → coordinator | ``lease_id``, ``ok``, ``bitwise``, ``rel_error``?, ``cosine``, ``detail`` |
+| :class:`VerdictReply` | verdict, reply | ``accepted``, ``reason`` |
 
 (``?``: optional, may be absent.) Names (:data:`NAME_PATTERN`) are at most 64 characters of
 ``[A-Za-z0-9_.-]``; ids at most :data:`MAX_ID_CHARS`; reasons at most :data:`MAX_REASON_CHARS`.
@@ -49,6 +53,10 @@ __all__ = [
     "Ack",
     "RevealHeader",
     "RevealReply",
+    "CheckRequest",
+    "CheckHeader",
+    "VerdictHeader",
+    "VerdictReply",
     "MAX_REVEAL_BYTES",
     "NAME_PATTERN",
     "DIGEST_PATTERN",
@@ -374,6 +382,96 @@ class RevealHeader(_Message):
 @dataclass(frozen=True)
 class RevealReply(_Message):
     """The coordinator took the revealed state for verification (``accepted``), or why not (``reason``)."""
+
+    accepted: bool
+    reason: str
+    REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "reason")
+
+    def __post_init__(self) -> None:
+        self._bool("accepted")
+        self._str("reason", MAX_REASON_CHARS)
+
+
+# --------------------------------------------------------------------------- validator peers (issue 16)
+
+MAX_CHECK_WAIT_S = 600.0
+
+
+@dataclass(frozen=True)
+class CheckRequest(_Message):
+    """``verify_task``: a validator peer (asyncloco/validator.py) asks for a pending check, waiting at most ``wait_s``
+    seconds for one."""
+
+    wait_s: float
+    REQUIRED: ClassVar[tuple[str, ...]] = ("wait_s",)
+
+    def __post_init__(self) -> None:
+        self._float("wait_s", 0.0, MAX_CHECK_WAIT_S)
+
+
+@dataclass(frozen=True)
+class CheckHeader(_Message):
+    """``verify_task`` reply: a check lent to the validator, or none (``lease_id`` absent: nothing pending). With a
+    check, three bodies follow: θ at the lease's base version and the update as submitted (decoded, before any
+    clipping), each ``4 × numel`` bytes of little-endian fp32, then ``revealed`` bytes of the peer's revealed start
+    inner state (absent: re-run from a fresh state; 0: the committed fresh state)."""
+
+    numel: int
+    lease_id: Optional[str] = None
+    peer: Optional[str] = None
+    base_version: Optional[int] = None
+    shard: Optional[int] = None
+    start_offset: Optional[int] = None
+    steps: Optional[int] = None
+    lr_offset: Optional[int] = None
+    state_start: Optional[str] = None
+    state_end: Optional[str] = None
+    revealed: Optional[int] = None
+    REQUIRED: ClassVar[tuple[str, ...]] = ("numel",)
+
+    def __post_init__(self) -> None:
+        self._int("numel", 1, MAX_NUMEL)
+        self._str("lease_id", MAX_ID_CHARS, optional=True, empty=False)
+        self._str("peer", MAX_ID_CHARS, optional=True, empty=False)
+        for name in ("base_version", "shard", "start_offset", "lr_offset"):
+            self._int(name, 0, MAX_VERSION, optional=True)
+        self._int("steps", 1, MAX_COUNT, optional=True)
+        for name in ("state_start", "state_end"):
+            self._str(name, 64, pattern=DIGEST_PATTERN, optional=True)
+        self._int("revealed", 0, MAX_REVEAL_BYTES, optional=True)
+        lease = ("peer", "base_version", "shard", "start_offset", "steps", "lr_offset")
+        if self.lease_id is not None and any(getattr(self, name) is None for name in lease):
+            raise _fail("CheckHeader", "lease_id", f"a check needs all of {lease}")
+
+    @property
+    def empty(self) -> bool:
+        return self.lease_id is None
+
+
+@dataclass(frozen=True)
+class VerdictHeader(_Message):
+    """``verdict``: the validator's judgement of the check it was lent (coordinator/verify.py ``Comparison``)."""
+
+    lease_id: str
+    ok: bool
+    bitwise: bool
+    cosine: float
+    detail: str
+    rel_error: Optional[float] = None  # None: infinite (no comparable re-run)
+    REQUIRED: ClassVar[tuple[str, ...]] = ("lease_id", "ok", "bitwise", "cosine", "detail")
+
+    def __post_init__(self) -> None:
+        self._str("lease_id", MAX_ID_CHARS, empty=False)
+        self._bool("ok")
+        self._bool("bitwise")
+        self._float("cosine", -1.0, 1.0)
+        self._str("detail", MAX_REASON_CHARS)
+        self._float("rel_error", 0.0, 1e300, optional=True)
+
+
+@dataclass(frozen=True)
+class VerdictReply(_Message):
+    """The coordinator took the verdict (``accepted``), or why not (``reason``: not lent to this validator, late)."""
 
     accepted: bool
     reason: str

@@ -1,0 +1,116 @@
+"""Re-running a lease and judging the submitted pseudo-gradient against the re-run (issue 16; docs/threat-model.md,
+"Verified work"): :class:`Rerunner` and :func:`compare`, used by the coordinator's own verification worker
+(coordinator/verify.py) and by validator peers (asyncloco/validator.py) alike."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from asyncloco.config import RunConfig
+    from asyncloco.coordinator.logic import Lease, Verify
+    from asyncloco.models.workload import Workload
+    from asyncloco.peer.inner import InnerTrainer
+
+__all__ = ["Comparison", "compare", "Rerunner"]
+
+
+# ------------------------------------------------------------------------------------------- comparing
+
+
+@dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    bitwise: bool
+    rel_error: float  # ‖submitted − rerun‖ / ‖rerun‖
+    cosine: float
+    detail: str
+
+
+def compare(rerun: torch.Tensor, submitted: torch.Tensor, tolerance: float = 0.0, min_cosine: float = -1.0) -> Comparison:
+    """Judge a submitted pseudo-gradient against the verifier's re-run. ``tolerance`` 0: bitwise equality;
+    otherwise relative L2 error ≤ ``tolerance`` and cosine ≥ ``min_cosine``."""
+    if rerun.shape != submitted.shape:
+        return Comparison(False, False, math.inf, -1.0, f"shape {tuple(submitted.shape)} ≠ re-run {tuple(rerun.shape)}")
+    bitwise = bool(torch.equal(rerun, submitted))
+    if bitwise:
+        return Comparison(True, True, 0.0, 1.0, "bitwise equal to the re-run")
+    a, b = rerun.double(), submitted.double()
+    norm = float(a.norm())
+    diff = float((b - a).norm())
+    rel = diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+    denominator = norm * float(b.norm())
+    cosine = float(torch.dot(a, b)) / denominator if denominator > 0 else 0.0
+    if not (math.isfinite(rel) and math.isfinite(cosine)):
+        return Comparison(False, False, math.inf, -1.0, "non-finite difference from the re-run")
+    ok = tolerance > 0 and rel <= tolerance and cosine >= min_cosine
+    bound = "bitwise equality" if tolerance == 0 else f"≤ {tolerance:g}" + (f", cosine ≥ {min_cosine:g}" if min_cosine > -1 else "")
+    return Comparison(ok, False, rel, cosine, f"relative error {rel:.3g} (cosine {cosine:.6f}) vs the re-run; allowed: {bound}")
+
+
+# -------------------------------------------------------------------------------------------- re-running
+
+
+class Rerunner:
+    """Re-runs leases with the peers' own inner loop. One model replica, built on first use, reused for every
+    lease (its optimizer state is cleared before each: ``inner_state: reset``)."""
+
+    def __init__(self, cfg: "RunConfig", workload: "Workload", device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.device = device
+        self._trainer: Optional["InnerTrainer"] = None
+
+    @property
+    def trainer(self) -> "InnerTrainer":
+        if self._trainer is None:
+            from asyncloco.peer.inner import InnerTrainer
+
+            self._trainer = InnerTrainer.from_config(self.cfg, self.workload, device=self.device)
+            self._trainer.reset_state = True
+        return self._trainer
+
+    def rerun(self, lease: Lease, base: torch.Tensor) -> torch.Tensor:
+        """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it."""
+        from asyncloco.transport.codecs import decode, encode
+
+        result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+        codec = self.cfg.runtime.codec
+        if codec == "none":
+            return result.pseudo_gradient
+        return decode(encode(codec, result.pseudo_gradient), result.pseudo_gradient.numel())
+
+    def check(self, task: Verify) -> Comparison:
+        knobs = self.cfg.runtime.verify
+        return compare(self.rerun(task.lease, task.base), task.update, knobs.tolerance, knobs.min_cosine)
+
+    def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
+        """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start in the
+        canonical layout (peer/inner.py ``inner_state_chunks``). It must hash to the committed ``state_start``; the
+        lease re-run from it must give the submitted pseudo-gradient and end at the committed ``state_end``."""
+        from asyncloco.peer.inner import inner_state_digest, load_inner_state, revealed_digest
+
+        if revealed_digest(revealed) != task.state_start:
+            return Comparison(False, False, math.inf, -1.0, "the revealed inner state does not match its commitment")
+        trainer = self.trainer
+        try:
+            load_inner_state(trainer.optimizer, revealed)
+        except ValueError as error:
+            return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
+        trainer.reset_state = False
+        try:
+            rerun = self.rerun(task.lease, task.base)
+        finally:
+            trainer.reset_state = True
+        end = inner_state_digest(trainer.optimizer)
+        trainer.reset_inner_state()
+        knobs = self.cfg.runtime.verify
+        comparison = compare(rerun, task.update, knobs.tolerance, knobs.min_cosine)
+        if comparison.ok and end != task.state_end:
+            return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine,
+                              "the re-run's inner state at the lease's end differs from the committed one")
+        return comparison
