@@ -19,6 +19,10 @@ the decoded θ, compared with the coordinator's own).
 
 Usage: ``python scripts/bench_swarm.py --clients 8,16,32 --json out.json`` (heavy: run it under
 ``flock /tmp/asyncloco-heavy.lock nice -n 5``).
+
+``--wan home:home`` (root; asyncloco/wan/netns.py) puts the coordinator part in a network namespace behind a
+``home`` access link (10 Mbit/s up, 50 down: ``tc tbf`` on its veth) and each client process behind its own
+(its clients share it), so the coordinator's uplink is the narrow pipe the issue is about; loopback otherwise.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def theta_sha(theta: torch.Tensor) -> str:
 
 
 async def _client_main(first: int, count: int, maddrs: List[str], coordinator_id: str, namespace: str, numel: int, codec: str,
-                       commands: Any, results: Any) -> None:
+                       commands: Any, results: Any, host: str = "127.0.0.1") -> None:
     from hivemind.p2p import P2P
 
     from asyncloco.transport.codecs import EncodedTensor, decode
@@ -66,7 +70,7 @@ async def _client_main(first: int, count: int, maddrs: List[str], coordinator_id
     decode(encode(codec, torch.ones(8)), 8)  # import the codec's kernels now, not in the first timed download
     try:
         for _ in range(count):
-            p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+            p2p = await P2P.create(initial_peers=maddrs, host_maddrs=[f"/ip4/{host}/tcp/0"], startup_timeout=120.0)
             nodes.append(p2p)
             store = BodyStore(numel, keep_versions=2)
             await ChunkServer(store).add_handlers(p2p, namespace)
@@ -116,10 +120,17 @@ async def _client_main(first: int, count: int, maddrs: List[str], coordinator_id
 
 
 def client_process(first: int, count: int, maddrs: List[str], coordinator_id: str, namespace: str, numel: int, codec: str,
-                   commands: Any, results: Any) -> None:
+                   commands: Any, results: Any, node: Optional[Tuple[str, str]] = None) -> None:
+    """``node``: (network namespace, address) of this process's emulated access link (--wan), else loopback."""
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    asyncio.run(_client_main(first, count, maddrs, coordinator_id, namespace, numel, codec, commands, results))
+    host = "127.0.0.1"
+    if node is not None:
+        from asyncloco.wan.netns import enter_namespace
+
+        enter_namespace(node[0])  # before the p2pds start: they inherit it
+        host = node[1]
+    asyncio.run(_client_main(first, count, maddrs, coordinator_id, namespace, numel, codec, commands, results, host))
 
 
 # -------------------------------------------------------------------------------------- coordinator
@@ -147,7 +158,9 @@ def summary(values: List[float]) -> Dict[str, float]:
     return {"mean": statistics.fmean(ordered), "p50": ordered[len(ordered) // 2], "max": ordered[-1]}
 
 
-async def run(args: argparse.Namespace) -> Dict[str, Any]:
+async def run(args: argparse.Namespace, wan: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``wan``: {"coordinator": (namespace, address), "clients": [(namespace, address) per client process], ...}: this
+    process (the coordinator part) already runs in the coordinator's namespace (main())."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from hivemind.p2p import P2P
 
@@ -167,7 +180,8 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
         version = max(bodies) if version is None else version
         return version, bodies[version]
 
-    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+    host = wan["coordinator"][1] if wan else "127.0.0.1"
+    p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], startup_timeout=120.0)
     service = CoordinatorService(handler, numel, model_codecs=(codec,))
     seed = SwarmSeed(BodyStore(numel, keep_versions=2), namespace, Ed25519PrivateKey.generate(), body_for, chunk_bytes=args.chunk_bytes)
     await service.add_p2p_handlers(p2p, namespace=namespace)
@@ -178,10 +192,11 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
     total = max(sizes)
     per = -(-total // args.processes)
     procs, queues = [], []
-    for first in range(0, total, per):
+    for index, first in enumerate(range(0, total, per)):
         commands: Any = context.Queue()
+        node = wan["clients"][index] if wan else None
         proc = context.Process(target=client_process, args=(first, min(per, total - first), maddrs, p2p.peer_id.to_base58(),
-                                                              namespace, numel, codec, commands, results), daemon=True)
+                                                              namespace, numel, codec, commands, results, node), daemon=True)
         proc.start()
         procs.append(proc)
         queues.append(commands)
@@ -270,6 +285,9 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
         "versions_per_size": args.versions,
         "processes": args.processes,
         "training": "stand-in: one new θ version per round (no training peers)",
+        "wan": None if not wan else {"coordinator": wan["coordinator_profile"], "client_processes": wan["client_profile"],
+                                     "note": "tc tbf bandwidth per access link (no latency: no netem); the clients of one "
+                                             "process share its link"},
         "coordinator_egress_per_version_over_encoding": {
             mode: {str(r["clients"]): r[mode]["coordinator_egress_per_version_over_encoding"] for r in rows} for mode in ("today", "swarm")
         },
@@ -277,6 +295,29 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
         "errors": errors,
         "wall_s": time.monotonic() - started,
     }
+
+
+def run_on_wan(args: argparse.Namespace) -> Dict[str, Any]:
+    """:func:`run` with every access link shaped by ``tc tbf`` in its own network namespace (asyncloco/wan/netns.py):
+    the coordinator part in this process, moved into its node's namespace, the client processes in theirs."""
+    from asyncloco.wan.netns import PROFILES, WanNetwork, inside_namespace
+
+    names = args.wan.split(":")
+    coordinator_profile, client_profile = names[0], names[-1]
+    for name in (coordinator_profile, client_profile):
+        if name not in PROFILES:
+            raise SystemExit(f"--wan {args.wan}: unknown profile {name!r}; choose from {sorted(PROFILES)}")
+    total = max(int(n) for n in str(args.clients).split(","))
+    per = -(-total // args.processes)
+    with WanNetwork() as net:
+        coordinator = net.add_node("coord", PROFILES[coordinator_profile])
+        clients = [net.add_node(f"c{i}", PROFILES[client_profile]) for i in range(len(range(0, total, per)))]
+        wan = {"coordinator": (coordinator.namespace, coordinator.address),
+               "clients": [(node.namespace, node.address) for node in clients],
+               "coordinator_profile": PROFILES[coordinator_profile].describe(),
+               "client_profile": PROFILES[client_profile].describe()}
+        with inside_namespace(coordinator.namespace):
+            return asyncio.run(run(args, wan))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -289,10 +330,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--codec", default="int8", choices=("none", "bf16", "int8"), help="download codec")
     parser.add_argument("--chunk-bytes", type=int, default=256 << 10, help="swarm chunk size")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--wan", metavar="COORD[:CLIENTS]",
+                        help="emulated access links (asyncloco/wan/netns.py profiles, e.g. home:home): the coordinator "
+                        "in a network namespace behind the first, each client process behind the second (root)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    result = asyncio.run(run(args))
+    if args.wan:
+        result = run_on_wan(args)
+    else:
+        result = asyncio.run(run(args))
     print(f"θ: {result['numel']:,} values, {result['codec']} encoding {result['encoding_bytes']:,} B; "
           f"{result['versions_per_size']} versions per N; chunks {result['chunk_bytes']:,} B")
     print(f"{'N':>4} | {'today egress':>12} {'swarm egress':>12} {'ratio':>7} | {'today s p50/max':>15} {'swarm s p50/max':>15} | bitwise today/swarm")

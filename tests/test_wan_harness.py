@@ -65,3 +65,25 @@ def test_close_removes_everything_after_an_exception() -> None:
             assert len(leftovers(tag)) == 2 + 2 + 1  # two namespaces, two host-side veths, the bridge
             raise RuntimeError("boom")
     assert tag is not None and leftovers(tag) == []
+
+
+@pytest.mark.timeout(60)
+def test_inside_namespace_moves_this_thread_and_its_children_and_comes_back() -> None:
+    """What scripts/bench_swarm.py --wan relies on: the calling thread (and a process it starts) runs in the node's
+    namespace — it sees the node's address and no host interface — and is back in its own afterwards."""
+    import os
+    import subprocess
+
+    from asyncloco.wan.netns import inside_namespace
+
+    own = os.stat("/proc/thread-self/ns/net").st_ino
+    with WanNetwork() as net:
+        tag = net.tag
+        node = net.add_node("n1", PROFILES["home"])
+        inside = os.stat(f"/var/run/netns/{node.namespace}").st_ino
+        with inside_namespace(node.namespace):
+            assert os.stat("/proc/thread-self/ns/net").st_ino == inside != own
+            links = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+        assert os.stat("/proc/thread-self/ns/net").st_ino == own
+    assert f"{node.address}/24" in links and net.bridge not in links and node.veth_node in links
+    assert leftovers(tag) == []

@@ -20,6 +20,8 @@ SIGINT/SIGTERM (its handlers turn them into exceptions while it is active) and a
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -29,9 +31,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from types import FrameType
-from typing import IO, Any, Optional, Sequence, Union
+from typing import IO, Any, Iterator, Optional, Sequence, Union
 
-__all__ = ["Profile", "PROFILES", "Node", "WanNetwork", "NetnsError", "namespaces_unavailable", "tc_burst_bytes"]
+__all__ = ["Profile", "PROFILES", "Node", "WanNetwork", "NetnsError", "namespaces_unavailable", "tc_burst_bytes",
+           "enter_namespace", "inside_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +261,41 @@ class WanNetwork:
         if result.returncode != 0:
             raise NetnsError(f"{argv} in {node.namespace} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
         return result.stdout
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise NetnsError(f"setns into {what} failed: {os.strerror(errno)} (needs root)")
+
+
+def enter_namespace(namespace: str) -> None:
+    """Move the calling thread — and every process it starts afterwards, e.g. a p2pd — into network namespace
+    ``namespace`` (made by :meth:`WanNetwork.add_node`). For a benchmark's worker process, before it opens any socket."""
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        _setns(fd, namespace)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def inside_namespace(namespace: str) -> Iterator[None]:
+    """:func:`enter_namespace` for the ``with`` block, then back to the thread's own namespace (so that
+    :meth:`WanNetwork.close` runs where the network was made)."""
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        enter_namespace(namespace)
+        try:
+            yield
+        finally:
+            _setns(original, "the original namespace")
+    finally:
+        os.close(original)
 
 
 def leftovers(tag: str) -> list[str]:
