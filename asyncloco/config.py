@@ -386,6 +386,12 @@ class RuntimeConfig(StrictModel):
                 "lease cannot know the peer's error-feedback residual, so every check would fail); with verification "
                 "upload without feedback: set runtime.codec: int8 and runtime.error_feedback: false (docs/compression.md)"
             )
+        if self.verify.enabled and self.download_codec != "none":
+            raise ValueError(
+                f"runtime.download_codec {self.download_codec!r} cannot be combined with runtime.verify.enabled: a peer "
+                "trains from the lossy θ it decoded (a delta from its own anchor), the re-run from the exact θ, so every "
+                "check of an honest peer would fail; with verification set runtime.download_codec: none"
+            )
         return self
 
     @model_validator(mode="after")

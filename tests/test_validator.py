@@ -132,6 +132,10 @@ def test_config_names_the_validator_fix() -> None:
         RunConfig.model_validate({"name": "v", "runtime": {"verify": {"validators": ["not-an-id"]}}})
     cfg = RunConfig.model_validate({"name": "v", "runtime": {"verify": {"enabled": True, "local": False, "validators": [V1]}}})
     assert cfg.runtime.verify.validators == [V1]
+    # a re-run starts from the exact θ; a peer on a lossy download trains from another one: refused, naming the fix
+    with pytest.raises(ValueError, match="set runtime.download_codec: none"):
+        RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "int8", "verify": {"enabled": True}}})
+    assert RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "int8"}}).runtime.download_codec == "int8"
 
 
 def write_config(directory: Path, validator: str) -> Path:
