@@ -310,7 +310,6 @@ class PeerRunner:
                     break
                 if ack is not None:
                     await self._settle(client, lease, ack, counters)
-            self.summary.traffic = counters.as_dict()
             return self.summary
         finally:
             self._stop.set()
@@ -321,6 +320,8 @@ class PeerRunner:
             if publishing is not None:
                 await asyncio.gather(publishing, return_exceptions=True)
             self._update_idle()
+            # the final counters, also when the peer leaves on a refusal (its last upload was read, then refused)
+            self.summary.traffic = counters.as_dict()
             self._write_summary()
 
     async def _ask(self, client: Any, publisher: Any) -> Optional[LeaseGrant]:
