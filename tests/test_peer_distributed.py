@@ -63,10 +63,9 @@ def _join(rank: int, world: int, port: int) -> GroupContext:
 
 
 def _leave() -> None:
-    import torch.distributed as dist
+    from asyncloco.peer.distributed import leave_group
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group()
 
 
 def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str) -> None:

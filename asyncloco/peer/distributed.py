@@ -39,6 +39,7 @@ import torch.distributed as dist
 from asyncloco.peer.group import GroupContext, GroupFailed, split_batch  # re-exported: their home is peer/group.py
 
 __all__ = [
+    "leave_group",
     "GroupContext",
     "GroupFailed",
     "Command",
@@ -177,38 +178,54 @@ def follow(group: GroupContext, device: str, release: bool = True) -> int:
     """A follower rank's whole life: receive the run config, build the trainer, execute commands until
     the leader says stop. Returns a process exit code (0: the leader stopped the group). ``release``:
     leave the process group on return (False: the caller follows another run on the same group)."""
-    from asyncloco.config import RunConfig
-    from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
-    from asyncloco.workloads import build_workload
-
     try:
-        raw = broadcast_json(group, None)
-        if raw is None:
-            logger.info("rank %d: the leader left before the run started", group.rank)
-            return 0
-        cfg = RunConfig.model_validate(raw)
-        workload = build_workload(cfg)
-        trainer = InnerTrainer.from_config(cfg, workload, device=group.device, group=group)
-        while True:
-            command = broadcast_command(group, None)
-            if command.op == OP_STOP:
-                logger.info("rank %d: the leader stopped the group", group.rank)
-                return 0
-            if command.op == OP_MEASURE:
-                probe_speed(cfg, workload, group.device, group=group)
-            elif command.op == OP_TRAIN:
-                try:
-                    trainer.run(None, command.shard, command.start_offset, command.steps, command.lr_offset)
-                except LeaseAborted as aborted:  # the leader is leaving at once; its stop command follows
-                    logger.info("rank %d: lease stopped after %d of %d steps", group.rank, aborted.steps_done, aborted.steps)
-            else:
-                raise GroupFailed(f"unknown command {command}")
+        return _follow(group)
     except GroupFailed as error:
         logger.error("rank %d: %s; leaving (the leader's lease is given back by the coordinator)", group.rank, error)
         return 1
     finally:
-        if release and dist.is_initialized():
-            dist.destroy_process_group()
+        if release:
+            leave_group()  # the trainer went with _follow's frame
+
+
+def _follow(group: GroupContext) -> int:
+    from asyncloco.config import RunConfig
+    from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
+    from asyncloco.workloads import build_workload
+
+    raw = broadcast_json(group, None)
+    if raw is None:
+        logger.info("rank %d: the leader left before the run started", group.rank)
+        return 0
+    cfg = RunConfig.model_validate(raw)
+    workload = build_workload(cfg)
+    trainer = InnerTrainer.from_config(cfg, workload, device=group.device, group=group)
+    while True:
+        command = broadcast_command(group, None)
+        if command.op == OP_STOP:
+            logger.info("rank %d: the leader stopped the group", group.rank)
+            return 0
+        if command.op == OP_MEASURE:
+            probe_speed(cfg, workload, group.device, group=group)
+        elif command.op == OP_TRAIN:
+            try:
+                trainer.run(None, command.shard, command.start_offset, command.steps, command.lr_offset)
+            except LeaseAborted as aborted:  # the leader is leaving at once; its stop command follows
+                logger.info("rank %d: lease stopped after %d of %d steps", group.rank, aborted.steps_done, aborted.steps)
+        else:
+            raise GroupFailed(f"unknown command {command}")
+
+
+def leave_group() -> None:
+    """Leave the process group, after a garbage collection: a DDP reducer (in a reference cycle of the trainer's
+    modules) must free its reference to the group while the group is alive. One freed after
+    ``destroy_process_group`` aborted a rank at exit ("terminate called without an active exception") and hung a
+    one-rank test in the group's destructor."""
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------ launcher

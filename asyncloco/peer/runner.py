@@ -54,6 +54,7 @@ from asyncloco.peer.distributed import (
     GroupFailed,
     broadcast_command,
     broadcast_json,
+    leave_group,
 )
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
 from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
@@ -175,6 +176,7 @@ class PeerRunner:
         dht = None
         p2p = None
         swarm: Any = None
+        trainer: Optional[InnerTrainer] = None
         try:
             dht = await self.joiner.join_dht()
             self.summary.peer_id = dht.peer_id.to_base58()
@@ -240,6 +242,7 @@ class PeerRunner:
             if dht is not None:
                 stop_dht(dht)
             if self.group is not None:
+                trainer = None  # its DDP reducer holds the group: freed before the group is left (leave_group)
                 await asyncio.to_thread(self._release_group, group_phase)
 
     def _check_can_commit(self, cfg: RunConfig) -> None:
@@ -255,8 +258,6 @@ class PeerRunner:
 
     def _release_group(self, phase: str) -> None:
         """Tell the followers to stop (unless the group is broken), then leave it."""
-        import torch.distributed as dist
-
         assert self.group is not None
         try:
             if phase == "config":
@@ -265,8 +266,7 @@ class PeerRunner:
                 broadcast_command(self.group, Command(OP_STOP))
         except GroupFailed as error:
             logger.warning("the group is broken (%s); followers exit on their own", error)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
 
     # ---------------------------------------------------------------------------------- rounds
 
