@@ -154,6 +154,11 @@ def repaired_event(
         if not (live is not None and live.peer == lease.peer and (lease.fetched or live.fetched or live.held)
                 and lease.peer not in excluded and not state.needs_base_params):
             return False
+        # the work its peer was given: the replay may issue the same lease id with other steps or data (DyLU and the
+        # shard cursors saw no discarded update) — keeping that one would judge the peer's honest update against a
+        # lease it never had (a false expulsion, seen in a suite run: 5 steps trained, 3 replayed); given back instead
+        if (lease.shard, lease.start_offset, lease.steps, lease.lr_offset) != (live.shard, live.start_offset, live.steps, live.lr_offset):
+            return False
         return not (lease.verify or live.verify) or (live_base is not None and live_base(live.base_version) is not None)
 
     kept = sorted(lease_id for lease_id, lease in state.leases.items() if keep(lease))
