@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from asyncloco.clock import FakeClock
 from asyncloco.config import RunConfig
@@ -35,6 +33,7 @@ from asyncloco.validator import identity_peer_id
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_attacks import assert_all_gone, read_json, start_hostile  # noqa: E402
+from test_verify_hostile import write_config as verify_config  # noqa: E402
 
 V1, V2, OUTSIDER = "Qm" + "a" * 44, "Qm" + "b" * 44, "Qm" + "c" * 44
 
@@ -138,32 +137,13 @@ def test_config_names_the_validator_fix() -> None:
     assert RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "int8"}}).runtime.download_codec == "int8"
 
 
-def write_config(directory: Path, validator: str) -> Path:
-    config = {
-        "name": "validator",
-        "seed": 0,
-        "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
-        "inner": {"lr": 1e-2},
-        "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},
-        "outer": {"buffer_size": 2},
-        "sim": {"workers": 2},
-        "runtime": {"run_id": f"val-{uuid.uuid4().hex[:12]}", "eval_every": 1000, "speed_report_period": 1.0,
-                    "lease_slack": 30.0, "gate": {"enabled": False},
-                    "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.0, "probation_updates": 2,
-                               "local": False, "validators": [validator]}},
-    }
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_validator_peer_reruns_every_check_and_its_verdict_expels_the_attacker(tmp_path: Path) -> None:
     key, outsider_key = tmp_path / "validator.key", tmp_path / "outsider.key"
     validator_id = identity_peer_id(str(key))
     assert identity_peer_id(str(key)) == validator_id != identity_peer_id(str(outsider_key))
-    cluster = LocalCluster(write_config(tmp_path, validator_id), tmp_path / "run", threads=1)
+    cluster = LocalCluster(verify_config(tmp_path, local=False, validators=[validator_id]), tmp_path / "run", threads=1)
     try:
         cluster.start_coordinator()
         cluster.start_validator("validator", key)

@@ -34,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_attacks import assert_all_gone, read_json, start_hostile  # noqa: E402
 
 
-def write_config(directory: Path) -> Path:
+def write_config(directory: Path, **verify: Any) -> Path:
+    """The run: two shards of the toy task, gate off, verification of the carried state on probation only;
+    ``verify``: more runtime.verify keys (tests/test_validator.py adds validators)."""
     config = {
         "name": "verify-hostile",
         "seed": 0,
@@ -45,7 +47,8 @@ def write_config(directory: Path) -> Path:
         "sim": {"workers": 2},
         "runtime": {"run_id": f"vh-{uuid.uuid4().hex[:12]}", "eval_every": 1000, "speed_report_period": 1.0,
                     "lease_slack": 30.0, "gate": {"enabled": False},
-                    "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.0, "probation_updates": 2}},
+                    "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.0, "probation_updates": 2,
+                               **verify}},
     }
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
