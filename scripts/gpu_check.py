@@ -87,6 +87,7 @@ class Plan:
     schedule: dict[str, Any] = field(default_factory=dict)
     inner: dict[str, Any] = field(default_factory=dict)
     eval_every: int = 4
+    eval_device: str = "cpu"  # the coordinator's runtime.eval_device in the real runs (evaluations, gate probe)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -135,6 +136,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan.run_seconds = args.run_seconds
     if args.device:
         plan.device = args.device
+    plan.eval_device = args.eval_device or ("cpu" if plan.tiny else plan.device)
     return plan
 
 
@@ -432,7 +434,7 @@ def run_config(plan: Plan, size: str, method: str, work: Path) -> Path:
             "speed_report_period": 2.0,
             "lease_timeout_factor": 3.0,
             "lease_slack": 20.0,
-            "eval_device": "cpu",
+            "eval_device": plan.eval_device,
         },
     }
     path = work / f"{size}-{method}" / "config.yaml"
@@ -503,6 +505,7 @@ def one_run(plan: Plan, size: str, method: str, work: Path, duration: float, dea
     result["updates_applied"] = at_stop.get("version", 0)  # at the end of the equal wall time
     result["local_updates"] = at_stop.get("local_updates", 0)
     result["updates_applied_total"] = status.get("version", 0)  # including the leases finished while stopping
+    result["submit_timing"] = status.get("submit_timing")  # the coordinator's seconds per submission, by stage
     result["peers"] = {}
     for peer_id, stats in status.get("peers", {}).items():
         name = by_id.get(peer_id, peer_id[-8:])
@@ -629,6 +632,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--slowdowns", help="one peer per factor (default 1,1.5,2,4; 1,2 with --tiny)")
     parser.add_argument("--run-seconds", type=float, help="training seconds per method (default 90; 10 with --tiny)")
     parser.add_argument("--device", help="peers' and bench's device (default cuda; cpu with --tiny)")
+    parser.add_argument("--eval-device", help="the real runs' coordinator runtime.eval_device (default: --device; cpu "
+                        "with --tiny)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak for MFU (default: by name)")
     args = parser.parse_args(argv)
     unknown = set(args.parts.split(",")) - {"tests", "verify", "bench", "run"}

@@ -90,6 +90,8 @@ def test_tiny_mode_writes_every_part(tmp_path: Path) -> None:
         for peer in result["peers"].values():
             assert peer["device"] == "cpu" and peer["applied"] >= 0 and 0 <= peer["idle_fraction"] < 1
         assert sum(p["applied"] for p in result["peers"].values()) == result["updates_applied_total"]
+        timing = result["submit_timing"]  # the final status: every submission judged, at least the updates applied
+        assert timing["count"] >= result["updates_applied_total"] and timing["mean_s"]["decide"] > 0
     comparison = run["sizes"]["tiny"]["comparison"]
     assert comparison["status"] == "ok"
     assert comparison["perplexity_ratio_dn_over_sync"] == pytest.approx(

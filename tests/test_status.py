@@ -24,6 +24,7 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator.dashboard import DashboardServer, file_source
 from asyncloco.coordinator.sinks import TensorBoardSink, WandbSink, build_sinks
 from asyncloco.coordinator.status import (
+    SubmitTimings,
     History,
     RateMeter,
     fixed,
@@ -71,6 +72,23 @@ def test_history_keeps_one_sample_per_interval_and_thins_out_when_full() -> None
     assert [s["time"] for s in history.samples] == [0.0, 2.0, 4.0, 6.0]
     assert history.add({"time": 7.0}) and [s["time"] for s in history.samples] == [0.0, 4.0, 7.0]
     assert history.interval == 4.0
+
+
+def test_submit_timings_sum_mean_and_largest_per_stage() -> None:
+    timings = SubmitTimings()
+    assert timings.document() == {"count": 0, "mean_s": dict.fromkeys(SubmitTimings.STAGES, 0.0),
+                                  "max_s": dict.fromkeys(SubmitTimings.STAGES, 0.0),
+                                  "total_s": dict.fromkeys(SubmitTimings.STAGES, 0.0)}
+    timings.add(decode=0.5, lock_wait=1.0, probe=0.0, decide=2.0)
+    timings.add(decode=1.5, decide=1.0)  # no lock wait, no probe
+    document = timings.document()
+    assert document["count"] == 2
+    assert document["total_s"] == {"decode": 2.0, "lock_wait": 1.0, "probe": 0.0, "decide": 3.0}
+    assert document["mean_s"] == {"decode": 1.0, "lock_wait": 0.5, "probe": 0.0, "decide": 1.5}
+    assert document["max_s"] == {"decode": 1.5, "lock_wait": 1.0, "probe": 0.0, "decide": 2.0}
+    with pytest.raises(ValueError, match="unknown submission stage"):
+        timings.add(fsync=1.0)
+    assert timings.count == 2
 
 
 def test_peer_row_derives_means_and_keeps_raw_counters() -> None:

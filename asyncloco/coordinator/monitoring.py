@@ -45,7 +45,7 @@ from asyncloco.coordinator.logic import (
 )
 from asyncloco.coordinator.node import CoordinatorNode
 from asyncloco.coordinator.sinks import MetricsSink, build_sinks
-from asyncloco.coordinator.status import History, RateMeter, peer_row, summary_line
+from asyncloco.coordinator.status import History, RateMeter, SubmitTimings, peer_row, summary_line
 from asyncloco.coordinator.verify import DaemonVerification
 from asyncloco.models.workload import Workload, load_flat_params
 
@@ -136,6 +136,7 @@ class Stats:
     # --- monitoring (status.json, dashboard, summary line, metrics sinks); not checkpointed ---
     updates: RateMeter = field(default_factory=lambda: RateMeter(time.time()))
     history: History = field(default_factory=History)
+    submit_timing: SubmitTimings = field(default_factory=SubmitTimings)
     evals_logged: int = 0  # evaluations already sent to the metrics sinks
     dashboard_url: str = ""
     document: dict[str, Any] = field(default_factory=dict)  # the latest status document
@@ -365,6 +366,7 @@ class Monitoring:
             "evals": list(self.stats.evals),
             "history": list(self.stats.history.samples),
             "traffic": identity["traffic"],
+            "submit_timing": self.stats.submit_timing.document(),
             "verification": self.verification.status() if self.verification is not None else None,
             "swarm": identity["swarm"],
             "updated": now,

@@ -244,15 +244,21 @@ class Serving:
         # page faults; issue 8's ack-latency target). The logic keeps no reference to the update after handle.
         reuse = decodes_into(str(getattr(pseudo_gradient, "codec", "")))
         buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
+        started = time.perf_counter()
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
+        decoded = time.perf_counter()
         try:
             async with node.lock:
+                locked = time.perf_counter()
                 node.refuse_if_stopping()
                 probe = await self.gate_probe(peer_id, lease_id, base_version, update)  # the gate's gray-zone tie-breaker
+                probed = time.perf_counter()
                 event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6),
                                      probe_before=probe[0], probe_after=probe[1],
                                      state_start=getattr(header, "state_start", None), state_end=getattr(header, "state_end", None))
                 actions = await node.decide(event, wire=pseudo_gradient)
+                self.monitoring.stats.submit_timing.add(decode=decoded - started, lock_wait=locked - decoded,
+                                                        probe=probed - locked, decide=time.perf_counter() - probed)
         finally:
             if reuse and not self._decode_buffers:
                 self._decode_buffers.append(update)

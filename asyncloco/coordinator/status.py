@@ -34,6 +34,7 @@ __all__ = [
     "MAX_HISTORY",
     "RateMeter",
     "STATUS_FILE",
+    "SubmitTimings",
     "fixed",
     "format_status",
     "last_metric",
@@ -97,6 +98,34 @@ class History:
             self.samples = self.samples[::-1][::2][::-1]
             self.interval *= 2
         return True
+
+
+class SubmitTimings:
+    """Where the coordinator's time per submission goes (the status document's ``submit_timing``): decoding
+    the body, waiting for the node's lock, the gate's probe, and ``decide`` (the logic with the write-ahead
+    log's append and fsync beside it). Seconds summed over the submissions timed, and the largest of each."""
+
+    STAGES = ("decode", "lock_wait", "probe", "decide")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = {stage: 0.0 for stage in self.STAGES}
+        self.largest = {stage: 0.0 for stage in self.STAGES}
+
+    def add(self, **seconds: float) -> None:
+        """One submission's seconds per stage (a stage it skipped: 0)."""
+        unknown = set(seconds) - set(self.STAGES)
+        if unknown:
+            raise ValueError(f"unknown submission stage(s) {sorted(unknown)}; stages are {self.STAGES}")
+        self.count += 1
+        for stage in self.STAGES:
+            value = float(seconds.get(stage, 0.0))
+            self.total[stage] += value
+            self.largest[stage] = max(self.largest[stage], value)
+
+    def document(self) -> dict[str, Any]:
+        mean = {stage: (self.total[stage] / self.count if self.count else 0.0) for stage in self.STAGES}
+        return {"count": self.count, "mean_s": mean, "max_s": dict(self.largest), "total_s": dict(self.total)}
 
 
 def peer_row(stats: dict[str, Any], *, alive: bool, last_seen: float) -> dict[str, Any]:
