@@ -76,12 +76,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_peer(trainer: InnerTrainer, theta: torch.Tensor, steps: int, offset: int) -> tuple[float, float]:
-    """(wall, CPU) seconds for one lease of ``steps`` steps, as a peer runs it (θ in, pseudo-gradient out)."""
+def time_peer(trainer: InnerTrainer, theta: torch.Tensor, steps: int, offset: int, timed: bool = True) -> tuple[float, float]:
+    """(wall, CPU) seconds for one lease of ``steps`` steps, as a peer runs it (θ in, pseudo-gradient out);
+    ``timed``: with the per-step callback a peer always passes (on a GPU: a stream synchronisation per step)."""
     seconds: list[float] = []
     _sync(trainer.device)
     started, cpu = time.perf_counter(), time.process_time()
-    trainer.run(theta, 0, offset, steps, offset, on_step=seconds.append)
+    trainer.run(theta, 0, offset, steps, offset, on_step=seconds.append if timed else None)
     _sync(trainer.device)
     return time.perf_counter() - started, time.process_time() - cpu
 
@@ -125,12 +126,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):  # allocator, kernels, caches
         time_peer(trainer, theta, args.steps, 0)
         time_plain(plain_model, plain_optimizer, workload, device, args.steps, 0, args.precision, grad_clip)
-    peer_rates, plain_rates, peer_cpu, plain_cpu = [], [], [], []
+    peer_rates, plain_rates, peer_cpu, plain_cpu, untimed_rates = [], [], [], [], []
     for repeat in range(args.repeats):
         # alternate which goes first, so a slow phase of a shared machine hits both alike
         order = ("peer", "plain") if repeat % 2 == 0 else ("plain", "peer")
+        if args.untimed:
+            order = (*order, "untimed") if repeat % 2 == 0 else ("untimed", *order)
         for which in order:
-            if which == "peer":
+            if which == "untimed":
+                wall, _ = time_peer(trainer, theta, args.steps, repeat, timed=False)
+                untimed_rates.append(tokens / wall)
+            elif which == "peer":
                 wall, cpu = time_peer(trainer, theta, args.steps, repeat)
                 peer_rates.append(tokens / wall)
                 peer_cpu.append(tokens / cpu)
@@ -140,6 +146,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 plain_rates.append(tokens / wall)
                 plain_cpu.append(tokens / cpu)
     peer, plain = statistics.median(peer_rates), statistics.median(plain_rates)
+    untimed = {}
+    if untimed_rates:  # the per-step callback's cost: the peer's loop without it
+        untimed = {"peer_untimed_tokens_per_s": statistics.median(untimed_rates),
+                   "untimed_ratio": statistics.median(untimed_rates) / plain, "untimed_samples": untimed_rates}
     return {
         "model": args.model,
         "parameters": numel,
@@ -161,6 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_ratio": statistics.median(peer_cpu) / statistics.median(plain_cpu),
         "peer_samples": peer_rates,
         "plain_samples": plain_rates,
+        **untimed,
     }
 
 
@@ -177,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: on a shared 2-core machine two threads spread the samples "
                         "by 10x; 0 = torch's default)")
+    parser.add_argument("--untimed", action="store_true",
+                        help="also time the peer's loop without the per-step callback (its per-step synchronisation)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     for name in ("batch_size", "seq_len", "steps", "repeats"):
@@ -194,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     for loop in ("peer", "plain"):
         print(f"{loop:8s} {result[loop + '_tokens_per_s']:18.0f} {result[loop + '_tokens_per_cpu_s']:13.0f}")
     print(f"ratio peer / plain: {result['ratio']:.3f}  (goal: >= 0.95); per CPU-second: {result['cpu_ratio']:.3f}")
+    if "untimed_ratio" in result:
+        print(f"peer without the per-step callback: {result['peer_untimed_tokens_per_s']:.0f} tokens/s, "
+              f"ratio {result['untimed_ratio']:.3f}")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

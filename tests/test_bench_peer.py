@@ -17,13 +17,14 @@ def test_bench_peer_tiny_prints_and_writes_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_peer.py"), "--model", "tiny", "--steps", "2", "--repeats", "2",
-         "--warmup", "1", "--batch-size", "4", "--seq-len", "16", "--threads", "1", "--json", str(out)],
+         "--warmup", "1", "--batch-size", "4", "--seq-len", "16", "--threads", "1", "--untimed", "--json", str(out)],
         capture_output=True, text=True, timeout=200, cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr
     result = json.loads(out.read_text())
     assert result["model"] == "tiny" and result["device"] == "cpu" and result["threads"] == 1
-    assert len(result["peer_samples"]) == len(result["plain_samples"]) == 2
+    assert len(result["peer_samples"]) == len(result["plain_samples"]) == len(result["untimed_samples"]) == 2
+    assert result["untimed_ratio"] == pytest.approx(result["peer_untimed_tokens_per_s"] / result["plain_tokens_per_s"])
     assert result["peer_tokens_per_s"] > 0 and result["plain_tokens_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["peer_tokens_per_s"] / result["plain_tokens_per_s"])
     assert f"ratio peer / plain: {result['ratio']:.3f}" in completed.stdout

@@ -44,7 +44,7 @@ from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.models.lm import causal_lm_loss
 from asyncloco.models.presets import build_causal_lm
 from asyncloco.models.workload import Workload, flatten_params
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.peer.inner import InnerTrainer, released
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA GPU: none is visible to torch here (scripts/gpu_check.py runs these on a GPU machine)"
@@ -137,8 +137,31 @@ def test_pinned_copies_carry_theta_and_the_pseudo_gradient_exactly() -> None:
     # a second lease from another θ reuses the pinned buffer and starts exactly from that θ
     buffer = trainer._pinned.data_ptr()
     shifted = theta + 0.01
-    trainer.run(shifted, 0, 0, 1, 0)
+    kept = first.clone()
+    second = trainer.run(shifted, 0, 0, 1, 0).pseudo_gradient
     assert trainer._pinned.data_ptr() == buffer and torch.equal(trainer._pinned, shifted)
+    # the pseudo-gradient's pinned buffer is not reused while the caller holds the last one (still encoding or
+    # uploading it), and is reused once it is released
+    assert torch.equal(first, kept) and second.data_ptr() != first.data_ptr() and second.is_pinned()
+    out = second.data_ptr()
+    del first, second
+    third = trainer.run(theta, 0, 0, 1, 0).pseudo_gradient
+    assert third.data_ptr() == out and third.is_pinned()
+
+
+def test_released_counts_views_and_arrays_of_a_buffer() -> None:
+    """The CPU side of the pinned output buffer's reuse rule (inner.released): any view or numpy array over
+    the buffer's memory keeps it from being reused."""
+    buffer = torch.zeros(8)
+    assert released(buffer)
+    handed_out = buffer.view(-1)  # what InnerTrainer._to_host returns
+    assert not released(buffer)
+    del handed_out
+    assert released(buffer)
+    array = buffer[2:].numpy()
+    assert not released(buffer)
+    del array
+    assert released(buffer)
 
 
 # ------------------------------------------------------------------------------ 8-bit AdamW

@@ -251,7 +251,8 @@ class InnerTrainer:
                 gradient_as_bucket_view=True,
                 **no_buffer_sync,
             )
-        self._pinned: Optional[torch.Tensor] = None
+        self._pinned: Optional[torch.Tensor] = None  # θ's way in (pinned host memory, reused every lease)
+        self._pinned_out: Optional[torch.Tensor] = None  # the pseudo-gradient's way out (reused when released)
 
     @classmethod
     def from_config(
@@ -326,10 +327,15 @@ class InnerTrainer:
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type != "cuda":
             return tensor
-        host = torch.empty(tensor.numel(), dtype=torch.float32, pin_memory=True)
+        host = self._pinned_out
+        if host is None or host.numel() != tensor.numel() or not released(host):
+            # pinning a fresh θ-sized buffer costs more than the copy itself (cudaHostAlloc of 605 MB at 150m):
+            # a new one only while the caller still holds the last pseudo-gradient (encoding or uploading it)
+            host = torch.empty(tensor.numel(), dtype=torch.float32, pin_memory=True)
+            self._pinned_out = host
         host.copy_(tensor, non_blocking=True)
         torch.cuda.current_stream(tensor.device).synchronize()
-        return host
+        return host.view(-1)  # a view: while the caller keeps it (or a view or array of it), the buffer is not reused
 
     def _stop_requested(self, should_stop: Callable[[], bool] | None) -> bool:
         """Every rank agrees: the leader's answer is broadcast (one tiny collective per step in a group)."""
@@ -499,6 +505,16 @@ class InnerTrainer:
             if j + 1 < steps and self._stop_requested(should_stop):
                 raise LeaseAborted(j + 1, steps)
         return total
+
+
+def released(buffer: torch.Tensor) -> bool:
+    """True when nothing but ``buffer`` itself uses its memory: no view of it (what ``_to_host`` hands out), no
+    numpy array over it. (A tensor's storage is counted once per tensor or array on it, and once for the
+    storage object asked here.)"""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # not in this torch: never reuse
+        return False
+    return int(use_count(buffer.untyped_storage()._cdata)) <= 2
 
 
 def _shard_model(model: torch.nn.Module) -> None:
