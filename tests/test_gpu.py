@@ -31,6 +31,7 @@ import contextlib
 import gc
 import math
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -44,7 +45,7 @@ from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.models.lm import causal_lm_loss
 from asyncloco.models.presets import build_causal_lm
 from asyncloco.models.workload import Workload, flatten_params
-from asyncloco.peer.inner import InnerTrainer, released
+from asyncloco.peer.inner import InnerTrainer, StepClock, released
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA GPU: none is visible to torch here (scripts/gpu_check.py runs these on a GPU machine)"
@@ -147,6 +148,51 @@ def test_pinned_copies_carry_theta_and_the_pseudo_gradient_exactly() -> None:
     del first, second
     third = trainer.run(theta, 0, 0, 1, 0).pseudo_gradient
     assert third.data_ptr() == out and third.is_pinned()
+
+
+def test_step_clock_waits_on_the_previous_step_and_reports_every_step_once() -> None:
+    """The CPU side of the CUDA per-step timing (inner.StepClock): with a fence, step j's completion is waited
+    for only once step j + 1 is queued, every step is reported exactly once in order (the last by flush),
+    and the reports add up to the time from the clock's start to the last completion."""
+    log: list[str] = []
+    reports: list[float] = []
+
+    class Marker:
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def synchronize(self) -> None:
+            log.append(f"wait {self.step}")
+
+    queued = iter(range(100))
+
+    def fence() -> Marker:
+        step = next(queued)
+        log.append(f"queue {step}")
+        return Marker(step)
+
+    def on_step(seconds: float) -> None:
+        reports.append(seconds)
+        log.append(f"report {len(reports) - 1}")
+
+    before = time.perf_counter()
+    clock = StepClock(on_step, fence)
+    for _ in range(3):
+        clock.step_done(time.perf_counter())
+    clock.flush()
+    clock.flush()  # nothing left: no second report
+    after = time.perf_counter()
+    assert log == ["queue 0", "queue 1", "wait 0", "report 0", "queue 2", "wait 1", "report 1", "wait 2", "report 2"]
+    assert len(reports) == 3 and all(r >= 0 for r in reports) and sum(reports) <= after - before
+    assert clock.last - sum(reports) >= before  # the reports span the clock's start to the last completion
+
+    # without a fence (CPU) each step is reported at once with its own duration
+    cpu: list[float] = []
+    plain = StepClock(cpu.append)
+    started = time.perf_counter()
+    plain.step_done(started)
+    plain.flush()
+    assert len(cpu) == 1 and 0 <= cpu[0] <= time.perf_counter() - started
 
 
 def test_released_counts_views_and_arrays_of_a_buffer() -> None:

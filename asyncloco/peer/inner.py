@@ -9,7 +9,8 @@ deterministic function of θ_base, the shard's batches and the LR offset, which 
 
 On a GPU: ``precision="bf16"`` runs forward and loss under ``torch.autocast`` (bf16; weights, gradients
 and the optimizer stay fp32), θ goes host → device and the pseudo-gradient device → host through
-pinned buffers, and the per-step loss stays on the device (no synchronisation per step). With a
+pinned buffers, the per-step loss stays on the device, and the per-step timing waits on the previous
+step's CUDA event (:class:`StepClock`: the queue never drains). With a
 :class:`~asyncloco.peer.distributed.GroupContext` the trainer is one rank of a peer's torch.distributed
 group: the model is wrapped in DDP (``parallel="ddp"``, every rank holds the whole model) or sharded with
 FSDP2 (``parallel="fsdp"``, :func:`torch.distributed.fsdp.fully_shard`: each rank holds 1/N of the
@@ -42,12 +43,51 @@ if TYPE_CHECKING:
 __all__ = [
     "InnerTrainer", "RoundResult", "FRESH_STATE_DIGEST", "inner_state_chunks", "inner_state_digest",
     "inner_state_size", "load_inner_state", "revealed_digest", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS", "PARALLELS",
+    "StepClock", "released",
 ]
 
 PRECISIONS = ("fp32", "bf16")
 PARALLELS = ("ddp", "fsdp")
 
 logger = logging.getLogger(__name__)
+
+
+class StepClock:
+    """Each step's seconds for ``on_step``. Without ``fence`` (CPU: the step is done when its call returns) the
+    step's own duration. With ``fence`` (CUDA: records an event on the stream; the returned marker's
+    ``synchronize()`` waits for it) the queue is never drained: after step j is queued, the clock waits for step
+    j − 1's marker and reports the time between the two completions, so the device always has the next step
+    to run while Python prepares the one after (a stream synchronisation after every step cost 5 % of the
+    60m preset's throughput on an H200, docs/gpu.md). The reports lag one step; :meth:`flush` reports the last.
+    The first report runs from the clock's creation; all reports together span creation to the last completion."""
+
+    def __init__(self, on_step: Callable[[float], None], fence: Optional[Callable[[], Any]] = None) -> None:
+        self.on_step = on_step
+        self.fence = fence
+        self.pending: Any = None
+        self.last = time.perf_counter()
+
+    def step_done(self, step_started: float) -> None:
+        """Call after queuing a step's work (``step_started``: when it began)."""
+        if self.fence is None:
+            self.on_step(time.perf_counter() - step_started)
+            return
+        marker = self.fence()
+        if self.pending is not None:
+            self._report(self.pending)
+        self.pending = marker
+
+    def flush(self) -> None:
+        """Report the step whose completion is still outstanding (after the last step)."""
+        if self.pending is not None:
+            marker, self.pending = self.pending, None
+            self._report(marker)
+
+    def _report(self, marker: Any) -> None:
+        marker.synchronize()
+        now = time.perf_counter()
+        self.on_step(now - self.last)
+        self.last = now
 
 
 class LeaseAborted(RuntimeError):
@@ -477,6 +517,7 @@ class InnerTrainer:
         group = self.group
         self.model.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # as a Python float sum would
+        clock = StepClock(on_step, self._fence() if self.device.type == "cuda" else None) if on_step is not None else None
         for j in range(steps):
             step_started = time.perf_counter()
             lr = self.schedule.lr(lr_offset + j)
@@ -498,13 +539,24 @@ class InnerTrainer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
             total += loss.detach().double()
-            if on_step is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # honest per-step timing
-                on_step(time.perf_counter() - step_started)
+            if clock is not None:
+                clock.step_done(step_started)
             if j + 1 < steps and self._stop_requested(should_stop):
                 raise LeaseAborted(j + 1, steps)
+        if clock is not None:
+            clock.flush()
         return total
+
+    def _fence(self) -> Callable[[], Any]:
+        """A marker of the work queued so far on this device's current stream (StepClock's ``fence``)."""
+        stream = torch.cuda.current_stream(self.device)
+
+        def fence() -> Any:
+            event = torch.cuda.Event()
+            event.record(stream)
+            return event
+
+        return fence
 
 
 def released(buffer: torch.Tensor) -> bool:
