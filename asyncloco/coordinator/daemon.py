@@ -492,6 +492,7 @@ class CoordinatorDaemon:
             json.dumps({"peer_id": self.peer_id, "multiaddrs": self.multiaddrs, "port": bound}, indent=1)
         )
         started.p2p = await dht.replicate_p2p()
+        await self._record_start()  # before the handlers: no decision of this lifetime precedes its start record
         started.service = self.new_service()
         await started.service.add_p2p_handlers(started.p2p, namespace=self.cfg.runtime.run_id)
         started.seed = self.swarm_seed = await self._start_swarm_seed(started.p2p)
@@ -500,14 +501,14 @@ class CoordinatorDaemon:
         await serve_run_info(started.p2p, RunInfo(self.cfg.runtime.run_id, __version__), self.serving.check_fingerprint)
         return records, bound
 
-    async def _announce_start(self, ready: Optional[asyncio.Event]) -> None:
-        """The first snapshot of a new run (a replayed state is snapshotted soon), the monitoring started, the
-        ``start`` record, ``status.json``, a first evaluation, the log lines, then ``ready``."""
+    async def _record_start(self) -> None:
+        """The first snapshot of a new run (a replayed state is snapshotted soon) and the ``start`` record with the
+        version this lifetime starts from. Called before the RPC handlers serve: peers that kept running through
+        a restart resend at once, and their updates must follow the record (and its version) in the journal."""
         if not self.resume:
             await self._save()
         elif self.replayed:
             self.durability.updates_since_snapshot = self.cfg.runtime.snapshot_every  # snapshot the replayed state soon
-        self.monitoring.start()  # sinks + dashboard (status.py); stopped in _shut_down
         self.journal.write(
             "start",
             peer_id=self.peer_id,
@@ -517,6 +518,10 @@ class CoordinatorDaemon:
             resumed=self.resume,
             numel=self.numel,
         )
+
+    async def _announce_start(self, ready: Optional[asyncio.Event]) -> None:
+        """Once serving: the monitoring started, ``status.json``, a first evaluation, the log lines, then ``ready``."""
+        self.monitoring.start()  # sinks + dashboard (status.py); stopped in _shut_down
         self._write_status()
         self.monitoring.maybe_evaluate(force=True)
         logger.info("coordinator of run %r (%s) serving a %.1f M-parameter model (%d)", self.cfg.runtime.run_id, self.spec.label,
