@@ -59,6 +59,32 @@ def test_decoded_values_are_the_definition_exactly(codec: str) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", SIGNS)
+def test_every_rotation_decodes_bits_and_scales_to_their_places(codec: str) -> None:
+    """Bodies built from random sign bits and scales, for every rotation of the shape: each value is the sign of
+    its bit × its block's scale at a kept position, 0 at a dropped one (the decoder's runs of kept columns,
+    one or two per group, against the definition value by value)."""
+    p, q = sign_params(codec)
+    numel = 3 * 512 + 512  # whole blocks (the slab path), several of them
+    generator = np.random.default_rng(q * 100 + p)
+    for rotation in range(q):
+        bits = generator.integers(0, 2, size=numel // q * p, dtype=np.uint8)
+        scales = generator.uniform(0.5, 2.0, size=numel // 512).astype(np.float32)
+        scale16 = torch.from_numpy(scales).to(torch.bfloat16)
+        meta = np.array([rotation], "<u4").tobytes() + scale16.view(torch.int16).numpy().astype("<i2").tobytes()
+        payload = np.packbits(bits, bitorder="little").tobytes()
+        decoded = decode(EncodedTensor(codec, numel, payload, meta), numel)
+        columns = sorted((rotation + t) % q for t in range(p))
+        expected = torch.zeros(numel, dtype=torch.float32)
+        for i in range(numel):
+            group, column = divmod(i, q)
+            if column in columns:
+                bit = bits[group * p + columns.index(column)]
+                expected[i] = (-1.0 if bit else 1.0) * float(scale16[i // 512].float())
+        assert torch.equal(decoded, expected), (codec, rotation)
+
+
 def test_a_hand_built_body_decodes_to_its_values() -> None:
     # 9 values, sgn1of2, rotation 1: positions 1, 3, 5, 7 kept (the last group's position 9 is past numel: bit 0)
     meta = np.array([1], "<u4").tobytes() + np.array([0x3F00], "<u2").tobytes()  # bf16 0.5
