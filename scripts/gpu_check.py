@@ -679,8 +679,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             run_part(report, "verify", min(90.0, deadline - time.monotonic()),
                      lambda part, until: run_verify(part, until, plan, work, report))
         if "bench" in parts:
-            # leave the real runs their share: at least two runs' start-up and a short training each
-            reserve = 2 * len(plan.run_sizes) * (plan.run_overhead + 10) if "run" in parts else 0
+            # leave the real runs their share: two runs' start-up and at least 45 s of training each (a shorter
+            # comparison says little at 20m; the --tiny runs train 10 s)
+            reserve = 2 * len(plan.run_sizes) * (plan.run_overhead + min(plan.run_seconds, 45.0)) if "run" in parts else 0
             limit = min(plan.bench_limit * len(plan.bench_models), deadline - time.monotonic() - reserve)
             run_part(report, "bench", max(limit, 1.0),
                      lambda part, until: run_bench(part, until, plan, work, report, args.peak_tflops))
