@@ -31,6 +31,7 @@ from asyncloco.coordinator.status import (
     format_status,
     peer_row,
     read_status,
+    submit_timing_lines,
     summary_line,
 )
 
@@ -158,6 +159,11 @@ def test_summary_line_and_status_table_of_a_fixture() -> None:
     # unnamed peers first (sorted by name, then id), values in the table's formats
     assert lines[6].split() == ["-", "BBBBBBBob2", "-", "10", "1", "1", "0", "0.00", "never", "-"]
     assert lines[7].split() == ["alice", "AAAAAlice1", "cuda:0", "1235", "12", "4", "3", "0.67", "5s", "ago", "3.1416"]
+    timed = SubmitTimings()
+    timed.add(decode=0.25, lock_wait=0.5, probe=0.0, decide=0.125)
+    with_timing = format_status({**FIXTURE, "submit_timing": timed.document()}, now=1100.0).splitlines()
+    assert with_timing[3] == "submissions 1: 0.875 s each (decode 0.250  lock wait 0.500  probe 0.000  decide 0.125)"
+    assert with_timing[4:] == lines[3:]  # and nothing else changes; no line without a submission (above)
     toy = {**FIXTURE, "evals": [{"time": 1.0, "version": 3, "loss": 0.5}], "peers": {}}
     assert "val loss 0.5000" in summary_line(toy)
     assert format_status(toy, now=1100.0).splitlines()[-1] == "(no peer has joined yet)"
@@ -228,7 +234,9 @@ def test_status_command_reads_a_checkpoint_dir_and_a_live_dashboard(tmp_path: Pa
     assert main(["status", "--checkpoint-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1].startswith("version 1  local updates ")
-    assert [line.split()[:4] for line in table[6:8]] == [
+    # the one submission's timing line (the update applied), then the peers' table
+    assert document["submit_timing"]["count"] == 1 and table[3] == submit_timing_lines(document["submit_timing"])[0]
+    assert [line.split()[:4] for line in table[7:9]] == [
         ["-", "peer-b", "-", f"{document['peers']['peer-b']['speed']:.0f}"],
         ["alice", "peer-a", "cpu", f"{document['peers']['peer-a']['speed']:.0f}"],
     ]

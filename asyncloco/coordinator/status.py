@@ -211,6 +211,16 @@ def swarm_lines(swarm: Optional[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def submit_timing_lines(timing: Optional[dict[str, Any]]) -> list[str]:
+    """The ``asyncloco status`` line of :class:`SubmitTimings`: the coordinator's mean seconds per submission and
+    its stages (none before the first submission, or from a coordinator that does not report them)."""
+    if not timing or not timing.get("count"):
+        return []
+    mean = timing.get("mean_s") or {}
+    stages = "  ".join(f"{stage.replace('_', ' ')} {float(mean.get(stage, 0.0)):.3f}" for stage in SubmitTimings.STAGES)
+    return [f"submissions {int(timing['count'])}: {sum(float(v) for v in mean.values()):.3f} s each ({stages})"]
+
+
 def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     """The human-readable ``asyncloco status`` output: a header and one table row per peer."""
     now = time.time() if now is None else now
@@ -232,6 +242,7 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     ]
     if status.get("dashboard"):
         lines.append(f"dashboard {status['dashboard']}")
+    lines += submit_timing_lines(status.get("submit_timing"))
     lines += swarm_lines(status.get("swarm"))
     header = (
         f"{'name':12s} {'id':10s} {'device':8s} {'speed ' + unit:>16s} {'DyLU steps':>10s} {'leases':>6s} "
