@@ -9,6 +9,8 @@ holds the pieces of that document that are not the daemon's decisions:
   dashboard's charts, its newest point always current (when full, every other sample is dropped and
   the sampling interval doubles, so a run of any length fits in :data:`MAX_HISTORY` points);
 * :func:`peer_row` — the per-peer record (raw counters plus derived means);
+* :class:`SubmitTimings` — the coordinator's seconds per submission by stage (``submit_timing``; the
+  ``submissions`` line of :func:`submit_timing_lines`);
 * :func:`summary_line` — the periodic INFO line; :func:`format_status` — the ``asyncloco status`` table;
 * :func:`read_status` — a status document from a checkpoint directory or a live dashboard URL.
 
