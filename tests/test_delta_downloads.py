@@ -8,6 +8,7 @@ rounds. The P2P tests run two real hivemind daemons on 127.0.0.1 with an in-memo
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Awaitable, Callable, Optional
 
 import pytest
@@ -150,6 +151,10 @@ def test_int8_over_60_rounds_one_delta_error_not_growing_and_exact_bytes() -> No
         # the gain: a delta is small, so its error is far below a full encoding's (same bytes)
         assert max(errors[1:]) < 0.2 * min(full_errors)
         traffic = client.counters.get_model
+        served = service.counters.get_model  # counted when a handler returns: maybe after the client has the reply
+        deadline = time.monotonic() + 20.0
+        while (served.bytes_received, served.bytes_sent) != (sent, received) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         assert traffic.payload_bytes_received == downloads * wire_bytes("int8", NUMEL) == service.counters.get_model.payload_bytes_sent
         assert traffic.bytes_sent == sent == service.counters.get_model.bytes_received
         assert traffic.bytes_received == received == service.counters.get_model.bytes_sent

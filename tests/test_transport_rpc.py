@@ -99,6 +99,8 @@ def test_assign_round_trip_uses_authenticated_peer_id() -> None:
         ]
         sent = sum(FRAME_BYTES + len(pack_header(request.to_wire())) for request, _ in handler.requests)
         received = FRAME_BYTES * 2 + len(pack_header(hello.to_wire())) + len(pack_header(reply.to_wire()))
+        # the service counts a call's bytes when its handler returns, which can come after the caller has the reply
+        await wait_until(lambda: (service.counters.assign.bytes_received, service.counters.assign.bytes_sent) == (sent, received))
         assert client.counters.assign.bytes_sent == sent == service.counters.assign.bytes_received
         assert client.counters.assign.bytes_received == received == service.counters.assign.bytes_sent
         with pytest.raises(ValueError, match="name"):  # refused before sending
@@ -118,6 +120,8 @@ def test_get_model_with_exact_byte_counts_and_no_body_for_a_held_version(codec: 
         request = len(pack_header(ModelRequest(codec).to_wire()))
         header = len(pack_header({"version": 7, "codec": codec, "numel": NUMEL, "unchanged": False}))
         traffic = client.counters.get_model
+        served = service.counters.get_model  # counted when the handler returns: maybe after the caller has the reply
+        await wait_until(lambda: (served.bytes_sent, served.bytes_received) == (traffic.bytes_received, traffic.bytes_sent))
         assert traffic.payload_bytes_received == body_len == service.counters.get_model.payload_bytes_sent
         assert traffic.bytes_received == stream_bytes(header, body_len, CHUNK_SIZE) == service.counters.get_model.bytes_sent
         assert traffic.bytes_sent == FRAME_BYTES + request == service.counters.get_model.bytes_received
@@ -154,6 +158,8 @@ def test_submit_every_codec_with_exact_byte_counts() -> None:
             sent = client.counters.submit.bytes_sent - before[0]
             assert client.counters.submit.payload_bytes_sent - before[1] == body_len
             assert sent == stream_bytes(len(pack_header(header.to_wire())), body_len, CHUNK_SIZE)
+        mine, served = client.counters.submit, service.counters.submit  # the service counts when a handler returns
+        await wait_until(lambda: (served.bytes_received, served.bytes_sent) == (mine.bytes_sent, mine.bytes_received))
         assert client.counters.submit.bytes_sent == service.counters.submit.bytes_received
         ready_and_ack = 2 * FRAME_BYTES + len(pack_header({"ready": True})) + len(pack_header(handler.ack.to_wire()))
         assert client.counters.submit.bytes_received == service.counters.submit.bytes_sent == len(CODECS) * ready_and_ack
