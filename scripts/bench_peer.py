@@ -78,7 +78,8 @@ def _sync(device: torch.device) -> None:
 
 def time_peer(trainer: InnerTrainer, theta: torch.Tensor, steps: int, offset: int, timed: bool = True) -> tuple[float, float]:
     """(wall, CPU) seconds for one lease of ``steps`` steps, as a peer runs it (θ in, pseudo-gradient out);
-    ``timed``: with the per-step callback a peer always passes (on a GPU: a stream synchronisation per step)."""
+    ``timed``: with the per-step callback a peer always passes (on a GPU: a wait on the previous step's CUDA event
+    per step, peer/device_io.py; a stream synchronisation per step before that)."""
     seconds: list[float] = []
     _sync(trainer.device)
     started, cpu = time.perf_counter(), time.process_time()
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads (default 1: on a shared 2-core machine two threads spread the samples "
                         "by 10x; 0 = torch's default)")
     parser.add_argument("--untimed", action="store_true",
-                        help="also time the peer's loop without the per-step callback (its per-step synchronisation)")
+                        help="also time the peer's loop without the per-step callback (what per-step timing costs it)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     for name in ("batch_size", "seq_len", "steps", "repeats"):
