@@ -12,9 +12,10 @@ Phases, ``--repeats`` times, the order alternating: **alone** (downloaders pause
 ``--model`` preset on random tokens. Reported: median steps/s per phase, the ratio serving / alone, the
 MB/s this peer served during the phase, and this process's CPU seconds per step.
 
-``--pin`` puts the training peer (and its p2pd) on the first core and the downloaders on the others, so a phase
-measures what serving costs the peer and not the downloaders' own load on shared cores (a real peer's downloaders
-are other machines).
+``--pin`` puts the training peer (and its p2pd) on the first ``--peer-cores`` cores (default 1) and the
+downloaders on the others, so a phase measures what serving costs the peer and not the downloaders' own load on
+shared cores (a real peer's downloaders are other machines). ``--device cuda --precision bf16`` trains on the GPU
+as a GPU peer does (serving then competes only for the peer's CPU: the event loop, chunk copies, p2pd).
 
 Every download of a version is a fresh one (a new version number sharing the same body bytes), so the server's
 "already sent to this caller" memory never turns a request away.
@@ -115,26 +116,34 @@ def downloaders_process(count: int, maddrs: List[str], server_id: str, namespace
 
 
 class Training:
-    """``--steps`` AdamW steps of a preset on fixed random tokens (the data pipeline is not what is measured)."""
+    """``--steps`` AdamW steps of a preset on fixed random tokens (the data pipeline is not what is measured), on
+    ``device`` (``cuda``: the model and batches on the GPU, ``precision`` bf16 under autocast, as the peer trains)."""
 
-    def __init__(self, preset: str, batch_size: int, seq_len: int) -> None:
+    def __init__(self, preset: str, batch_size: int, seq_len: int, device: str = "cpu", precision: str = "fp32") -> None:
         from asyncloco.models.presets import PRESETS, build_causal_lm
 
+        self.device = torch.device(device)
+        self.precision = precision
         self.vocab = PRESETS[preset].vocab_size or 4096
-        self.model = build_causal_lm(preset, vocab_size=self.vocab, seq_len=seq_len, seed=0)
+        self.model = build_causal_lm(preset, vocab_size=self.vocab, seq_len=seq_len, seed=0).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
-        self.rows = torch.randint(0, self.vocab, (8, batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        rows = torch.randint(0, self.vocab, (8, batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        self.rows = rows.to(self.device)
 
     def run(self, steps: int) -> float:
         from asyncloco.models.lm import causal_lm_loss
 
+        autocast = self.precision == "bf16"
         started = time.perf_counter()
         for step in range(steps):
-            loss = causal_lm_loss(self.model, self.rows[step % len(self.rows)])
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = causal_lm_loss(self.model, self.rows[step % len(self.rows)])
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the phase's steps have run, not only been queued
         return time.perf_counter() - started
 
 
@@ -168,14 +177,14 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
         # the training peer and its p2pd (started below, inheriting this) on the first core, the downloaders on the
         # others: the phases then measure what serving costs the peer, not the downloaders' load on shared cores
         cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < 2:
-            raise SystemExit("--pin needs at least 2 cores")
-        os.sched_setaffinity(0, {cores[0]})
-        pinned = cores[1:]
-        torch.set_num_threads(1)
+        if len(cores) <= args.peer_cores:
+            raise SystemExit(f"--pin needs more than --peer-cores ({args.peer_cores}) cores; this process has {len(cores)}")
+        os.sched_setaffinity(0, set(cores[:args.peer_cores]))
+        pinned = cores[args.peer_cores:]
+        torch.set_num_threads(args.peer_cores)
     if args.threads:
         torch.set_num_threads(args.threads)
-    training = Training(args.model, args.batch_size, args.seq_len)
+    training = Training(args.model, args.batch_size, args.seq_len, args.device, args.precision)
     theta = flatten_params(training.model).detach().cpu().float().contiguous()
     numel = theta.numel()
     body = encode("int8", theta).to_bytes()
@@ -256,6 +265,8 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
             "steps": args.steps, "repeats": args.repeats, "downloaders": args.downloaders, "codec": "int8",
             "body_bytes": len(body), "chunk_bytes": base.chunk_bytes, "serve_bandwidth_mbit": args.serve_bandwidth,
             "torch_threads": torch.get_num_threads(), "pinned": bool(args.pin),
+            "peer_cores": args.peer_cores if args.pin else None, "device": args.device, "precision": args.precision,
+            "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
         },
         "phases": phases_out,
         "download_errors": errors,
@@ -275,8 +286,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--pin", action="store_true",
                         help="training peer (and its p2pd) on the first core, the downloaders on the others")
+    parser.add_argument("--peer-cores", type=int, default=1, help="with --pin: cores for the training peer (default 1)")
+    parser.add_argument("--device", default="cpu", help="where the peer trains: cpu (default) or cuda")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as a GPU peer trains")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.peer_cores < 1:
+        parser.error("--peer-cores must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
     logging.basicConfig(level=logging.WARNING)
     out = asyncio.run(run(args))
     print(f"\n{args.model} ({out['parameters']['numel']:,} parameters, int8 body {out['parameters']['body_bytes'] / 1e6:.1f} MB), "
