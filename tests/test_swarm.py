@@ -205,6 +205,68 @@ class StallingServer(ChunkServer):
         await self.release.wait()
 
 
+class ReplacingSeed(SwarmSeed):
+    """A seed that publishes ``replace_with`` (evicting the body being fetched: it keeps one version) when the
+    first chunk of ``trigger_on`` is asked for: a run whose versions move faster than a download."""
+
+    trigger_on: Optional[int] = None
+    replace_with: int = 0
+    newest: int = 1  # what body_for(None) and ``current`` answer
+
+    async def _serve_chunk(self, peer_id: str, frames_in: Any, frames_out: Any) -> None:
+        if self.trigger_on is not None and self.store.get((self.trigger_on, "int8")) is not None:
+            self.trigger_on = None
+            self.newest = self.replace_with
+            await self.publish(self.replace_with, "int8")
+        await super()._serve_chunk(peer_id, frames_in, frames_out)
+
+
+@pytest.mark.timeout(240)
+def test_a_version_the_seed_dropped_mid_download_ends_the_download_at_once() -> None:
+    """The seed answers ``gone`` for a version it no longer holds: ``download(None)`` starts again on the newest
+    manifest and ends with that version's exact body; ``download(v)`` raises VersionGone — both at once, not
+    after the download's timeout (before the ``gone`` answer a fetch retried the seed until then)."""
+    from hivemind.p2p import P2P
+
+    from asyncloco.transport.errors import VersionGone
+
+    async def main() -> None:
+        async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:
+            version = seed.newest if version is None else version
+            return version, make_body(version)
+
+        nodes: List[Any] = []
+        try:
+            seed_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120.0)
+            nodes.append(seed_p2p)
+            seed = ReplacingSeed(BodyStore(NUMEL, keep_versions=1), "run", Ed25519PrivateKey.generate(), body_for,
+                                 chunk_bytes=CHUNK, current=lambda: seed.newest)
+            await seed.add_handlers(seed_p2p, "run")
+            p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await seed_p2p.get_visible_maddrs(),
+                                   startup_timeout=120.0)
+            nodes.append(p2p)
+            downloader = SwarmDownloader(p2p, seed_p2p.peer_id.to_base58(), BodyStore(NUMEL), namespace="run", timeout=60.0)
+
+            seed.trigger_on, seed.replace_with = 1, 2
+            started = time.monotonic()
+            result = await downloader.download(None, "int8")
+            assert result.manifest.version == 2 and bytes(result.body) == make_body(2)
+            assert result.chunks_from_seed == 13 and seed.counters.gone >= 1
+            assert time.monotonic() - started < 30.0
+
+            seed.trigger_on, seed.replace_with = 5, 6
+            started = time.monotonic()
+            with pytest.raises(VersionGone, match="no longer holds v5"):
+                await downloader.download(5, "int8")
+            assert time.monotonic() - started < 30.0
+            assert seed.store.get((5, "int8")) is None and seed.store.get((6, "int8")) is not None
+        finally:
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    asyncio.run(main())
+
+
 @pytest.mark.timeout(240)
 def test_slow_holder_is_skipped_and_the_seed_serves_the_rest() -> None:
     from hivemind.p2p import P2P

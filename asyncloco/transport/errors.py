@@ -28,6 +28,7 @@ __all__ = [
     "RemoteError",
     "RpcTimeout",
     "PeerUnreachable",
+    "VersionGone",
 ]
 
 
@@ -61,6 +62,11 @@ class RemoteError(TransportError):
 
 class RpcTimeout(TransportError, TimeoutError):
     """The call did not complete within its timeout."""
+
+
+class VersionGone(TransportError):
+    """The swarm's seed no longer holds the version being downloaded (newer versions replaced it in its store):
+    the download stops at once instead of waiting out its timeout; ask for a newer version or the coordinator."""
 
 
 class PeerUnreachable(TransportError):

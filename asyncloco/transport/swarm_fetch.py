@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from asyncloco.transport.errors import ProtocolError, RpcTimeout
+from asyncloco.transport.errors import ProtocolError, RpcTimeout, VersionGone
 from asyncloco.transport.framing import FrameReader, FrameWriter
 from asyncloco.transport.swarm_serve import BodyStore, ChunkServer, ServeLimits, SwarmSeed, _Body
 from asyncloco.transport.swarm_wire import (
@@ -36,6 +36,7 @@ from asyncloco.transport.swarm_wire import (
 from asyncloco.transport.wire import MAX_REASON_CHARS
 
 logger = logging.getLogger("asyncloco.transport.swarm")  # one logger name for the swarm
+GONE_RETRIES = 3  # download(None): fresh starts on the newest manifest when the seed drops the one being fetched
 
 
 # ------------------------------------------------------------------------------------------- downloader
@@ -144,17 +145,26 @@ class SwarmDownloader:
                 writer.close()
 
     async def download(self, version: Optional[int], codec: str) -> DownloadResult:
-        """The verified body of (``version``, ``codec``); raises :class:`RpcTimeout` after ``timeout``."""
+        """The verified body of (``version``, ``codec``); raises :class:`RpcTimeout` after ``timeout``, and
+        :class:`VersionGone` as soon as the seed says it dropped ``version`` (with ``version=None``, the newest,
+        the download starts again on the seed's newest manifest, up to :data:`GONE_RETRIES` times)."""
         started = time.monotonic()
-        manifest, holders = await self.manifest(version, codec)
-        entry = self.store.open(manifest)
-        entry.downloading += 1
-        try:
-            return await asyncio.wait_for(self._fetch(manifest, entry, holders, started), timeout=self.timeout)
-        except asyncio.TimeoutError:
-            raise RpcTimeout(f"swarm download of v{manifest.version} took over {self.timeout:.0f} s") from None
-        finally:
-            entry.downloading -= 1
+        for attempt in range(GONE_RETRIES + 1):
+            manifest, holders = await self.manifest(version, codec)
+            entry = self.store.open(manifest)
+            entry.downloading += 1
+            try:
+                left = self.timeout - (time.monotonic() - started)
+                return await asyncio.wait_for(self._fetch(manifest, entry, holders, started), timeout=max(left, 0.001))
+            except asyncio.TimeoutError:
+                raise RpcTimeout(f"swarm download of v{manifest.version} took over {self.timeout:.0f} s") from None
+            except VersionGone:
+                if version is not None or attempt == GONE_RETRIES:
+                    raise
+                logger.info("swarm: v%d was replaced at the seed during its download; fetching the newest", manifest.version)
+            finally:
+                entry.downloading -= 1
+        raise AssertionError("unreachable")
 
     async def _fetch(self, manifest: Manifest, entry: _Body, holders: List[Holder], started: float) -> DownloadResult:
         me = str(self.p2p.peer_id.to_base58())
@@ -230,6 +240,8 @@ class SwarmDownloader:
                     holder = Holder.from_wire(item)
                     if holder.peer_id not in sources and holder.peer_id != str(self.p2p.peer_id.to_base58()):
                         sources[holder.peer_id] = _Source(holder)
+                if reply.status == "gone" and source.seed:
+                    raise VersionGone(f"the seed no longer holds v{manifest.version} ({manifest.codec}): newer versions replaced it")
                 if reply.status != "ok" or reply.index is None:
                     if source.seed:
                         seed_retry["at"] = time.monotonic() + seed_retry["backoff"]
@@ -264,7 +276,7 @@ class SwarmDownloader:
             source.strikes = 0
         except Exception as error:  # TransportError, timeouts, a broken stream: the source's fault or the network's
             if source.seed:
-                if isinstance(error, ProtocolError):
+                if isinstance(error, (ProtocolError, VersionGone)):
                     raise
                 seed_retry["at"] = time.monotonic() + seed_retry["backoff"]
                 seed_retry["backoff"] = min(2.0, seed_retry["backoff"] * 2)

@@ -147,20 +147,27 @@ class _TokenBucket:
 
 @dataclass
 class ServeCounters:
-    """What a chunk server did: chunks and body bytes sent, all bytes written, answers ``none``/``busy``, calls refused."""
+    """What a chunk server did: chunks and body bytes sent, all bytes written, answers ``none``/``busy``/``gone``,
+    calls refused."""
 
     chunks_sent: int = 0
     bytes_sent: int = 0  # chunk bodies
     stream_bytes_sent: int = 0  # every frame written (headers, manifests, chunks, errors): the egress
     none: int = 0
     busy: int = 0
+    gone: int = 0
     refused: int = 0
     per_peer: Dict[str, int] = field(default_factory=dict)  # chunks sent per caller (≤ 4096 ids)
 
 
 class ChunkServer:
     """Serves verified chunks of the bodies in ``store`` on ``swarm.chunk``. A subclass may choose which
-    chunk to send (:meth:`choose`) and alter what is sent (:meth:`payload`, for tests of hostile peers)."""
+    chunk to send (:meth:`choose`) and alter what is sent (:meth:`payload`, for tests of hostile peers).
+
+    A request for a body it does not hold gets ``missing_status``: ``none`` from a peer (it may hold it later),
+    ``gone`` from the seed (:class:`SwarmSeed`: it published that version and has since dropped it)."""
+
+    missing_status = "none"
 
     def __init__(self, store: BodyStore, limits: Optional[ServeLimits] = None) -> None:
         self.store = store
@@ -242,8 +249,9 @@ class ChunkServer:
         request = ChunkRequest.from_wire(await frames_in.read_header())
         entry = self.store.get((request.version, request.codec))
         if entry is None:
-            self.counters.none += 1
-            await frames_out.header(ChunkReply("none").to_wire())
+            status = self.missing_status
+            setattr(self.counters, status, getattr(self.counters, status) + 1)
+            await frames_out.header(ChunkReply(status).to_wire())
             return
         # a chunk sent (or being sent) to this caller in the last RESEND_S is not sent again: its other requests
         # were written before that chunk arrived (after RESEND_S it may have been lost and is sent again)
@@ -302,6 +310,8 @@ class SwarmSeed(ChunkServer):
     Holders are soft state (not the coordinator's WAL): after a restart the swarm starts again from the
     seed, which costs bytes, never correctness.
     """
+
+    missing_status = "gone"  # a version the seed no longer holds will not come back: downloaders stop at once
 
     def __init__(
         self,

@@ -257,7 +257,8 @@ class ChunkRequest(_Message):
 @dataclass(frozen=True)
 class ChunkReply(_Message):
     """``ok``: chunk ``index`` follows in one CHUNK frame; ``none``: nothing wanted is held; ``busy``: the seed
-    asks the caller to fetch from ``holders`` (and try again later)."""
+    asks the caller to fetch from ``holders`` (and try again later); ``gone``: the seed no longer holds that
+    version at all (newer ones replaced it), so no chunk of it will come from there."""
 
     status: str
     index: Optional[int] = None
@@ -265,7 +266,7 @@ class ChunkReply(_Message):
     REQUIRED: ClassVar[tuple[str, ...]] = ("status",)
 
     def __post_init__(self) -> None:
-        self._str("status", 4, choices=("ok", "none", "busy"))
+        self._str("status", 4, choices=("ok", "none", "busy", "gone"))
         self._int("index", 0, MAX_CHUNKS - 1, optional=True)
         if (self.index is None) == (self.status == "ok"):
             raise MessageError("ChunkReply.index: set exactly when status is 'ok'")
