@@ -205,6 +205,29 @@ class StallingServer(ChunkServer):
         await self.release.wait()
 
 
+def test_publishing_the_newest_asks_for_the_newest_not_a_version_read_before() -> None:
+    """``publish(None)`` reads ``current()``, then builds the body: if the coordinator replaced that version in
+    between, it refuses it ("no longer served"); the seed asks ``body_for(None)`` and signs what it gets."""
+
+    async def main() -> None:
+        asked: List[Optional[int]] = []
+
+        async def body_for(version: Optional[int], codec: str) -> Tuple[int, Any]:
+            asked.append(version)
+            if version is not None and version < 8:
+                raise RuntimeError(f"version {version} is no longer served (current 8)")
+            return 8, make_body(8)
+
+        seed = SwarmSeed(BodyStore(NUMEL), "run", Ed25519PrivateKey.generate(), body_for, chunk_bytes=CHUNK,
+                         current=lambda: 7)  # read just before version 8 was applied
+        signed, entry = await seed.publish(None, "int8")
+        assert asked == [None] and entry.manifest.version == 8 and bytes(entry.data) == make_body(8)
+        again, same = await seed.publish(8, "int8")  # now stored: not built again
+        assert asked == [None] and again == signed and same is entry
+
+    asyncio.run(main())
+
+
 class ReplacingSeed(SwarmSeed):
     """A seed that publishes ``replace_with`` (evicting the body being fetched: it keeps one version) when the
     first chunk of ``trigger_on`` is asked for: a run whose versions move faster than a download."""

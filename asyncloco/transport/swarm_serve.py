@@ -356,12 +356,15 @@ class SwarmSeed(ChunkServer):
     async def publish(self, version: Optional[int], codec: str) -> Tuple[SignedManifest, _Body]:
         """The signed manifest of (``version``, ``codec``), building it (and storing the body) once."""
         async with self._lock:
+            asked = version
             if version is None and self.current is not None:
                 version = self.current()
             key = (version, codec) if version is not None else None
             entry = self.store.get(key) if key is not None else None
             if entry is None or key not in self._signed:
-                version, body = await self.body_for(version, codec)
+                # asked for the newest: ask body_for for the newest too (the version read above may have been
+                # replaced meanwhile, and the coordinator no longer serves a replaced one)
+                version, body = await self.body_for(version if asked is not None else None, codec)
                 key = (version, codec)
                 manifest = await asyncio.to_thread(Manifest.build, self.run_id, version, codec, self.store.numel, body, self.chunk_bytes)
                 entry = self.store.open(manifest, body)
