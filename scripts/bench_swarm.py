@@ -23,6 +23,17 @@ Usage: ``python scripts/bench_swarm.py --clients 8,16,32 --json out.json`` (heav
 ``--wan home:home`` (root; asyncloco/wan/netns.py) puts the coordinator part in a network namespace behind a
 ``home`` access link (10 Mbit/s up, 50 down: ``tc tbf`` on its veth) and each client process behind its own
 (its clients share it), so the coordinator's uplink is the narrow pipe the issue is about; loopback otherwise.
+
+``--train`` replaces the stand-in with a real run: a coordinator daemon and the demo's three training peers
+(``asyncloco peer join``, slowed ×1, ×1.5, ×4, with ``--swarm`` in the swarm design) as processes of
+asyncloco/local_cluster.py, the demo config with the ``--preset`` model and ``--codec`` downloads; one cluster per
+design. Each round waits for a new applied version, then the N clients download the newest θ (a full
+``get_model`` today, ``SwarmDownloader.download(None)`` in the swarm); the coordinator's egress over the round
+comes from its status document (``traffic.get_model`` + ``swarm.seed_bytes_sent``) and includes what the
+training peers downloaded meanwhile. Clients that got the same version must hold the same θ (swarm bodies are
+verified chunk by chunk against the signed manifest)::
+
+    python scripts/bench_swarm.py --train --preset 20m --clients 8,16,32 --json out.json   # ~8 min here
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
+import signal
 import statistics
 import sys
 import time
@@ -42,6 +54,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 logger = logging.getLogger("bench_swarm")
+DOWNLOAD_TIMEOUT = 120.0  # seconds per client download: a stuck one is an error of the round, not a hung benchmark
 
 
 def sha(data: Any) -> str:
@@ -88,11 +101,11 @@ async def _client_main(first: int, count: int, maddrs: List[str], coordinator_id
             try:
                 if mode == "today":
                     direct.held = direct.anchor = None  # a full download, as a peer without this version gets
-                    got, theta = await direct.get_model(version)
+                    got, theta = await asyncio.wait_for(direct.get_model(version), DOWNLOAD_TIMEOUT)
                     out["seconds"] = time.perf_counter() - started
                     out["body_sha"] = None
                 else:
-                    result = await swarm.download(version, codec)
+                    result = await asyncio.wait_for(swarm.download(version, codec), DOWNLOAD_TIMEOUT)
                     got = result.manifest.version
                     theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(codec, numel, result.body), numel)
                     out["seconds"] = time.perf_counter() - started  # both designs: until θ is decoded
@@ -100,7 +113,8 @@ async def _client_main(first: int, count: int, maddrs: List[str], coordinator_id
                     out.update(seed_chunks=result.chunks_from_seed, peer_chunks=result.chunks_from_peers,
                                rejected=sum(result.rejected.values()), skipped=len(result.skipped))
                 out["theta_sha"] = await asyncio.to_thread(theta_sha, theta)
-                out["version_ok"] = got == version
+                out["got"] = got
+                out["version_ok"] = version is None or got == version
             except Exception as error:  # counted: the benchmark requires zero
                 out["error"] = repr(error)
             return out
@@ -109,7 +123,7 @@ async def _client_main(first: int, count: int, maddrs: List[str], coordinator_id
             command = await asyncio.to_thread(commands.get)
             if command[0] == "stop":
                 break
-            _, mode, version, active = command
+            _, mode, version, active = command  # version None: the newest (--train: what a joining peer asks for)
             mine = [i for i in range(first, first + count) if i < active]
             for out in await asyncio.gather(*(one(i, mode, version) for i in mine)):
                 results.put(("result", out))
@@ -297,6 +311,168 @@ async def run(args: argparse.Namespace, wan: Optional[Dict[str, Any]] = None) ->
     }
 
 
+TRAIN_SLOWDOWNS = (1.0, 1.5, 4.0)  # the demo's three peers
+
+
+def _train_config(args: argparse.Namespace, workdir: Any, swarm: bool) -> Any:
+    """The demo config with the ``--preset`` model, the ``--codec`` downloads and the swarm on or off."""
+    from pathlib import Path
+
+    import yaml
+
+    from asyncloco.shipped import resolve_config
+
+    cfg = yaml.safe_load(Path(resolve_config("demo")).read_text())
+    cfg["task"]["model"] = args.preset
+    cfg["runtime"].update(run_id=f"bench-swarm-{uuid.uuid4().hex[:6]}", download_codec=args.codec, swarm=swarm)
+    path = Path(workdir) / f"config-{'swarm' if swarm else 'today'}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_with_training(args: argparse.Namespace) -> Dict[str, Any]:
+    """``--train``: the same comparison with the versions made by a real run — a coordinator daemon and the demo's
+    three training peers (``asyncloco peer join``, slowed ×1, ×1.5, ×4; ``--swarm`` in the swarm design) as real
+    processes (asyncloco/local_cluster.py) — and N light clients that download the newest θ each round, as a
+    peer joining then would. One cluster per design (today: the run's swarm off, everyone on ``get_model``;
+    swarm: ``runtime.swarm: true``, the peers and clients on the swarm). A round starts when the coordinator's
+    version has moved past the last round's; the coordinator's egress (its status: ``traffic.get_model`` plus
+    ``swarm.seed_bytes_sent``) over the round, training peers' downloads included, is divided by the encoding."""
+    import tempfile
+    from pathlib import Path
+
+    from asyncloco.local_cluster import LocalCluster
+    from asyncloco.transport.codecs import wire_bytes
+
+    sizes = sorted({int(n) for n in str(args.clients).split(",")})
+    codec = args.codec
+    numel = encoding = 0  # the run's, from the coordinator's status (the model's size depends on its tokenizer)
+    total = max(sizes)
+    per = -(-total // args.processes)
+    started = time.monotonic()
+    rows: Dict[int, Dict[str, Any]] = {n: {"clients": n} for n in sizes}
+    errors: List[str] = []
+    designs: Dict[str, Dict[str, Any]] = {}
+    workroot = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-swarm-train-"))
+    for mode in args.designs.split(","):
+        workdir = workroot / mode
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = _train_config(args, workdir, swarm=mode == "swarm")
+        with LocalCluster(config, workdir) as cluster:
+            cluster.start_coordinator(timeout=180.0)
+            for index, slowdown in enumerate(TRAIN_SLOWDOWNS):
+                cluster.start_peer(f"peer{index}", slowdown, extra=("--swarm",) if mode == "swarm" else ())
+            status = cluster.status()
+            coordinator_id, namespace = status["peer_id"], status["run_id"]
+            numel = int(status["parameters"])
+            encoding = wire_bytes(codec, numel)
+            context = mp.get_context("spawn")
+            results: Any = context.Queue()
+            procs, queues = [], []
+            for first in range(0, total, per):
+                commands: Any = context.Queue()
+                proc = context.Process(target=client_process, args=(first, min(per, total - first), [cluster.multiaddr],
+                                                                      coordinator_id, namespace, numel, codec, commands, results),
+                                       daemon=True)
+                proc.start()
+                procs.append(proc)
+                queues.append(commands)
+
+            def egress() -> Tuple[int, int]:
+                """Bytes the coordinator has sent θ with (get_model + the swarm seed) and its version, from the first
+                status document written after this call (the daemon rewrites it every 2 s)."""
+                asked = time.time()
+                now = cluster.wait_for(lambda: (lambda st: st if st.get("updated", 0) >= asked else None)(cluster.status()),
+                                       60.0, "a fresh status document")
+                return (int(now["traffic"]["get_model"]["bytes_sent"]) + int((now.get("swarm") or {}).get("seed_bytes_sent", 0)),
+                        int(now["version"]))
+
+            try:
+                ready = 0
+                while ready < len(procs):
+                    message = results.get(True, 600)
+                    ready += message[0] == "ready"
+                cluster.wait_for(lambda: cluster.status().get("version", 0) >= 1, 300.0, "the first applied update")
+                for n in sizes:
+                    stats: Dict[str, Any] = {"egress": [], "seconds": [], "downloads": 0, "agree": 0, "versions": [],
+                                             "applied": [], "seed_chunks": 0, "peer_chunks": 0, "rejected": 0}
+                    for _ in range(args.versions):
+                        last = cluster.status().get("version", 0)
+                        cluster.wait_for(lambda: cluster.status().get("version", 0) > last, 300.0, "a new version")
+                        sent0, version0 = egress()
+                        for commands in queues:
+                            commands.put(("download", "today" if mode == "today" else "swarm", None, n))
+                        done, outs = 0, []
+                        while done < len(queues):
+                            message = results.get(True, 600)
+                            if message[0] == "round":
+                                done += 1
+                            elif "error" in message[1]:
+                                errors.append(f"{mode} N={n} client {message[1]['index']}: {message[1]['error']}")
+                                logger.warning("%s", errors[-1])
+                            else:
+                                outs.append(message[1])
+                        sent1, version1 = egress()
+                        stats["egress"].append((sent1 - sent0) / encoding)
+                        stats["applied"].append(version1 - version0)
+                        stats["seconds"].extend(o["seconds"] for o in outs)
+                        stats["downloads"] += len(outs)
+                        by_version: Dict[int, set] = {}
+                        for o in outs:
+                            by_version.setdefault(o["got"], set()).add(o["theta_sha"])
+                            for key in ("seed_chunks", "peer_chunks", "rejected"):
+                                stats[key] += o.get(key, 0)
+                        stats["agree"] += sum(1 for o in outs if len(by_version[o["got"]]) == 1)
+                        stats["versions"].append(sorted(by_version))
+                        logger.info("%s N=%d: coordinator egress %.2f encodings (versions %s, %d applied meanwhile)",
+                                    mode, n, stats["egress"][-1], sorted(by_version), version1 - version0)
+                    rows[n][mode] = {
+                        "coordinator_egress_per_version_over_encoding": statistics.fmean(stats["egress"]),
+                        "egress_per_round": stats["egress"],
+                        "applied_during_round": stats["applied"],
+                        "versions_downloaded": stats["versions"],
+                        "download_s": summary(stats["seconds"]) if stats["seconds"] else None,
+                        "downloads": stats["downloads"],
+                        "bitwise_equal": stats["agree"],
+                        "all_bitwise_equal": stats["agree"] == n * args.versions,
+                    }
+                    if mode == "swarm":
+                        rows[n][mode].update(chunks_from_seed=stats["seed_chunks"], chunks_from_peers=stats["peer_chunks"],
+                                             chunks_rejected=stats["rejected"])
+                designs[mode] = {"final_version": cluster.status().get("version"),
+                                 "peers_alive": sum(p.poll() is None for p in cluster.peers.values())}
+            finally:
+                for commands in queues:
+                    commands.put(("stop",))
+                for proc in procs:
+                    proc.join(timeout=60)
+                    if proc.is_alive():
+                        proc.kill()
+    out_rows = [rows[n] for n in sizes]
+    return {
+        "preset": args.preset,
+        "numel": numel,
+        "codec": codec,
+        "encoding_bytes": encoding,
+        "chunk_bytes": None,
+        "versions_per_size": args.versions,
+        "processes": args.processes,
+        "training": f"real: a coordinator daemon and {len(TRAIN_SLOWDOWNS)} training peers (slowed {list(TRAIN_SLOWDOWNS)}), "
+                    "the demo config with this preset; egress per round includes the training peers' downloads",
+        "bitwise": "clients that downloaded the same version hold the same θ (SHA-256); swarm bodies are checked "
+                   "against the coordinator's signed manifest chunk by chunk",
+        "designs": designs,
+        "wan": None,
+        "coordinator_egress_per_version_over_encoding": {
+            mode: {str(r["clients"]): r[mode]["coordinator_egress_per_version_over_encoding"] for r in out_rows}
+            for mode in args.designs.split(",")
+        },
+        "rows": out_rows,
+        "errors": errors,
+        "wall_s": time.monotonic() - started,
+    }
+
+
 def run_on_wan(args: argparse.Namespace) -> Dict[str, Any]:
     """:func:`run` with every access link shaped by ``tc tbf`` in its own network namespace (asyncloco/wan/netns.py):
     the coordinator part in this process, moved into its node's namespace, the client processes in theirs."""
@@ -330,20 +506,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--codec", default="int8", choices=("none", "bf16", "int8"), help="download codec")
     parser.add_argument("--chunk-bytes", type=int, default=256 << 10, help="swarm chunk size")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--train", action="store_true",
+                        help="versions from a real run (coordinator daemon + the demo's 3 training peers with the "
+                        "--preset model) instead of the stand-in; one cluster per design")
+    parser.add_argument("--workdir", help="--train: where the clusters' logs go (default: a temporary directory)")
+    parser.add_argument("--designs", default="today,swarm", help="--train: which designs to run (default today,swarm)")
     parser.add_argument("--wan", metavar="COORD[:CLIENTS]",
                         help="emulated access links (asyncloco/wan/netns.py profiles, e.g. home:home): the coordinator "
                         "in a network namespace behind the first, each client process behind the second (root)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    if args.wan:
+    if args.train and args.wan:
+        parser.error("--train runs on loopback only (--wan is the stand-in's)")
+    if args.train:
+        if not set(args.designs.split(",")) <= {"today", "swarm"}:
+            parser.error(f"--designs {args.designs!r}: choose from today, swarm")
+        # SIGTERM (a timeout, Ctrl+C from a wrapper) unwinds like Ctrl+C: the clusters' processes are stopped
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        result = run_with_training(args)
+    elif args.wan:
         result = run_on_wan(args)
     else:
         result = asyncio.run(run(args))
     print(f"θ: {result['numel']:,} values, {result['codec']} encoding {result['encoding_bytes']:,} B; "
-          f"{result['versions_per_size']} versions per N; chunks {result['chunk_bytes']:,} B")
+          f"{result['versions_per_size']} versions per N; chunks {result['chunk_bytes'] or 'the run default'} B; {result['training']}")
     print(f"{'N':>4} | {'today egress':>12} {'swarm egress':>12} {'ratio':>7} | {'today s p50/max':>15} {'swarm s p50/max':>15} | bitwise today/swarm")
     for row in result["rows"]:
+        if "today" not in row or "swarm" not in row:
+            print(f"{row['clients']:>4} | " + "; ".join(f"{m}: egress {row[m]['coordinator_egress_per_version_over_encoding']:.2f}, "
+                                                     f"bitwise {row[m]['bitwise_equal']}/{row[m]['downloads']}"
+                                                     for m in ("today", "swarm") if m in row))
+            continue
         today, swarm = row["today"], row["swarm"]
         t, s = today["coordinator_egress_per_version_over_encoding"], swarm["coordinator_egress_per_version_over_encoding"]
         td, sd = today["download_s"] or {"p50": 0, "max": 0}, swarm["download_s"] or {"p50": 0, "max": 0}
@@ -355,7 +549,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
-    ok = not result["errors"] and all(r[m]["all_bitwise_equal"] for r in result["rows"] for m in ("today", "swarm"))
+    ok = not result["errors"] and all(r[m]["all_bitwise_equal"] for r in result["rows"] for m in ("today", "swarm") if m in r)
     return 0 if ok else 1
 
 
