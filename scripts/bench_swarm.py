@@ -34,6 +34,11 @@ training peers downloaded meanwhile. Clients that got the same version must hold
 verified chunk by chunk against the signed manifest)::
 
     python scripts/bench_swarm.py --train --preset 20m --clients 8,16,32 --json out.json   # ~8 min here
+
+``--train --wan home:home`` (root) runs the same with every process behind an emulated access link: the
+coordinator daemon in a node with the first profile, each training peer and each client process in its own node
+with the second, each listening on its node's address (the processes of asyncloco/local_cluster.py started with
+``ip netns exec``).
 """
 
 from __future__ import annotations
@@ -330,7 +335,29 @@ def _train_config(args: argparse.Namespace, workdir: Any, swarm: bool) -> Any:
     return path
 
 
-def run_with_training(args: argparse.Namespace) -> Dict[str, Any]:
+def _netns_cluster(config: Any, workdir: Any, net: Any, nodes: Dict[str, Any]) -> Any:
+    """A :class:`~asyncloco.local_cluster.LocalCluster` whose coordinator and peers run in network-namespace nodes
+    of ``net`` (``nodes``: process name → node; asyncloco/wan/netns.py), each listening on its node's address."""
+    import subprocess
+
+    from asyncloco.local_cluster import LocalCluster
+
+    class NetnsCluster(LocalCluster):
+        def _spawn(self, name: str, args: Any) -> Any:
+            node = nodes[name]
+            log = (self.workdir / f"{name}.log").open("ab")
+            self._logs.append(log)
+            process = subprocess.Popen(
+                ["ip", "netns", "exec", node.namespace, sys.executable, "-m", "asyncloco.cli", *args, "--host", node.address],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
+            )
+            self.spawned.append(process)
+            return process
+
+    return NetnsCluster(config, workdir)
+
+
+def run_with_training(args: argparse.Namespace, wan: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """``--train``: the same comparison with the versions made by a real run — a coordinator daemon and the demo's
     three training peers (``asyncloco peer join``, slowed ×1, ×1.5, ×4; ``--swarm`` in the swarm design) as real
     processes (asyncloco/local_cluster.py) — and N light clients that download the newest θ each round, as a
@@ -358,7 +385,8 @@ def run_with_training(args: argparse.Namespace) -> Dict[str, Any]:
         workdir = workroot / mode
         workdir.mkdir(parents=True, exist_ok=True)
         config = _train_config(args, workdir, swarm=mode == "swarm")
-        with LocalCluster(config, workdir) as cluster:
+        cluster_of = LocalCluster(config, workdir) if wan is None else _netns_cluster(config, workdir, wan["net"], wan["nodes"])
+        with cluster_of as cluster:
             cluster.start_coordinator(timeout=180.0)
             for index, slowdown in enumerate(TRAIN_SLOWDOWNS):
                 cluster.start_peer(f"peer{index}", slowdown, extra=("--swarm",) if mode == "swarm" else ())
@@ -371,8 +399,10 @@ def run_with_training(args: argparse.Namespace) -> Dict[str, Any]:
             procs, queues = [], []
             for first in range(0, total, per):
                 commands: Any = context.Queue()
+                node = wan["clients"][len(procs)] if wan is not None else None
                 proc = context.Process(target=client_process, args=(first, min(per, total - first), [cluster.multiaddr],
-                                                                      coordinator_id, namespace, numel, codec, commands, results),
+                                                                      coordinator_id, namespace, numel, codec, commands, results,
+                                                                      node),
                                        daemon=True)
                 proc.start()
                 procs.append(proc)
@@ -462,7 +492,10 @@ def run_with_training(args: argparse.Namespace) -> Dict[str, Any]:
         "bitwise": "clients that downloaded the same version hold the same θ (SHA-256); swarm bodies are checked "
                    "against the coordinator's signed manifest chunk by chunk",
         "designs": designs,
-        "wan": None,
+        "wan": None if wan is None else {"coordinator": wan["coordinator_profile"], "peers": wan["peer_profile"],
+                                         "client_processes": wan["client_profile"],
+                                         "note": "tc tbf bandwidth per access link (no latency: no netem); the clients of "
+                                                 "one process share its link; every node reaches every other through a bridge"},
         "coordinator_egress_per_version_over_encoding": {
             mode: {str(r["clients"]): r[mode]["coordinator_egress_per_version_over_encoding"] for r in out_rows}
             for mode in args.designs.split(",")
@@ -471,6 +504,30 @@ def run_with_training(args: argparse.Namespace) -> Dict[str, Any]:
         "errors": errors,
         "wall_s": time.monotonic() - started,
     }
+
+
+def run_with_training_on_wan(args: argparse.Namespace) -> Dict[str, Any]:
+    """:func:`run_with_training` with every process behind an emulated access link: the coordinator daemon in a
+    node with the first ``--wan`` profile, each training peer and each client process in its own node with the
+    second (asyncloco/wan/netns.py; root)."""
+    from asyncloco.wan.netns import PROFILES, WanNetwork
+
+    names = args.wan.split(":")
+    coordinator_profile, other_profile = names[0], names[-1]
+    for name in (coordinator_profile, other_profile):
+        if name not in PROFILES:
+            raise SystemExit(f"--wan {args.wan}: unknown profile {name!r}; choose from {sorted(PROFILES)}")
+    total = max(int(n) for n in str(args.clients).split(","))
+    per = -(-total // args.processes)
+    with WanNetwork() as net:
+        nodes = {"coordinator": net.add_node("coord", PROFILES[coordinator_profile])}
+        for index in range(len(TRAIN_SLOWDOWNS)):
+            nodes[f"peer{index}"] = net.add_node(f"p{index}", PROFILES[other_profile])
+        clients = [net.add_node(f"c{i}", PROFILES[other_profile]) for i in range(len(range(0, total, per)))]
+        wan = {"net": net, "nodes": nodes, "clients": [(node.namespace, node.address) for node in clients],
+               "coordinator_profile": PROFILES[coordinator_profile].describe(),
+               "peer_profile": PROFILES[other_profile].describe(), "client_profile": PROFILES[other_profile].describe()}
+        return run_with_training(args, wan)
 
 
 def run_on_wan(args: argparse.Namespace) -> Dict[str, Any]:
@@ -517,14 +574,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    if args.train and args.wan:
-        parser.error("--train runs on loopback only (--wan is the stand-in's)")
     if args.train:
         if not set(args.designs.split(",")) <= {"today", "swarm"}:
             parser.error(f"--designs {args.designs!r}: choose from today, swarm")
         # SIGTERM (a timeout, Ctrl+C from a wrapper) unwinds like Ctrl+C: the clusters' processes are stopped
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        result = run_with_training(args)
+        result = run_with_training_on_wan(args) if args.wan else run_with_training(args)
     elif args.wan:
         result = run_on_wan(args)
     else:
