@@ -69,11 +69,15 @@ class LocalCluster:
 
     # ---------------------------------------------------------------------------- processes
 
+    def command(self, name: str, args: Sequence[str]) -> list[str]:
+        """The command line of process ``name`` (a subclass may wrap it, e.g. in ``ip netns exec``)."""
+        return [sys.executable, "-m", "asyncloco.cli", *args]
+
     def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("ab")
         self._logs.append(log)
         process = subprocess.Popen(
-            [sys.executable, "-m", "asyncloco.cli", *args],
+            self.command(name, args),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

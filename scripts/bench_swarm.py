@@ -338,21 +338,12 @@ def _train_config(args: argparse.Namespace, workdir: Any, swarm: bool) -> Any:
 def _netns_cluster(config: Any, workdir: Any, net: Any, nodes: Dict[str, Any]) -> Any:
     """A :class:`~asyncloco.local_cluster.LocalCluster` whose coordinator and peers run in network-namespace nodes
     of ``net`` (``nodes``: process name → node; asyncloco/wan/netns.py), each listening on its node's address."""
-    import subprocess
-
     from asyncloco.local_cluster import LocalCluster
 
     class NetnsCluster(LocalCluster):
-        def _spawn(self, name: str, args: Any) -> Any:
+        def command(self, name: str, args: Any) -> List[str]:
             node = nodes[name]
-            log = (self.workdir / f"{name}.log").open("ab")
-            self._logs.append(log)
-            process = subprocess.Popen(
-                ["ip", "netns", "exec", node.namespace, sys.executable, "-m", "asyncloco.cli", *args, "--host", node.address],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-            )
-            self.spawned.append(process)
-            return process
+            return ["ip", "netns", "exec", node.namespace, *super().command(name, args), "--host", node.address]
 
     return NetnsCluster(config, workdir)
 
@@ -506,49 +497,49 @@ def run_with_training(args: argparse.Namespace, wan: Optional[Dict[str, Any]] = 
     }
 
 
+def _wan_plan(args: argparse.Namespace) -> Tuple[Any, Any, int]:
+    """``--wan COORD[:OTHERS]``: the two access-link profiles, and how many client processes need a node."""
+    from asyncloco.wan.netns import PROFILES
+
+    names = args.wan.split(":")
+    for name in (names[0], names[-1]):
+        if name not in PROFILES:
+            raise SystemExit(f"--wan {args.wan}: unknown profile {name!r}; choose from {sorted(PROFILES)}")
+    total = max(int(n) for n in str(args.clients).split(","))
+    return PROFILES[names[0]], PROFILES[names[-1]], len(range(0, total, -(-total // args.processes)))
+
+
 def run_with_training_on_wan(args: argparse.Namespace) -> Dict[str, Any]:
     """:func:`run_with_training` with every process behind an emulated access link: the coordinator daemon in a
     node with the first ``--wan`` profile, each training peer and each client process in its own node with the
     second (asyncloco/wan/netns.py; root)."""
-    from asyncloco.wan.netns import PROFILES, WanNetwork
+    from asyncloco.wan.netns import WanNetwork
 
-    names = args.wan.split(":")
-    coordinator_profile, other_profile = names[0], names[-1]
-    for name in (coordinator_profile, other_profile):
-        if name not in PROFILES:
-            raise SystemExit(f"--wan {args.wan}: unknown profile {name!r}; choose from {sorted(PROFILES)}")
-    total = max(int(n) for n in str(args.clients).split(","))
-    per = -(-total // args.processes)
+    coordinator_profile, other_profile, processes = _wan_plan(args)
     with WanNetwork() as net:
-        nodes = {"coordinator": net.add_node("coord", PROFILES[coordinator_profile])}
+        nodes = {"coordinator": net.add_node("coord", coordinator_profile)}
         for index in range(len(TRAIN_SLOWDOWNS)):
-            nodes[f"peer{index}"] = net.add_node(f"p{index}", PROFILES[other_profile])
-        clients = [net.add_node(f"c{i}", PROFILES[other_profile]) for i in range(len(range(0, total, per)))]
+            nodes[f"peer{index}"] = net.add_node(f"p{index}", other_profile)
+        clients = [net.add_node(f"c{i}", other_profile) for i in range(processes)]
         wan = {"net": net, "nodes": nodes, "clients": [(node.namespace, node.address) for node in clients],
-               "coordinator_profile": PROFILES[coordinator_profile].describe(),
-               "peer_profile": PROFILES[other_profile].describe(), "client_profile": PROFILES[other_profile].describe()}
+               "coordinator_profile": coordinator_profile.describe(),
+               "peer_profile": other_profile.describe(), "client_profile": other_profile.describe()}
         return run_with_training(args, wan)
 
 
 def run_on_wan(args: argparse.Namespace) -> Dict[str, Any]:
     """:func:`run` with every access link shaped by ``tc tbf`` in its own network namespace (asyncloco/wan/netns.py):
     the coordinator part in this process, moved into its node's namespace, the client processes in theirs."""
-    from asyncloco.wan.netns import PROFILES, WanNetwork, inside_namespace
+    from asyncloco.wan.netns import WanNetwork, inside_namespace
 
-    names = args.wan.split(":")
-    coordinator_profile, client_profile = names[0], names[-1]
-    for name in (coordinator_profile, client_profile):
-        if name not in PROFILES:
-            raise SystemExit(f"--wan {args.wan}: unknown profile {name!r}; choose from {sorted(PROFILES)}")
-    total = max(int(n) for n in str(args.clients).split(","))
-    per = -(-total // args.processes)
+    coordinator_profile, client_profile, processes = _wan_plan(args)
     with WanNetwork() as net:
-        coordinator = net.add_node("coord", PROFILES[coordinator_profile])
-        clients = [net.add_node(f"c{i}", PROFILES[client_profile]) for i in range(len(range(0, total, per)))]
+        coordinator = net.add_node("coord", coordinator_profile)
+        clients = [net.add_node(f"c{i}", client_profile) for i in range(processes)]
         wan = {"coordinator": (coordinator.namespace, coordinator.address),
                "clients": [(node.namespace, node.address) for node in clients],
-               "coordinator_profile": PROFILES[coordinator_profile].describe(),
-               "client_profile": PROFILES[client_profile].describe()}
+               "coordinator_profile": coordinator_profile.describe(),
+               "client_profile": client_profile.describe()}
         with inside_namespace(coordinator.namespace):
             return asyncio.run(run(args, wan))
 
