@@ -17,6 +17,10 @@ Body: meta = ``r`` (uint32 LE) then the bf16 LE scales (round to nearest from fp
 positions, group by group and ascending inside a group, packed first bit in the lowest bit of a byte. Kept
 positions past ``numel`` (a short last group) and the padding of the last byte are zero bits; the decoder
 refuses anything else, a rotation ≥ q and a negative or non-finite scale.
+
+Decoding: the whole 512-value blocks go to the compiled one-pass decoder (asyncloco/transport/native.py,
+kernels/sign_decode.c) where the machine has a C compiler, else to the numpy decoder below (the same values, bit for
+bit); the short last block and every check stay here.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from asyncloco.transport import native
 from asyncloco.transport.codec_format import EncodedTensor, SIGN_BLOCK, sign_params, wire_bytes
 from asyncloco.transport.errors import CodecError
 
@@ -90,7 +95,13 @@ def decode_sign(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     values = out.numpy()
     whole = numel - numel % SIGN_BLOCK
 
+    kernel = native.sign_kernel()
+
     def decode_range(first: int, last: int) -> None:
+        if kernel is not None:  # the compiled one-pass decoder (asyncloco/transport/native.py), same values
+            native.sign_decode_blocks(kernel, packed[first * p // q // 8 : last * p // q // 8], values[first:last],
+                                      scale[first // SIGN_BLOCK : last // SIGN_BLOCK], p, q, rotation)
+            return
         for start in range(first, last, SLAB):
             stop = min(start + SLAB, last)  # a multiple of 512: whole groups, and start · p / q whole bytes
             _decode_slab(packed[start * p // q // 8 : -(-stop * p // q // 8)], values[start:stop], scale, start,
@@ -102,7 +113,11 @@ def decode_sign(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     if parts == 1:
         decode_range(0, whole)
     else:
-        list(_pool().map(lambda i: decode_range(bounds[i], bounds[i + 1]), range(parts)))
+        # the calling thread decodes the first range itself: one thread fewer competing for the cores
+        rest = [_pool().submit(decode_range, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        decode_range(bounds[0], bounds[1])
+        for future in rest:
+            future.result()
     if whole < numel:
         _decode_tail(name, packed[whole * p // q // 8 :], values, scale[-1], numel - whole, p, q, columns, dropped)
     return out
