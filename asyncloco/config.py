@@ -374,17 +374,17 @@ class RuntimeConfig(StrictModel):
     def uses_error_feedback(self) -> bool:
         """Error feedback is on only when asked for (``runtime.error_feedback: true``) with a lossy codec. Off by
         default, measured: in the simulator (docs/compression.md, 3 seeds) it made every sparse codec worse on the
-        toy task and on ``lm-tiny`` (e.g. grp8b2 +16.1 % → +27.5 % perplexity) and int2 no better on the toy task;
-        a validator re-running a lease could not know the peer's residual either."""
+        toy task and on ``lm-tiny`` (e.g. grp8b2 +16.1 % → +27.5 % perplexity) and int2 no better on the toy task.
+        With verification the residual is committed and revealed with the carried inner state (peer/reveal.py)."""
         return bool(self.error_feedback) and self.codec != "none"
 
     @model_validator(mode="after")
     def _check_feedback(self) -> "RuntimeConfig":
-        if self.error_feedback and self.verify.enabled:
+        if self.uses_error_feedback and self.verify.enabled and self.verify.inner_state != "carry":
             raise ValueError(
-                "runtime.error_feedback: true cannot be combined with runtime.verify.enabled (a validator re-running a "
-                "lease cannot know the peer's error-feedback residual, so every check would fail); with verification "
-                "upload without feedback: set runtime.codec: int8 and runtime.error_feedback: false (docs/compression.md)"
+                "runtime.error_feedback: true with runtime.verify.enabled needs runtime.verify.inner_state: carry (the "
+                "default): the peer's error-feedback residual is committed and revealed with its carried inner state, "
+                "and with inner_state: reset nothing is revealed, so every check would fail (docs/compression.md)"
             )
         if self.verify.enabled and self.download_codec != "none":
             raise ValueError(

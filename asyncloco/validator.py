@@ -118,7 +118,11 @@ class Validator:
             if rerunner.trainer.numel != hello.model_numel:
                 raise PeerError(f"this validator builds a {rerunner.trainer.numel}-parameter model but the coordinator "
                                 f"serves {hello.model_numel}; run the coordinator's asyncloco version ({hello.software_version})")
-            max_revealed = sum(9 + 8 * param.numel() for param in model.parameters())  # a full AdamW state's layout
+            from asyncloco.peer.reveal import revealed_size
+
+            # a full AdamW state's layout, with error feedback plus the residual (peer/reveal.py)
+            max_revealed = revealed_size(sum(9 + 8 * param.numel() for param in model.parameters()),
+                                         sum(param.numel() for param in model.parameters()), cfg.runtime.uses_error_feedback)
             client = CoordinatorClient(p2p, self.coordinator_id, hello.model_numel, namespace=self.options.run_id)
             await self._loop(client, rerunner, max_revealed)
         finally:

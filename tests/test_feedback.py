@@ -74,15 +74,15 @@ def test_config_accepts_exactly_the_codec_registry() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_error_feedback_is_off_by_default_and_refused_explicitly_with_verification() -> None:
-    verify = {"enabled": True, "inner_state": "reset"}
-    try:
-        cfg = RunConfig.model_validate({"runtime": {"codec": "int2", "verify": verify}})
-    except ValueError as error:  # pragma: no cover - the verify section's own checks (issue 16) may ask for more
-        pytest.skip(f"verify config needs more keys here: {error}")
+def test_error_feedback_with_verification_needs_the_carried_state() -> None:
+    reset = {"enabled": True, "inner_state": "reset"}
+    cfg = RunConfig.model_validate({"runtime": {"codec": "int2", "verify": reset}})
     assert not cfg.runtime.uses_error_feedback
-    with pytest.raises(ValueError, match="error_feedback: true cannot be combined with runtime.verify.enabled"):
-        RunConfig.model_validate({"runtime": {"codec": "int8", "error_feedback": True, "verify": verify}})
+    with pytest.raises(ValueError, match="error_feedback: true with runtime.verify.enabled needs runtime.verify.inner_state: carry"):
+        RunConfig.model_validate({"runtime": {"codec": "int8", "error_feedback": True, "verify": reset}})
+    # carried state (the default): the residual is committed and revealed with it (tests/test_verify_feedback.py)
+    carried = RunConfig.model_validate({"runtime": {"codec": "sgn15of16", "error_feedback": True, "verify": {"enabled": True}}})
+    assert carried.runtime.uses_error_feedback and carried.runtime.verify.inner_state == "carry"
 
 
 @pytest.mark.timeout(120)

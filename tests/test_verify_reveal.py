@@ -50,7 +50,10 @@ LIAR, SILENT = "liar", "silent"
 REVEAL_TIMEOUT = 30.0
 
 
-def config() -> RunConfig:
+def config(feedback: bool = False) -> RunConfig:
+    """The run; ``feedback``: sign-coded uploads with error feedback, whose residual is committed and revealed with the
+    inner state (peer/reveal.py)."""
+    upload = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5} if feedback else {}
     return RunConfig.model_validate({
         "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
         "inner": {"lr": 1e-2},
@@ -62,6 +65,7 @@ def config() -> RunConfig:
             "gate": {"enabled": False},
             "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.5, "probation_updates": 3, "horizon": 100000,
                        "queue": 256, "reveal_timeout": REVEAL_TIMEOUT},
+            **upload,
         },
     })
 
@@ -107,8 +111,9 @@ def journal(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in records if r["type"] == kind]
 
 
-def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -> None:
-    cfg = config()
+@pytest.mark.parametrize("feedback", [False, True], ids=["int8", "sgn15of16-feedback"])
+def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, feedback: bool) -> None:
+    cfg = config(feedback)
     clock = FakeClock()
     run_dir = tmp_path / "run"
 
@@ -180,9 +185,13 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path) -
     assert reveals["late"] >= 1 and reveals["refused"] == 1  # the intruder's
     assert reveals["received"] >= 3
     assert out["status"]["verification"]["reveals"]["awaiting"] == 0
-    assert out["state_size"] == out["layout_size"]  # the reveal's bound is the exact size of a full inner state
+    # the reveal's bound is the exact size of a full inner state (with feedback: its length field and the residual)
+    assert out["state_size"] == out["layout_size"] + (8 + 4 * out["numel"] if feedback else 0)
     for store in out["stores"].values():  # the honest peers kept at most reveal_keep (2) start states
         assert store is not None and len(store) <= 2
+    if feedback:  # the kept start states carry the residual: length field, full inner state, 4 bytes per parameter
+        sizes = {len(state) for store in out["stores"].values() for state in store._states.values()}
+        assert 8 + out["layout_size"] + 4 * out["numel"] in sizes, sizes
     # both peers' updates are gone: an independent replay of the whole log equals the live coordinator bitwise
     repairs = journal(run_dir, "repaired")
     assert [r["peer"] for r in repairs] == [v["peer"] for v in verdicts if not v["ok"]] and repairs[-1]["anchor"] == 0

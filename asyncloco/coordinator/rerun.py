@@ -64,6 +64,7 @@ class Rerunner:
         self.workload = workload
         self.device = device
         self._trainer: Optional["InnerTrainer"] = None
+        self.pending: Optional[torch.Tensor] = None  # with error feedback: the residual the last re-run's upload left
 
     @property
     def trainer(self) -> "InnerTrainer":
@@ -74,15 +75,23 @@ class Rerunner:
             self._trainer.reset_state = True
         return self._trainer
 
-    def rerun(self, lease: Lease, base: torch.Tensor) -> torch.Tensor:
-        """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it."""
-        from asyncloco.transport.codecs import decode, encode
+    def rerun(self, lease: Lease, base: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it
+        (with error feedback: from the peer's residual ``residual``; :attr:`pending` is then the residual it leaves)."""
+        from asyncloco.peer.feedback import ErrorFeedback
+        from asyncloco.transport.codecs import decode
 
         result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
-        codec = self.cfg.runtime.codec
-        if codec == "none":
+        runtime = self.cfg.runtime
+        self.pending = None
+        if runtime.codec == "none":
             return result.pseudo_gradient
-        return decode(encode(codec, result.pseudo_gradient), result.pseudo_gradient.numel())
+        # the peer's own arithmetic (peer/feedback.py), so that an honest upload reproduces bit for bit
+        feedback = ErrorFeedback(runtime.codec, runtime.uses_error_feedback, runtime.error_feedback_decay)
+        feedback.residual = residual
+        encoded, decoded = feedback.encode_decoded(result.pseudo_gradient)
+        self.pending = feedback.pending
+        return decoded if decoded is not None else decode(encoded, result.pseudo_gradient.numel())
 
     def check(self, task: Verify) -> Comparison:
         knobs = self.cfg.runtime.verify
@@ -90,23 +99,33 @@ class Rerunner:
 
     def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
         """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start in the
-        canonical layout (peer/inner.py ``inner_state_chunks``). It must hash to the committed ``state_start``; the
-        lease re-run from it must give the submitted pseudo-gradient and end at the committed ``state_end``."""
+        canonical layout (peer/inner.py ``inner_state_chunks``; with error feedback followed by the residual,
+        peer/reveal.py ``pack_reveal``). It must hash to the committed ``state_start``; the lease re-run from it must
+        give the submitted pseudo-gradient and end at the committed ``state_end``."""
         from asyncloco.peer.inner import inner_state_digest, load_inner_state, revealed_digest
+        from asyncloco.peer.reveal import committed_digest, unpack_reveal
 
-        if revealed_digest(revealed) != task.state_start:
-            return Comparison(False, False, math.inf, -1.0, "the revealed inner state does not match its commitment")
         trainer = self.trainer
+        residual = None
+        if self.cfg.runtime.uses_error_feedback:  # the residual is revealed with the inner state (peer/reveal.py)
+            try:
+                revealed, residual = unpack_reveal(revealed, trainer.numel)
+            except ValueError as error:
+                return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
+        if committed_digest(revealed_digest(revealed), residual) != task.state_start:
+            return Comparison(False, False, math.inf, -1.0, "the revealed inner state does not match its commitment")
         try:
             load_inner_state(trainer.optimizer, revealed)
         except ValueError as error:
             return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
         trainer.reset_state = False
         try:
-            rerun = self.rerun(task.lease, task.base)
+            rerun = self.rerun(task.lease, task.base, residual)
         finally:
             trainer.reset_state = True
-        end = inner_state_digest(trainer.optimizer)
+        inner_end = inner_state_digest(trainer.optimizer)
+        end = None if inner_end is None else committed_digest(inner_end, self.pending)
+        self.pending = None
         trainer.reset_inner_state()
         knobs = self.cfg.runtime.verify
         comparison = compare(rerun, task.update, knobs.tolerance, knobs.min_cosine)

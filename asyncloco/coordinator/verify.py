@@ -324,7 +324,8 @@ class DaemonVerification:
         }
 
     def reveal_limit(self, lease_id: str, peer: str) -> int:
-        """The most bytes the reveal of ``lease_id`` may carry (the model's inner-state size); raises ValueError naming
+        """The most bytes the reveal of ``lease_id`` may carry (the model's inner-state size, with error feedback plus
+        its residual); raises ValueError naming
         the problem when no reveal of it by ``peer`` is awaited (checked before any byte of the body is read)."""
         waiting = self.awaiting.get(lease_id)
         if waiting is None or waiting[0].peer != peer:
@@ -332,7 +333,13 @@ class DaemonVerification:
             raise ValueError(f"no reveal of lease {lease_id[:40]} is awaited from this peer (not chosen, already "
                              "revealed, or past runtime.verify.reveal_timeout)")
         if self._state_size is None:  # Σ (1 + 8 + 8n) over the model's parameters: the layout of a full AdamW state
-            self._state_size = sum(9 + 8 * param.numel() for param in self.daemon.model.parameters())
+            from asyncloco.peer.reveal import revealed_size
+
+            params = list(self.daemon.model.parameters())
+            inner = sum(9 + 8 * param.numel() for param in params)
+            # with error feedback the residual comes with it (peer/reveal.py pack_reveal)
+            self._state_size = revealed_size(inner, sum(param.numel() for param in params),
+                                             self.daemon.cfg.runtime.uses_error_feedback)
         return self._state_size
 
     def reveal(self, lease_id: str, state: bytes, peer: str) -> Any:

@@ -18,7 +18,10 @@ One :class:`ErrorFeedback` per peer, shared by the runtime (asyncloco/peer/runne
   again, and re-sending part of a refused update would only be refused again;
 * **a restart or an ``--identity`` rejoin** starts from zero: the residual lives in memory only (one
   θ-sized fp32 tensor), never on disk, so there is nothing stale to resume. At most one round's dropped
-  part is lost, the same as one unsent round.
+  part is lost, the same as one unsent round;
+* **with re-run verification** (``runtime.verify``, carried inner state) the residual is committed and revealed
+  with the inner state (asyncloco/peer/reveal.py), and the verifier re-runs the feedback's arithmetic with this
+  class (asyncloco/coordinator/rerun.py).
 
 With ``enabled=False`` (or the lossless codec ``none``) :meth:`encode` is plain ``codecs.encode``.
 """
@@ -82,6 +85,12 @@ class ErrorFeedback:
             logger.info("update not applied: the error-feedback residual is dropped")
         self.residual = self._pending if applied else None
         self._pending = None
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """The residual the upload in flight leaves if it is applied (committed as the lease's end state when a
+        verified run uses feedback: peer/reveal.py ``committed_digest``)."""
+        return self._pending
 
     def residual_norm(self) -> float:
         return 0.0 if self.residual is None else float(self.residual.norm())

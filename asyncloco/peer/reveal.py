@@ -20,11 +20,72 @@ import logging
 from collections import OrderedDict
 from typing import Any, Optional
 
+import hashlib
+import struct
+
+import numpy as np
+import torch
+
 from asyncloco.peer.inner import FRESH_STATE_DIGEST, inner_state_chunks
 
-__all__ = ["RevealStore", "send_reveal"]
+__all__ = ["RevealStore", "send_reveal", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size"]
 
 logger = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------- the error-feedback residual, committed too
+#
+# With error feedback (runtime.error_feedback, peer/feedback.py) the upload is encode(Δ + β·e_prev): the residual
+# e_prev is part of what a lease's submission depends on, so it is committed with the inner state and revealed with
+# it. The commitment is the inner state's digest when there is no residual (a fresh peer, or one whose last upload
+# was not applied: both drop it), else sha256 over the inner digest and the residual's little-endian float32 bytes.
+# The revealed bytes, with feedback on: the inner state's length (uint64 LE), its canonical layout, then the residual
+# (4 bytes per parameter, or nothing when there is none).
+
+_RESIDUAL_DOMAIN = b"asyncloco inner state + residual v1:"
+
+
+def _residual_bytes(residual: torch.Tensor) -> bytes:
+    return residual.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+
+def committed_digest(inner_digest: str, residual: Optional[torch.Tensor]) -> str:
+    """The commitment to an inner state (its digest, peer/inner.py) together with the error-feedback residual."""
+    if residual is None:
+        return inner_digest
+    hasher = hashlib.sha256(_RESIDUAL_DOMAIN + inner_digest.encode())
+    hasher.update(_residual_bytes(residual))
+    return hasher.hexdigest()
+
+
+def pack_reveal(inner: bytes, residual: Optional[torch.Tensor]) -> bytes:
+    """The revealed bytes with error feedback on: the inner state's length and layout, then the residual."""
+    return struct.pack("<Q", len(inner)) + inner + (b"" if residual is None else _residual_bytes(residual))
+
+
+def revealed_size(inner_size: int, numel: int, feedback: bool) -> int:
+    """The most bytes a reveal may carry: the full inner state (``inner_size``), with feedback plus 8 + 4·numel."""
+    return inner_size + (8 + 4 * numel if feedback else 0)
+
+
+def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor]]:
+    """Split revealed bytes (feedback on) into the inner state's layout and the residual (None when absent); b""
+    is the fresh state without a residual. Raises ValueError naming what is malformed."""
+    if not data:
+        return b"", None
+    if len(data) < 8:
+        raise ValueError(f"the revealed state has {len(data)} bytes, fewer than its 8-byte length field")
+    (inner_length,) = struct.unpack_from("<Q", data, 0)
+    rest = len(data) - 8 - inner_length
+    if inner_length > len(data) - 8 or rest not in (0, 4 * numel):
+        raise ValueError(f"the revealed state's inner part of {inner_length} bytes leaves {len(data) - 8 - inner_length} "
+                         f"bytes for the residual, which needs 0 or {4 * numel}")
+    inner = bytes(data[8 : 8 + inner_length])
+    if rest == 0:
+        return inner, None
+    residual = torch.from_numpy(np.frombuffer(data, dtype="<f4", offset=8 + inner_length, count=numel).astype(np.float32))
+    if not bool(torch.isfinite(residual).all()):
+        raise ValueError("the revealed residual has a NaN or Inf")
+    return inner, residual
 
 
 class RevealStore:
@@ -36,12 +97,14 @@ class RevealStore:
         self.keep = keep
         self._states: "OrderedDict[str, bytes]" = OrderedDict()
 
-    def hold(self, lease_id: str, optimizer: Any) -> None:
-        """Keep ``optimizer``'s state as lease ``lease_id`` starts from it (nothing for a fresh state)."""
+    def hold(self, lease_id: str, optimizer: Any, residual: Optional[torch.Tensor] = None, feedback: bool = False) -> None:
+        """Keep ``optimizer``'s state (and, with error feedback on, the residual) as lease ``lease_id`` starts from
+        it — nothing for a fresh state without a residual."""
         chunks = inner_state_chunks(optimizer)
-        if not chunks:
+        if chunks is None or (not chunks and residual is None):
             return
-        self._states[lease_id] = b"".join(chunks)
+        inner = b"".join(chunks)
+        self._states[lease_id] = pack_reveal(inner, residual) if feedback else inner
         self._states.move_to_end(lease_id)
         while len(self._states) > self.keep:
             self._states.popitem(last=False)

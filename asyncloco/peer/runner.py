@@ -59,6 +59,7 @@ from asyncloco.peer.distributed import (
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
 from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
 from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, update_idle, write_summary
+from asyncloco.peer.reveal import committed_digest
 from asyncloco.peer.upload import error_feedback, submit_with_retry
 from asyncloco.peer.waits import Aborted, pause, race
 from asyncloco.refusals import RefusalCode
@@ -140,6 +141,7 @@ class PeerRunner:
         self._abort_flag = threading.Event()  # the same, for the training thread
         self._inner_loss: Optional[float] = None  # mean inner loss of the latest round (sent with its update)
         self._digests: tuple[Optional[str], Optional[str]] = (None, None)  # inner-state commitments of the latest round
+        self._inner_end: Optional[str] = None  # the inner state's digest at the latest round's end (without the residual)
         self.reveals: Any = None  # peer/reveal.py RevealStore: start states of the last leases, revealed on request
         self._cfg: Optional[RunConfig] = None  # the run's config, once fetched
         self._closing = asyncio.Event()
@@ -441,7 +443,11 @@ class PeerRunner:
         except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
             logger.warning("lease %s not submitted: %s", lease.lease_id, error)
             trainer.reset_inner_state()  # the commitment chain goes on from the fresh state
+            self.feedback.settle(False)  # and from no residual (the fresh state's commitment has none)
             return None
+        if self._commits(trainer) and self.feedback.enabled and self._inner_end is not None:
+            # with error feedback the lease's end state includes the residual this upload leaves (peer/reveal.py)
+            self._digests = (self._digests[0], committed_digest(self._inner_end, self.feedback.pending))
         if self._stop.is_set():
             logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
         ack = await submit_with_retry(client, lease, encoded, inner_loss=self._inner_loss, digests=self._digests,
@@ -497,11 +503,17 @@ class PeerRunner:
         if commit:
             from asyncloco.peer.reveal import RevealStore
 
-            if self.reveals is None and self._cfg is not None:
+            assert state_start is not None and self._cfg is not None
+            # error feedback: the residual this lease's upload adds is committed and revealed with the inner state
+            feedback = self._cfg.runtime.uses_error_feedback
+            residual = self.feedback.residual if feedback and self.feedback is not None else None
+            state_start = committed_digest(state_start, residual)
+            if self.reveals is None:
                 self.reveals = RevealStore(self._cfg.runtime.verify.reveal_keep)
-            self.reveals.hold(lease.lease_id, trainer.optimizer)
+            self.reveals.hold(lease.lease_id, trainer.optimizer, residual, feedback=feedback)
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
-        self._digests = (state_start, trainer.state_digest() if commit else None)
+        self._inner_end = trainer.state_digest() if commit else None
+        self._digests = (state_start, self._inner_end)  # with feedback, _upload adds the residual to the end
         loss = float(result.mean_loss)
         self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
