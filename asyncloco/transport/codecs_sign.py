@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from asyncloco.transport import native
 from asyncloco.transport.codec_format import EncodedTensor, SIGN_BLOCK, sign_params, wire_bytes
 from asyncloco.transport.errors import CodecError
+from asyncloco.transport.native import sign_decode_blocks, sign_kernel
 
 F32_MAX = float(np.finfo(np.float32).max)
 SLAB = 1 << 16  # values decoded per pass: whole scale blocks, whole groups and whole bytes of sign bits
@@ -95,12 +95,12 @@ def decode_sign(encoded: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
     values = out.numpy()
     whole = numel - numel % SIGN_BLOCK
 
-    kernel = native.sign_kernel()
+    kernel = sign_kernel()
 
     def decode_range(first: int, last: int) -> None:
         if kernel is not None:  # the compiled one-pass decoder (asyncloco/transport/native.py), same values
-            native.sign_decode_blocks(kernel, packed[first * p // q // 8 : last * p // q // 8], values[first:last],
-                                      scale[first // SIGN_BLOCK : last // SIGN_BLOCK], p, q, rotation)
+            sign_decode_blocks(kernel, packed[first * p // q // 8 : last * p // q // 8], values[first:last],
+                               scale[first // SIGN_BLOCK : last // SIGN_BLOCK], p, q, rotation)
             return
         for start in range(first, last, SLAB):
             stop = min(start + SLAB, last)  # a multiple of 512: whole groups, and start · p / q whole bytes
