@@ -32,7 +32,7 @@ local progress) *before* it calls
 ``handle`` and passes both losses in the ``SubmitUpdate`` event (so they are in the write-ahead log and a
 replay makes the same decision without a model: :func:`score` stays pure). For an update in the gray zone
 — after warm-up, a cosine in [−flip_margin × median, max(cosine_cap, probe_below × median)), and from a peer past
-probation also below that (pointing away: taken with weak agreement only if the probe falls by the margin,
+probation also below that (pointing away: taken with weak agreement only if the probe falls,
 :func:`_probe_away`) — a probe loss
 that rises by more than ``probe_margin`` (relative, scaled by ``sqrt(steps / full_steps)``: :func:`probe_margin`) rejects it (counted
 toward quarantine when above ``probe_count_factor`` × that: it makes the model worse), one that falls by
@@ -309,12 +309,23 @@ def _probe_away(policy: GatePolicy, seen: _Update, before: float, after: float, 
     here (issue 20: three at cosine −0.06…−0.13 against a median of 0.20–0.23, refused as pointing away in one
     suite run under load — the bar −0.25 × median is near zero when the consensus is spread): one that lowers the
     probe loss by more than the margin is taken with weak agreement; one that raises it by more is rejected and
-    counted (a sign-flipped update goes uphill); one in between is refused without counting."""
+    counted (a sign-flipped update goes uphill); one that lowers it by less is taken with weak agreement too (a
+    captured consensus, below); one that does not lower it at all is refused without counting."""
     cosine = seen.cosine
     if math.isfinite(before) and math.isfinite(after) and after < before * (1.0 - margin):
         return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
                      f"points away from the consensus, but lowers the probe-batch loss {before:.5f} → {after:.5f} "
                      f"(more than the {100 * margin:.3g} % margin)")
+    if math.isfinite(before) and math.isfinite(after) and after < before:
+        # Downhill, by less than the margin: from an established peer that is honest work against a consensus one
+        # peer has captured (a suite run: an honest newcomer's fresh-AdamW direction held ≈ 0.7 of the reference,
+        # and the two established peers' updates, at cosine −0.09…−0.17 and lowering the probe loss by ≈ 0.03 %,
+        # were refused 97 times in a row: their refusals kept them out of the reference, which kept them pointing
+        # away), or the noise of a sign code's error feedback (docs/compression.md). Taken at no more than the
+        # median norm and kept out of the statistics; a sign-flipped update goes uphill (below) and is counted.
+        return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
+                     f"points away from the consensus, but lowers the probe-batch loss {before:.5f} → {after:.5f} "
+                     f"(within the {100 * margin:.3g} % margin)")
     uphill = not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin))
     return GateVerdict(
         "reject", 0.0, seen.norm, cosine,
