@@ -341,6 +341,57 @@ def test_repair_keeps_unchecked_honest_work_in_flight() -> None:
     assert leases["p3"].lease_id not in book.by_version.get(base["p3"], {})
 
 
+def test_a_live_lease_the_replay_never_issued_is_adopted_with_its_work() -> None:
+    """The replay behind a repair can hold a request the live run answered (its grace windows see other versions
+    without the discarded updates: an attack benchmark run lost all 3 honest leases in flight at a repair so). Such a
+    live lease is adopted with the work its peer has when its θ was downloaded and its shard range is still free; its
+    update is then applied to the repaired θ. Not adopted: a lease not downloaded, one whose range the replay issued
+    again. The Repaired event carries the adoption, so handling it again, or a later replay across it, repeats it."""
+    from asyncloco.coordinator.logic import Applied, Fetched, Repaired
+
+    anchor = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+    for peer in ("p1", "p2"):
+        handle(anchor, SpeedReport(peer, 10.0), 0.0)
+    live = copy.deepcopy(anchor)
+    mine = lease_of(handle(live, RequestWork("p1"), 0.0)[1])
+    handle(live, Fetched("p1", mine.base_version), 0.0)
+    unfetched = lease_of(handle(live, RequestWork("p2"), 0.0)[1])  # its peer has not downloaded θ yet
+    assert mine.shard == unfetched.shard == 0 and unfetched.start_offset == mine.start_offset + mine.steps
+    result = repair(copy.deepcopy(anchor), [], ["x"], live.version, live.leases, live.lease_counter)
+    assert [tuple(e[:2]) for e in result.repaired.adopted] == [(mine.lease_id, "p1")]
+    adopted = result.state.leases[mine.lease_id]
+    assert list(result.state.leases) == [mine.lease_id] and dataclasses.asdict(adopted) == dataclasses.asdict(
+        live.leases[mine.lease_id])
+    shard = result.state.shards[0]
+    assert (shard.cursor, shard.assigned, shard.returned) == (mine.start_offset + mine.steps, mine.steps, [])
+    # handled again: nothing changes; a later replay that meets the event in the log adopts the same lease
+    again = copy.deepcopy(result.state)
+    _, actions = handle(again, result.repaired, 1.0)
+    assert actions == [] and again.leases == result.state.leases and again.shards == result.state.shards
+    later = copy.deepcopy(anchor)
+    handle(later, Repaired(**{**dataclasses.asdict(result.repaired),
+                              "adopted": [list(e) for e in result.repaired.adopted]}), 1.0)  # as a log decodes it
+    assert later.leases == result.state.leases and later.shards == result.state.shards
+    # its peer's update is applied to the repaired θ
+    honest = torch.arange(DIM, dtype=torch.float32)
+    _, actions = handle(result.state, SubmitUpdate("p1", mine.lease_id, mine.base_version, honest.clone()), 2.0)
+    assert len([a for a in actions if isinstance(a, Applied)]) == 1
+    reference = torch.zeros(DIM)
+    OuterNesterov(0.5, 0.9).step(reference, honest)
+    assert torch.equal(result.state.params, reference)
+    # a range the replay issued again (its cursor past the lease's start) is not adopted: the lease stays given back
+    taken = copy.deepcopy(anchor)
+    taken.shards[0].cursor = mine.start_offset + 1
+    assert mine.lease_id not in repair(taken, [], ["x"], live.version, live.leases, live.lease_counter).state.leases
+    # a range past the cursor: the gap before it goes back to the shard, to be issued first
+    behind = copy.deepcopy(anchor)
+    behind.shards[0].cursor = 0
+    live_gap = copy.deepcopy(live.leases)
+    live_gap[mine.lease_id].start_offset = 7
+    gap = repair(behind, [], ["x"], live.version, live_gap, live.lease_counter).state.shards[0]
+    assert (gap.cursor, gap.returned) == (7 + mine.steps, [(0, 7)])
+
+
 def test_a_repair_never_hands_out_a_lease_id_issued_before_it() -> None:
     """The replay behind a repair can issue fewer leases than the live run did (found in a 3-colluder benchmark run:
     a lease id voided by a repair was issued again to another honest peer, the first peer's submission then

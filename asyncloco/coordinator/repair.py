@@ -29,6 +29,7 @@ from asyncloco.coordinator.logic import (
     SubmitUpdate,
     handle,
 )
+from asyncloco.coordinator.logic.events import ADOPTED_FIELDS
 
 __all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "Anchors", "RepairResult", "log_events", "repair", "repaired_event"]
 
@@ -71,7 +72,9 @@ def repair(
     (the repair drops the retained base θs), of a peer not expelled, not chosen for verification, and the method needs
     no θ_base: it keeps the live base version (the one its peer's submission names) and its update is then applied
     to the repaired θ as a stale one. Every other active lease is given back (all of them without ``live_leases``).
-    The version jumps to ``live_version + 1``, and the lease counter to at least ``live_lease_counter`` (the live
+    A live lease the replay never issued (its grace windows held that request) is adopted with its live work under
+    the same conditions (not chosen for verification), where its shard range is still free (:func:`repaired_event`,
+    logic/submit.py ``_adopt``). The version jumps to ``live_version + 1``, and the lease counter to at least ``live_lease_counter`` (the live
     coordinator's): the replay can issue fewer leases than the live run did (its holds and grace windows see other
     versions), and a lease id is the counter's HMAC, so a lower counter would hand out again ids of leases issued
     before the repair — an honest peer still holding a voided one would then submit a lease that "belongs to another
@@ -163,6 +166,16 @@ def repaired_event(
 
     kept = sorted(lease_id for lease_id, lease in state.leases.items() if keep(lease))
     assert live_leases is not None or not kept
+    # Honest work in flight that the replay never issued: its grace windows see other versions without the discarded
+    # updates and held those requests instead (an attack benchmark run: all 3 honest leases in flight at a repair,
+    # downloaded and training, were lost so). Adopted as the live coordinator issued them when their peer has θ, is
+    # not expelled, no θ_base is needed and no check is due; the logic claims their shard ranges (logic/submit.py).
+    adopted = tuple(
+        tuple(getattr(live, name) for name in ADOPTED_FIELDS)
+        for lease_id, live in sorted((live_leases or {}).items())
+        if lease_id not in state.leases and live.peer not in excluded and (live.fetched or live.held)
+        and not live.verify and not state.needs_base_params and live.peer not in state.verification.expelled
+    )
     chain = dict(state.verification.chain) if live_chain is None else dict(live_chain)
     peers = sorted(peer for peer in chain if peer not in excluded)
     return Repaired(
@@ -173,6 +186,7 @@ def repaired_event(
         kept_versions=tuple(live_leases[lease_id].base_version for lease_id in kept) if live_leases else (),
         chain_peers=tuple(peers),
         chain_digests=tuple(chain[peer] for peer in peers),
+        adopted=adopted,
     )
 
 

@@ -507,6 +507,8 @@ class DaemonVerification:
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
             "version_before": before_version, "version_after": result.state.version, "seconds": round(seconds, 3),
             "voided": sum(1 for a in result.voided if isinstance(a, Expired)), "kept": len(result.state.leases),
+            # of the kept: live leases the replay never issued, adopted with their peers' work (coordinator/repair.py)
+            "adopted": sum(1 for entry in result.repaired.adopted if str(entry[0]) in result.state.leases),
         }
         self.repairs.append(summary)
         journal.write("repaired", **summary)

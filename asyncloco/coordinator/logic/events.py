@@ -4,7 +4,7 @@ stores events by class name and field (coordinator/wal.py); the daemon carries o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -171,6 +171,13 @@ class Repaired:
     kept_versions: tuple[int, ...]
     chain_peers: tuple[str, ...]
     chain_digests: tuple[str, ...]
+    # live leases the replay never issued (its grace windows held their requests instead), each as ADOPTED_FIELDS:
+    # adopted with the work its peer has when its shard range is still free after the give-backs (absent in older logs)
+    adopted: tuple[tuple[Any, ...], ...] = ()
+
+
+ADOPTED_FIELDS = ("lease_id", "peer", "shard", "start_offset", "steps", "lr_offset", "base_version", "issued_at",
+                  "expected_finish", "deadline", "fetched", "held")
 
 
 Event = Union[

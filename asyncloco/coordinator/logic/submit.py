@@ -13,6 +13,7 @@ from asyncloco.algo.dylu import ema
 from asyncloco.algo.staleness import apply_transforms
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.logic.events import (
+    ADOPTED_FIELDS,
     Action, Applied, Discard, Duplicate, Expelled, Quarantined, Rejected, Released, Repaired, SubmitUpdate, Unverified,
     Verdict, Verified, Verify,
 )
@@ -77,12 +78,14 @@ def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
     """Repeat what a repair decided beyond its replay (events.Repaired): give back every lease but the kept ones,
     which keep their live base version; jump the version and the lease counter; restore the commitment chain."""
     kept = dict(zip(event.kept, event.kept_versions))
+    adopted_ids = {str(entry[0]) for entry in event.adopted}
     actions = void_leases(state, "θ was repaired after an expulsion: ask for a new lease",
-                          lambda lease: lease.lease_id in kept)
+                          lambda lease: lease.lease_id in kept or lease.lease_id in adopted_ids)
     renumbered = False
     for lease in state.leases.values():
-        if lease.base_version != kept[lease.lease_id]:
+        if lease.base_version != kept.get(lease.lease_id, lease.base_version):
             lease.base_version, renumbered = kept[lease.lease_id], True
+    renumbered = _adopt(state, event) or renumbered
     if renumbered:
         state.indexes = DerivedIndexes()  # the lease book indexes leases by base version: rebuilt on next use
     state.verification.pending.clear()
@@ -92,6 +95,36 @@ def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
     state.verification.chain = {peer: digest for peer, digest in zip(event.chain_peers, event.chain_digests)
                                 if peer not in expelled}
     return actions
+
+
+def _adopt(state: CoordinatorState, event: Repaired) -> bool:
+    """Take on the live leases the repair's replay never issued (events.Repaired ``adopted``), each with the work its
+    peer has, where its shard range is still free: at or past the shard's cursor after the give-backs (a gap before
+    it goes back to the shard, to be issued first). One whose range the replay issued again stays given back. True
+    when a lease was adopted. Repeating the event adopts nothing twice."""
+    changed = False
+    for entry in sorted(event.adopted, key=lambda e: (int(e[2]), int(e[3]), str(e[0]))):
+        fields = dict(zip(ADOPTED_FIELDS, entry))
+        lease_id, shard_index = str(fields["lease_id"]), int(fields["shard"])
+        start, steps = int(fields["start_offset"]), int(fields["steps"])
+        if lease_id in state.leases or not 0 <= shard_index < len(state.shards) or steps < 1:
+            continue
+        shard = state.shards[shard_index]
+        if start < shard.cursor:
+            continue
+        if start > shard.cursor:
+            shard.returned.append((shard.cursor, start - shard.cursor))
+            shard.returned.sort()
+        shard.cursor = start + steps
+        shard.assigned += steps
+        state.leases[lease_id] = Lease(
+            lease_id=lease_id, peer=str(fields["peer"]), shard=shard_index, start_offset=start, steps=steps,
+            lr_offset=int(fields["lr_offset"]), base_version=int(fields["base_version"]),
+            issued_at=float(fields["issued_at"]), expected_finish=float(fields["expected_finish"]),
+            deadline=float(fields["deadline"]), fetched=bool(fields["fetched"]), held=bool(fields["held"]),
+        )
+        changed = True
+    return changed
 
 
 def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None) -> list[Action]:
