@@ -107,7 +107,8 @@ def _adopt(state: CoordinatorState, event: Repaired) -> bool:
         fields = dict(zip(ADOPTED_FIELDS, entry))
         lease_id, shard_index = str(fields["lease_id"]), int(fields["shard"])
         start, steps = int(fields["start_offset"]), int(fields["steps"])
-        if lease_id in state.leases or not 0 <= shard_index < len(state.shards) or steps < 1:
+        if (lease_id in state.leases or not 0 <= shard_index < len(state.shards) or steps < 1
+                or str(fields["peer"]) not in state.peers):
             continue
         shard = state.shards[shard_index]
         if start < shard.cursor:
