@@ -345,8 +345,9 @@ def test_a_live_lease_the_replay_never_issued_is_adopted_with_its_work() -> None
     """The replay behind a repair can hold a request the live run answered (its grace windows see other versions
     without the discarded updates: an attack benchmark run lost all 3 honest leases in flight at a repair so). Such a
     live lease is adopted with the work its peer has when its θ was downloaded and its shard range is still free; its
-    update is then applied to the repaired θ. Not adopted: a lease not downloaded, one whose range the replay issued
-    again. The Repaired event carries the adoption, so handling it again, or a later replay across it, repeats it."""
+    update is then applied to the repaired θ. A lease the replay issued with other work is swapped for the live one.
+    Not adopted: a lease not downloaded. The Repaired event carries the adoption, so handling it again, or a later
+    replay across it, repeats it."""
     from asyncloco.coordinator.logic import Applied, Fetched, Repaired
 
     anchor = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
@@ -379,10 +380,22 @@ def test_a_live_lease_the_replay_never_issued_is_adopted_with_its_work() -> None
     reference = torch.zeros(DIM)
     OuterNesterov(0.5, 0.9).step(reference, honest)
     assert torch.equal(result.state.params, reference)
-    # a range the replay issued again (its cursor past the lease's start) is not adopted: the lease stays given back
+    # a range the replay issued already (its cursor past the lease's start): adopted all the same, its batches trained
+    # again rather than the peer's work thrown away; the cursor stays past both
     taken = copy.deepcopy(anchor)
-    taken.shards[0].cursor = mine.start_offset + 1
-    assert mine.lease_id not in repair(taken, [], ["x"], live.version, live.leases, live.lease_counter).state.leases
+    taken.shards[0].cursor = mine.start_offset + mine.steps + 5
+    again_taken = repair(taken, [], ["x"], live.version, live.leases, live.lease_counter).state
+    assert again_taken.leases[mine.lease_id] == live.leases[mine.lease_id]
+    assert again_taken.shards[0].cursor == mine.start_offset + mine.steps + 5
+    # the replay issued the same lease id with other work: that one goes back, the live one is adopted
+    other = copy.deepcopy(anchor)
+    other.shards[0].cursor = 50
+    replayed = lease_of(handle(other, RequestWork("p1"), 0.0)[1])
+    assert replayed.lease_id == mine.lease_id and replayed.start_offset == 50 != mine.start_offset
+    swapped = repair(other, [], ["x"], live.version, live.leases, live.lease_counter)
+    assert swapped.state.leases[mine.lease_id] == live.leases[mine.lease_id]
+    assert [(type(a).__name__, a.lease_id) for a in swapped.voided] == [("Expired", mine.lease_id)]
+    assert swapped.state.shards[0].cursor == 50  # the replayed range rewound, the adopted one lies before it
     # a range past the cursor: the gap before it goes back to the shard, to be issued first
     behind = copy.deepcopy(anchor)
     behind.shards[0].cursor = 0

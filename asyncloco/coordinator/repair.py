@@ -170,10 +170,12 @@ def repaired_event(
     # updates and held those requests instead (an attack benchmark run: all 3 honest leases in flight at a repair,
     # downloaded and training, were lost so). Adopted as the live coordinator issued them when their peer has θ, is
     # not expelled, no θ_base is needed and no check is due; the logic claims their shard ranges (logic/submit.py).
+    # The same goes for a live lease the replay issued with other work (its shard cursors saw other leases): the
+    # replayed one is given back and the live one adopted.
     adopted = tuple(
         tuple(getattr(live, name) for name in ADOPTED_FIELDS)
         for lease_id, live in sorted((live_leases or {}).items())
-        if lease_id not in state.leases and live.peer not in excluded and (live.fetched or live.held)
+        if lease_id not in kept and live.peer not in excluded and (live.fetched or live.held)
         and not live.verify and not state.needs_base_params and live.peer not in state.verification.expelled
     )
     chain = dict(state.verification.chain) if live_chain is None else dict(live_chain)

@@ -78,9 +78,10 @@ def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
     """Repeat what a repair decided beyond its replay (events.Repaired): give back every lease but the kept ones,
     which keep their live base version; jump the version and the lease counter; restore the commitment chain."""
     kept = dict(zip(event.kept, event.kept_versions))
-    adopted_ids = {str(entry[0]) for entry in event.adopted}
+    adopted = {str(entry[0]): _adopted_lease(entry) for entry in event.adopted}
+    # a lease already adopted (the event handled again) stays; a replayed one under an adopted id goes back
     actions = void_leases(state, "θ was repaired after an expulsion: ask for a new lease",
-                          lambda lease: lease.lease_id in kept or lease.lease_id in adopted_ids)
+                          lambda lease: lease.lease_id in kept or adopted.get(lease.lease_id) == lease)
     renumbered = False
     for lease in state.leases.values():
         if lease.base_version != kept.get(lease.lease_id, lease.base_version):
@@ -97,33 +98,35 @@ def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
     return actions
 
 
+def _adopted_lease(entry: tuple[object, ...] | list[object]) -> Lease:
+    fields = dict(zip(ADOPTED_FIELDS, entry))
+    return Lease(
+        lease_id=str(fields["lease_id"]), peer=str(fields["peer"]), shard=int(str(fields["shard"])),
+        start_offset=int(str(fields["start_offset"])), steps=int(str(fields["steps"])),
+        lr_offset=int(str(fields["lr_offset"])), base_version=int(str(fields["base_version"])),
+        issued_at=float(str(fields["issued_at"])), expected_finish=float(str(fields["expected_finish"])),
+        deadline=float(str(fields["deadline"])), fetched=bool(fields["fetched"]), held=bool(fields["held"]),
+    )
+
+
 def _adopt(state: CoordinatorState, event: Repaired) -> bool:
-    """Take on the live leases the repair's replay never issued (events.Repaired ``adopted``), each with the work its
-    peer has, where its shard range is still free: at or past the shard's cursor after the give-backs (a gap before
-    it goes back to the shard, to be issued first). One whose range the replay issued again stays given back. True
-    when a lease was adopted. Repeating the event adopts nothing twice."""
+    """Take on the live leases the repair's replay did not issue as they were (events.Repaired ``adopted``), each
+    with the work its peer has. Its shard range is claimed: the cursor moves past it (a gap before it goes back to
+    the shard, to be issued first); a range the replay already issued is trained again by the adopted lease (a few
+    batches twice rather than the peer's whole lease thrown away). True when a lease was adopted. Repeating the event
+    adopts nothing twice."""
     changed = False
-    for entry in sorted(event.adopted, key=lambda e: (int(e[2]), int(e[3]), str(e[0]))):
-        fields = dict(zip(ADOPTED_FIELDS, entry))
-        lease_id, shard_index = str(fields["lease_id"]), int(fields["shard"])
-        start, steps = int(fields["start_offset"]), int(fields["steps"])
-        if (lease_id in state.leases or not 0 <= shard_index < len(state.shards) or steps < 1
-                or str(fields["peer"]) not in state.peers):
+    for lease in sorted((_adopted_lease(e) for e in event.adopted), key=lambda l: (l.shard, l.start_offset, l.lease_id)):
+        if lease.lease_id in state.leases or not 0 <= lease.shard < len(state.shards) or lease.steps < 1 \
+                or lease.peer not in state.peers:
             continue
-        shard = state.shards[shard_index]
-        if start < shard.cursor:
-            continue
-        if start > shard.cursor:
-            shard.returned.append((shard.cursor, start - shard.cursor))
+        shard = state.shards[lease.shard]
+        if lease.start_offset > shard.cursor:
+            shard.returned.append((shard.cursor, lease.start_offset - shard.cursor))
             shard.returned.sort()
-        shard.cursor = start + steps
-        shard.assigned += steps
-        state.leases[lease_id] = Lease(
-            lease_id=lease_id, peer=str(fields["peer"]), shard=shard_index, start_offset=start, steps=steps,
-            lr_offset=int(fields["lr_offset"]), base_version=int(fields["base_version"]),
-            issued_at=float(fields["issued_at"]), expected_finish=float(fields["expected_finish"]),
-            deadline=float(fields["deadline"]), fetched=bool(fields["fetched"]), held=bool(fields["held"]),
-        )
+        shard.cursor = max(shard.cursor, lease.start_offset + lease.steps)
+        shard.assigned += lease.steps
+        state.leases[lease.lease_id] = lease
         changed = True
     return changed
 
