@@ -176,7 +176,7 @@ def repaired_event(
         tuple(getattr(live, name) for name in ADOPTED_FIELDS)
         for lease_id, live in sorted((live_leases or {}).items())
         if lease_id not in kept and live.peer not in excluded and (live.fetched or live.held)
-        and not live.verify and not state.needs_base_params and live.peer not in state.verification.expelled
+        and not live.verify and not state.needs_base_params
     )
     chain = dict(state.verification.chain) if live_chain is None else dict(live_chain)
     peers = sorted(peer for peer in chain if peer not in excluded)

@@ -64,7 +64,6 @@ class Rerunner:
         self.workload = workload
         self.device = device
         self._trainer: Optional["InnerTrainer"] = None
-        self.pending: Optional[torch.Tensor] = None  # with error feedback: the residual the last re-run's upload left
 
     @property
     def trainer(self) -> "InnerTrainer":
@@ -75,23 +74,27 @@ class Rerunner:
             self._trainer.reset_state = True
         return self._trainer
 
-    def rerun(self, lease: Lease, base: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it
-        (with error feedback: from the peer's residual ``residual``; :attr:`pending` is then the residual it leaves)."""
+    def rerun(self, lease: Lease, base: torch.Tensor) -> torch.Tensor:
+        """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it."""
+        return self._rerun(lease, base, None)[0]
+
+    def _rerun(self, lease: Lease, base: torch.Tensor,
+               residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`rerun` with error feedback from the peer's residual ``residual``: also the residual the upload leaves
+        (None without feedback)."""
         from asyncloco.peer.feedback import ErrorFeedback
         from asyncloco.transport.codecs import decode
 
         result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
         runtime = self.cfg.runtime
-        self.pending = None
         if runtime.codec == "none":
-            return result.pseudo_gradient
+            return result.pseudo_gradient, None
         # the peer's own arithmetic (peer/feedback.py), so that an honest upload reproduces bit for bit
         feedback = ErrorFeedback(runtime.codec, runtime.uses_error_feedback, runtime.error_feedback_decay)
         feedback.residual = residual
         encoded, decoded = feedback.encode_decoded(result.pseudo_gradient)
-        self.pending = feedback.pending
-        return decoded if decoded is not None else decode(encoded, result.pseudo_gradient.numel())
+        update = decoded if decoded is not None else decode(encoded, result.pseudo_gradient.numel())
+        return update, feedback.pending
 
     def check(self, task: Verify) -> Comparison:
         knobs = self.cfg.runtime.verify
@@ -120,12 +123,11 @@ class Rerunner:
             return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
         trainer.reset_state = False
         try:
-            rerun = self.rerun(task.lease, task.base, residual)
+            rerun, left = self._rerun(task.lease, task.base, residual)
         finally:
             trainer.reset_state = True
         inner_end = inner_state_digest(trainer.optimizer)
-        end = None if inner_end is None else committed_digest(inner_end, self.pending)
-        self.pending = None
+        end = None if inner_end is None else committed_digest(inner_end, left)
         trainer.reset_inner_state()
         knobs = self.cfg.runtime.verify
         comparison = compare(rerun, task.update, knobs.tolerance, knobs.min_cosine)

@@ -59,7 +59,7 @@ from asyncloco.peer.distributed import (
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
 from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
 from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, update_idle, write_summary
-from asyncloco.peer.reveal import committed_digest
+from asyncloco.peer.reveal import RevealStore, committed_digest
 from asyncloco.peer.upload import error_feedback, submit_with_retry
 from asyncloco.peer.waits import Aborted, pause, race
 from asyncloco.refusals import RefusalCode
@@ -501,8 +501,6 @@ class PeerRunner:
         commit = self._commits(trainer)  # runtime.verify with carried inner state: digests before and after
         state_start = trainer.state_digest() if commit else None
         if commit:
-            from asyncloco.peer.reveal import RevealStore
-
             assert state_start is not None and self._cfg is not None
             # error feedback: the residual this lease's upload adds is committed and revealed with the inner state
             feedback = self._cfg.runtime.uses_error_feedback

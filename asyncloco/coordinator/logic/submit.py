@@ -5,7 +5,7 @@ the re-runs)."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -98,14 +98,15 @@ def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
     return actions
 
 
-def _adopted_lease(entry: tuple[object, ...] | list[object]) -> Lease:
-    fields = dict(zip(ADOPTED_FIELDS, entry))
+def _adopted_lease(entry: tuple[Any, ...] | list[Any]) -> Lease:
+    """An entry of events.Repaired ``adopted`` (the log may give it back as a list) as the lease it describes."""
+    fields: dict[str, Any] = dict(zip(ADOPTED_FIELDS, entry))
     return Lease(
-        lease_id=str(fields["lease_id"]), peer=str(fields["peer"]), shard=int(str(fields["shard"])),
-        start_offset=int(str(fields["start_offset"])), steps=int(str(fields["steps"])),
-        lr_offset=int(str(fields["lr_offset"])), base_version=int(str(fields["base_version"])),
-        issued_at=float(str(fields["issued_at"])), expected_finish=float(str(fields["expected_finish"])),
-        deadline=float(str(fields["deadline"])), fetched=bool(fields["fetched"]), held=bool(fields["held"]),
+        lease_id=str(fields["lease_id"]), peer=str(fields["peer"]), shard=int(fields["shard"]),
+        start_offset=int(fields["start_offset"]), steps=int(fields["steps"]), lr_offset=int(fields["lr_offset"]),
+        base_version=int(fields["base_version"]), issued_at=float(fields["issued_at"]),
+        expected_finish=float(fields["expected_finish"]), deadline=float(fields["deadline"]),
+        fetched=bool(fields["fetched"]), held=bool(fields["held"]),
     )
 
 
