@@ -242,11 +242,16 @@ class GateConfig(StrictModel):
         return self
 
 
+# runtime.verify.cross_device_tolerance / _min_cosine by inner.precision when not set (docs/threat-model.md, "Which
+# tolerance"): (max relative L2 error, min cosine) of a lease from another compute class than the verifier's
+CROSS_DEVICE_BOUNDS: dict[str, tuple[float, float]] = {"bf16": (0.1, 0.99), "fp32": (0.01, 0.9999)}
+
+
 class VerifyConfig(StrictModel):
     """Verification of the work itself (coordinator/verify.py, docs/threat-model.md): the coordinator re-runs a
     sample of leases and expels a peer whose pseudo-gradient differs from the re-run."""
 
-    enabled: bool = Field(False, description="re-run a sample of leases and expel peers whose work does not reproduce")
+    enabled: bool = Field(True, description="re-run a sample of leases and expel peers whose work does not reproduce")
     inner_state: Literal["carry", "reset"] = Field(
         "carry", description="reset: fresh inner AdamW state every lease (a re-run needs only θ_base + data); verification needs it"
     )
@@ -260,6 +265,18 @@ class VerifyConfig(StrictModel):
         "device type; a bf16 H100 lease re-run on a CPU in fp32 measured 0.05: use 0.1 with min_cosine 0.99, docs/gpu.md)"
     )
     min_cosine: float = Field(-1.0, ge=-1, le=1, description="also require this cosine with the re-run (with a tolerance > 0)")
+    # a peer that names another compute class than the verifier's (peer/inner.py compute_class: device, GPU model or
+    # CPU instruction set, torch version) cannot be re-run bitwise. Measured (docs/threat-model.md, "Which
+    # tolerance"): a bf16 GPU lease re-run in fp32 on a CPU is 0.05-0.06 away, an honest different lease 1.4
+    # (docs/gpu.md); fp32 leases on other CPU kernels: scripts/verify_tolerance.py --cross-cpu
+    cross_device_tolerance: float | None = Field(
+        None, ge=0, description="max relative L2 error for a lease from another compute class than the verifier's "
+        "(default: 0.1 when inner.precision is bf16, 0.01 in fp32; 0: bitwise for every peer — then only peers of the "
+        "verifier's class can pass a check)"
+    )
+    cross_device_min_cosine: float | None = Field(
+        None, ge=-1, le=1, description="and the cosine it needs with the re-run (default: 0.99 in bf16, 0.9999 in fp32)"
+    )
     lease_warmup: int = Field(
         0, ge=0, description="with inner_state reset: ramp the LR linearly over each lease's first N steps (a fresh AdamW's first steps are large)"
     )
@@ -390,7 +407,8 @@ class RuntimeConfig(StrictModel):
             raise ValueError(
                 f"runtime.download_codec {self.download_codec!r} cannot be combined with runtime.verify.enabled: a peer "
                 "trains from the lossy θ it decoded (a delta from its own anchor), the re-run from the exact θ, so every "
-                "check of an honest peer would fail; with verification set runtime.download_codec: none"
+                "check of an honest peer would fail; with verification (on by default) set runtime.download_codec: none, or turn "
+                "verification off with runtime.verify.enabled: false (docs/threat-model.md says what that gives up)"
             )
         return self
 
@@ -435,7 +453,7 @@ class RunConfig(StrictModel):
             raise ValueError(
                 f"runtime.verify.inner_state 'carry' needs inner.optimizer 'adamw': a peer commits to its inner state "
                 f"byte for byte, and {self.inner.optimizer!r}'s quantized state has no such layout; use inner.optimizer "
-                "'adamw', or runtime.verify.inner_state 'reset'"
+                "'adamw', or runtime.verify.inner_state 'reset' (1.78 × perplexity on lm-tiny), or runtime.verify.enabled: false"
             )
         return self
 

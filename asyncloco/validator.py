@@ -160,7 +160,7 @@ class Validator:
         lease = Lease(header.lease_id, header.peer, header.shard, header.start_offset, header.steps, header.lr_offset,
                       header.base_version, 0.0, 0.0, 0.0)
         task = Verify(header.peer, lease, base, update, "lent to a validator", state_start=header.state_start or "",
-                      state_end=header.state_end or "")
+                      state_end=header.state_end or "", device_class=header.device_class or "")
         started = time.perf_counter()
         try:
             if revealed is None:

@@ -26,8 +26,11 @@ Issue 16 rows (``--attacks ... --gate on``): ``hidden:S`` (honest work plus S ×
 direction), ``poison`` (AdamW on batches half replaced by one trigger sequence), ``alie`` (μ − z·σ from the θ
 versions it downloads), ``tailored`` (just inside the cosine bar at the median norm, the rest along the hidden
 direction), ``freeride`` (echoes the newest θ difference). A row ``NAME[:S]xK`` runs K colluding identities
-(one direction seed), ``--colluders K`` makes it the default. ``--verify`` turns verification on in every run
-(``runtime.verify: {enabled: true}``, the carried inner state checked through the reveal RPC). Per run it also reports the cosine of θ − θ₀ with the
+(one direction seed), ``--colluders K`` makes it the default; a row ending in ``@foreign`` names another compute
+class than the coordinator's in its submissions (its checks get the cross-device tolerance instead of bitwise
+equality: ``hidden:0.009@foreign`` hides just inside the fp32 default of 0.01). ``--verify`` keeps verification
+(on by default: the carried inner state checked through the reveal RPC) in every run; without it every run sets
+``runtime.verify.enabled: false`` and the gate is measured alone. Per run it also reports the cosine of θ − θ₀ with the
 hidden direction, the loss on the trigger sequence (the backdoor metric; the clean runs give its spread), and
 how many of the attackers' updates verification failed and whether they were expelled; ``--new`` runs
 the issue 16 rows.
@@ -94,8 +97,13 @@ class Result:
     honest_steps: int = 0  # local steps of the honest peers' applied leases (applied_steps)
 
 
+# the compute class a row ending in "@foreign" claims (its checks then get the cross-device tolerance, not bitwise)
+FOREIGN_CLASS = "cuda/NVIDIA H100 80GB HBM3 cuda 13.0/torch 2.11.0+cu130"
+
+
 def parse_row(row: str, colluders: int) -> tuple[str, Optional[float], int]:
-    """``NAME[:SCALE][xK]`` → (attack, scale or None, identities)."""
+    """``NAME[:SCALE][xK][@foreign]`` → (attack, scale or None, identities)."""
+    row = row.removesuffix("@foreign")
     name, count = row, colluders
     if "x" in row.rsplit(":", 1)[-1] and row.rsplit("x", 1)[-1].isdigit():
         name, k = row.rsplit("x", 1)
@@ -109,13 +117,13 @@ def write_config(base: Path, directory: Path, gate: bool, verify: bool = False, 
     runtime = config.setdefault("runtime", {})
     runtime["run_id"] = run_id or f"bench-{uuid.uuid4().hex[:10]}"
     runtime.setdefault("gate", {})["enabled"] = gate
-    if verify:
-        # the carried inner state (the default since the reveal RPC): the peers train as they do without verification
-        runtime["verify"] = {**runtime.get("verify", {}), "enabled": True}
-        if runtime.get("error_feedback"):  # a re-run cannot know the residual: verified runs upload int8, no feedback
-            logger.info("--verify: uploads in int8 without error feedback (the config's %s + feedback cannot be re-run)",
-                        runtime.get("codec"))
-            runtime.update(codec="int8", error_feedback=False)
+    # verification is on by default (the carried inner state); without --verify the gate is measured alone
+    runtime["verify"] = {**runtime.get("verify", {}), "enabled": verify}
+    if verify and runtime.get("error_feedback"):
+        # the hostile client (asyncloco/testing/hostile.py) keeps no error-feedback residual: it would be expelled for
+        # a malformed reveal, not for its attack
+        logger.info("--verify: uploads in int8 without error feedback (the hostile client does none)")
+        runtime.update(codec="int8", error_feedback=False)
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -319,7 +327,7 @@ def run_one(
 ) -> Result:
     row = attack
     attack, scale, identities = parse_row(row, colluders)
-    name = f"{row.replace(':', '_')}-gate-{'on' if gate else 'off'}" + (f"-{repeat}" if repeat else "")
+    name = f"{row.replace(':', '_').replace('@', '_')}-gate-{'on' if gate else 'off'}" + (f"-{repeat}" if repeat else "")
     workdir = out / name
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -348,7 +356,8 @@ def run_one(
                      "--run-id", str(cluster.run_id), "--attack", attack, "--summary", str(summary), "--threads", str(threads),
                      "--spy-journal", str(cluster.checkpoint_dir / "events.jsonl"), "--config", str(config), "--seed", str(k),
                      "--direction-seed", str(DIRECTION_SEED), "--trigger-seed", str(TRIGGER_SEED),
-                     *(["--scale", str(scale)] if scale is not None else [])],
+                     *(["--scale", str(scale)] if scale is not None else []),
+                     *(["--device-class", FOREIGN_CLASS] if row.endswith("@foreign") else [])],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=cluster.env, start_new_session=True,
                 )
                 log.close()
@@ -577,7 +586,8 @@ def main() -> int:
                         help="first a clean run to this many applied updates; every run then resumes a copy of it (the "
                              "attack acts on a warm model; with --honest-updates the runs then count the new ones only)")
     parser.add_argument("--new", action="store_true", help=f"the issue 16 rows {NEW} (instead of --attacks)")
-    parser.add_argument("--verify", action="store_true", help="runtime.verify: {enabled: true} (carried inner state) in every run")
+    parser.add_argument("--verify", action="store_true", help="keep verification on (the default, carried inner state) "
+                        "in every run; without it, runtime.verify.enabled: false (the gate alone)")
     parser.add_argument("--colluders", type=int, default=1, help="hostile identities per attack row (a row's xK overrides)")
     parser.add_argument("--signals", nargs="+", metavar="OUT", type=Path,
                         help="only read the finished runs under these --out directories: the cheap signals' marks "

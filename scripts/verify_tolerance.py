@@ -11,10 +11,15 @@ model on one device, what an honest re-run gives, side by side with what an hone
   kernels for the embedding's backward and the like, cuBLAS with a fixed workspace);
 * ``other_lease`` — the lease against one on other batches from the same θ: an honest different update;
 * ``vs_cpu_fp32`` (``--device cuda`` only) — the device's lease against the same lease on the CPU in fp32:
-  what a CPU verifier of a GPU peer would see.
+  what a CPU verifier of a GPU peer would see;
+* ``cross_cpu`` (``--cross-cpu``) — the same lease on this CPU in fresh processes with torch's kernels dispatched
+  to other instruction sets (``ATEN_CPU_CAPABILITY`` default / avx2 / avx512, i.e. other *compute classes*,
+  peer/inner.py ``compute_class``) and with 1 or several threads, each against the first: what a CPU verifier
+  sees of a CPU peer on another machine (sets ``runtime.verify.cross_device_tolerance`` for fp32 runs).
 
     python scripts/verify_tolerance.py --model tiny --device cpu --json runs/verify-tolerance-cpu.json
     python scripts/verify_tolerance.py --model 20m --device cuda --precision bf16 --json /tmp/tol.json
+    python scripts/verify_tolerance.py --model 20m --steps 30 --cross-cpu --json /tmp/tol-cpu.json
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +48,9 @@ from asyncloco.algo.schedule import ShardSchedule  # noqa: E402
 from asyncloco.coordinator.verify import compare  # noqa: E402
 from asyncloco.models.workload import flatten_params  # noqa: E402
 from asyncloco.peer.distributed import validate_device  # noqa: E402
-from asyncloco.peer.inner import InnerTrainer  # noqa: E402
+from asyncloco.peer.inner import InnerTrainer, compute_class  # noqa: E402
+
+CROSS_CPU = (("avx2", 1), ("avx2", 2), ("default", 2), ("avx512", 2))  # (ATEN_CPU_CAPABILITY, threads)
 
 
 def lease(workload: RandomTokens, theta: torch.Tensor, device: str, precision: str, steps: int, offset: int) -> torch.Tensor:
@@ -83,6 +92,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def emit(args: argparse.Namespace) -> None:
+    """One lease on this process's CPU kernels, saved with the process's compute class (for ``--cross-cpu``)."""
+    workload = RandomTokens(args.model, args.batch_size, args.seq_len, batches=2 * args.steps)
+    theta = flatten_params(workload.build_model(seed=0)).detach().clone()
+    update = lease(workload, theta, "cpu", args.precision, args.steps, 0)
+    torch.save({"update": update, "class": compute_class("cpu"), "threads": torch.get_num_threads()}, args.emit)
+
+
+def cross_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The same lease in fresh processes on other CPU kernels and thread counts, each against the first."""
+    rows: list[dict[str, Any]] = []
+    first: torch.Tensor | None = None
+    with tempfile.TemporaryDirectory() as scratch:
+        for capability, threads in CROSS_CPU:
+            out = Path(scratch) / f"{capability}-{threads}.pt"
+            command = [sys.executable, __file__, "--model", args.model, "--precision", args.precision, "--steps",
+                       str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                       "--threads", str(threads), "--emit", str(out)]
+            subprocess.run(command, check=True, env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
+            got = torch.load(out)
+            row: dict[str, Any] = {"capability": capability, "threads": threads, "class": got["class"]}
+            if first is None:
+                first = got["update"]
+                row["reference"] = True
+            else:
+                row.update(judged(first, got["update"]))
+            rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="preset (tiny, 20m, 60m, 150m)")
@@ -94,11 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cpu-reference", dest="cpu_reference", action="store_false",
                         help="skip the CPU fp32 run of the same lease (slow for the larger presets)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--cross-cpu", action="store_true", help="also run the lease on other CPU kernels / threads")
+    parser.add_argument("--emit", help=argparse.SUPPRESS)  # internal: one CPU lease into this file (--cross-cpu)
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.emit:
+        emit(args)
+        return 0
     result = measure(args)
+    if args.cross_cpu:
+        result["cross_cpu"] = cross_cpu(args)
+        for row in result["cross_cpu"]:
+            if not row.get("reference"):
+                print(f"{row['class']:>34} ×{row['threads']} thr: bitwise {row['bitwise']!s:5}  relative error "
+                      f"{row['rel_error']:.3e}  cosine {row['cosine']:.8f}")
     for key in ("rerun", "rerun_deterministic", "deterministic_vs_default", "other_lease", "vs_cpu_fp32"):
         if key in result:
             r = result[key]

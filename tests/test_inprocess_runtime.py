@@ -61,6 +61,7 @@ def config(**overrides: Any) -> RunConfig:
         "runtime": {
             "snapshot_every": 3, "wal_archive": True, "eval_every": 100000, "lease_slack": 30.0,
             "speed_report_period": 600.0, "gate": {"enabled": False},
+            "verify": {"enabled": False},  # some tests submit raw updates; verified runs: tests/test_verify_runtime.py
         },
     }
     for section, values in overrides.items():

@@ -396,6 +396,7 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
     demo["task"]["val_sequences"] = 16
     demo["runtime"]["eval_every"] = 10
     demo["inner"]["parallel"] = "fsdp"  # the group shards its model (FSDP2); single peers train the plain model
+    demo["runtime"]["verify"] = {"enabled": False}  # a group cannot commit to its carried inner state (test below)
     config = tmp_path / "demo.yaml"
     config.write_text(yaml.safe_dump(demo))
     with LocalCluster(config, tmp_path) as cluster:

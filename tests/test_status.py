@@ -42,7 +42,7 @@ def small_config(**runtime: Any) -> RunConfig:
             "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2},
             "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},
             "sim": {"workers": 2},
-            "runtime": runtime,
+            "runtime": {"verify": {"enabled": False}, **runtime},  # raw submissions, without commitments
         }
     )
 

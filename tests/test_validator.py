@@ -108,11 +108,11 @@ def test_check_and_verdict_messages_refuse_bad_fields() -> None:
     from asyncloco.transport.wire import CheckHeader, CheckRequest
 
     full = {"numel": 6, "lease_id": "L1", "peer": "QmPeer", "base_version": 2, "shard": 1, "start_offset": 4,
-            "steps": 3, "lr_offset": 7}
+            "steps": 3, "lr_offset": 7, "device_class": "cpu/AVX2/torch 2.13.0+cpu"}
     assert CheckHeader.from_wire(full).to_wire() == full and CheckHeader.from_wire({"numel": 6}).empty
     for bad, field in [({**full, "steps": 0}, "steps"), ({k: v for k, v in full.items() if k != "shard"}, "lease_id"),
                        ({**full, "numel": 0}, "numel"), ({**full, "revealed": -1}, "revealed"),
-                       ({**full, "state_start": "xyz"}, "state_start")]:
+                       ({**full, "state_start": "xyz"}, "state_start"), ({**full, "device_class": "a\nb"}, "device_class")]:
         with pytest.raises(MessageError, match=f"CheckHeader.{field}"):
             CheckHeader.from_wire(bad)
     with pytest.raises(MessageError, match="CheckRequest.wait_s"):
@@ -132,9 +132,13 @@ def test_config_names_the_validator_fix() -> None:
     cfg = RunConfig.model_validate({"name": "v", "runtime": {"verify": {"enabled": True, "local": False, "validators": [V1]}}})
     assert cfg.runtime.verify.validators == [V1]
     # a re-run starts from the exact θ; a peer on a lossy download trains from another one: refused, naming the fix
-    with pytest.raises(ValueError, match="set runtime.download_codec: none"):
-        RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "int8", "verify": {"enabled": True}}})
-    assert RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "int8"}}).runtime.download_codec == "int8"
+    # verification is on by default: a lossy θ download is refused naming both fixes, and taken with it off
+    for verify in ({"enabled": True}, {}):
+        with pytest.raises(ValueError, match="set runtime.download_codec: none, or turn verification off with "
+                                             "runtime.verify.enabled: false"):
+            RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "int8", "verify": verify}})
+    off = {"download_codec": "int8", "verify": {"enabled": False}}
+    assert RunConfig.model_validate({"name": "v", "runtime": off}).runtime.download_codec == "int8"
 
 
 @pytest.mark.integration

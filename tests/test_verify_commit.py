@@ -20,6 +20,7 @@ import copy
 import hashlib
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +102,15 @@ def test_submit_header_digests() -> None:
     for bad in ("A" * 64, "a" * 63, "a" * 65, "g" * 64, 7):
         with pytest.raises(MessageError, match="SubmitHeader.state_start"):
             SubmitHeader.from_wire({**old.to_wire(), "state_start": bad})
+    # the compute class the lease ran on (peer/inner.py compute_class): what this machine names passes the wire's
+    # bound; anything else is refused naming the field
+    from asyncloco.peer.inner import compute_class
+
+    named = SubmitHeader("L1", 3, "int8", 10, device_class=compute_class("cpu"))
+    assert SubmitHeader.from_wire(named.to_wire()) == named and named.device_class.startswith("cpu/")
+    for bad in ("", "x" * 97, "cpu;rm -rf", "cpu\n", 3):
+        with pytest.raises(MessageError, match="SubmitHeader.device_class"):
+            SubmitHeader.from_wire({**old.to_wire(), "device_class": bad})
 
 
 def commit_state() -> CoordinatorState:
@@ -161,9 +171,10 @@ def test_commit_off_ignores_digests() -> None:
     assert state.verification.chain == {}
 
 
-def carried_config() -> RunConfig:
+def carried_config(**verify: Any) -> RunConfig:
     cfg = toy_config()
-    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"verify": cfg.runtime.verify.model_copy(update={"inner_state": "carry"})})})
+    knobs = cfg.runtime.verify.model_copy(update={"inner_state": "carry", **verify})
+    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"verify": knobs})}, deep=True)
 
 
 def test_rerun_from_a_revealed_carried_state() -> None:
@@ -186,23 +197,48 @@ def test_rerun_from_a_revealed_carried_state() -> None:
     end = peer.state_digest()
     assert start is not None and end is not None
     rerunner = Rerunner(cfg, workload)
-    honest = Verify("p", lease, theta, submitted, "sampled", "", start, end)
+    own = rerunner.compute_class  # the peer ran on this machine: the verifier's compute class, compared bitwise
+    assert own == peer.compute_class
+    honest = Verify("p", lease, theta, submitted, "sampled", "", start, end, own)
     verdict = rerunner.check_revealed(honest, revealed)
     assert verdict.ok and verdict.bitwise, verdict.detail
     # from θ alone (a fresh state) the lease does not reproduce: the revealed state is what makes it checkable
     assert not rerunner.check(honest).ok
     # a lie in a hidden direction of 0.1 % of the update's norm
     direction = torch.randn(submitted.numel(), generator=torch.Generator().manual_seed(1))
-    lie = Verify("p", lease, theta, submitted + 1e-3 * submitted.norm() * direction / direction.norm(), "sampled", "", start, end)
+    lie = Verify("p", lease, theta, submitted + 1e-3 * submitted.norm() * direction / direction.norm(), "sampled", "",
+                 start, end, own)
     caught = rerunner.check_revealed(lie, revealed)
-    assert not caught.ok and caught.rel_error == pytest.approx(1e-3, rel=1e-3)
+    assert not caught.ok and caught.rel_error == pytest.approx(1e-3, rel=1e-3) and "bitwise equality" in caught.detail
     # a revealed state that is not the committed one (one moment changed by one ulp), and a fabricated end digest
     tampered = bytearray(revealed)
     tampered[20] ^= 1
     verdict = rerunner.check_revealed(honest, bytes(tampered))
     assert not verdict.ok and "does not match its commitment" in verdict.detail
-    verdict = rerunner.check_revealed(Verify("p", lease, theta, submitted, "sampled", "", start, A), revealed)
+    verdict = rerunner.check_revealed(Verify("p", lease, theta, submitted, "sampled", "", start, A, own), revealed)
     assert not verdict.ok and "end differs" in verdict.detail
+    # another compute class (a GPU peer, a CPU with other kernels; or one that names none) cannot be re-run bitwise:
+    # the fp32 default bound is a relative error of 0.01 with cosine 0.9999 (config.py CROSS_DEVICE_BOUNDS), which
+    # takes the 0.1 % lie — the slack any peer gets by naming a foreign class (docs/threat-model.md) — and refuses 2 %
+    assert rerunner.bounds(honest) == (0.0, -1.0)
+    for foreign in ("cuda/NVIDIA H100 80GB HBM3 cuda 13.0/torch 2.11.0+cu130", ""):
+        named = Verify("p", lease, theta, lie.update, "sampled", "", start, end, foreign)
+        assert rerunner.bounds(named) == (0.01, 0.9999)
+        verdict = rerunner.check_revealed(named, revealed)
+        assert verdict.ok and not verdict.bitwise and "the end state is not compared" in verdict.detail, verdict.detail
+        far = Verify("p", lease, theta, submitted + 2e-2 * submitted.norm() * direction / direction.norm(), "sampled",
+                     "", start, end, foreign)
+        verdict = rerunner.check_revealed(far, revealed)
+        assert not verdict.ok and verdict.rel_error == pytest.approx(2e-2, rel=1e-3) and "≤ 0.01" in verdict.detail
+        # bitwise equal from a foreign class: the end state is compared after all
+        forged = rerunner.check_revealed(Verify("p", lease, theta, submitted, "sampled", "", start, A, foreign), revealed)
+        assert not forged.ok and "end differs" in forged.detail
+    # the organiser's own bound, and 0: only peers of the verifier's class can pass
+    strict = carried_config(cross_device_tolerance=0.0)
+    assert Rerunner(strict, workload).bounds(Verify("p", lease, theta, submitted, "", "", start, end, "x")) == (0.0, 0.9999)
+    carried = carried_config()
+    bf16 = carried.model_copy(update={"inner": carried.inner.model_copy(update={"precision": "bf16"})})
+    assert Rerunner(bf16, workload).bounds(Verify("p", lease, theta, submitted, "", "", start, end, "x")) == (0.1, 0.99)
     # the verifier's own trainer is fresh again afterwards; a malformed state is refused, the state untouched
     assert rerunner.trainer.state_digest() == FRESH_STATE_DIGEST and rerunner.trainer.reset_state
     with pytest.raises(ValueError, match="bytes past its last parameter"):

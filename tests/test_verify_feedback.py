@@ -68,8 +68,9 @@ def test_a_sign_coded_upload_with_feedback_reproduces_from_its_revealed_state() 
     assert decoded is not None
     end = committed_digest(peer.state_digest() or "", feedback.pending)
     lease = logic.Lease("L2", "p", 1, 2, 5, 6, 0, 0.0, 1.0, 10.0)
-    honest = Verify("p", lease, theta + 0.01, decoded, "sampled", "", end_of_first, end)
     rerunner = Rerunner(cfg, workload)
+    own = peer.compute_class  # the verifier's class: compared bitwise
+    honest = Verify("p", lease, theta + 0.01, decoded, "sampled", "", end_of_first, end, own)
     verdict = rerunner.check_revealed(honest, revealed)
     assert verdict.ok and verdict.bitwise, verdict.detail
     assert rerunner.trainer.state_digest() == FRESH_STATE_DIGEST and rerunner.trainer.reset_state  # clean for the next
@@ -86,10 +87,11 @@ def test_a_sign_coded_upload_with_feedback_reproduces_from_its_revealed_state() 
     # a hidden direction of 0.1 % of the upload's norm; a false end digest
     direction = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     lie = Verify("p", lease, theta + 0.01, decoded + 1e-3 * decoded.norm() * direction / direction.norm(), "sampled", "",
-                 end_of_first, end)
+                 end_of_first, end, own)
     caught = rerunner.check_revealed(lie, revealed)
     assert not caught.ok and caught.rel_error == pytest.approx(1e-3, rel=1e-3)
-    verdict = rerunner.check_revealed(Verify("p", lease, theta + 0.01, decoded, "sampled", "", end_of_first, "a" * 64), revealed)
+    verdict = rerunner.check_revealed(Verify("p", lease, theta + 0.01, decoded, "sampled", "", end_of_first, "a" * 64, own),
+                                      revealed)
     assert not verdict.ok and "end differs" in verdict.detail
     # malformed reveals: a residual of the wrong length, a length field past the data, NaN in the residual
     for bad, why in ((revealed[:-4], f"leaves {4 * numel - 4} bytes for the residual, which needs 0 or {4 * numel}"),

@@ -60,10 +60,32 @@ class Rerunner:
     lease (its optimizer state is cleared before each: ``inner_state: reset``)."""
 
     def __init__(self, cfg: "RunConfig", workload: "Workload", device: str = "cpu") -> None:
+        from asyncloco.peer.inner import compute_class
+
         self.cfg = cfg
         self.workload = workload
         self.device = device
+        self.compute_class = compute_class(device)
         self._trainer: Optional["InnerTrainer"] = None
+
+    def bounds(self, task: "Verify") -> tuple[float, float]:
+        """(tolerance, min_cosine) for ``task``: ``runtime.verify.tolerance`` / ``min_cosine`` (bitwise by default) when
+        the peer named this verifier's compute class, ``cross_device_tolerance`` / ``cross_device_min_cosine`` when it
+        named another or none (docs/threat-model.md, "Which tolerance")."""
+        knobs = self.cfg.runtime.verify
+        if task.device_class == self.compute_class:
+            return knobs.tolerance, knobs.min_cosine
+        return self.cross_device_bounds()
+
+    def cross_device_bounds(self) -> tuple[float, float]:
+        """(tolerance, min_cosine) for a lease of another compute class: the config's, else the default for the run's
+        ``inner.precision`` (config.py ``CROSS_DEVICE_BOUNDS``)."""
+        from asyncloco.config import CROSS_DEVICE_BOUNDS
+
+        knobs = self.cfg.runtime.verify
+        tolerance, min_cosine = CROSS_DEVICE_BOUNDS[self.cfg.inner.precision]
+        return (tolerance if knobs.cross_device_tolerance is None else knobs.cross_device_tolerance,
+                min_cosine if knobs.cross_device_min_cosine is None else knobs.cross_device_min_cosine)
 
     @property
     def trainer(self) -> "InnerTrainer":
@@ -97,8 +119,7 @@ class Rerunner:
         return update, feedback.pending
 
     def check(self, task: Verify) -> Comparison:
-        knobs = self.cfg.runtime.verify
-        return compare(self.rerun(task.lease, task.base), task.update, knobs.tolerance, knobs.min_cosine)
+        return compare(self.rerun(task.lease, task.base), task.update, *self.bounds(task))
 
     def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
         """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start in the
@@ -129,9 +150,14 @@ class Rerunner:
         inner_end = inner_state_digest(trainer.optimizer)
         end = None if inner_end is None else committed_digest(inner_end, left)
         trainer.reset_inner_state()
-        knobs = self.cfg.runtime.verify
-        comparison = compare(rerun, task.update, knobs.tolerance, knobs.min_cosine)
-        if comparison.ok and end != task.state_end:
-            return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine,
+        comparison = compare(rerun, task.update, *self.bounds(task))
+        if comparison.ok and comparison.bitwise and end != task.state_end:
+            return Comparison(False, True, comparison.rel_error, comparison.cosine,
                               "the re-run's inner state at the lease's end differs from the committed one")
+        if comparison.ok and not comparison.bitwise:
+            # another compute class: the re-run's end state differs from the peer's in the last bits, so its digest
+            # cannot be compared; the next lease starts from the committed end (the chain), unchecked here
+            return Comparison(True, False, comparison.rel_error, comparison.cosine,
+                              comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
+                              f"verifier's {self.compute_class!r}: the end state is not compared)")
         return comparison

@@ -103,6 +103,7 @@ class ValidatorDesk:
         header = CheckHeader(
             numel, lease.lease_id, task.peer, lease.base_version, lease.shard, lease.start_offset, lease.steps,
             lease.lr_offset, task.state_start or None, task.state_end or None, None if revealed is None else len(revealed),
+            task.device_class or None,
         )
         return header, [fp32_bytes(task.base), fp32_bytes(task.update), revealed or b""]
 

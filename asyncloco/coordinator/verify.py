@@ -9,8 +9,9 @@ offset and the run's config — exactly what the coordinator knows. This module:
 * :class:`Rerunner` (asyncloco/coordinator/rerun.py, re-exported here) — trains a lease again with the peers' own inner loop (:class:`~asyncloco.peer.inner.InnerTrainer`,
   fresh optimizer state), encodes the result with the run's codec as a peer would, and :func:`compare` judges it
   against the submitted pseudo-gradient: bitwise by default (CPU re-runs of a CPU peer's lease are bit-identical:
-  measured in tests/test_verify.py), or within ``runtime.verify.tolerance`` (relative L2 error) and
-  ``min_cosine`` for peers on GPUs / bf16 whose kernels differ from the verifier's.
+  measured in tests/test_verify.py) for a peer of the verifier's compute class (peer/inner.py ``compute_class``),
+  within ``runtime.verify.cross_device_tolerance`` (relative L2 error) and ``cross_device_min_cosine`` for a peer of
+  another one (a bf16 GPU peer checked on a CPU), whose kernels differ from the verifier's.
 * :class:`Verifier` — the coordinator's background worker: a bounded queue of re-runs (``runtime.verify.queue``;
   a full queue skips a check and counts it), one re-run at a time in a worker thread, so submissions and acks never
   wait for it. Each verdict goes back through the daemon's single decision entry point as a
@@ -308,6 +309,8 @@ class DaemonVerification:
             "fraction": self.knobs.fraction,
             "probation_updates": self.knobs.probation_updates,
             "tolerance": self.knobs.tolerance,
+            "cross_device_tolerance": self.verifier.rerunner.cross_device_bounds()[0],
+            "compute_class": self.verifier.rerunner.compute_class,  # a peer naming it is compared with `tolerance`
             "checked": book.checked,
             "failed": book.failed,
             "passed": sum(book.passed.values()),

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import inspect
 import logging
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -44,13 +45,35 @@ if TYPE_CHECKING:
 __all__ = [
     "InnerTrainer", "RoundResult", "FRESH_STATE_DIGEST", "inner_state_chunks", "inner_state_digest",
     "inner_state_size", "load_inner_state", "revealed_digest", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS", "PARALLELS",
-    "StepClock", "released",
+    "StepClock", "released", "compute_class", "COMPUTE_CLASS_PATTERN",
 ]
 
 PRECISIONS = ("fp32", "bf16")
 PARALLELS = ("ddp", "fsdp")
 
 logger = logging.getLogger(__name__)
+
+# what a compute class may contain on the wire (transport/wire.py SubmitHeader.device_class)
+COMPUTE_CLASS_PATTERN = r"[A-Za-z0-9 ._+/:()@-]{1,96}"
+
+
+def compute_class(device: "str | torch.device") -> str:
+    """The *compute class* of a device: what decides whether two runs of the same lease are bit-identical — torch's
+    version, the device type and, on a GPU, its model and CUDA version; on a CPU, the vector instruction set torch's
+    kernels dispatch to. Peers name theirs in each submission; a verifier of the same class compares bitwise, any
+    other within ``runtime.verify.cross_device_tolerance`` (asyncloco/coordinator/rerun.py; docs/threat-model.md,
+    "Which tolerance"). Measured: the same lease on the same GPU model and software is bit-identical, even in bf16
+    (docs/gpu.md)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        detail = f"{torch.cuda.get_device_name(index)} cuda {torch.version.cuda}"
+    elif dev.type == "cpu":
+        detail = str(torch.backends.cpu.get_cpu_capability())
+    else:
+        detail = ""
+    text = f"{dev.type}/{detail}/torch {torch.__version__}"
+    return re.sub(r"[^A-Za-z0-9 ._+/:()@-]", "_", text)[:96]
 
 
 class LeaseAborted(RuntimeError):
@@ -218,6 +241,7 @@ class InnerTrainer:
         self.workload = workload
         self.schedule = schedule
         self.device = torch.device(device)
+        self.compute_class = compute_class(self.device)  # named in each submission (verification's tolerance)
         self.precision = precision
         self.group = group
         self.seed = seed

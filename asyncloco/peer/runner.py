@@ -451,7 +451,8 @@ class PeerRunner:
         if self._stop.is_set():
             logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
         ack = await submit_with_retry(client, lease, encoded, inner_loss=self._inner_loss, digests=self._digests,
-                                      clock=self.clock, abort=self._abort, summary=self.summary)
+                                      clock=self.clock, abort=self._abort, summary=self.summary,
+                                      device_class=trainer.compute_class)
         add_timing(self.summary, "upload", self.clock.monotonic() - uploading)
         self.summary.rounds += 1
         self.summary.steps += lease.steps

@@ -48,11 +48,12 @@ async def submit_with_retry(
     clock: Clock,
     abort: asyncio.Event,
     summary: PeerSummary,
+    device_class: Optional[str] = None,
 ) -> Optional[Ack]:
     """Send the same encoded bytes until acknowledged or the lease's deadline (the coordinator's wall time, compared
     with ``clock.time()``) passes; each resend is counted in ``summary.resends``. A first Ctrl+C does not stop this (the
     lease is being finished); a second one (``abort``) does (None). ``digests``: the inner-state commitments (start,
-    end) of the lease."""
+    end) of the lease; ``device_class`` the compute class it ran on (peer/inner.py ``compute_class``)."""
     from asyncloco.transport.errors import TransportError
 
     delay = 0.5
@@ -60,7 +61,7 @@ async def submit_with_retry(
         try:
             ack: Ack = await race(client.submit(
                 lease.lease_id, lease.base_version, encoded, inner_loss=inner_loss,
-                state_start=digests[0], state_end=digests[1]), abort)
+                state_start=digests[0], state_end=digests[1], device_class=device_class), abort)
             return ack
         except Aborted:
             break

@@ -16,33 +16,27 @@ codec and (where the attack says so) the norm of an honest update:
 | ``signflip``     | −``--scale`` × its honest update (default 1000) |
 | ``signflip-honest`` | −1 × its honest update: same norm, opposite direction |
 | ``random``       | a random direction at the norm of its honest update |
-| ``replay``       | honest work, and after each round its first applied lease (or, if none was applied, another |
-|                  | peer's applied lease, from ``--spy-journal``) again with −1000 × the update |
-| ``other-lease``  | −1000 × its update under another peer's lease id (read from ``--spy-journal``, the coordinator's |
-|                  | events.jsonl: an insider who knows ids; without it, sequential ids are guessed) |
+| ``replay``       | honest work, then its first applied lease (or another peer's, ``--spy-journal``) again, × −1000 |
+| ``other-lease``  | −1000 × its update under another peer's lease id (``--spy-journal``: an insider; else guessed) |
 | ``ghost``        | nothing but a DHT speed record claiming ``--claim`` tokens/s (default 1e12) |
 | ``ghost-forge``  | DHT speed records claiming to be each honest peer (ids from ``--spy-journal``), ``last_seen`` in the future |
-| ``flood``        | ``--count`` malformed messages on the raw RPC streams (garbage, oversized or bad frames, bad |
-|                  | headers, wrong sizes, truncated bodies, empty streams), a few at a time |
+| ``flood``        | ``--count`` malformed messages on the raw RPC streams (garbage, bad frames/headers/sizes), a few at a time |
 | ``probe``        | as an outsider: hello, lease request, θ download and a submission, each once; records the answers |
 | ``hidden``       | its honest update plus ``--scale`` (default 2) × its norm along a fixed unit direction |
 |                  | (``hidden_direction(numel, --direction-seed)``: colluders with one seed push the same way) |
-| ``poison``       | real AdamW updates on poisoned batches: half of every batch replaced by one fixed trigger sequence |
-|                  | (``trigger_rows(vocab, seq_len, --trigger-seed)``); the backdoor metric is the loss on it |
-| ``alie``         | "a little is enough": μ − z·σ (z = ``--scale``, default 1) per coordinate, μ and σ over the |
-|                  | differences of the θ versions it downloaded (θ_old − θ_new: the applied honest direction), at its |
-|                  | honest norm |
-| ``tailored``     | shaped for the gate: cosine ``--scale`` (default 0.06, just above the 0.05 bar) with the consensus |
-|                  | estimated from its θ downloads, the rest along the hidden direction, at its honest norm (the median) |
+| ``poison``       | real AdamW updates on batches half replaced by one trigger sequence (``--trigger-seed``) |
+| ``alie``         | "a little is enough": μ − z·σ (z = ``--scale``, default 1) per coordinate over the differences |
+|                  | of the θ versions it downloaded (the applied honest direction), at its honest norm |
+| ``tailored``     | cosine ``--scale`` (0.06: just above the gate's bar) with the consensus its θ downloads show, the |
+|                  | rest along the hidden direction, at its honest norm |
 | ``freeride``     | no training after its first lease: echoes the newest θ difference it saw, at its first honest norm |
 
-``alie``, ``tailored`` and ``freeride`` send honest work until they have downloaded two θ versions. What each
-update attack sends is computed in asyncloco/testing/attacks.py (pure functions the benchmark reuses).
+``alie``, ``tailored``, ``freeride``: honest work until two θ downloads (arithmetic: asyncloco/testing/attacks.py).
 
-In a run that verifies carried inner state (``runtime.verify`` with ``inner_state: carry``) a submission without
-inner-state commitments is refused at the door, so the update attackers commit as an honest peer does — to the
-state they really trained from (a poisoner's state is the one its poisoned batches produced) — keep the start states
-of their last leases and reveal one when the coordinator's Ack asks. What stops them is then the re-run itself.
+In a run that verifies carried inner state (``runtime.verify``, on by default) a submission without commitments is
+refused at the door, so the update attackers commit as an honest peer does — to the state they really trained from —
+and reveal a start state when the Ack asks: what stops them is the re-run itself. ``--device-class`` names another
+compute class than its own (the verifier then allows the cross-device tolerance instead of bitwise equality).
 
 A comma-separated list of update attacks runs one per round, in turn. ``--token`` (and
 ``--identity``) make it an admitted insider in ``runtime.admission: token`` runs. The
@@ -102,6 +96,7 @@ class HostileOptions(argparse.Namespace):
     threads: int
     direction_seed: int
     trigger_seed: int
+    device_class: Optional[str]
 
 
 def _coordinator_id(multiaddr: str) -> str:
@@ -139,6 +134,7 @@ class Hostile:
         self.first_norm: Optional[float] = None  # freeride: the norm of its one honest update
         self._direction: Optional[torch.Tensor] = None
         self.digests: tuple[Optional[str], Optional[str]] = (None, None)  # inner-state commitments of this round
+        self.device_class: Optional[str] = options.device_class  # the compute class it names (None: its own)
 
     # ------------------------------------------------------------------------------ bookkeeping
 
@@ -308,6 +304,8 @@ class Hostile:
                 raise ValueError("the poison attack needs an LM workload (task.kind: lm)")
             workload = poisoned_workload(workload, trigger_rows(len(tokenizer), int(seq_len), self.o.trigger_seed))
         trainer = InnerTrainer.from_config(cfg, workload)
+        if self.device_class is None:
+            self.device_class = trainer.compute_class
         # a run that verifies carried inner state refuses submissions without commitments: commit like an honest
         # peer (to the state it really trained from) and reveal on request, so the re-run is what catches it
         verify = cfg.runtime.verify
@@ -412,7 +410,7 @@ class Hostile:
         for attempt in range(SUBMIT_ATTEMPTS):
             try:
                 ack = await client.submit(lease_id, base_version, encoded, state_start=self.digests[0],
-                                          state_end=self.digests[1])
+                                          state_end=self.digests[1], device_class=self.device_class)
                 self._note("submit", True, lease_id=lease_id, accepted=ack.accepted, duplicate=ack.duplicate,
                            version=ack.version, reason=ack.reason, **norms, **details)
                 return ack
@@ -570,6 +568,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--direction-seed", type=int, default=1234, help="hidden/tailored: seed of the hidden direction")
     parser.add_argument("--trigger-seed", type=int, default=4321, help="poison: seed of the trigger sequence")
+    parser.add_argument("--device-class", help="compute class named in submissions (default: its own; another gets "
+                        "the cross-device tolerance)")
     return parser
 
 

@@ -248,6 +248,7 @@ class CoordinatorClient:
         timeout: Optional[float] = None,
         state_start: Optional[str] = None,
         state_end: Optional[str] = None,
+        device_class: Optional[str] = None,
     ) -> Ack:
         """Upload a pseudo-gradient; returns the coordinator's :class:`Ack`. Pass a tensor and ``codec``,
         or an :class:`EncodedTensor` (keep it to resend the exact bytes after a failure)."""
@@ -260,7 +261,8 @@ class CoordinatorClient:
         if pseudo_gradient.numel != self.model_numel:
             raise CodecError(f"pseudo-gradient has {pseudo_gradient.numel} elements, the model {self.model_numel}")
         header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
-                              None if inner_loss is None else float(inner_loss), state_start, state_end)
+                              None if inner_loss is None else float(inner_loss), state_start, state_end,
+                              device_class)
         encoded = pseudo_gradient
         if self.link is None:
             return await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), timeout)

@@ -15,13 +15,13 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`LeaseGrant` map), ``reason``, ``code``? |
 | :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
-| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``? |
+| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``?, ``device_class``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
 | :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``? |
 | :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
 | :class:`RevealReply` | reveal, reply | ``accepted``, ``reason`` |
 | :class:`CheckRequest` | verify_task, validator → coordinator | ``wait_s`` |
-| :class:`CheckHeader` | verify_task, reply header, then θ_base, the update (fp32) and the revealed state | ``lease_id``?, ``peer``?, lease fields, ``numel``, ``state_start``?, ``state_end``?, ``revealed``? |
+| :class:`CheckHeader` | verify_task, reply header, then θ_base, the update (fp32) and the revealed state | ``lease_id``?, ``peer``?, lease fields, ``numel``, ``state_start``?, ``state_end``?, ``revealed``?, ``device_class``? |
 | :class:`VerdictHeader` | verdict, validator → coordinator | ``lease_id``, ``ok``, ``bitwise``, ``rel_error``?, ``cosine``, ``detail`` |
 | :class:`VerdictReply` | verdict, reply | ``accepted``, ``reason`` |
 
@@ -68,6 +68,9 @@ __all__ = [
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
+# a peer's compute class (peer/inner.py compute_class: device, model, ISA, torch version) — decides whether a
+# verifier compares its lease bitwise or within runtime.verify.cross_device_tolerance
+COMPUTE_CLASS_PATTERN = re.compile(r"[A-Za-z0-9 ._+/:()@-]{1,96}")
 MAX_ID_CHARS = 128
 MAX_REASON_CHARS = 4096
 MAX_CONFIG_CHARS = 60_000  # the whole hello reply must fit one 64 KiB header frame
@@ -304,7 +307,8 @@ class SubmitHeader(_Message):
     """``submit`` header, followed (after :class:`Ready`) by exactly ``wire_bytes(codec, numel)`` bytes.
     ``inner_loss``: the peer's mean inner training loss over the lease (optional, finite, in [0, 1e6]).
     ``state_start`` / ``state_end``: sha256 (hex) of the peer's inner optimizer state before and after the lease
-    (peer/inner.py ``inner_state_digest``; optional: peers that do not commit leave them out)."""
+    (peer/inner.py ``inner_state_digest``; optional: peers that do not commit leave them out). ``device_class``: the
+    compute class the lease ran on (peer/inner.py ``compute_class``; absent: unknown, never compared bitwise)."""
 
     lease_id: str
     base_version: int
@@ -313,6 +317,7 @@ class SubmitHeader(_Message):
     inner_loss: Optional[float] = None
     state_start: Optional[str] = None
     state_end: Optional[str] = None
+    device_class: Optional[str] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("lease_id", "base_version", "codec", "numel")
 
     def __post_init__(self) -> None:
@@ -325,6 +330,7 @@ class SubmitHeader(_Message):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not DIGEST_PATTERN.fullmatch(value)):
                 raise _fail("SubmitHeader", name, f"must be a sha256 digest (64 lowercase hex characters), got {value!r:.80}")
+        self._str("device_class", 96, pattern=COMPUTE_CLASS_PATTERN, optional=True)
 
 
 @dataclass(frozen=True)
@@ -414,7 +420,8 @@ class CheckHeader(_Message):
     """``verify_task`` reply: a check lent to the validator, or none (``lease_id`` absent: nothing pending). With a
     check, three bodies follow: θ at the lease's base version and the update as submitted (decoded, before any
     clipping), each ``4 × numel`` bytes of little-endian fp32, then ``revealed`` bytes of the peer's revealed start
-    inner state (absent: re-run from a fresh state; 0: the committed fresh state)."""
+    inner state (absent: re-run from a fresh state; 0: the committed fresh state). ``device_class``: the compute class
+    the peer named for the lease (absent: unknown)."""
 
     numel: int
     lease_id: Optional[str] = None
@@ -427,6 +434,7 @@ class CheckHeader(_Message):
     state_start: Optional[str] = None
     state_end: Optional[str] = None
     revealed: Optional[int] = None
+    device_class: Optional[str] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("numel",)
 
     def __post_init__(self) -> None:
@@ -439,6 +447,7 @@ class CheckHeader(_Message):
         for name in ("state_start", "state_end"):
             self._str(name, 64, pattern=DIGEST_PATTERN, optional=True)
         self._int("revealed", 0, MAX_REVEAL_BYTES, optional=True)
+        self._str("device_class", 96, pattern=COMPUTE_CLASS_PATTERN, optional=True)
         lease = ("peer", "base_version", "shard", "start_offset", "steps", "lr_offset")
         if self.lease_id is not None and any(getattr(self, name) is None for name in lease):
             raise _fail("CheckHeader", "lease_id", f"a check needs all of {lease}")

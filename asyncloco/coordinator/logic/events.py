@@ -66,6 +66,9 @@ class SubmitUpdate:
     # lease's start and end (peer/inner.py inner_state_digest); None from peers that do not commit
     state_start: str | None = None
     state_end: str | None = None
+    # the compute class the peer says the lease ran on (peer/inner.py compute_class): a verifier of the same class
+    # compares bitwise, of another within runtime.verify.cross_device_tolerance; None: unknown (another class)
+    device_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,7 @@ class Verify:
     failed: str = ""  # already failed, nothing to re-run (a broken commitment chain): the verdict is this detail
     state_start: str = ""  # the lease's committed inner-state digests ("" without commitments)
     state_end: str = ""
+    device_class: str = ""  # the compute class the peer named ("" unknown): decides the comparison's tolerance
 
 
 @dataclass(frozen=True)

@@ -317,7 +317,8 @@ def _verify_actions(
         state.verification.unverifiable += 1
         return []
     state.verification.pending[lease.lease_id] = event.peer
-    return [Verify(event.peer, lease, check[0], check[1], lease.verify, "", event.state_start or "", event.state_end or "")]
+    return [Verify(event.peer, lease, check[0], check[1], lease.verify, "", event.state_start or "", event.state_end or "",
+                   event.device_class or "")]
 
 
 def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
