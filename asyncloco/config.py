@@ -261,8 +261,8 @@ class VerifyConfig(StrictModel):
     probation_updates: int = Field(2, ge=0, description="a peer's first N leases are all re-run (probation)")
     suspect_fraction: float = Field(0.5, ge=0, le=1, description="share re-run for a peer the gate refused recently")
     tolerance: float = Field(
-        0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ (0: bitwise, right when the verifier runs the peers' "
-        "device type; a bf16 H100 lease re-run on a CPU in fp32 measured 0.05: use 0.1 with min_cosine 0.99, docs/gpu.md)"
+        0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ for a peer of the verifier's own compute "
+        "class (0: bitwise, which the same class reproduces; other classes: cross_device_tolerance)"
     )
     min_cosine: float = Field(-1.0, ge=-1, le=1, description="also require this cosine with the re-run (with a tolerance > 0)")
     # a peer that names another compute class than the verifier's (peer/inner.py compute_class: device, GPU model or

@@ -270,6 +270,44 @@ class RevealHandler:
 
 
 @pytest.mark.timeout(60)
+def test_a_reveal_lost_on_the_way_is_sent_again_until_its_budget() -> None:
+    """An honest peer's reveal cut by a reset would fail its check at reveal_timeout (and expel it): the upload is sent
+    again with backoff (0.5 s doubling, on the runner's clock) within ``retry_for``; a refusal is an answer, not
+    retried; without a budget one failure is final (a validator or a hostile client's own choice)."""
+    from asyncloco.transport.errors import PeerUnreachable
+
+    class Flaky:
+        def __init__(self, failures: int, reply: RevealReply) -> None:
+            self.failures, self.reply, self.calls = failures, reply, 0
+
+        async def reveal(self, lease_id: str, state: bytes) -> RevealReply:
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise PeerUnreachable("stream closed after 163840 of 1048576 bytes")
+            return self.reply
+
+    waits: list[float] = []  # the runner's clock: time passes only in its waits
+
+    async def wait(seconds: float) -> None:
+        waits.append(seconds)
+
+    async def send(client: Flaky, retry_for: float) -> bool:
+        return await send_reveal(client, "L1", b"state", "a" * 64, retry_for=retry_for, wait=wait, now=lambda: sum(waits))
+
+    took = RevealReply(True, "")
+    flaky = Flaky(3, took)
+    assert asyncio.run(send(flaky, 150.0)) and flaky.calls == 4 and waits == [0.5, 1.0, 2.0]
+    waits.clear()
+    dead = Flaky(10**6, took)  # never gets through: gives up once the next wait would pass the budget
+    assert not asyncio.run(send(dead, 20.0))
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0] and dead.calls == 6  # 15.5 s waited; another 10 s would pass 20
+    waits.clear()
+    refused = Flaky(0, RevealReply(False, "no reveal of lease L1 is awaited"))
+    assert not asyncio.run(send(refused, 150.0)) and refused.calls == 1 and waits == []
+    once = Flaky(1, took)
+    assert not asyncio.run(send_reveal(once, "L1", b"state", "a" * 64)) and once.calls == 1
+
+
 def test_reveal_rpc_over_p2p_is_bounded_before_its_body() -> None:
     from hivemind.p2p import P2P
 

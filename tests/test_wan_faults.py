@@ -263,9 +263,10 @@ def test_link_speed_timeouts_follow_the_measured_bandwidth() -> None:
 REPORT_VAR = "ASYNCLOCO_FAULT_REPORT"
 ACK = re.compile(r"lease (L\w+) accepted: version (\d+)( \(duplicate\))?")
 FAILED_SUBMIT = re.compile(r"submit of (L\w+) failed")
+FAILED_REVEAL = re.compile(r"revealing lease (L\w+)'s start state failed \(.*\); sending it again")
 
 
-def wan_config(directory: Path, *, lease_slack: float = 5.0, max_local_steps: int = 10) -> Path:
+def wan_config(directory: Path, *, lease_slack: float = 5.0, max_local_steps: int = 10, verify: bool = False) -> Path:
     """The tiny LM, 512 tokens a step, int8 pseudo-gradients, short leases (factor 2 + ``lease_slack`` s)."""
     config = {
         "name": "wan-faults",
@@ -285,6 +286,9 @@ def wan_config(directory: Path, *, lease_slack: float = 5.0, max_local_steps: in
         # the robust-update gate judges directions against a consensus of other peers; with a single peer and
         # a handful of updates it is not what these tests are about (it has its own tests)
         config["runtime"]["gate"] = {"enabled": False}  # type: ignore[index]
+    # verification (on by default) sends a checked lease's start state up (8 bytes per parameter) between the uploads
+    # these tests cut at byte counts; its own reset: test_a_reveal_reset_mid_upload_is_sent_again
+    config["runtime"]["verify"] = {"enabled": verify}  # type: ignore[index]
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -465,6 +469,34 @@ def test_reset_mid_upload_and_mid_download(wan: Wan) -> None:
     assert not rejected, f"no partial upload may reach the coordinator's checks: {rejected}"
     snapshot = wan.assert_through_proxy(numel)
     assert [r["direction"] for r in snapshot["resets"]] == ["up", "down"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_a_reveal_reset_mid_upload_is_sent_again(wan: Wan) -> None:
+    """With verification on (the default) a checked lease's start state goes up in a reveal, 8 bytes per parameter;
+    a reveal lost to a reset used to fail the honest peer's check at reveal_timeout and expel it. Upstream, in order:
+    the hello and lease requests (a few kB), lease 1's upload (a probation check from the fresh state: nothing to
+    reveal), lease 2's upload and its reveal — the reset is armed halfway into that reveal. The peer sends it again,
+    the check passes bitwise, nobody is expelled."""
+    from asyncloco.transport.codecs import wire_bytes
+
+    wan.configure(verify=True)
+    cluster = wan.cluster
+    cluster.start_coordinator()
+    numel = wan.numel()
+    wan.proxy.call(lambda p: p.arm_reset(Direction.UP, 2 * wire_bytes("int8", numel) + 4 * numel))
+    cluster.start_peer("p")
+    resets = _first(lambda: wan.proxy.snapshot()["resets"], cluster, 240, "the reset to fire")
+    lost = _first(lambda: FAILED_REVEAL.findall(wan.peer_log()), cluster, 60, "the peer to see its reveal fail")[0]
+    verdict = _first(lambda: [e for e in cluster.events() if e["type"] == "verdict" and e["lease_id"] == lost], cluster,
+                     120, f"{lost}'s verdict")
+    assert verdict[0]["ok"] and verdict[0]["detail"] == "bitwise equal to the re-run", verdict
+    assert not [e for e in cluster.events() if e["type"] == "expelled"]
+    wan.record("reset_mid_reveal", lease=lost, recovery_s=verdict[0]["time"] - resets[0]["time"])
+    wan.wait_applied(3, 120, "training to go on")
+    assert cluster.peers["p"].poll() is None
+    wan.check_invariants()
 
 
 @pytest.mark.integration

@@ -17,8 +17,9 @@ parameter tensors of n elements — two fp32 moments per weight per kept lease (
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import hashlib
 import struct
@@ -120,10 +121,14 @@ class RevealStore:
         return sum(len(state) for state in self._states.values())
 
 
-async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest: Optional[str]) -> bool:
+async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest: Optional[str], *,
+                      retry_for: float = 0.0, wait: Optional[Callable[[float], Awaitable[None]]] = None,
+                      now: Callable[[], float] = time.monotonic, aborted: Callable[[], bool] = lambda: False) -> bool:
     """Answer the coordinator's ``reveal`` request for ``lease_id``; True when it took the state. A lease whose start
     was the fresh state needs no reveal (the coordinator knows that state); one whose state was dropped cannot be
-    revealed (the check fails at the deadline: raise ``runtime.verify.reveal_keep``)."""
+    revealed (the check fails at the deadline: raise ``runtime.verify.reveal_keep``). An upload that fails on the
+    way (a reset, a dropped stream) is sent again with backoff (``wait``) for ``retry_for`` seconds — an honest peer
+    whose reveal is lost would fail its check at ``runtime.verify.reveal_timeout``; a refusal is an answer."""
     from asyncloco.transport.errors import TransportError
 
     if digest == FRESH_STATE_DIGEST:
@@ -132,11 +137,18 @@ async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest
         logger.error("the coordinator asked for lease %s's start state, which this peer no longer keeps "
                      "(runtime.verify.reveal_keep); the check will fail", lease_id)
         return False
-    try:
-        reply = await client.reveal(lease_id, state)
-    except TransportError as error:
-        logger.warning("revealing lease %s's start state failed: %s", lease_id, error)
-        return False
+    give_up, delay = now() + retry_for, 0.5
+    while True:
+        try:
+            reply = await client.reveal(lease_id, state)
+            break
+        except TransportError as error:
+            if wait is None or now() + delay > give_up or aborted():
+                logger.warning("revealing lease %s's start state failed: %s", lease_id, error)
+                return False
+            logger.warning("revealing lease %s's start state failed (%s); sending it again in %.1fs", lease_id, error, delay)
+            await wait(delay)
+            delay = min(2 * delay, 10.0)
     if not reply.accepted:
         logger.warning("the coordinator refused lease %s's revealed state: %s", lease_id, reply.reason)
     return bool(reply.accepted)

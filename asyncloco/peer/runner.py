@@ -522,7 +522,10 @@ class PeerRunner:
         from asyncloco.peer.reveal import send_reveal
 
         state = self.reveals.get(lease_id) if self.reveals is not None else None
-        await send_reveal(client, lease_id, state, digest)
+        # a lost reveal fails an honest check at reveal_timeout: resend for up to half of it
+        retry_for = self._cfg.runtime.verify.reveal_timeout / 2 if self._cfg is not None else 0.0
+        await send_reveal(client, lease_id, state, digest, retry_for=retry_for, wait=self._pause,
+                          now=self.clock.monotonic, aborted=self._abort.is_set)
 
     def _commits(self, trainer: InnerTrainer) -> bool:
         """Does this peer commit to its inner state (docs/threat-model.md, "Commitments")?"""
