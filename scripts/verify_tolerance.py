@@ -100,6 +100,19 @@ def emit(args: argparse.Namespace) -> None:
     torch.save({"update": update, "class": compute_class("cpu"), "threads": torch.get_num_threads()}, args.emit)
 
 
+CODECS = ("int8", "sgn15of16")
+
+
+def coded(codec: str, update: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``update`` as the coordinator sees it after the upload codec; with ``like`` (a decoded upload of a sign
+    codec) re-encoded with that upload's rotation, as a cross-class verifier does (coordinator/rerun.py)."""
+    from asyncloco.transport.codecs import decode, encode
+    from asyncloco.transport.codecs_sign import rotation_in
+
+    rotation = rotation_in(like, codec) if like is not None and codec.startswith("sgn") else None
+    return decode(encode(codec, update, sign_rotation=rotation), update.numel())
+
+
 def cross_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The same lease in fresh processes on other CPU kernels and thread counts, each against the first."""
     rows: list[dict[str, Any]] = []
@@ -118,6 +131,9 @@ def cross_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row["reference"] = True
             else:
                 row.update(judged(first, got["update"]))
+                # what the verifier compares: both sides through the run's codec (the peer's upload, the re-run)
+                row["after_codec"] = {codec: judged(coded(codec, got["update"], coded(codec, first)), coded(codec, first))
+                                      for codec in CODECS}
             rows.append(row)
     return rows
 
@@ -148,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in result["cross_cpu"]:
             if not row.get("reference"):
                 print(f"{row['class']:>34} ×{row['threads']} thr: bitwise {row['bitwise']!s:5}  relative error "
-                      f"{row['rel_error']:.3e}  cosine {row['cosine']:.8f}")
+                      f"{row['rel_error']:.3e}  cosine {row['cosine']:.8f}  after " + ", ".join(
+                          f"{codec} {r['rel_error']:.3e}" for codec, r in row["after_codec"].items()))
     for key in ("rerun", "rerun_deterministic", "deterministic_vs_default", "other_lease", "vs_cpu_fp32"):
         if key in result:
             r = result[key]

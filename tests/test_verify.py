@@ -127,6 +127,39 @@ def test_tolerance_mode() -> None:
     assert not compare(rerun, torch.full_like(rerun, float("nan")), tolerance=0.01).ok
 
 
+@pytest.mark.parametrize("codec", ["int8", "sgn15of16"])
+def test_a_lease_from_another_compute_class_is_judged_within_the_cross_device_bound(codec: str) -> None:
+    """A peer of another compute class (emulated: its pseudo-gradient off by a relative 1e-6, as other CPU kernels
+    leave it, docs/threat-model.md "Which tolerance") uploads through the run's codec; the verifier's re-run is not
+    bitwise equal but within the fp32 bound — for the sign codec because the re-run is encoded with the upload's own
+    rotation (which hashes every bit). Named as the verifier's own class, the same upload fails (bitwise)."""
+    from asyncloco.transport.codecs_sign import rotation_of
+
+    cfg = toy_config(codec=codec)
+    workload = build_workload(cfg)
+    peer = InnerTrainer.from_config(cfg, workload)
+    theta = peer.full_params()
+    honest = peer_lease(peer, theta)
+    noise = torch.randn(honest.numel(), generator=torch.Generator().manual_seed(4))
+    foreign = honest * (1 + 1e-6 * noise)
+    if codec.startswith("sgn"):  # pick a perturbation that moves the data's own rotation (it does for most)
+        seed = 4
+        while rotation_of(foreign, 16) == rotation_of(honest, 16):
+            seed += 1
+            foreign = honest * (1 + 1e-6 * torch.randn(honest.numel(), generator=torch.Generator().manual_seed(seed)))
+    upload = decode(encode(codec, foreign), honest.numel())
+    rerunner = Rerunner(cfg, workload)
+    other = Verify("p", lease_record(), theta, upload, "sampled", device_class="cuda/NVIDIA H100 80GB HBM3/torch 2.11")
+    verdict = rerunner.check(other)
+    assert verdict.ok and verdict.rel_error < 1e-3, verdict.detail  # (the sign codec's bits may even all agree)
+    own = Verify("p", lease_record(), theta, upload, "sampled", device_class=rerunner.compute_class)
+    assert not rerunner.check(own).ok
+    # the honest upload itself, named as the verifier's class: bitwise
+    exact = Verify("p", lease_record(), theta, decode(encode(codec, honest), honest.numel()), "sampled",
+                   device_class=rerunner.compute_class)
+    assert rerunner.check(exact).bitwise
+
+
 def test_config_verifies_carried_or_reset_inner_state() -> None:
     """Both inner-state modes verify (stage 2 of the commitments: a carried state is revealed on request)."""
     carried = RunConfig.model_validate({"runtime": {"verify": {"enabled": True}}}).runtime.verify

@@ -239,6 +239,10 @@ def test_rerun_from_a_revealed_carried_state() -> None:
     carried = carried_config()
     bf16 = carried.model_copy(update={"inner": carried.inner.model_copy(update={"precision": "bf16"})})
     assert Rerunner(bf16, workload).bounds(Verify("p", lease, theta, submitted, "", "", start, end, "x")) == (0.1, 0.99)
+    # a codec that selects what it keeps (sign, topk, grp) moves kept values on a last-bit difference: wider bounds
+    for config, bounds in ((carried, (0.03, 0.9995)), (bf16, (0.4, 0.9))):
+        signed = config.model_copy(update={"runtime": config.runtime.model_copy(update={"codec": "sgn15of16"})})
+        assert Rerunner(signed, workload).bounds(Verify("p", lease, theta, submitted, "", "", start, end, "x")) == bounds
     # the verifier's own trainer is fresh again afterwards; a malformed state is refused, the state untouched
     assert rerunner.trainer.state_digest() == FRESH_STATE_DIGEST and rerunner.trainer.reset_state
     with pytest.raises(ValueError, match="bytes past its last parameter"):

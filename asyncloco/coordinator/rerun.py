@@ -79,11 +79,12 @@ class Rerunner:
 
     def cross_device_bounds(self) -> tuple[float, float]:
         """(tolerance, min_cosine) for a lease of another compute class: the config's, else the default for the run's
-        ``inner.precision`` (config.py ``CROSS_DEVICE_BOUNDS``)."""
-        from asyncloco.config import CROSS_DEVICE_BOUNDS
+        ``inner.precision`` and upload codec (config.py ``CROSS_DEVICE_BOUNDS``)."""
+        from asyncloco.config import CROSS_DEVICE_BOUNDS, SELECTING_CODECS
 
         knobs = self.cfg.runtime.verify
-        tolerance, min_cosine = CROSS_DEVICE_BOUNDS[self.cfg.inner.precision]
+        selecting = self.cfg.runtime.codec.startswith(SELECTING_CODECS)
+        tolerance, min_cosine = CROSS_DEVICE_BOUNDS[(self.cfg.inner.precision, selecting)]
         return (tolerance if knobs.cross_device_tolerance is None else knobs.cross_device_tolerance,
                 min_cosine if knobs.cross_device_min_cosine is None else knobs.cross_device_min_cosine)
 
@@ -96,12 +97,23 @@ class Rerunner:
             self._trainer.reset_state = True
         return self._trainer
 
-    def rerun(self, lease: Lease, base: torch.Tensor) -> torch.Tensor:
+    def rerun(self, lease: Lease, base: torch.Tensor, sign_rotation: Optional[int] = None) -> torch.Tensor:
         """The pseudo-gradient an honest peer submits for ``lease`` from θ = ``base``, as the coordinator decodes it."""
-        return self._rerun(lease, base, None)[0]
+        return self._rerun(lease, base, None, sign_rotation)[0]
 
-    def _rerun(self, lease: Lease, base: torch.Tensor,
-               residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _sign_rotation(self, task: "Verify") -> Optional[int]:
+        """A sign codec's rotation hashes every bit of the data, so a re-run from another compute class would keep
+        other positions than the peer did: re-encode it with the peer's (read off the submitted update). Within the
+        verifier's class the re-run encodes as the peer does — a bitwise check needs no help."""
+        codec = self.cfg.runtime.codec
+        if not codec.startswith("sgn") or task.device_class == self.compute_class:
+            return None
+        from asyncloco.transport.codecs_sign import rotation_in
+
+        return rotation_in(task.update, codec)
+
+    def _rerun(self, lease: Lease, base: torch.Tensor, residual: Optional[torch.Tensor],
+               sign_rotation: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`rerun` with error feedback from the peer's residual ``residual``: also the residual the upload leaves
         (None without feedback)."""
         from asyncloco.peer.feedback import ErrorFeedback
@@ -114,12 +126,13 @@ class Rerunner:
         # the peer's own arithmetic (peer/feedback.py), so that an honest upload reproduces bit for bit
         feedback = ErrorFeedback(runtime.codec, runtime.uses_error_feedback, runtime.error_feedback_decay)
         feedback.residual = residual
+        feedback.sign_rotation = sign_rotation
         encoded, decoded = feedback.encode_decoded(result.pseudo_gradient)
         update = decoded if decoded is not None else decode(encoded, result.pseudo_gradient.numel())
         return update, feedback.pending
 
     def check(self, task: Verify) -> Comparison:
-        return compare(self.rerun(task.lease, task.base), task.update, *self.bounds(task))
+        return compare(self.rerun(task.lease, task.base, self._sign_rotation(task)), task.update, *self.bounds(task))
 
     def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
         """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start in the
@@ -144,7 +157,7 @@ class Rerunner:
             return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
         trainer.reset_state = False
         try:
-            rerun, left = self._rerun(task.lease, task.base, residual)
+            rerun, left = self._rerun(task.lease, task.base, residual, self._sign_rotation(task))
         finally:
             trainer.reset_state = True
         inner_end = inner_state_digest(trainer.optimizer)

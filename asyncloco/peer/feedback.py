@@ -48,6 +48,7 @@ class ErrorFeedback:
         self.codec = codec
         self.enabled = enabled and codec not in LOSSLESS
         self.decay = decay  # the share of the residual carried into the next upload
+        self.sign_rotation: int | None = None  # a cross-class verifier's re-encoding with the peer's (coordinator/rerun.py)
         self.residual: torch.Tensor | None = None  # what earlier applied uploads dropped
         self._pending: torch.Tensor | None = None  # the residual once the upload in flight is applied
 
@@ -56,14 +57,14 @@ class ErrorFeedback:
         the coordinator will decode from it. Raises :class:`~asyncloco.transport.errors.CodecError` (NaN/Inf)
         without touching the residual."""
         if not self.enabled:
-            return encode(self.codec, pseudo_gradient), None
+            return encode(self.codec, pseudo_gradient, sign_rotation=self.sign_rotation), None
         if self.residual is None:
             corrected = pseudo_gradient
         elif self.decay == 1.0:
             corrected = pseudo_gradient + self.residual
         else:
             corrected = pseudo_gradient + self.decay * self.residual
-        encoded = encode(self.codec, corrected)
+        encoded = encode(self.codec, corrected, sign_rotation=self.sign_rotation)
         decoded = decode(encoded, corrected.numel())
         self._pending = corrected - decoded
         return encoded, decoded

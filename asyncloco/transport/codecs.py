@@ -118,9 +118,11 @@ __all__ = [
 ]
 
 
-def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
+def encode(name: str, tensor: torch.Tensor, *, sign_rotation: int | None = None) -> EncodedTensor:
     """Encode a flat fp32 CPU tensor. Raises :class:`CodecError` on a bad codec or tensor, and on any
     NaN/Inf value (an honest peer never sends one; the receiver refuses them at decode anyway).
+    ``sign_rotation``: for the sign codecs, the kept positions' rotation to use instead of the data's own (a
+    cross-class verifier re-encodes with the peer's: asyncloco/coordinator/rerun.py).
 
     ``fp16`` refuses values beyond ±65504 (they would silently become inf): use ``bf16`` for such data.
     """
@@ -149,7 +151,9 @@ def encode(name: str, tensor: torch.Tensor) -> EncodedTensor:
     if name.startswith("grp"):
         return _encode_group(name, tensor)
     if name.startswith("sgn"):
-        return encode_sign(name, tensor)
+        return encode_sign(name, tensor, sign_rotation)
+    if sign_rotation is not None:
+        raise CodecError(f"sign_rotation is for the sign codecs, not {name!r}")
 
     import bitsandbytes.functional as bnbf  # imported lazily: it logs a kernel notice at import on CPU
 

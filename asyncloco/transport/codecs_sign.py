@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import numpy as np
 import torch
@@ -54,10 +55,36 @@ def rotation_of(tensor: torch.Tensor, q: int) -> int:
     return int(tensor.view(torch.int32).sum(dtype=torch.int64)) % q
 
 
-def encode_sign(name: str, tensor: torch.Tensor) -> EncodedTensor:
+def rotation_in(decoded: torch.Tensor, name: str) -> Optional[int]:
+    """The rotation a decoded ``name`` tensor was encoded with: the columns (index mod q) holding a non-zero value are
+    the kept ones. None when nothing is non-zero or no rotation keeps them all. A verifier of another compute class
+    encodes its re-run with the peer's rotation (coordinator/rerun.py): the rotation hashes every bit of the data,
+    so the last-bit differences between classes would otherwise move every kept position."""
+    p, q = sign_params(name)
+    if q == 1:
+        return 0
+    numel = decoded.numel() - decoded.numel() % q
+    if numel == 0:
+        return None
+    seen = (decoded[:numel].view(-1, q) != 0).any(dim=0).numpy()
+    if not seen.any():
+        return None
+    for rotation in range(q):
+        kept = np.zeros(q, dtype=bool)
+        kept[kept_columns(p, q, rotation)] = True
+        if not (seen & ~kept).any():
+            return rotation
+    return None
+
+
+def encode_sign(name: str, tensor: torch.Tensor, rotation: Optional[int] = None) -> EncodedTensor:
+    """``rotation``: the kept positions' rotation (default: :func:`rotation_of` the data, as every peer encodes)."""
     p, q = sign_params(name)
     numel = tensor.numel()
-    rotation = rotation_of(tensor, q)
+    if rotation is None:
+        rotation = rotation_of(tensor, q)
+    elif not 0 <= rotation < q:
+        raise CodecError(f"codec {name!r}: rotation {rotation} is not below the group size {q}")
     rows = -(-numel // SIGN_BLOCK)
     blocks = torch.zeros(rows * SIGN_BLOCK, dtype=torch.float32)
     blocks[:numel] = tensor
