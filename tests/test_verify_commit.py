@@ -112,6 +112,16 @@ def test_submit_header_digests() -> None:
         with pytest.raises(MessageError, match="SubmitHeader.device_class"):
             SubmitHeader.from_wire({**old.to_wire(), "device_class": bad})
 
+def test_a_compute_class_with_odd_characters_is_made_wire_safe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a device reports (a GPU name, a CPU capability) is out of our hands: anything outside the wire's characters
+    becomes "_", and the class is cut at 96 characters, so every peer's class passes SubmitHeader."""
+    from asyncloco.peer.inner import compute_class
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2;é\n" + "x" * 200)
+    named = compute_class("cpu")
+    assert named.startswith("cpu/AVX2___xxx") and len(named) == 96
+    assert SubmitHeader.from_wire({**SubmitHeader("L1", 3, "int8", 10).to_wire(), "device_class": named}).device_class == named
+
 
 def commit_state() -> CoordinatorState:
     policy = CoordinatorPolicy(

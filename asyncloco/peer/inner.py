@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "InnerTrainer", "RoundResult", "FRESH_STATE_DIGEST", "inner_state_chunks", "inner_state_digest",
     "inner_state_size", "load_inner_state", "revealed_digest", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS", "PARALLELS",
-    "StepClock", "released", "compute_class", "COMPUTE_CLASS_PATTERN",
+    "StepClock", "released", "compute_class",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -53,8 +53,9 @@ PARALLELS = ("ddp", "fsdp")
 
 logger = logging.getLogger(__name__)
 
-# what a compute class may contain on the wire (transport/wire.py SubmitHeader.device_class)
-COMPUTE_CLASS_PATTERN = r"[A-Za-z0-9 ._+/:()@-]{1,96}"
+# what a compute class may not contain on the wire (transport/wire.py COMPUTE_CLASS_PATTERN: its complement, ≤ 96
+# characters; tests/test_verify_commit.py checks that what this machine names passes it)
+_NOT_IN_CLASS = re.compile(r"[^A-Za-z0-9 ._+/:()@-]")
 
 
 def compute_class(device: "str | torch.device") -> str:
@@ -73,7 +74,7 @@ def compute_class(device: "str | torch.device") -> str:
     else:
         detail = ""
     text = f"{dev.type}/{detail}/torch {torch.__version__}"
-    return re.sub(r"[^A-Za-z0-9 ._+/:()@-]", "_", text)[:96]
+    return _NOT_IN_CLASS.sub("_", text)[:96]
 
 
 class LeaseAborted(RuntimeError):
