@@ -5,9 +5,11 @@ with that peer's submissions discarded (asyncloco/coordinator/repair.py). This s
 offline and evaluates the validation perplexity of:
 
 * the live θ just before the failing verdict (every record handled as logged);
-* the repaired θ (the expelled peer's submissions discarded), as the coordinator computed it;
+* the θ of ``repair: discard`` (the expelled peer's submissions left out);
 * for comparison, the θ a repair would give if it discarded *another* peer's submissions instead (each peer in turn)
-  — how much of the damage comes from removing entangled updates rather than from the attacker's direction.
+  — how much of the damage comes from removing entangled updates rather than from the attacker's direction;
+* the θ of the default repair (``runtime.verify.repair: rerun``): the expelled peer's updates replaced by the
+  coordinator's honest re-runs of its leases (asyncloco/coordinator/substitute.py).
 
     python scripts/repair_quality.py runs/bench-slack/hidden_0.005_foreign-gate-on --json out.json
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,8 @@ from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq  # 
 from asyncloco.coordinator.daemon import EVENT_TYPES, CoordinatorDaemon  # noqa: E402
 from asyncloco.coordinator.logic import SubmitUpdate, Verified, handle  # noqa: E402
 from asyncloco.coordinator.repair import ANCHOR_DIR, log_events, repair  # noqa: E402
+from asyncloco.coordinator.rerun import Rerunner  # noqa: E402
+from asyncloco.coordinator.substitute import Substitutes  # noqa: E402
 from asyncloco.coordinator.wal import WAL_DIR, read_records  # noqa: E402
 from asyncloco.models.workload import load_flat_params  # noqa: E402
 from asyncloco.workloads import build_workload  # noqa: E402
@@ -73,6 +78,15 @@ def measure(run: Path) -> dict[str, Any]:
                           dict(live.verification.chain))
         result["discards"].append({"peer": peer, "expelled": peer == expelled, "updates_discarded": count,
                                    "perplexity": perplexity(repaired.state.params)})
+    # the default repair (runtime.verify.repair: rerun): the expelled peer's updates replaced by honest re-runs
+    started = time.perf_counter()
+    substitutes = Substitutes(Rerunner(cfg, workload), Path(tempfile.mkdtemp(prefix="repair-quality-rerun-")),
+                              daemon.numel, carry=cfg.runtime.verify.inner_state == "carry")
+    rerun = repair(fresh(), records, [expelled], live.version, dict(live.leases), live.lease_counter,
+                   dict(live.verification.chain), substitute=substitutes)
+    result["rerun"] = {"updates_replaced": rerun.substituted, "updates_discarded": rerun.discarded,
+                       "inner_steps": substitutes.steps, "seconds": round(time.perf_counter() - started, 2),
+                       "perplexity": perplexity(rerun.state.params)}
     return result
 
 
@@ -86,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in result["discards"]:
         who = "the expelled peer" if row["expelled"] else "another peer"
         print(f"discard {who} ({row['peer'][-6:]}, {row['updates_discarded']} updates): perplexity {row['perplexity']:.1f}")
+    rerun = result["rerun"]
+    print(f"repair: rerun (the default) — {rerun['updates_replaced']} updates replaced by honest re-runs "
+          f"({rerun['inner_steps']} inner steps, {rerun['seconds']} s), {rerun['updates_discarded']} discarded: "
+          f"perplexity {rerun['perplexity']:.1f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -32,6 +32,8 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator.checkpoint import load_snapshot
 from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE
 from asyncloco.coordinator.logic import Verified, handle
+from asyncloco.coordinator.rerun import Rerunner
+from asyncloco.coordinator.substitute import Substitutes
 from asyncloco.coordinator.verify import ANCHOR_DIR, log_events, repair
 from asyncloco.peer.inner import InnerTrainer, inner_state_size
 from asyncloco.peer.reveal import RevealStore, send_reveal
@@ -192,9 +194,16 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     if feedback:  # the kept start states carry the residual: length field, full inner state, 4 bytes per parameter
         sizes = {len(state) for store in out["stores"].values() for state in store._states.values()}
         assert 8 + out["layout_size"] + 4 * out["numel"] in sizes, sizes
-    # both peers' updates are gone: an independent replay of the whole log equals the live coordinator bitwise
+    # both peers' updates are gone, each replaced by the honest re-run of its lease (runtime.verify.repair: rerun):
+    # an independent replay of the whole log, re-running their leases afresh, equals the live coordinator bitwise
+    workload = build_workload(cfg)
+
+    def rerun(name: str) -> Substitutes:  # nothing stored: every re-run trained again
+        return Substitutes(Rerunner(cfg, workload), tmp_path / name, out["numel"])
+
     repairs = journal(run_dir, "repaired")
     assert [r["peer"] for r in repairs] == [v["peer"] for v in verdicts if not v["ok"]] and repairs[-1]["anchor"] == 0
+    assert sum(r["substituted"] for r in repairs) > 0 and all(r["discarded"] == 0 for r in repairs)
     anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
     state = out["fresh"]()
     state.load_state_dict(anchor["coordinator"])
@@ -210,11 +219,11 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     again = out["fresh"]()
     again.load_state_dict(anchor["coordinator"])
     live_then = repair(again, events[: cuts[0] + 1], [first], repairs[0]["version_before"], live_then.leases,
-                       live_then.lease_counter, live_then.verification.chain).state
+                       live_then.lease_counter, live_then.verification.chain, substitute=rerun("first")).state
     for event, now in events[cuts[0] + 1 : cuts[1] + 1]:
         handle(live_then, event, now)
     replayed = repair(state, events[: cuts[1] + 1], [LIAR, SILENT], repairs[-1]["version_before"], live_then.leases,
-                      live_then.lease_counter, live_then.verification.chain).state
+                      live_then.lease_counter, live_then.verification.chain, substitute=rerun("second")).state
     for event, now in events[cuts[1] + 1 :]:
         handle(replayed, event, now)
     assert torch.equal(replayed.params, live.params)

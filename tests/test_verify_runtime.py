@@ -9,10 +9,11 @@ verified updates; the draw is an HMAC under a secret the peers never see). What 
 * the hostile peer is caught on a sampled lease and expelled (its next call is refused, naming the expulsion);
 * honest peers are never flagged: every verdict on an honest lease is a match (bitwise), and every applied honest
   lease chosen for verification got its verdict;
-* the exact remedy: θ was repaired by replaying the log without the attacker's submissions — every one of its
-  applied updates discarded — and the live coordinator's final θ (with the outer optimizer's state, the version and
-  the local-update count) equals, bitwise, an independent replay of the whole write-ahead log from the initial
-  anchor with the attacker's submissions discarded at the expulsion;
+* the exact remedy: θ was repaired by replaying the log with each of the attacker's submissions replaced by the
+  honest re-run of its lease (``runtime.verify.repair: rerun``, the default) or discarded (``discard``), and the live
+  coordinator's final θ (with the outer optimizer's state, the version and the local-update count) equals, bitwise,
+  an independent replay of the whole write-ahead log from the initial anchor doing the same at the expulsion (its
+  re-runs trained again);
 * verdicts are in the journal and in status.json (checked / failed / expelled / repairs).
 """
 
@@ -33,7 +34,9 @@ from asyncloco.coordinator.checkpoint import load_snapshot
 from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE, CoordinatorDaemon
 from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, decode_event, read_records
 from asyncloco.coordinator.logic import Repaired, Verified, handle
-from asyncloco.coordinator.verify import ANCHOR_DIR, live_base, log_events, repair
+from asyncloco.coordinator.substitute import Substitutes
+from asyncloco.coordinator.verify import ANCHOR_DIR, Rerunner, live_base, log_events, repair
+from asyncloco.workloads import build_workload
 from asyncloco.peer.inner import InnerTrainer
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
@@ -47,7 +50,7 @@ HONEST = ("h0", "h1", "h2")
 HOSTILE = "mal"
 
 
-def config(**runtime: Any) -> RunConfig:
+def config(repair: str = "rerun", **runtime: Any) -> RunConfig:
     return RunConfig.model_validate({
         "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
         "inner": {"lr": 1e-2},
@@ -58,7 +61,7 @@ def config(**runtime: Any) -> RunConfig:
             "snapshot_every": 4, "eval_every": 100000, "lease_slack": 30.0, "speed_report_period": 600.0,
             "gate": {"enabled": False},  # the hidden direction is shaped to pass it anyway; verification does not need it
             "verify": {"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2, "horizon": 100000,
-                       "queue": 256},
+                       "queue": 256, "repair": repair},
             **runtime,
         },
     })
@@ -105,8 +108,9 @@ def read_journal(run_dir: Path, kind: Optional[str] = None) -> list[dict[str, An
     return [r for r in records if kind is None or r["type"] == kind]
 
 
-def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Path) -> None:
-    cfg = config()
+@pytest.mark.parametrize("mode", ["rerun", "discard"])
+def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Path, mode: str) -> None:
+    cfg = config(repair=mode)  # rerun: the default
     clock = FakeClock()
     run_dir = tmp_path / "run"
 
@@ -160,19 +164,30 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     chosen = {a["lease_id"] for a in applied_honest if assigned[a["lease_id"]]["verify"]}
     assert {v["lease_id"] for v in honest_verdicts} == chosen and len(honest_verdicts) == len(chosen)
     assert sum(book.passed.get(name, 0) for name in HONEST) == len(chosen) and not book.pending
-    # the repair: every applied update of the attacker before the expulsion was discarded
+    # the repair: every applied update of the attacker before the expulsion was replaced by the honest re-run of its
+    # lease (rerun), or discarded
     repairs = read_journal(run_dir, "repaired")
     assert len(repairs) == 1 and repairs[0]["peer"] == HOSTILE and repairs[0]["anchor"] == 0
     expelled_at = next(r for r in read_journal(run_dir) if r["type"] == "expelled")["time"]
     hostile_applied = [a for a in read_journal(run_dir, "applied") if a["peer"] == HOSTILE and a["time"] <= expelled_at]
-    assert repairs[0]["discarded"] >= len(hostile_applied) > 2
+    if mode == "rerun":
+        assert repairs[0]["substituted"] >= len(hostile_applied) > 2 and repairs[0]["discarded"] == 0
+        # trained ahead of the verdict, outside the daemon's lock, and read back by the repair; only what the peer
+        # submitted meanwhile was trained under the lock
+        assert repairs[0]["rerun_stored"] + repairs[0]["rerun_now"] == repairs[0]["substituted"]
+        assert repairs[0]["rerun_stored"] > repairs[0]["rerun_now"]
+    else:
+        assert repairs[0]["discarded"] >= len(hostile_applied) > 2 and repairs[0]["substituted"] == 0
     # status.json
     section = out["status"]["verification"]
     assert section["failed"] == 1 and list(section["expelled"]) == [HOSTILE] and len(section["repairs"]) == 1
     assert section["checked"] == book.checked and section["skipped"] == 0 and section["compute_fraction"] > 0
 
-    # an independent replay of the whole log: from the initial anchor, the attacker's submissions discarded up to its
-    # expulsion (verify.repair), then every later record as it was — equals the live coordinator, bitwise
+    # an independent replay of the whole log: from the initial anchor, the attacker's submissions replaced by re-runs
+    # of its leases trained again here (or discarded) up to its expulsion (verify.repair), then every later record as
+    # it was — equals the live coordinator, bitwise
+    substitute = Substitutes(Rerunner(cfg, build_workload(cfg)), tmp_path / "reruns", out["numel"], carry=False) \
+        if mode == "rerun" else None
     anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
     state = out["fresh"]()
     state.load_state_dict(anchor["coordinator"])
@@ -183,7 +198,7 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     for event, now in events[: cut + 1]:
         handle(before, event, now)
     result = repair(state, events[: cut + 1], [HOSTILE], repairs[0]["version_before"], before.leases,
-                    before.lease_counter, before.verification.chain, live_base(before))
+                    before.lease_counter, before.verification.chain, live_base(before), substitute)
     replayed = result.state
     repaired_params, repaired_version = replayed.params.clone(), replayed.version  # θ right after the repair
     # the repair's own decisions are the log's next record (a later repair's replay repeats them there)
@@ -197,8 +212,9 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
         other = replayed.optimizer.state_dict()[key]
         assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value
 
-    # --resume from the initial anchor with the whole log replays the Verified record (the repair, again) and then
-    # meets the logged Repaired: the resumed coordinator equals the live one
+    # --resume from the initial anchor with the whole log replays the Verified record (the repair, again: its
+    # re-runs trained again, the stored ones are not copied) and then meets the logged Repaired: the resumed
+    # coordinator equals the live one
     resumed = resume_from_anchor(cfg, run_dir, tmp_path / "resumed")
     assert torch.equal(resumed.state.params, live.params) and resumed.state.version == live.version
     assert resumed.state.lease_counter == live.lease_counter and resumed.state.local_updates == live.local_updates

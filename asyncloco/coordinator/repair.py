@@ -27,15 +27,17 @@ from asyncloco.coordinator.logic import (
     Lease,
     Repaired,
     SubmitUpdate,
+    base_theta,
     handle,
 )
 from asyncloco.coordinator.logic.events import ADOPTED_FIELDS
 
-__all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "Anchors", "RepairResult", "log_events", "repair", "repaired_event"]
+__all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "SUBSTITUTE_DIR", "Anchors", "RepairResult", "log_events", "repair", "repaired_event"]
 
 logger = logging.getLogger("asyncloco.coordinator.verify")  # one logger for verification and its repairs
 
 ANCHOR_DIR = "verify-anchors"
+SUBSTITUTE_DIR = "verify-substitutes"  # the honest re-runs a repair from an anchor applied (coordinator/substitute.py)
 KEEP_ANCHORS = 3
 
 
@@ -49,6 +51,35 @@ class RepairResult:
     discarded: int  # submissions of expelled peers replayed as Discard
     replayed: int  # events replayed
     repaired: Repaired  # what the repair decided beyond the replay: the daemon logs it after the Verified record
+    substituted: int = 0  # submissions of expelled peers replayed as an honest re-run of their lease
+
+
+# (submission, its lease, θ at the lease's base version in the replay) -> the update applied in its place, or None
+Substitute = Callable[[SubmitUpdate, Lease, torch.Tensor], Optional[torch.Tensor]]
+
+
+def _note_bases(state: CoordinatorState, excluded: Collection[str], bases: dict[str, torch.Tensor]) -> None:
+    """Keep θ at the base version of every active lease of an excluded peer, from when the replay issues it (the
+    current θ changes in place; a retained base θ is not kept for every lease)."""
+    for lease_id in [lease_id for lease_id in bases if lease_id not in state.leases]:
+        del bases[lease_id]
+    for lease in state.leases.values():
+        if lease.peer in excluded and lease.lease_id not in bases:
+            theta = base_theta(state, lease.base_version)
+            if theta is not None:
+                bases[lease.lease_id] = theta.clone()
+
+
+def _substitute(state: CoordinatorState, event: SubmitUpdate, bases: Mapping[str, torch.Tensor],
+                substitute: Optional[Substitute]) -> Optional[torch.Tensor]:
+    """The update applied in place of an excluded peer's submission (None: it is discarded)."""
+    if substitute is None:
+        return None
+    lease = state.leases.get(event.lease_id)
+    base = bases.get(event.lease_id)
+    if lease is None or lease.peer != event.peer or base is None:
+        return None  # not a lease the replay holds for it (refused live too), or its base θ is gone
+    return substitute(event, lease, base)
 
 
 def repair(
@@ -60,12 +91,17 @@ def repair(
     live_lease_counter: int = 0,
     live_chain: Optional[Mapping[str, str]] = None,
     live_base: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
+    substitute: Optional[Substitute] = None,
 ) -> RepairResult:
     """θ and the whole coordinator state as if the expelled peers' updates had never been applied.
 
     ``anchor`` (mutated and returned) is the state at some log record; ``records`` every later ``(event, now)`` up to
     and including the ``Verified`` event that expelled the last of ``expelled``. Each submission of an expelled peer
-    becomes a :class:`Discard` (its lease is consumed, θ untouched, so every later lease is issued exactly as it was);
+    is replaced by ``substitute(submission, lease, θ at its base version in the replay)`` — the coordinator's honest
+    re-run of that lease (coordinator/substitute.py; ``runtime.verify.repair: rerun``), applied as the peer's update
+    would have been, its probe left to the gate's other tests — or, where that gives None (or without
+    ``substitute``: ``repair: discard``), becomes a :class:`Discard` (its lease is consumed, θ untouched, so every
+    later lease is issued exactly as it was);
     every other submission is replayed with its base version renumbered to the replayed lease's. Verdicts in the
     records are replayed (counters, expulsions) but start no nested repair. Afterwards an active lease stays valid
     when it is one of ``live_leases`` (the live coordinator's, before the repair) with the same peer, its θ downloaded
@@ -93,15 +129,24 @@ def repair(
     crosses this point then repeats it there (a ``Repaired`` in ``records`` is handled like any event)."""
     state = anchor
     excluded = set(expelled)
-    discarded = replayed = 0
+    discarded = replayed = substituted = 0
     last_now = 0.0
+    bases: dict[str, torch.Tensor] = {}  # an excluded peer's active lease -> θ at its base version in the replay
     for event, now in records:
         replayed += 1
         last_now = now
         if isinstance(event, SubmitUpdate):
             if event.peer in excluded:
-                event = Discard(event.peer, event.lease_id)
-                discarded += 1
+                update = _substitute(state, event, bases, substitute)
+                if update is None:
+                    event = Discard(event.peer, event.lease_id)
+                    discarded += 1
+                else:
+                    # the gate's probe was evaluated on the submitted update, not on this one: decided without it
+                    event = dataclasses.replace(event, pseudo_gradient=update,
+                                                base_version=state.leases[event.lease_id].base_version,
+                                                probe_before=None, probe_after=None)
+                    substituted += 1
             else:
                 lease = state.leases.get(event.lease_id)
                 if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
@@ -110,11 +155,13 @@ def repair(
             event = _renumbered_fetch(state, event, live_leases)
         handle(state, event, now)  # Verify and Expelled actions of the past start nothing here; a Repaired repeats
         # the give-backs and the version jump of an earlier repair at the point where the live run made them
+        if substitute is not None:
+            _note_bases(state, excluded, bases)
     repaired = repaired_event(state, excluded, live_version, live_leases, live_lease_counter, live_chain, live_base)
     _, voided = handle(state, repaired, last_now)
     if live_leases is not None and live_base is not None:
         _keep_checks(state, live_leases, live_base)
-    return RepairResult(state, voided, discarded, replayed, repaired)
+    return RepairResult(state, voided, discarded, replayed, repaired, substituted)
 
 
 def _keep_checks(state: CoordinatorState, live_leases: Mapping[str, Lease],
@@ -306,6 +353,7 @@ class Anchors:
         for old in self.seqs()[: -self.keep]:
             if old not in self._pinned:
                 shutil.rmtree(self.path(old), ignore_errors=True)
+                shutil.rmtree(self.dir.parent / SUBSTITUTE_DIR / f"{old:020d}", ignore_errors=True)
         self._prune_archive()
         return True
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from asyncloco.coordinator.logic import Lease, Verify
     from asyncloco.models.workload import Workload
     from asyncloco.peer.inner import InnerTrainer
+    from asyncloco.transport.codec_format import EncodedTensor
 
 __all__ = ["Comparison", "compare", "Rerunner"]
 
@@ -116,20 +117,45 @@ class Rerunner:
                sign_rotation: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`rerun` with error feedback from the peer's residual ``residual``: also the residual the upload leaves
         (None without feedback)."""
+        update, left, _ = self._rerun_encoded(lease, base, residual, sign_rotation)
+        return update, left
+
+    def _rerun_encoded(self, lease: Lease, base: torch.Tensor, residual: Optional[torch.Tensor],
+                       sign_rotation: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional["EncodedTensor"]]:
+        """:meth:`_rerun`, and the upload's encoding (None without a codec)."""
         from asyncloco.peer.feedback import ErrorFeedback
         from asyncloco.transport.codecs import decode
 
         result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
         runtime = self.cfg.runtime
         if runtime.codec == "none":
-            return result.pseudo_gradient, None
+            return result.pseudo_gradient, None, None
         # the peer's own arithmetic (peer/feedback.py), so that an honest upload reproduces bit for bit
         feedback = ErrorFeedback(runtime.codec, runtime.uses_error_feedback, runtime.error_feedback_decay)
         feedback.residual = residual
         feedback.sign_rotation = sign_rotation
         encoded, decoded = feedback.encode_decoded(result.pseudo_gradient)
         update = decoded if decoded is not None else decode(encoded, result.pseudo_gradient.numel())
-        return update, feedback.pending
+        return update, feedback.pending, encoded
+
+    def rerun_carried(self, lease: Lease, base: torch.Tensor, state: bytes, residual: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, bytes, Optional[torch.Tensor], Optional["EncodedTensor"]]:
+        """An honest run of ``lease`` from θ = ``base`` and the inner state ``state`` (peer/inner.py's canonical
+        layout; b"": fresh) with the error-feedback ``residual``: the update as the coordinator decodes it, the inner
+        state at its end (same layout), the residual it leaves and its encoding (None without a codec). What a
+        repair applies in place of an expelled peer's update (coordinator/substitute.py)."""
+        from asyncloco.peer.inner import inner_state_chunks, load_inner_state
+
+        trainer = self.trainer
+        load_inner_state(trainer.optimizer, state)
+        trainer.reset_state = False
+        try:
+            update, left, encoded = self._rerun_encoded(lease, base, residual)
+            chunks = inner_state_chunks(trainer.optimizer)
+        finally:
+            trainer.reset_state = True
+            trainer.reset_inner_state()
+        return update, b"".join(chunks or []), left, encoded
 
     def check(self, task: Verify) -> Comparison:
         return compare(self.rerun(task.lease, task.base, self._sign_rotation(task)), task.update, *self.bounds(task))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ from asyncloco.coordinator.logic import (
 
 from asyncloco.coordinator.rerun import Comparison, Rerunner, compare
 from asyncloco.coordinator.repair import ANCHOR_DIR, KEEP_ANCHORS, Anchors, RepairResult, log_events, repair
+from asyncloco.coordinator.substitute import Substitutes, substitute_dir
 from asyncloco.coordinator.validators import ValidatorDesk
 
 __all__ = [
@@ -242,6 +244,8 @@ class DaemonVerification:
         self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0}  # moot: its peer was expelled
         # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
         self.desk = ValidatorDesk(self)
+        self._substitute_rerunner: Optional[Rerunner] = None  # the repair's honest re-runs (coordinator/substitute.py)
+        self._substitute_lock = threading.Lock()
 
     # --- hooks
 
@@ -452,6 +456,11 @@ class DaemonVerification:
         daemon = self.daemon
         anchor = self.anchors.pin_oldest()  # a failed check's repair replays from it
         try:
+            if not comparison.ok and self.knobs.repair == "rerun" and anchor >= 0 \
+                    and task.peer not in daemon.state.verification.expelled:
+                # the repair's honest re-runs, trained before the expulsion is decided and outside the daemon's lock
+                # (the repair under the lock then reads them back; only what arrives meanwhile is trained there)
+                await asyncio.to_thread(self._prepare_substitutes, task.peer, anchor)
             async with daemon.lock:  # the node's decision entry point (decide(event) takes the same lock)
                 if daemon._stopping:
                     return
@@ -471,6 +480,41 @@ class DaemonVerification:
         )
         live = daemon.state
         return new_state(torch.empty_like(live.params), optimizer, transforms, live.policy, [s.size for s in live.shards], cfg.seed)
+
+    def _substitutes(self, anchor: int) -> Optional[Substitutes]:
+        """The repair's honest re-runs (runtime.verify.repair: rerun), kept with the anchor the repair starts from."""
+        if self.knobs.repair != "rerun":
+            return None
+        if self._substitute_rerunner is None:  # its own model replica: the verification worker trains beside it
+            cfg = self.daemon.cfg
+            self._substitute_rerunner = Rerunner(cfg, self.daemon.workload, device=cfg.runtime.eval_device)
+        return Substitutes(self._substitute_rerunner, substitute_dir(Path(self.daemon.dir), anchor),
+                           self.daemon.state.params.numel(), carry=self.knobs.inner_state == "carry")
+
+    def _prepare_substitutes(self, peer: str, anchor: int) -> None:
+        """In a worker thread, before a failed verdict is decided: replay the log from ``anchor`` as the repair will
+        (the expelled peers and ``peer`` re-run), storing each re-run. Best effort — what fails here is trained
+        during the repair itself."""
+        from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
+
+        daemon = self.daemon
+        started = time.perf_counter()
+        try:
+            with self._substitute_lock:
+                excluded = set(dict(daemon.state.verification.expelled)) | {peer}
+                substitutes = self._substitutes(anchor)
+                assert substitutes is not None
+                snapshot = load_snapshot(self.anchors.path(anchor))
+                state = self._fresh_state()
+                state.load_state_dict(snapshot["coordinator"])
+                records = log_events(Path(daemon.dir) / "wal", snapshot_wal_seq(snapshot), daemon.wal.last_seq,
+                                     self.event_types, state.params.numel())
+                repair(state, records, excluded, 0, substitute=substitutes)
+        except Exception as error:  # noqa: BLE001 — e.g. a log segment rotated away mid-read
+            logger.warning("re-running %s's leases ahead of its repair failed (%r); the repair trains them", peer[-8:], error)
+            return
+        logger.info("re-ran %d of %s's leases ahead of its repair (%d stored already) in %.1f s", substitutes.computed,
+                    peer[-8:], substitutes.loaded, time.perf_counter() - started)
 
     def _repair(self, action: Expelled, journal: Any) -> None:
         from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
@@ -494,8 +538,10 @@ class DaemonVerification:
             state.load_state_dict(snapshot["coordinator"])
             after = snapshot_wal_seq(snapshot)
             records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
-            result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
-                            live.lease_counter, dict(live.verification.chain), live_base(live))
+            substitutes = self._substitutes(action.anchor)
+            with self._substitute_lock:
+                result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
+                                live.lease_counter, dict(live.verification.chain), live_base(live), substitutes)
         daemon.state = result.state
         # The repair's own decisions (leases given back, the version jump) go into the log right after the Verified
         # record, so that a later repair replaying across this point repeats them (logic.Repaired). A --resume
@@ -508,6 +554,9 @@ class DaemonVerification:
         seconds = time.perf_counter() - started
         summary = {
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
+            # runtime.verify.repair rerun: its updates replaced by honest re-runs (trained now / stored before)
+            "substituted": result.substituted, "rerun_now": substitutes.computed if substitutes else 0,
+            "rerun_stored": substitutes.loaded if substitutes else 0,
             "version_before": before_version, "version_after": result.state.version, "seconds": round(seconds, 3),
             "voided": sum(1 for a in result.voided if isinstance(a, Expired)), "kept": len(result.state.leases),
             # of the kept: live leases the replay never issued, adopted with their peers' work (coordinator/repair.py)
@@ -516,8 +565,9 @@ class DaemonVerification:
         self.repairs.append(summary)
         journal.write("repaired", **summary)
         logger.warning(
-            "θ repaired without %s's updates: %d log records replayed from record %d, %d of its submissions discarded "
-            "(%.2f s); %d active leases given back", action.peer[-8:], result.replayed, after, result.discarded, seconds,
+            "θ repaired without %s's updates: %d log records replayed from record %d, %d of its submissions replaced by "
+            "honest re-runs, %d discarded (%.2f s); %d active leases given back", action.peer[-8:], result.replayed, after,
+            result.substituted, result.discarded, seconds,
             sum(1 for a in result.voided if isinstance(a, Expired)),
         )
         daemon._bookkeep(result.voided)

@@ -1,0 +1,172 @@
+"""What a repair applies in place of an expelled peer's updates (issue 16; docs/threat-model.md, "The remedy: honest
+re-runs in place of the expelled peer's updates"): :class:`Substitutes`, the coordinator's own honest run of each of
+that peer's leases, from the θ the repair's replay holds at the lease's base version, with the inner state carried
+from one of its leases to the next as an honest peer carries it (``runtime.verify.repair: rerun``).
+
+Why not just leave its updates out (``repair: discard``): the honest updates that followed were trained from θs that
+held the expelled peer's work, and replayed without it they no longer fit the θ they land on — measured, a repair
+that left out 85 updates of a peer hiding 0.5 % of its norm took the perplexity from 173 to 1.1 × 10⁶, while
+replaying the same log with honest re-runs in their place gave 173.2 (``scripts/repair_quality.py``). A re-run holds
+none of what the peer sent, only the work its lease asked for.
+
+The re-runs are stored under ``<checkpoint_dir>/verify-substitutes/<anchor seq>/`` (the encoded update, as a peer
+would upload it, under a key of everything it depends on), so that the daemon's replay under its lock after the
+re-runs trained outside it, or a ``--resume`` that re-derives the same repair, reads them back instead of training
+again; the directory goes when its anchor is rotated away (coordinator/repair.py ``Anchors``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from asyncloco.coordinator.logic import Lease, SubmitUpdate
+from asyncloco.coordinator.repair import SUBSTITUTE_DIR
+from asyncloco.coordinator.rerun import Rerunner
+from asyncloco.transport.codec_format import EncodedTensor
+
+__all__ = ["Substitutes", "substitute_dir"]
+
+logger = logging.getLogger("asyncloco.coordinator.verify")
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def substitute_dir(checkpoint_dir: Path, anchor_seq: int) -> Path:
+    """Where the re-runs of a repair replaying from the anchor at log record ``anchor_seq`` are kept."""
+    return checkpoint_dir / SUBSTITUTE_DIR / f"{anchor_seq:020d}"
+
+
+class Substitutes:
+    """The repair's ``substitute`` (coordinator/repair.py :func:`~asyncloco.coordinator.repair.repair`): called with an
+    expelled peer's submission, its lease and θ at the lease's base version in the replay; returns the honest re-run's
+    update (as the coordinator decodes it), or None when it cannot be had (the submission is then left out).
+
+    One instance per replay. The inner state (and the error-feedback residual) is carried per peer from one re-run to
+    the next, starting fresh at the first of its leases the replay meets (``carry`` False: fresh for every lease, the
+    ``inner_state: reset`` mode), so a re-run is a function of the lease, its base θ and the peer's earlier re-runs in
+    this replay — named by a key chained over exactly those (:meth:`key`). A stored re-run under the same key is read
+    back instead of trained again (the same bits: it is the same computation); the carried state after the newest
+    re-run of each peer is stored too, so that a replay that meets a lease not yet re-run after stored ones continues
+    from the right state."""
+
+    def __init__(self, rerunner: Rerunner, directory: Path, numel: int, carry: bool = True) -> None:
+        self.rerunner = rerunner
+        self.directory = directory
+        self.numel = numel
+        self.carry = carry
+        # peer -> (chain key after its newest re-run in this replay, the state and residual then: None if not at hand)
+        self._chain: dict[str, tuple[str, Optional[tuple[bytes, Optional[torch.Tensor]]]]] = {}
+        self.computed = 0
+        self.loaded = 0
+        self.steps = 0  # inner steps trained for substitutes (a repair's cost)
+
+    def key(self, peer: str, lease: Lease, base: torch.Tensor) -> str:
+        """What the re-run of ``lease`` depends on: the peer's key before it (its earlier re-runs in this replay; a
+        fresh start without ``carry``), the lease's work and its base θ."""
+        before = self._chain[peer][0] if self.carry and peer in self._chain else "fresh"
+        hasher = hashlib.sha256(f"asyncloco substitute v1:{before}:{lease.lease_id}:{lease.shard}:{lease.start_offset}:"
+                                f"{lease.steps}:{lease.lr_offset}:".encode())
+        hasher.update(base.detach().cpu().contiguous().numpy().tobytes())
+        return hasher.hexdigest()[:48]
+
+    def __call__(self, event: SubmitUpdate, lease: Lease, base: torch.Tensor) -> Optional[torch.Tensor]:
+        peer = event.peer
+        if not _SAFE_ID.fullmatch(peer):
+            return None
+        key = self.key(peer, lease, base)
+        stored = self._load(self.directory / f"{key}.pt")
+        if stored is not None:
+            self.loaded += 1
+            self._chain[peer] = (key, self._stored_state(peer, key))
+            return stored
+        start: tuple[bytes, Optional[torch.Tensor]] = (b"", None)
+        if self.carry and peer in self._chain:
+            before, carried = self._chain[peer]
+            if carried is None:
+                carried = self._stored_state(peer, before)
+            if carried is None:  # a stored re-run without the state after it (a crash between the two writes)
+                logger.warning("the inner state after %s's stored re-run %s is gone: its lease %s is left out", peer[-8:],
+                               before[:12], lease.lease_id)
+                return None
+            start = carried
+        update, end, left, encoded = self.rerunner.rerun_carried(lease, base, *start)
+        self.computed += 1
+        self.steps += lease.steps
+        self._save(self.directory / f"{key}.pt", update, encoded)
+        if self.carry:
+            self._save_state(peer, key, end, left)
+        self._chain[peer] = (key, (end, left))
+        return update
+
+    def _stored_state(self, peer: str, key: str) -> Optional[tuple[bytes, Optional[torch.Tensor]]]:
+        """The carried state stored after ``peer``'s re-run ``key`` (None: not the one stored)."""
+        if not self.carry:
+            return (b"", None)
+        path = self.directory / f"{peer}.state.pt"
+        try:
+            saved = torch.load(path, weights_only=True) if path.is_file() else None
+        except Exception:  # noqa: BLE001 — a torn file: as if absent
+            saved = None
+        if saved is None or saved.get("after") != key:
+            return None
+        return bytes(saved["state"].numpy().tobytes()), saved.get("residual")
+
+    # --- storage
+
+    def _load(self, path: Path) -> Optional[torch.Tensor]:
+        from asyncloco.transport.codecs import EncodedTensor, decode
+
+        if not path.is_file():
+            return None
+        try:
+            saved = torch.load(path, weights_only=True)
+            if saved["codec"] == "none":
+                update = saved["update"]
+            else:
+                body = bytes(saved["update"].numpy().tobytes())
+                update = decode(EncodedTensor.from_bytes(saved["codec"], self.numel, body), self.numel)
+        except Exception as error:  # noqa: BLE001 — a torn or foreign file is trained again
+            logger.warning("stored re-run %s unreadable (%r): trained again", path, error)
+            return None
+        if not isinstance(update, torch.Tensor) or update.numel() != self.numel or update.dtype != torch.float32:
+            logger.warning("stored re-run %s does not fit this model: trained again", path)
+            return None
+        return update
+
+    def _save(self, path: Path, update: torch.Tensor, encoded: Optional[EncodedTensor]) -> None:
+        if encoded is None:
+            _write(path, {"codec": "none", "update": update.contiguous()})
+        else:
+            _write(path, {"codec": encoded.codec, "update": _bytes_tensor(encoded.to_bytes())})
+
+    def _save_state(self, peer: str, key: str, state: bytes, residual: Optional[torch.Tensor]) -> None:
+        payload: dict[str, object] = {"after": key, "state": _bytes_tensor(state)}
+        if residual is not None:
+            payload["residual"] = residual.contiguous()
+        _write(self.directory / f"{peer}.state.pt", payload)
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _write(path: Path, payload: Mapping[str, object]) -> None:
+    """Durably: a --resume that re-derives the repair must find the same bits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as handle:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    descriptor = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
