@@ -115,3 +115,29 @@ def test_substitutes_are_a_peers_honest_leases_with_the_inner_state_carried_and_
     other = [moved(submission(lease), lease, base + (0.001 if i == 0 else 0.0)) for i, (lease, base) in enumerate(zip(leases(), bases))]
     assert moved.computed == 3 and moved.loaded == 0
     assert other[0] is not None and not torch.equal(other[0], reference[0])
+
+
+def test_no_snapshot_falls_between_an_expulsion_and_its_repair(tmp_path: Path) -> None:
+    """The repair comes after the expulsion (once its re-runs are trained): a snapshot between the two would let a
+    --resume start after the Verified record and never repair θ, so none is taken while a repair is pending."""
+    import asyncio
+
+    from asyncloco.coordinator.daemon import CoordinatorDaemon
+    from asyncloco.coordinator.logic import Expelled
+
+    from tests.test_verify_runtime import config
+
+    daemon = CoordinatorDaemon(config(), checkpoint_dir=tmp_path)
+    try:
+        verification = daemon.verification
+        assert verification is not None and verification.reruns is not None  # repair: rerun, the default
+        verification.pending_repairs.append(Expelled("mal", "L1", "did not reproduce", 0))
+        daemon.durability.updates_since_snapshot = 10**6  # a snapshot is due
+        asyncio.run(daemon.durability.save())
+        assert not (tmp_path / "state.pt").exists()
+        verification.pending_repairs.clear()
+        asyncio.run(daemon.durability.save())
+        assert (tmp_path / "state.pt").is_file()
+    finally:
+        daemon.journal.close()
+        daemon.wal.close()

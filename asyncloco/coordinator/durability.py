@@ -74,6 +74,9 @@ class Durability:
         self.snapshot_seq = snapshot_wal_seq(snapshot)
         self.node.wal = open_log(self.dir, self.snapshot_seq, archive=self.archive, stamp=SOFTWARE_STAMP)
         self.replayed = self.replay(read_records(self.dir / WAL_DIR, self.snapshot_seq))
+        while self.verification is not None and self.verification.pending_repairs:
+            # expelled, but the coordinator stopped before the repair: carried out now, its Repaired record logged
+            self.verification.repair_pending(self.monitoring.journal)
         if self.verification is not None and self.verification.unlogged_repair is not None:
             # the coordinator died between a Verified record and its repair's Repaired: the replay re-derived the
             # repair, and the record a later repair needs goes into the log now
@@ -114,6 +117,10 @@ class Durability:
                     check_stamp(record.stamp, SOFTWARE_STAMP, f"log record {record.seq} in {self.dir / WAL_DIR}")
                     if record.kind == "event":
                         event = decode_event(record, EVENT_TYPES, decode_blob)
+                        if isinstance(event, Repaired) and self.verification is not None:
+                            # the live coordinator repaired θ right before this record (verify.py: after an
+                            # expulsion, once the re-runs were trained): so does the replay, up to the record before
+                            self.verification.repair_pending(self.monitoring.journal)
                         _, actions = node_module.handle(self.node.state, event, record.now)
                         if self.verification is not None:
                             self.verification.replay_seq = record.seq  # a repair replays up to this record
@@ -193,6 +200,9 @@ class Durability:
     async def save(self) -> None:
         """A snapshot now, waited for (start-up, shutdown). Call with the node's lock held or before serving."""
         await self.wait_for_snapshot()
+        if self.repair_pending():
+            logger.warning("no snapshot while an expelled peer's repair is pending: --resume replays it from the log")
+            return
         self.node.wal.rotate()
         await asyncio.to_thread(self.write_snapshot, self.snapshot_payload(copy=False))
         self.reset_counters()
@@ -207,10 +217,15 @@ class Durability:
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
+    def repair_pending(self) -> bool:
+        """An expulsion whose repair is still to come: no snapshot may fall between its Verified record and its
+        Repaired one (a --resume from it would never repair θ) — the log keeps everything meanwhile."""
+        return self.verification is not None and bool(self.verification.pending_repairs)
+
     def maybe_snapshot(self) -> None:
         """Start a background snapshot when ``runtime.snapshot_every`` updates or ``snapshot_every_s`` seconds
         have passed. The copy is taken here, under the lock (consistent); writing it never blocks decisions."""
-        if self.snapshot_task is not None and not self.snapshot_task.done():
+        if self.snapshot_task is not None and not self.snapshot_task.done() or self.repair_pending():
             return
         due = self.updates_since_snapshot >= self.cfg.runtime.snapshot_every or (
             self.changed_since_snapshot and self.node.clock.monotonic() - self._last_snapshot_at >= self.cfg.runtime.snapshot_every_s

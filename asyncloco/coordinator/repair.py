@@ -97,11 +97,9 @@ def repair(
 
     ``anchor`` (mutated and returned) is the state at some log record; ``records`` every later ``(event, now)`` up to
     and including the ``Verified`` event that expelled the last of ``expelled``. Each submission of an expelled peer
-    is replaced by ``substitute(submission, lease, θ at its base version in the replay)`` — the coordinator's honest
-    re-run of that lease (coordinator/substitute.py; ``runtime.verify.repair: rerun``), applied as the peer's update
-    would have been, its probe left to the gate's other tests — or, where that gives None (or without
-    ``substitute``: ``repair: discard``), becomes a :class:`Discard` (its lease is consumed, θ untouched, so every
-    later lease is issued exactly as it was);
+    is replaced by ``substitute(submission, lease, θ at its base version in the replay)`` — the honest re-run of that
+    lease (coordinator/substitute.py; ``repair: rerun``), judged by the gate without the probe — or, where that gives
+    None (or without ``substitute``: ``repair: discard``), by a :class:`Discard` (its lease is consumed, θ untouched);
     every other submission is replayed with its base version renumbered to the replayed lease's. Verdicts in the
     records are replayed (counters, expulsions) but start no nested repair. Afterwards an active lease stays valid
     when it is one of ``live_leases`` (the live coordinator's, before the repair) with the same peer, its θ downloaded
@@ -132,6 +130,8 @@ def repair(
     discarded = replayed = substituted = 0
     last_now = 0.0
     bases: dict[str, torch.Tensor] = {}  # an excluded peer's active lease -> θ at its base version in the replay
+    if substitute is not None:
+        _note_bases(state, excluded, bases)  # leases the anchor holds already
     for event, now in records:
         replayed += 1
         last_now = now
@@ -309,6 +309,12 @@ class Anchors:
             if seq >= 0:
                 self._pinned[seq] = self._pinned.get(seq, 0) + 1
             return seq
+
+    def pin(self, seq: int) -> None:
+        """Keep the anchor ``seq`` (a repair about to start from it) until :meth:`unpin`."""
+        with self.lock:
+            if seq >= 0:
+                self._pinned[seq] = self._pinned.get(seq, 0) + 1
 
     def unpin(self, seq: int) -> None:
         with self.lock:

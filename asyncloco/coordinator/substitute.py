@@ -21,17 +21,23 @@ import hashlib
 import logging
 import os
 import re
+import threading
+import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Collection, Mapping, Optional
 
 import torch
 
-from asyncloco.coordinator.logic import Lease, SubmitUpdate
-from asyncloco.coordinator.repair import SUBSTITUTE_DIR
+from asyncloco.coordinator.logic import CoordinatorState, Lease, SubmitUpdate
+from asyncloco.coordinator.repair import SUBSTITUTE_DIR, Anchors, log_events, repair
 from asyncloco.coordinator.rerun import Rerunner
 from asyncloco.transport.codec_format import EncodedTensor
 
-__all__ = ["Substitutes", "substitute_dir"]
+if TYPE_CHECKING:
+    from asyncloco.config import RunConfig
+    from asyncloco.models.workload import Workload
+
+__all__ = ["RepairReruns", "Substitutes", "substitute_dir"]
 
 logger = logging.getLogger("asyncloco.coordinator.verify")
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -154,6 +160,52 @@ class Substitutes:
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+class RepairReruns:
+    """The daemon's side (coordinator/verify.py): one model replica for the repairs' re-runs (the verification worker
+    trains beside it), :meth:`prepare` to train them outside the daemon's lock, :meth:`substitutes` for the repair."""
+
+    def __init__(self, cfg: "RunConfig", workload: "Workload", checkpoint_dir: Path, anchors: Anchors,
+                 fresh_state: Callable[[], CoordinatorState], event_types: Mapping[str, type]) -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.checkpoint_dir = checkpoint_dir
+        self.anchors = anchors
+        self.fresh_state = fresh_state
+        self.event_types = event_types
+        self.lock = threading.Lock()  # one replay trains at a time (one replica)
+        self._rerunner: Optional[Rerunner] = None
+
+    def substitutes(self, anchor: int) -> Substitutes:
+        """The re-runs of a repair replaying from the anchor at log record ``anchor`` (stored with it)."""
+        if self._rerunner is None:
+            self._rerunner = Rerunner(self.cfg, self.workload, device=self.cfg.runtime.eval_device)
+        return Substitutes(self._rerunner, substitute_dir(self.checkpoint_dir, anchor), self._rerunner.trainer.numel,
+                           carry=self.cfg.runtime.verify.inner_state == "carry")
+
+    def prepare(self, anchor: int, upto: int, excluded: Collection[str]) -> None:
+        """In a worker thread, after an expulsion and before its repair: replay the log from ``anchor`` up to record
+        ``upto`` as the repair will (``excluded``'s submissions re-run), storing each re-run. Best effort — what
+        fails here is trained during the repair itself, under the daemon's lock."""
+        from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
+
+        started = time.perf_counter()
+        try:
+            with self.lock:
+                substitutes = self.substitutes(anchor)
+                snapshot = load_snapshot(self.anchors.path(anchor))
+                state = self.fresh_state()
+                state.load_state_dict(snapshot["coordinator"])
+                records = log_events(self.checkpoint_dir / "wal", snapshot_wal_seq(snapshot), upto, self.event_types,
+                                     state.params.numel())
+                repair(state, records, excluded, 0, substitute=substitutes)
+        except Exception as error:  # noqa: BLE001 — e.g. a log segment rotated away mid-read
+            logger.warning("re-running the expelled peers' leases ahead of the repair failed (%r); the repair trains "
+                           "them", error)
+            return
+        logger.info("re-ran %d leases of expelled peers ahead of the repair (%d stored already) in %.1f s",
+                    substitutes.computed, substitutes.loaded, time.perf_counter() - started)
 
 
 def _write(path: Path, payload: Mapping[str, object]) -> None:

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import contextlib
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +63,7 @@ from asyncloco.coordinator.logic import (
 
 from asyncloco.coordinator.rerun import Comparison, Rerunner, compare
 from asyncloco.coordinator.repair import ANCHOR_DIR, KEEP_ANCHORS, Anchors, RepairResult, log_events, repair
-from asyncloco.coordinator.substitute import Substitutes, substitute_dir
+from asyncloco.coordinator.substitute import RepairReruns
 from asyncloco.coordinator.validators import ValidatorDesk
 
 __all__ = [
@@ -244,8 +244,12 @@ class DaemonVerification:
         self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0}  # moot: its peer was expelled
         # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
         self.desk = ValidatorDesk(self)
-        self._substitute_rerunner: Optional[Rerunner] = None  # the repair's honest re-runs (coordinator/substitute.py)
-        self._substitute_lock = threading.Lock()
+        # the honest re-runs a repair applies in an expelled peer's place (runtime.verify.repair: rerun)
+        self.reruns = RepairReruns(cfg, daemon.workload, Path(daemon.dir), self.anchors, self._fresh_state, event_types) \
+            if self.knobs.repair == "rerun" else None
+        self.pending_repairs: list[Expelled] = []  # expulsions whose repair has not been carried out yet
+        self._repairing: set["asyncio.Task[None]"] = set()
+        self._repair_turn = asyncio.Lock()
 
     # --- hooks
 
@@ -271,7 +275,13 @@ class DaemonVerification:
                     self.reveals["moot"] += 1
             journal.write("expelled", peer=action.peer, lease_id=action.lease_id, reason=action.reason, anchor=action.anchor)
             logger.warning("peer %s expelled: %s", action.peer[-8:], action.reason)
-            self._repair(action, journal)
+            # The peer is out now (everything it sends is refused); θ is repaired once the re-runs that replace its
+            # updates are trained, outside the lock (the coordinator serves meanwhile), and the repair's Repaired
+            # record marks where: a --resume replay repairs at that record, or at its end if the record never came.
+            self.anchors.pin(action.anchor)
+            self.pending_repairs.append(action)
+            if self.replay_seq is None:
+                self._repair_later(action)
             return True
         raise AssertionError(f"not a verification action: {action!r}")
 
@@ -370,7 +380,7 @@ class DaemonVerification:
         for _, _, deadline in list(self.awaiting.values()):
             deadline.cancel()
         self.awaiting.clear()
-        for task in list(self._decided):
+        for task in list(self._decided) + list(self._repairing):
             task.cancel()  # they wait for the daemon's lock; a stopping daemon decides nothing more
         if self._stop is not None:
             self._stop.set()
@@ -379,10 +389,13 @@ class DaemonVerification:
             self._task = None
 
     async def drain(self) -> None:
-        """Wait until every queued re-run has its verdict (tests, benchmarks)."""
-        if self._decided:
-            await asyncio.gather(*self._decided, return_exceptions=True)
-        await self.verifier.idle.wait()
+        """Wait until every queued re-run has its verdict and every expulsion its repair (tests, benchmarks)."""
+        while self._decided or self._repairing or not self.verifier.idle.is_set():
+            if self._decided:
+                await asyncio.gather(*self._decided, return_exceptions=True)
+            await self.verifier.idle.wait()
+            if self._repairing:
+                await asyncio.gather(*self._repairing, return_exceptions=True)
 
     # --- internals
 
@@ -456,11 +469,6 @@ class DaemonVerification:
         daemon = self.daemon
         anchor = self.anchors.pin_oldest()  # a failed check's repair replays from it
         try:
-            if not comparison.ok and self.knobs.repair == "rerun" and anchor >= 0 \
-                    and task.peer not in daemon.state.verification.expelled:
-                # the repair's honest re-runs, trained before the expulsion is decided and outside the daemon's lock
-                # (the repair under the lock then reads them back; only what arrives meanwhile is trained there)
-                await asyncio.to_thread(self._prepare_substitutes, task.peer, anchor)
             async with daemon.lock:  # the node's decision entry point (decide(event) takes the same lock)
                 if daemon._stopping:
                     return
@@ -481,40 +489,32 @@ class DaemonVerification:
         live = daemon.state
         return new_state(torch.empty_like(live.params), optimizer, transforms, live.policy, [s.size for s in live.shards], cfg.seed)
 
-    def _substitutes(self, anchor: int) -> Optional[Substitutes]:
-        """The repair's honest re-runs (runtime.verify.repair: rerun), kept with the anchor the repair starts from."""
-        if self.knobs.repair != "rerun":
-            return None
-        if self._substitute_rerunner is None:  # its own model replica: the verification worker trains beside it
-            cfg = self.daemon.cfg
-            self._substitute_rerunner = Rerunner(cfg, self.daemon.workload, device=cfg.runtime.eval_device)
-        return Substitutes(self._substitute_rerunner, substitute_dir(Path(self.daemon.dir), anchor),
-                           self.daemon.state.params.numel(), carry=self.knobs.inner_state == "carry")
+    def _repair_later(self, action: Expelled) -> None:
+        async def run() -> None:
+            async with self._repair_turn:  # one repair at a time, in the order of the expulsions
+                if self.reruns is not None:  # trained outside the daemon's lock; the repair reads them back
+                    await asyncio.to_thread(self.reruns.prepare, action.anchor, self.daemon.wal.last_seq,
+                                            set(self.daemon.state.verification.expelled))
+                async with self.daemon.lock:
+                    if self.daemon._stopping or action not in self.pending_repairs:
+                        return  # a --resume repairs it (the log has its Verified record and no Repaired)
+                    self.repair_pending(self.daemon.journal)
+                    self.daemon._write_status()
 
-    def _prepare_substitutes(self, peer: str, anchor: int) -> None:
-        """In a worker thread, before a failed verdict is decided: replay the log from ``anchor`` as the repair will
-        (the expelled peers and ``peer`` re-run), storing each re-run. Best effort — what fails here is trained
-        during the repair itself."""
-        from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
+        task = asyncio.ensure_future(run())
+        self._repairing.add(task)
+        task.add_done_callback(self._repairing.discard)
 
-        daemon = self.daemon
-        started = time.perf_counter()
-        try:
-            with self._substitute_lock:
-                excluded = set(dict(daemon.state.verification.expelled)) | {peer}
-                substitutes = self._substitutes(anchor)
-                assert substitutes is not None
-                snapshot = load_snapshot(self.anchors.path(anchor))
-                state = self._fresh_state()
-                state.load_state_dict(snapshot["coordinator"])
-                records = log_events(Path(daemon.dir) / "wal", snapshot_wal_seq(snapshot), daemon.wal.last_seq,
-                                     self.event_types, state.params.numel())
-                repair(state, records, excluded, 0, substitute=substitutes)
-        except Exception as error:  # noqa: BLE001 — e.g. a log segment rotated away mid-read
-            logger.warning("re-running %s's leases ahead of its repair failed (%r); the repair trains them", peer[-8:], error)
+    def repair_pending(self, journal: Any) -> None:
+        """Carry out the oldest expulsion's repair (live: its deferred turn, with the daemon's lock held; a
+        ``--resume`` replay: when it meets that repair's ``Repaired`` record, or after its last record)."""
+        if not self.pending_repairs:
             return
-        logger.info("re-ran %d of %s's leases ahead of its repair (%d stored already) in %.1f s", substitutes.computed,
-                    peer[-8:], substitutes.loaded, time.perf_counter() - started)
+        action = self.pending_repairs.pop(0)
+        try:
+            self._repair(action, journal)
+        finally:
+            self.anchors.unpin(action.anchor)
 
     def _repair(self, action: Expelled, journal: Any) -> None:
         from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
@@ -538,8 +538,8 @@ class DaemonVerification:
             state.load_state_dict(snapshot["coordinator"])
             after = snapshot_wal_seq(snapshot)
             records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
-            substitutes = self._substitutes(action.anchor)
-            with self._substitute_lock:
+            substitutes = self.reruns.substitutes(action.anchor) if self.reruns is not None else None
+            with self.reruns.lock if self.reruns is not None else contextlib.nullcontext():
                 result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
                                 live.lease_counter, dict(live.verification.chain), live_base(live), substitutes)
         daemon.state = result.state
