@@ -39,8 +39,8 @@ peer the gate refused recently.
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -332,6 +332,7 @@ class DaemonVerification:
             "unverifiable": book.unverifiable,
             "expelled": dict(book.expelled),
             "repairs": list(self.repairs),
+            "repairs_pending": [action.peer for action in self.pending_repairs],  # expelled, θ not repaired yet
             "anchors": self.anchors.seqs(),
             "reveals": {**self.reveals, "awaiting": len(self.awaiting)},
             "validators": self.desk.status(),
@@ -492,9 +493,13 @@ class DaemonVerification:
     def _repair_later(self, action: Expelled) -> None:
         async def run() -> None:
             async with self._repair_turn:  # one repair at a time, in the order of the expulsions
-                if self.reruns is not None:  # trained outside the daemon's lock; the repair reads them back
-                    await asyncio.to_thread(self.reruns.prepare, action.anchor, self.daemon.wal.last_seq,
-                                            set(self.daemon.state.verification.expelled))
+                expelled = self.daemon.state.verification.expelled
+                trained: Optional[set[str]] = None
+                while self.reruns is not None and trained != set(expelled):
+                    # trained outside the daemon's lock, the repair reads them back; again if another peer was
+                    # expelled meanwhile (the replay's θs, and so the re-runs, change with the set left out)
+                    trained = set(expelled)
+                    await asyncio.to_thread(self.reruns.prepare, action.anchor, self.daemon.wal.last_seq, trained)
                 async with self.daemon.lock:
                     if self.daemon._stopping or action not in self.pending_repairs:
                         return  # a --resume repairs it (the log has its Verified record and no Repaired)
@@ -543,10 +548,11 @@ class DaemonVerification:
                 result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
                                 live.lease_counter, dict(live.verification.chain), live_base(live), substitutes)
         daemon.state = result.state
-        # The repair's own decisions (leases given back, the version jump) go into the log right after the Verified
-        # record, so that a later repair replaying across this point repeats them (logic.Repaired). A --resume
-        # that replays the Verified record re-derives this repair; the record is then already in the log — or, if
-        # the coordinator died before writing it, appended once the replay is done (unlogged_repair).
+        # The repair's own decisions (leases given back, the version jump) go into the log as the record right after
+        # the last one it replayed, so that a later repair replaying across this point repeats them (logic.Repaired).
+        # A --resume replay carries out this repair when it meets that record (durability.py), then handles the
+        # record itself (already done: unlogged_repair is cleared); if the coordinator died before writing it, the
+        # repair is carried out after the replay and the record appended then.
         if self.replay_seq is None:
             daemon.wal.append_event(result.repaired, daemon.clock.time())
         else:
