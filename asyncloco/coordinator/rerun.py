@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from asyncloco.peer.inner import InnerTrainer
     from asyncloco.transport.codec_format import EncodedTensor
 
-__all__ = ["Comparison", "compare", "Rerunner"]
+__all__ = ["Comparison", "compare", "implausible_state", "moment_bound", "Rerunner"]
 
 
 # ------------------------------------------------------------------------------------------- comparing
@@ -51,6 +51,52 @@ def compare(rerun: torch.Tensor, submitted: torch.Tensor, tolerance: float = 0.0
     ok = tolerance > 0 and rel <= tolerance and cosine >= min_cosine
     bound = "bitwise equality" if tolerance == 0 else f"≤ {tolerance:g}" + (f", cosine ≥ {min_cosine:g}" if min_cosine > -1 else "")
     return Comparison(ok, False, rel, cosine, f"relative error {rel:.3g} (cosine {cosine:.6f}) vs the re-run; allowed: {bound}")
+
+
+# ------------------------------------------------------------------------------- a revealed state's plausibility
+
+
+def moment_bound(beta1: float, beta2: float, step: float) -> float:
+    """The most ``|exp_avg| / sqrt(exp_avg_sq)`` can be in an AdamW state after ``step`` steps from zero moments, for
+    any gradients: with m_t = (1−β1) Σ_k β1^k g_{t−k} and v_t = (1−β2) Σ_k β2^k g²_{t−k} (k < t), Cauchy–Schwarz gives
+    |m_t| ≤ (1−β1)/√(1−β2) · √(Σ_k (β1²/β2)^k) · √v_t, with equality for gradients ∝ (β1/β2)^k (at the default
+    betas: 3.16 after one step, 7.27 in the limit). Weight decay and clipping do not enter the moments (AdamW)."""
+    if step < 1:
+        return 0.0
+    ratio = beta1 * beta1 / beta2
+    if ratio >= 1.0:
+        return math.inf  # no bound below β2 = β1²
+    series = (1.0 - ratio ** step) / (1.0 - ratio)
+    return (1.0 - beta1) / math.sqrt(1.0 - beta2) * math.sqrt(series)
+
+
+def implausible_state(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why the loaded AdamW state is one no honest run reaches (None: it may be): non-finite or negative moments,
+    or, for any element, ``|exp_avg| > moment_bound(β1, β2, step) · sqrt(exp_avg_sq)`` (a relative slack of 1e-3 for
+    float32 rounding, and 1e-12 absolute for gradients whose square underflows). A crafted state — a second moment
+    shrunk to amplify chosen coordinates, or a step count set low to inflate the bias correction — breaks it; one
+    that keeps inside it steers no coordinate further than honest gradients could (docs/threat-model.md, "What a
+    peer can still do")."""
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for index, param in enumerate(group["params"]):
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            m, v = state["exp_avg"].double(), state["exp_avg_sq"].double()
+            step = float(state["step"])
+            if not (bool(torch.isfinite(m).all()) and bool(torch.isfinite(v).all())) or bool((v < 0).any()):
+                return f"parameter {index}: non-finite or negative moments"
+            if not math.isfinite(step) or step < 1 or step != int(step):
+                return f"parameter {index}: step count {step:g} is not a positive whole number"
+            bound = moment_bound(beta1, beta2, step)
+            excess = m.abs() - (bound * (1.0 + 1e-3) * v.sqrt() + 1e-12)
+            bad = int((excess > 0).sum())
+            if bad:
+                ratio = float((m.abs() / v.sqrt().clamp_min(1e-30)).max())
+                return (f"parameter {index}: {bad} element(s) with |exp_avg| above {bound:.3f} × sqrt(exp_avg_sq), "
+                        f"the most AdamW reaches in {int(step)} steps (largest ratio {ratio:.3g})")
+    return None
 
 
 # -------------------------------------------------------------------------------------------- re-running
@@ -181,6 +227,10 @@ class Rerunner:
             load_inner_state(trainer.optimizer, revealed)
         except ValueError as error:
             return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
+        implausible = implausible_state(trainer.optimizer)
+        if implausible is not None:
+            trainer.reset_inner_state()
+            return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is not one AdamW reaches: {implausible}")
         trainer.reset_state = False
         try:
             rerun, left = self._rerun(task.lease, task.base, residual, self._sign_rotation(task))
