@@ -439,7 +439,8 @@ def test_a_peer_behind_a_nat_trains_and_its_updates_are_applied(nat_lab: NatLab,
         tmp_path / "listener.log",
     )
     assert not nat_lab.connect_fails("peer", COORDINATOR_IP, port)
-    assert not nat_lab.connect_fails("peer", PEER_IP, 4444)  # the listener is up ...
+    # the listener is up (its interpreter may take a while to start on a loaded machine: waited for) ...
+    _wait(lambda: not nat_lab.connect_fails("peer", PEER_IP, 4444), 60.0, "the listener behind the NAT", listener)
     assert nat_lab.connect_fails("coord", PEER_IP, 4444)  # ... and unreachable from outside
     nat_lab.stop(listener)
 
