@@ -396,7 +396,7 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
     demo["task"]["val_sequences"] = 16
     demo["runtime"]["eval_every"] = 10
     demo["inner"]["parallel"] = "fsdp"  # the group shards its model (FSDP2); single peers train the plain model
-    demo["runtime"]["verify"] = {"enabled": False}  # a group cannot commit to its carried inner state (test below)
+    demo["runtime"]["verify"] = {"enabled": False}  # an FSDP group cannot commit to its carried inner state (below)
     config = tmp_path / "demo.yaml"
     config.write_text(yaml.safe_dump(demo))
     with LocalCluster(config, tmp_path) as cluster:
@@ -466,10 +466,10 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_a_group_refuses_to_join_a_run_that_verifies_the_carried_inner_state(tmp_path: Path) -> None:
-    """A group of ranks cannot commit to its inner state (it is spread over the ranks), and a run with
-    ``runtime.verify.inner_state: carry`` refuses every update without the commitments: the group says so and
-    leaves at once, naming the fix, instead of training leases that are all thrown away."""
+def test_an_fsdp_group_refuses_to_join_a_run_that_verifies_the_carried_inner_state(tmp_path: Path) -> None:
+    """A group that shards its model (``inner.parallel: fsdp``) cannot commit to its inner state (it is spread over
+    the ranks), and a run with ``runtime.verify.inner_state: carry`` refuses every update without the commitments:
+    the group says so and leaves at once, naming the fixes, instead of training leases that are all thrown away."""
     import yaml
 
     from asyncloco.local_cluster import LocalCluster
@@ -477,6 +477,7 @@ def test_a_group_refuses_to_join_a_run_that_verifies_the_carried_inner_state(tmp
     repo = Path(__file__).resolve().parent.parent
     demo = yaml.safe_load((repo / "configs" / "demo.yaml").read_text())
     demo["runtime"]["verify"] = {"enabled": True, "inner_state": "carry"}
+    demo["inner"]["parallel"] = "fsdp"
     config = tmp_path / "demo.yaml"
     config.write_text(yaml.safe_dump(demo))
     with LocalCluster(config, tmp_path) as cluster:
@@ -484,8 +485,50 @@ def test_a_group_refuses_to_join_a_run_that_verifies_the_carried_inner_state(tmp
         group = cluster.start_peer("group", extra=["--nproc-per-node", "2"])
         assert group.wait(timeout=300) != 0
         log = (tmp_path / "group.log").read_text()
-        assert "which a peer of 2 ranks cannot commit to" in log and "--nproc-per-node 1" in log, log[-3000:]
+        assert "which a peer of 2 ranks sharding its model (inner.parallel: fsdp) cannot commit" in log, log[-3000:]
+        assert "--nproc-per-node 1" in log and "inner.parallel: ddp" in log
         assert not [e for e in cluster.events() if e.get("type") in ("assign", "applied", "rejected")]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_ddp_group_commits_to_its_leaders_state_and_passes_its_checks(tmp_path: Path) -> None:
+    """Under DDP every rank holds the same whole inner state, so a group commits to its leader's (peer/inner.py
+    ``state_digest``; a reset goes to every rank). It names a compute class of its own (``ddp2/...``: its ranks
+    sum the gradients in another order than one process), so its probation leases — every one re-run by the
+    coordinator from the revealed state — are judged within the cross-device bound, and pass."""
+    import yaml
+
+    from asyncloco.local_cluster import LocalCluster
+
+    repo = Path(__file__).resolve().parent.parent
+    demo = yaml.safe_load((repo / "configs" / "demo.yaml").read_text())
+    demo["schedule"]["max_local_steps"] = 10
+    demo["task"]["val_sequences"] = 16
+    demo["runtime"]["eval_every"] = 10
+    demo["inner"]["parallel"] = "ddp"
+    config = tmp_path / "demo.yaml"
+    config.write_text(yaml.safe_dump(demo))
+    with LocalCluster(config, tmp_path) as cluster:
+        cluster.start_coordinator()
+        group = cluster.start_peer("group", extra=["--nproc-per-node", "2"])
+
+        def judged() -> list[dict[str, object]]:
+            summary = cluster.peer_summary("group")
+            peer = summary.get("peer_id")
+            verdicts = [e for e in cluster.events() if e["type"] == "verdict" and e.get("peer") == peer]
+            return verdicts if len(verdicts) >= 2 else []
+
+        cluster.wait_for(lambda: bool(judged()), 420, "two verdicts on the group's leases")
+        verdicts = judged()
+        status = cluster.status()
+        cluster.stop(group)
+    assert all(v["ok"] for v in verdicts), verdicts
+    # re-run from the revealed start state (a carried one: the second lease's), judged within the fp32 bound
+    assert all("the end state is not compared" in str(v["detail"]) and "peer's compute class 'ddp2/cpu/" in str(v["detail"])
+               for v in verdicts), verdicts
+    assert status["verification"]["failed"] == 0 and not status["verification"]["expelled"]
+    assert status["verification"]["reveals"]["received"] >= 1
 
 
 def test_carried_state_verification_needs_the_plain_adamw() -> None:

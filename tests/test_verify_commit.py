@@ -121,6 +121,11 @@ def test_a_compute_class_with_odd_characters_is_made_wire_safe(monkeypatch: pyte
     named = compute_class("cpu")
     assert named.startswith("cpu/AVX2___xxx") and len(named) == 96
     assert SubmitHeader.from_wire({**SubmitHeader("L1", 3, "int8", 10).to_wire(), "device_class": named}).device_class == named
+    # a DDP group is a class of its own, named first (a long device name is cut, not the group's size)
+    group = compute_class("cpu", ranks=4)
+    assert group.startswith("ddp4/cpu/AVX2___xxx") and len(group) == 96 and group != named
+    monkeypatch.undo()
+    assert compute_class("cpu", ranks=2) == "ddp2/" + compute_class("cpu") and compute_class("cpu", ranks=1) == compute_class("cpu")
 
 
 def commit_state() -> CoordinatorState:

@@ -495,6 +495,9 @@ class DaemonVerification:
             async with self._repair_turn:  # one repair at a time, in the order of the expulsions
                 expelled = self.daemon.state.verification.expelled
                 trained: Optional[set[str]] = None
+                # a snapshot begun before the expulsion moves log segments to the archive when it is written (none
+                # begins while a repair is pending): let it finish, so the log stays put while the re-runs read it
+                await self.daemon._wait_for_snapshot()
                 while self.reruns is not None and trained != set(expelled):
                     # trained outside the daemon's lock, the repair reads them back; again if another peer was
                     # expelled meanwhile (the replay's θs, and so the re-runs, change with the set left out)

@@ -43,6 +43,7 @@ __all__ = [
     "GroupContext",
     "GroupFailed",
     "Command",
+    "OP_RESET",
     "OP_STOP",
     "OP_TRAIN",
     "OP_MEASURE",
@@ -67,7 +68,7 @@ logger = logging.getLogger(__name__)
 GROUP_TIMEOUT = timedelta(hours=1)
 LEADER_PIDFILE_ENV = "ASYNCLOCO_LEADER_PIDFILE"  # set by `asyncloco peer join --nproc-per-node` (signals)
 
-OP_STOP, OP_TRAIN, OP_MEASURE = 0, 1, 2
+OP_STOP, OP_TRAIN, OP_MEASURE, OP_RESET = 0, 1, 2, 3  # OP_RESET: back to a fresh inner state (the leader's chain)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,8 @@ def _follow(group: GroupContext) -> int:
             return 0
         if command.op == OP_MEASURE:
             probe_speed(cfg, workload, group.device, group=group)
+        elif command.op == OP_RESET:  # every rank holds the same AdamW state under DDP: reset with the leader's
+            trainer.reset_inner_state()
         elif command.op == OP_TRAIN:
             try:
                 trainer.run(None, command.shard, command.start_offset, command.steps, command.lr_offset)

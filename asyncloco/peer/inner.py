@@ -58,13 +58,13 @@ logger = logging.getLogger(__name__)
 _NOT_IN_CLASS = re.compile(r"[^A-Za-z0-9 ._+/:()@-]")
 
 
-def compute_class(device: "str | torch.device") -> str:
+def compute_class(device: "str | torch.device", ranks: int = 1) -> str:
     """The *compute class* of a device: what decides whether two runs of the same lease are bit-identical — torch's
     version, the device type and, on a GPU, its model and CUDA version; on a CPU, the vector instruction set torch's
     kernels dispatch to. Peers name theirs in each submission; a verifier of the same class compares bitwise, any
     other within ``runtime.verify.cross_device_tolerance`` (asyncloco/coordinator/rerun.py; docs/threat-model.md,
     "Which tolerance"). Measured: the same lease on the same GPU model and software is bit-identical, even in bf16
-    (docs/gpu.md)."""
+    (docs/gpu.md). ``ranks``: a DDP group of that many ranks (its own class)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -74,6 +74,8 @@ def compute_class(device: "str | torch.device") -> str:
     else:
         detail = ""
     text = f"{dev.type}/{detail}/torch {torch.__version__}"
+    if ranks > 1:  # a DDP group sums its ranks' gradients in another order than one process: not bit-identical
+        text = f"ddp{ranks}/{text}"
     return _NOT_IN_CLASS.sub("_", text)[:96]
 
 
@@ -242,7 +244,6 @@ class InnerTrainer:
         self.workload = workload
         self.schedule = schedule
         self.device = torch.device(device)
-        self.compute_class = compute_class(self.device)  # named in each submission (verification's tolerance)
         self.precision = precision
         self.group = group
         self.seed = seed
@@ -254,6 +255,8 @@ class InnerTrainer:
         self.lease_warmup = lease_warmup  # with reset_state: LR × (j + 1) / lease_warmup on a lease's first steps
         # FSDP only means something on a group of 2 or more ranks; a single process trains the plain model
         self.sharded = group is not None and parallel == "fsdp"
+        # named in each submission (verification's tolerance); a DDP group is a class of its own
+        self.compute_class = compute_class(self.device, group.world_size if group is not None else 1)
         if self.sharded:
             _shard_model(self.model)  # before the optimizer: it must hold the sharded (DTensor) parameters
             assert group is not None
@@ -379,8 +382,9 @@ class InnerTrainer:
 
     def state_digest(self) -> Optional[str]:
         """The commitment to this trainer's inner optimizer state (:func:`inner_state_digest`); None when it cannot
-        be committed to (8-bit or sharded optimizer, a group of ranks)."""
-        if self.group is not None or self.sharded:
+        be committed to (8-bit or FSDP-sharded optimizer). A DDP group's ranks hold the same whole state (they apply
+        the same averaged gradients; a reset goes to every rank, peer/distributed.py ``OP_RESET``): the leader's."""
+        if self.sharded:
             return None
         return inner_state_digest(self.optimizer)
 

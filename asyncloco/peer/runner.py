@@ -47,6 +47,7 @@ from asyncloco.clock import SYSTEM_CLOCK, Clock
 from asyncloco.config import RunConfig
 from asyncloco.peer.distributed import (
     OP_MEASURE,
+    OP_RESET,
     OP_STOP,
     OP_TRAIN,
     Command,
@@ -248,15 +249,19 @@ class PeerRunner:
                 await asyncio.to_thread(self._release_group, group_phase)
 
     def _check_can_commit(self, cfg: RunConfig) -> None:
-        """A group of ranks cannot commit to its inner state (it is spread over the ranks), and a run verifying the
-        carried state refuses every update without the commitments (docs/threat-model.md, "Who can commit")."""
+        """An FSDP group cannot commit to its inner state (spread over the ranks; a DDP group commits to its leader's),
+        and a run verifying the carried state refuses updates without commitments (docs/threat-model.md)."""
         verify = cfg.runtime.verify
-        if self.group is not None and verify.enabled and verify.inner_state == "carry":
-            raise PeerError(
-                f"this run verifies leases from each peer's carried inner state (runtime.verify.inner_state: carry), "
-                f"which a peer of {self.group.world_size} ranks cannot commit to (its state is spread over the ranks); "
-                "join with --nproc-per-node 1, or the organiser sets runtime.verify.inner_state: reset"
-            )
+        if self.group is not None and cfg.inner.parallel == "fsdp" and verify.enabled and verify.inner_state == "carry":
+            raise PeerError(f"this run verifies leases from each peer's carried inner state (runtime.verify.inner_state: "
+                            f"carry), which a peer of {self.group.world_size} ranks sharding its model (inner.parallel: "
+                            "fsdp) cannot commit to (its state is spread over the ranks); join with --nproc-per-node 1, "
+                            "or the organiser sets inner.parallel: ddp (a DDP group commits) or inner_state: reset")
+
+    def _reset_inner_state(self, trainer: InnerTrainer) -> None:  # on every rank: DDP ranks keep one state
+        if self.group is not None:
+            broadcast_command(self.group, Command(OP_RESET))
+        trainer.reset_inner_state()
 
     def _release_group(self, phase: str) -> None:
         """Tell the followers to stop (unless the group is broken), then leave it."""
@@ -442,7 +447,7 @@ class PeerRunner:
             encoded = await asyncio.to_thread(self.feedback.encode, pseudo_gradient)
         except CodecError as error:  # NaN/Inf: a diverged round has nothing to send; its lease expires
             logger.warning("lease %s not submitted: %s", lease.lease_id, error)
-            trainer.reset_inner_state()  # the commitment chain goes on from the fresh state
+            self._reset_inner_state(trainer)  # the commitment chain goes on from the fresh state
             self.feedback.settle(False)  # and from no residual (the fresh state's commitment has none)
             return None
         if self._commits(trainer) and self.feedback.enabled and self._inner_end is not None:
@@ -459,7 +464,7 @@ class PeerRunner:
         applied = ack is not None and ack.accepted
         self.feedback.settle(applied)  # not applied: the residual is dropped
         if self._commits(trainer) and not applied:
-            trainer.reset_inner_state()  # only applied leases advance the commitment chain (logic._broken_chain)
+            self._reset_inner_state(trainer)  # only applied leases advance the commitment chain (logic._broken_chain)
         return ack
 
     async def _settle(self, client: Any, lease: LeaseGrant, ack: Ack, counters: Any) -> None:
