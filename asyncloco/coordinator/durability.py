@@ -77,11 +77,6 @@ class Durability:
         while self.verification is not None and self.verification.pending_repairs:
             # expelled, but the coordinator stopped before the repair: carried out now, its Repaired record logged
             self.verification.repair_pending(self.monitoring.journal)
-        if self.verification is not None and self.verification.unlogged_repair is not None:
-            # the coordinator died between a Verified record and its repair's Repaired: the replay re-derived the
-            # repair, and the record a later repair needs goes into the log now
-            self.node.wal.append_event(self.verification.unlogged_repair, self.node.clock.time())
-            self.verification.unlogged_repair = None
         # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
         # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
         now = self.node.clock.time()
@@ -124,8 +119,6 @@ class Durability:
                         _, actions = node_module.handle(self.node.state, event, record.now)
                         if self.verification is not None:
                             self.verification.replay_seq = record.seq  # a repair replays up to this record
-                            if isinstance(event, Repaired):  # the repair just re-derived is in the log already
-                                self.verification.unlogged_repair = None
                         self.monitoring.bookkeep(actions)
                     else:  # e.g. the "HoldDropped" marks of older logs, which stamps refuse before this point
                         raise ValueError(f"log record {record.seq}: unknown mark {record.type!r}")

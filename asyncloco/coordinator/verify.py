@@ -54,7 +54,6 @@ from asyncloco.coordinator.logic import (
     CoordinatorState,
     Expelled,
     Expired,
-    Repaired,
     Unverified,
     Verdict,
     Verified,
@@ -231,7 +230,6 @@ class DaemonVerification:
             on_skip=self._unverified,
         )
         self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
-        self.unlogged_repair: Optional[Repaired] = None  # re-derived in a --resume replay and not (yet) met in the log
         # checks a --resume replay met without their verdict (lease id -> check): queued again by start()
         self.resumed_checks: dict[str, Verify] = {}
         self.repairs: list[dict[str, Any]] = []
@@ -553,13 +551,11 @@ class DaemonVerification:
         daemon.state = result.state
         # The repair's own decisions (leases given back, the version jump) go into the log as the record right after
         # the last one it replayed, so that a later repair replaying across this point repeats them (logic.Repaired).
-        # A --resume replay carries out this repair when it meets that record (durability.py), then handles the
-        # record itself (already done: unlogged_repair is cleared); if the coordinator died before writing it, the
-        # repair is carried out after the replay and the record appended then.
+        # A --resume replay carries out this repair right before it meets that record (durability.py), which is
+        # then handled again (a no-op); if the coordinator died before writing it, the repair is carried out after
+        # the replay, not replaying, and the record appended here.
         if self.replay_seq is None:
             daemon.wal.append_event(result.repaired, daemon.clock.time())
-        else:
-            self.unlogged_repair = result.repaired
         seconds = time.perf_counter() - started
         summary = {
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
