@@ -317,6 +317,14 @@ def test_a_reveal_lost_on_the_way_is_sent_again_until_its_budget() -> None:
     once = Flaky(1, took)
     assert not asyncio.run(send_reveal(once, "L1", b"state", "a" * 64)) and once.calls == 1
 
+    class Answered(Flaky):  # the coordinator's handler raised: an answer too (a restarted one awaits no reveal)
+        async def reveal(self, lease_id: str, state: bytes) -> RevealReply:
+            self.calls += 1
+            raise RemoteError("ValueError: no reveal of lease L1 is awaited from this peer")
+
+    answered = Answered(0, took)
+    assert not asyncio.run(send(answered, 150.0)) and answered.calls == 1 and waits == []
+
 
 def test_reveal_rpc_over_p2p_is_bounded_before_its_body() -> None:
     from hivemind.p2p import P2P

@@ -128,8 +128,9 @@ async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest
     was the fresh state needs no reveal (the coordinator knows that state); one whose state was dropped cannot be
     revealed (the check fails at the deadline: raise ``runtime.verify.reveal_keep``). An upload that fails on the
     way (a reset, a dropped stream) is sent again with backoff (``wait``) for ``retry_for`` seconds — an honest peer
-    whose reveal is lost would fail its check at ``runtime.verify.reveal_timeout``; a refusal is an answer."""
-    from asyncloco.transport.errors import TransportError
+    whose reveal is lost would fail its check at ``runtime.verify.reveal_timeout``; a refusal is an answer, and so is
+    an error the coordinator's handler returns (a restarted coordinator awaits no reveal of an older check)."""
+    from asyncloco.transport.errors import RemoteError, TransportError
 
     if digest == FRESH_STATE_DIGEST:
         return True
@@ -142,6 +143,9 @@ async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest
         try:
             reply = await client.reveal(lease_id, state)
             break
+        except RemoteError as error:  # the coordinator answered (e.g. a restarted one awaits no reveal): final
+            logger.warning("the coordinator refused lease %s's revealed state: %s", lease_id, error)
+            return False
         except TransportError as error:
             if wait is None or now() + delay > give_up or aborted():
                 logger.warning("revealing lease %s's start state failed: %s", lease_id, error)
