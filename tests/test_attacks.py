@@ -121,6 +121,20 @@ def rss_kb(pid: int) -> int:
 ATTACKS = ["huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease"]
 
 
+def gate_trace(events: list[dict[str, Any]], names: dict[str, str]) -> str:
+    """One line of the gate's verdicts in journal order: ``name:a|r@cosine`` (a = applied, w = applied with weak
+    agreement, r = rejected), to read a failure's cause from its message (the run's directory is gone in CI)."""
+    marks = []
+    for event in events:
+        if event.get("type") not in ("applied", "rejected"):
+            continue
+        text = event.get("gate") or event.get("reason") or ""
+        found = re.search(r"cosine (-?[0-9.]+)", text)
+        kind = "r" if event["type"] == "rejected" else ("w" if "weak agreement" in text else "a")
+        marks.append(f"{names.get(event.get('peer', ''), '?')}:{kind}@{found[1] if found else '-'}")
+    return " ".join(marks)
+
+
 @pytest.mark.timeout(900)
 def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
     # quarantine would (rightly) stop the insider after 3 rejections; here every attack must reach the gate — and
@@ -263,18 +277,18 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
     honest_applied = [e for e in events if e.get("type") == "applied" and e.get("peer") in ids.values()]
     assert len(honest_applied) >= version_before_flood // 2
     # What the gate guarantees (issue 16): a peer past probation is never refused for merely agreeing weakly (its
-    # update is taken at ≤ the median norm, "weak agreement"); only for pointing away without the probe vouching
-    # for it (refused, not counted: honest work lands there now and then — a fresh-venv run saw one at a probe
-    # change of −0.008 % against a 0.03 % margin), clearly raising the probe loss or an out-of-bounds norm. So
-    # after a peer's first 3 accepted updates no "not counted" refusal but pointing away, and ≤ 1 % refused in
-    # all (one allowed).
+    # update is taken at ≤ the median norm, "weak agreement"), nor for pointing away while the probe loss does not
+    # rise by more than its margin (a fresh-clone CI run refused 9 of 148 such honest updates, +0.003 % each, when
+    # that was refused); only for raising the probe loss by more than the margin or an out-of-bounds norm. So
+    # after a peer's first 3 accepted updates no "not counted" refusal, and ≤ 1 % refused in all (one allowed).
+    names = {**{peer: name for name, peer in ids.items()}, late: "c", mallory: "mallory"}
+    trace = gate_trace(events, names)  # for the message of a failure: every verdict, whose, at what cosine
     for peer in ids.values():
         mine = [e for e in events if e.get("peer") == peer and e.get("type") in ("applied", "rejected")]
         established = [e for i, e in enumerate(mine) if sum(x["type"] == "applied" for x in mine[:i]) >= 3]
-        weakly = [e for e in established if e["type"] == "rejected" and "not counted" in e["reason"]
-                  and "points away" not in e["reason"]]
-        assert not weakly, weakly
-    assert len(honest_rejected) <= max(1, len(honest_applied) // 100), [e["reason"] for e in honest_rejected]
+        weakly = [e for e in established if e["type"] == "rejected" and "not counted" in e["reason"]]
+        assert not weakly, (weakly, trace)
+    assert len(honest_rejected) <= max(1, len(honest_applied) // 100), ([e["reason"] for e in honest_rejected], trace)
     # the honest newcomer: on probation with a fresh AdamW state, but its honest work counts from its first
     # update on (the probe-batch loss vouches for it; it must not be taken for an attacker)
     late_verdicts = [e for e in events if e.get("peer") == late and e.get("type") in ("applied", "rejected")]

@@ -106,8 +106,8 @@ def test_probe_decides_the_gray_zone() -> None:
     assert (clear.action, clear.counts) == ("reject", True), clear.reason
     # pointing away (below −0.25 × 0.4 = −0.1): from a peer on probation not gray — rejected and counted whatever the
     # probe says; from an established peer the probe decides (issue 20: honest updates land there when the
-    # consensus is spread): any fall is taken with weak agreement, a rise by more than the margin is rejected and
-    # counted, no fall refused without counting
+    # consensus is spread): any fall or a rise within the margin is taken with weak agreement, a rise by more than
+    # the margin is rejected and counted
     away = G.score(policy, state, with_cosine(-0.3), 10, "new", probe=(5.0, 4.9))
     assert (away.action, away.counts) == ("reject", True) and "direction disagrees" in away.reason
     helps = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 4.99))
@@ -115,9 +115,15 @@ def test_probe_decides_the_gray_zone() -> None:
     assert G.score(policy, state, with_cosine(-0.3, norm=30.0), 10, "old", probe=(5.0, 4.99)).scale == pytest.approx(1 / 3)
     uphill = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 5.003))
     assert (uphill.action, uphill.counts) == ("reject", True) and "raises the probe-batch loss" in uphill.reason
-    for after in (5.002, 5.0):  # not lower at all: refused, not counted
-        flat = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, after))
-        assert (flat.action, flat.counts, flat.weak) == ("reject", False, False) and "not counted" in flat.reason
+    for after in (5.002, 5.0):  # not lower, but up by no more than the margin (5.0 × 0.0005): weak agreement too
+        flat = G.score(policy, state, with_cosine(-0.3, norm=30.0), 10, "old", probe=(5.0, after))
+        assert (flat.action, flat.weak) == ("clip", True), flat.reason
+        assert flat.scale == pytest.approx(1 / 3) and "does not rise by more than the 0.05 % margin" in flat.reason
+    # just above the margin: rejected and counted; no probe reading at θ: refused, not counted
+    above = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(5.0, 5.0026))
+    assert (above.action, above.counts) == ("reject", True) and "(limit +0.05 %)" in above.reason
+    blind = G.score(policy, state, with_cosine(-0.3), 10, "old", probe=(math.nan, 5.0))
+    assert (blind.action, blind.counts) == ("reject", False) and "not finite" in blind.reason
     # lower, by less than the margin (−0.04 %): an established peer's honest work against a captured consensus —
     # taken with weak agreement, at no more than the median norm
     little = G.score(policy, state, with_cosine(-0.3, norm=30.0), 10, "old", probe=(5.0, 4.998))

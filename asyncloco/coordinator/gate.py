@@ -309,8 +309,8 @@ def _probe_away(policy: GatePolicy, seen: _Update, before: float, after: float, 
     here (issue 20: three at cosine −0.06…−0.13 against a median of 0.20–0.23, refused as pointing away in one
     suite run under load — the bar −0.25 × median is near zero when the consensus is spread): one that lowers the
     probe loss by more than the margin is taken with weak agreement; one that raises it by more is rejected and
-    counted (a sign-flipped update goes uphill); one that lowers it by less is taken with weak agreement too (a
-    captured consensus, below); one that does not lower it at all is refused without counting."""
+    counted (a sign-flipped update goes uphill); one that lowers it by less, or raises it by no more than the
+    margin, is taken with weak agreement too (a captured or weak consensus, below)."""
     cosine = seen.cosine
     if math.isfinite(before) and math.isfinite(after) and after < before * (1.0 - margin):
         return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
@@ -326,13 +326,23 @@ def _probe_away(policy: GatePolicy, seen: _Update, before: float, after: float, 
         return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
                      f"points away from the consensus, but lowers the probe-batch loss {before:.5f} → {after:.5f} "
                      f"(within the {100 * margin:.3g} % margin)")
-    uphill = not math.isfinite(after) or (math.isfinite(before) and after > before * (1.0 + margin))
+    if math.isfinite(before) and math.isfinite(after) and after <= before * (1.0 + margin):
+        # Flat within the margin: the probe cannot tell it from honest work where the consensus is weak. In a
+        # fresh-clone CI run of test_attacks_on_one_coordinator (issue 16) 9 of an honest peer's 148 updates came in
+        # pointing away (cosine −0.18) and moved the probe loss by about +0.003 %: refused. On the loss plateau of
+        # that test two honest peers' updates agree with the consensus at −0.11…+0.07 (local runs), so the "away"
+        # bar (−0.25 × median) is near 0. A sign-flipped update goes uphill by about what the honest one lowers it
+        # (more than the margin: rejected, counted); one shaped to stay inside it is bounded to the median norm, kept
+        # out of the statistics and left to verification.
+        return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
+                     f"points away from the consensus; the probe-batch loss {before:.5f} → {after:.5f} does not "
+                     f"rise by more than the {100 * margin:.3g} % margin")
+    uphill = math.isfinite(before)  # else no probe reading at θ: nothing shown either way
     return GateVerdict(
         "reject", 0.0, seen.norm, cosine,
         f"direction points away from the recent consensus (cosine {cosine:.3f}) and "
-        + (f"raises the probe-batch loss {before:.5f} → {after:.5f}" if uphill else
-           f"does not lower the probe-batch loss by more than {100 * margin:.3g} % ({before:.5f} → {after:.5f}); "
-           "not counted toward quarantine"),
+        + (f"raises the probe-batch loss {before:.5f} → {after:.5f} (limit +{100 * margin:.3g} %)" if uphill else
+           f"the probe-batch loss at θ is not finite ({before}); not counted toward quarantine"),
         counts=uphill,
     )
 
