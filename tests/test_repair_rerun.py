@@ -141,3 +141,106 @@ def test_no_snapshot_falls_between_an_expulsion_and_its_repair(tmp_path: Path) -
     finally:
         daemon.journal.close()
         daemon.wal.close()
+
+
+def gated_state(optimizer: Any) -> Any:
+    """verify_state's coordinator with the update gate on (no probe)."""
+    import dataclasses
+
+    from asyncloco.coordinator.gate import GatePolicy
+
+    state = verify_state(optimizer, fraction=0.0, probation=0)
+    state.policy = dataclasses.replace(state.policy, gate=GatePolicy(
+        warmup=2, probation_updates=0, quarantine_after=100, quarantine_window=100, probe=False))
+    return state
+
+
+def gated_run(optimizer: Any, rounds: int, huge: set[int]) -> tuple[Any, list[Any], list[torch.Tensor], list[str]]:
+    """scripted_run's turns with the update gate on: the attacker's update is 1000 × too large in the rounds of
+    ``huge`` (the gate rejects it and gives its steps back). Returns the live state, the log, the honest updates
+    in the order they were applied, and the attacker's verdicts (applied / rejected), round by round."""
+    from asyncloco.coordinator.logic import Applied, Assign, RequestWork, Rejected, SpeedReport, Verified, handle
+
+    state = gated_state(optimizer)
+    log: list[Any] = []
+    honest: list[torch.Tensor] = []
+    outcomes: list[str] = []
+    generator = torch.Generator().manual_seed(11)
+
+    def feed(event: Any, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(state, event, now)[1]
+
+    for peer in ("h0", "h1", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    leases = {peer: next(x.lease for x in feed(RequestWork(peer), 0.0) if isinstance(x, Assign)) for peer in ("h0", "h1", "a")}
+    direction = torch.linspace(1.0, 2.0, DIM)  # what every update shares: the gate's consensus
+    now = 0.0
+    for round_index in range(rounds):
+        for peer in ("h0", "a", "h1"):
+            now += 1.0
+            update = direction + 0.3 * torch.randn(DIM, generator=generator)
+            if peer == "a" and round_index in huge:
+                update = update * 1000.0
+            sent = update.clone()
+            actions = feed(SubmitUpdate(peer, leases[peer].lease_id, leases[peer].base_version, update), now)
+            assert torch.equal(update, sent)  # handle never changes its event (a replay feeds it again)
+            if peer == "a":
+                outcomes.append("applied" if any(isinstance(x, Applied) for x in actions) else
+                                "rejected" if any(isinstance(x, Rejected) for x in actions) else "?")
+            else:
+                assert any(isinstance(x, Applied) for x in actions)
+                honest.append(update)
+            leases[peer] = next(x.lease for x in feed(RequestWork(peer), now) if isinstance(x, Assign))
+    feed(Verified("a", "Lfailed", False, "relative error 1.9"), now + 1.0)
+    return state, log, honest, outcomes
+
+
+@pytest.mark.parametrize("make", [lambda: OuterNesterov(0.7, 0.9), lambda: DelayedNesterov(0.7, 0.9, 2)], ids=["nesterov", "dn"])
+def test_a_repair_keeps_every_decision_of_the_live_run(make: Any) -> None:
+    """The repair changes θ only: what the live gate refused of the expelled peer stays refused (its steps given back,
+    as the live run gave them back: a re-run in its place numbered every later lease one off in a benchmark run),
+    what it applied is replaced by the re-run, and the gate's statistics stay the live ones (they saw the
+    submissions as sent), so every honest verdict is the live verdict."""
+    live, log, honest, outcomes = gated_run(make(), rounds=5, huge={1, 3})
+    assert outcomes == ["applied", "rejected", "applied", "rejected", "applied"]
+    calls: list[str] = []
+
+    def substitute(event: SubmitUpdate, lease: Lease, base: torch.Tensor) -> torch.Tensor:
+        calls.append(lease.lease_id)
+        return torch.full((DIM,), 0.01 * len(calls))
+
+    result = repair(gated_state(make()), log, ["a"], live.version, substitute=substitute)
+    assert (result.substituted, result.refused, result.discarded) == (3, 2, 0) and len(calls) == 3
+    # θ: the outer optimizer stepping on h0, (the re-run where the live run applied the attacker's update), h1
+    reference_params = torch.zeros(DIM)
+    reference = make()
+    for round_index in range(5):
+        reference.step(reference_params, honest[2 * round_index])
+        if outcomes[round_index] == "applied":
+            reference.step(reference_params, torch.full((DIM,), 0.01 * (1 + sum(o == "applied" for o in outcomes[:round_index]))))
+        reference.step(reference_params, honest[2 * round_index + 1])
+    assert torch.equal(result.state.params, reference_params)
+    # the gate's statistics are the live ones, exactly
+    gate, live_gate = result.state.gate, live.gate
+    assert gate.reference is not None and live_gate.reference is not None
+    assert torch.equal(gate.reference, live_gate.reference) and gate.norms == live_gate.norms and gate.cosines == live_gate.cosines
+    assert gate.accepted == live_gate.accepted and gate.peer_accepted == live_gate.peer_accepted
+
+
+def test_handle_never_changes_the_event_it_clips() -> None:
+    """A clipped update is scaled into a new tensor: the event stays as it was logged (the repair's re-run preparation
+    and its replay feed the same decoded events again; scaled in place, the second pass saw an update already clipped)."""
+    from asyncloco.coordinator.logic import Applied, Assign, RequestWork, SpeedReport, handle
+
+    state = gated_state(OuterNesterov(0.7, 0.9))
+    handle(state, SpeedReport("p", 10.0), 0.0)
+    notes = []
+    for i in range(4):
+        lease = next(x.lease for x in handle(state, RequestWork("p"), float(i))[1] if isinstance(x, Assign))
+        update = torch.linspace(1.0, 2.0, DIM) * (10.0 if i == 3 else 1.0)
+        sent = update.clone()
+        actions = handle(state, SubmitUpdate("p", lease.lease_id, lease.base_version, update), float(i) + 0.5)[1]
+        notes += [x.gate for x in actions if isinstance(x, Applied)]
+        assert torch.equal(update, sent)
+    assert notes[-1].startswith("clipped ×0.4:"), notes  # 4 × the median per-step norm, of 10 ×

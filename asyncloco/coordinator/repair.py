@@ -6,6 +6,7 @@ re-runs and the verdicts are in asyncloco/coordinator/verify.py (which re-export
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -29,7 +30,10 @@ from asyncloco.coordinator.logic import (
     SubmitUpdate,
     base_theta,
     handle,
+    refused_as_sent,
 )
+from asyncloco.coordinator import gate as update_gate
+from asyncloco.coordinator.gate import GateState
 from asyncloco.coordinator.logic.events import ADOPTED_FIELDS
 
 __all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "SUBSTITUTE_DIR", "Anchors", "RepairResult", "log_events", "repair", "repaired_event"]
@@ -52,6 +56,7 @@ class RepairResult:
     replayed: int  # events replayed
     repaired: Repaired  # what the repair decided beyond the replay: the daemon logs it after the Verified record
     substituted: int = 0  # submissions of expelled peers replayed as an honest re-run of their lease
+    refused: int = 0  # submissions of expelled peers refused as sent, as the live run refused them
 
 
 # (submission, its lease, θ at the lease's base version in the replay) -> the update applied in its place, or None
@@ -68,6 +73,46 @@ def _note_bases(state: CoordinatorState, excluded: Collection[str], bases: dict[
             theta = base_theta(state, lease.base_version)
             if theta is not None:
                 bases[lease.lease_id] = theta.clone()
+
+
+def _excluded_submission(
+    state: CoordinatorState, event: SubmitUpdate, bases: Mapping[str, torch.Tensor], substitute: Optional[Substitute],
+    now: float,
+) -> tuple[Event, Optional[GateState], str]:
+    """What the replay handles for an expelled peer's submission, the gate state to carry on with after it (None:
+    the one handling leaves), and what was done ("refused", "discarded", "substituted").
+
+    The replay makes every decision the live run made; only θ differs. Its gate judges and records the submission as
+    it was sent, as the live gate did (the statistics stay the live ones, so every later verdict is the live verdict
+    too). Refused as sent (an invalid lease or update, or the gate's rejection): handled as it is — refused, its steps
+    given back, θ untouched. Otherwise its lease is consumed as the live run consumed it, θ taking the honest re-run
+    of the lease (``substitute``; judged by the gate without the probe, which was evaluated on the submitted update)
+    or nothing (a :class:`Discard`: ``repair: discard``, no re-run, or a re-run the gate would refuse).
+
+    Why the live decisions: replaced by a re-run (or a Discard) where the live gate had refused the submission, the
+    replay kept work the live run gave back, held a request the live run answered with that range and numbered
+    every later lease one off the live run's — the honest peers' later submissions then named leases the repaired
+    state did not hold. In an attack-benchmark run (the `tailored` attacker: 2 submissions applied, 3 refused by the
+    gate with their leases) 11 honest updates were lost so: perplexity 261 live, 300 after the repair."""
+    if refused_as_sent(state, event):
+        return event, None, "refused"
+    policy = state.policy.gate
+    lease = state.leases[event.lease_id]
+    live_gate = None
+    if policy is not None:
+        probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
+        verdict = update_gate.score(policy, state.gate, event.pseudo_gradient, lease.steps, event.peer,
+                                    state.policy.norm_bound_per_step, probe)
+        live_gate = copy.deepcopy(state.gate)
+        update_gate.record(policy, live_gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now)
+    update = _substitute(state, event, bases, substitute)
+    if update is not None and policy is not None and update_gate.score(
+            policy, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step).action == "reject":
+        update = None
+    if update is None:
+        return Discard(event.peer, event.lease_id), live_gate, "discarded"
+    return dataclasses.replace(event, pseudo_gradient=update, base_version=lease.base_version, probe_before=None,
+                               probe_after=None), live_gate, "substituted"
 
 
 def _substitute(state: CoordinatorState, event: SubmitUpdate, bases: Mapping[str, torch.Tensor],
@@ -96,9 +141,10 @@ def repair(
     """θ and the whole coordinator state as if the expelled peers' updates had never been applied.
 
     ``anchor`` (mutated and returned) is the state at some log record; ``records`` every later ``(event, now)`` up to
-    and including the ``Verified`` event that expelled the last of ``expelled``. Each submission of an expelled peer
-    is replaced by ``substitute(submission, lease, θ at its base version in the replay)`` — the honest re-run of that
-    lease (coordinator/substitute.py; ``repair: rerun``), judged by the gate without the probe — or, where that gives
+    and including the ``Verified`` event that expelled the last of ``expelled``. The replay makes every decision the live run
+    made, only θ differs (:func:`_excluded_submission`): a submission of an expelled peer that was refused stays
+    refused; one that was applied is replaced by ``substitute(submission, lease, θ at its base version in the
+    replay)`` — the honest re-run of that lease (coordinator/substitute.py; ``repair: rerun``) — or, where that gives
     None (or without ``substitute``: ``repair: discard``), by a :class:`Discard` (its lease is consumed, θ untouched);
     every other submission is replayed with its base version renumbered to the replayed lease's. Verdicts in the
     records are replayed (counters, expulsions) but start no nested repair. Afterwards an active lease stays valid
@@ -127,41 +173,37 @@ def repair(
     crosses this point then repeats it there (a ``Repaired`` in ``records`` is handled like any event)."""
     state = anchor
     excluded = set(expelled)
-    discarded = replayed = substituted = 0
+    discarded = replayed = substituted = refused = 0
     last_now = 0.0
     bases: dict[str, torch.Tensor] = {}  # an excluded peer's active lease -> θ at its base version in the replay
     if substitute is not None:
         _note_bases(state, excluded, bases)  # leases the anchor holds already
+    live_gate: Optional[GateState] = None
     for event, now in records:
         replayed += 1
         last_now = now
         if isinstance(event, SubmitUpdate):
+            lease = state.leases.get(event.lease_id)
+            if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
+                event = dataclasses.replace(event, base_version=lease.base_version)
             if event.peer in excluded:
-                update = _substitute(state, event, bases, substitute)
-                if update is None:
-                    event = Discard(event.peer, event.lease_id)
-                    discarded += 1
-                else:
-                    # the gate's probe was evaluated on the submitted update, not on this one: decided without it
-                    event = dataclasses.replace(event, pseudo_gradient=update,
-                                                base_version=state.leases[event.lease_id].base_version,
-                                                probe_before=None, probe_after=None)
-                    substituted += 1
-            else:
-                lease = state.leases.get(event.lease_id)
-                if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
-                    event = dataclasses.replace(event, base_version=lease.base_version)
+                event, live_gate, kind = _excluded_submission(state, event, bases, substitute, now)
+                discarded += kind == "discarded"
+                substituted += kind == "substituted"
+                refused += kind == "refused"
         elif isinstance(event, Fetched) and live_leases is not None:
             event = _renumbered_fetch(state, event, live_leases)
         handle(state, event, now)  # Verify and Expelled actions of the past start nothing here; a Repaired repeats
         # the give-backs and the version jump of an earlier repair at the point where the live run made them
+        if live_gate is not None:
+            state.gate, live_gate = live_gate, None
         if substitute is not None:
             _note_bases(state, excluded, bases)
     repaired = repaired_event(state, excluded, live_version, live_leases, live_lease_counter, live_chain, live_base)
     _, voided = handle(state, repaired, last_now)
     if live_leases is not None and live_base is not None:
         _keep_checks(state, live_leases, live_base)
-    return RepairResult(state, voided, discarded, replayed, repaired, substituted)
+    return RepairResult(state, voided, discarded, replayed, repaired, substituted, refused)
 
 
 def _keep_checks(state: CoordinatorState, live_leases: Mapping[str, Lease],

@@ -561,7 +561,7 @@ class DaemonVerification:
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
             # runtime.verify.repair rerun: its updates replaced by honest re-runs (trained now / stored before)
             "substituted": result.substituted, "rerun_now": substitutes.computed if substitutes else 0,
-            "rerun_stored": substitutes.loaded if substitutes else 0,
+            "rerun_stored": substitutes.loaded if substitutes else 0, "refused": result.refused,
             "version_before": before_version, "version_after": result.state.version, "seconds": round(seconds, 3),
             "voided": sum(1 for a in result.voided if isinstance(a, Expired)), "kept": len(result.state.leases),
             # of the kept: live leases the replay never issued, adopted with their peers' work (coordinator/repair.py)

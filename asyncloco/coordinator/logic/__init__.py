@@ -77,7 +77,8 @@ from asyncloco.coordinator.logic.state import (
     ShardState, VerificationState, VerifyPolicy,
 )
 from asyncloco.coordinator.logic.submit import (
-    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, update_problem, validate_update, void_leases,
+    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, refused_as_sent, update_problem,
+    validate_update, void_leases,
 )
 
 
@@ -122,6 +123,7 @@ __all__ = [
     "verify_reason",
     "verify_draw",
     "void_leases",
+    "refused_as_sent",
     "AdmissionRecord",
     "Action",
     "handle",

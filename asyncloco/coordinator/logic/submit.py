@@ -205,8 +205,8 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
         )
         if verdict.action == "reject":
             return _gate_reject(state, policy.gate, event, lease, verdict, now)
-        if verdict.action == "clip":
-            update.mul_(verdict.scale)
+        if verdict.action == "clip":  # not in place: handle never changes its event (a replay may feed it again)
+            update = update.mul(verdict.scale)
     base = base_theta(state, lease.base_version) if state.needs_base_params else None
     adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
     del state.leases[lease.lease_id]
@@ -256,12 +256,28 @@ def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | Non
     return _broken_chain(state, event)
 
 
+def refused_as_sent(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """Whether handling ``event`` as it is would refuse it and leave θ untouched — an invalid lease or update
+    (:func:`_refusal`) or the gate's rejection — without changing ``state``. The repair's replay asks this of an
+    expelled peer's submission (coordinator/repair.py)."""
+    lease = state.leases.get(event.lease_id)
+    if event.lease_id in state.applied or lease is None or update_problem(state, event, lease) is not None \
+            or not _chain_links(state, event):
+        return True
+    gate = state.policy.gate
+    if gate is None:
+        return False
+    probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
+    verdict = update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer,
+                                state.policy.norm_bound_per_step, probe)
+    return verdict.action == "reject"
+
+
 def _verification_copy(
     state: CoordinatorState, lease: Lease, update: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """For a lease chosen for verification: θ at its base version (None when no longer held) and the update
-    exactly as submitted, copied before the gate may clip it in place and the optimizer step changes θ in
-    place; None for a lease not checked. Verify is emitted only if the update is applied (:func:`_verify_actions`)."""
+    exactly as submitted, copied before the optimizer step changes θ in place; None for a lease not checked. Verify is emitted only if the update is applied (:func:`_verify_actions`)."""
     if state.policy.verify is None or not lease.verify:
         return None
     base_now = base_theta(state, lease.base_version)
@@ -327,15 +343,12 @@ def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] 
     when it joins, restarts, or a submission of it was not applied). Otherwise the actions: a submission without
     digests is refused; a broken chain is a failed check — the update is refused and a :class:`Verify` that has
     already failed goes to the verifier, whose ``Verified`` expels the peer and repairs θ like any failed re-run."""
-    policy = state.policy.verify
-    if policy is None or not policy.commit:
+    if _chain_links(state, event):
         return None
     if event.state_start is None or event.state_end is None:
         return [Rejected(event.peer, event.lease_id, "this run verifies carried inner state: the submission needs "
                          "state_start and state_end digests; upgrade the peer (asyncloco peer join)", RefusalCode.BROKEN_CHAIN)]
     previous = state.verification.chain.get(event.peer, FRESH_STATE_DIGEST)
-    if event.state_start in (previous, FRESH_STATE_DIGEST):
-        return None
     lease = state.leases[event.lease_id]
     detail = (f"inner-state chain broken: lease starts from state {event.state_start[:16]}…, the peer's last applied "
               f"lease ended at {previous[:16]}… (and it is not the fresh state)")
@@ -354,3 +367,13 @@ def _quarantine(state: CoordinatorState, peer: str, now: float, why: str) -> lis
         if lease.peer == peer:
             actions += _give_back(state, lease, "peer quarantined")
     return actions
+
+
+def _chain_links(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """Whether the submission's inner-state digests chain (:func:`_broken_chain`); True without commitments."""
+    policy = state.policy.verify
+    if policy is None or not policy.commit:
+        return True
+    if event.state_start is None or event.state_end is None:
+        return False
+    return event.state_start in (state.verification.chain.get(event.peer, FRESH_STATE_DIGEST), FRESH_STATE_DIGEST)
