@@ -8,8 +8,9 @@ offline and evaluates the validation perplexity of:
 * the θ of ``repair: discard`` (the expelled peer's submissions left out);
 * for comparison, the θ a repair would give if it discarded *another* peer's submissions instead (each peer in turn)
   — how much of the damage comes from removing entangled updates rather than from the attacker's direction;
-* the θ of the default repair (``runtime.verify.repair: rerun``): the expelled peer's updates replaced by the
-  coordinator's honest re-runs of its leases (asyncloco/coordinator/substitute.py).
+* the θ of the default repair (``runtime.verify.repair: rerun``): the expelled peer's applied updates replaced by the
+  coordinator's honest re-runs of its leases (asyncloco/coordinator/substitute.py); what the live gate refused of it
+  stays refused (the replay makes every decision the live run made: asyncloco/coordinator/repair.py).
 
     python scripts/repair_quality.py runs/bench-slack/hidden_0.005_foreign-gate-on --json out.json
 
@@ -85,6 +86,7 @@ def measure(run: Path) -> dict[str, Any]:
     rerun = repair(fresh(), records, [expelled], live.version, dict(live.leases), live.lease_counter,
                    dict(live.verification.chain), substitute=substitutes)
     result["rerun"] = {"updates_replaced": rerun.substituted, "updates_discarded": rerun.discarded,
+                       "refused_as_sent": rerun.refused,
                        "inner_steps": substitutes.steps, "seconds": round(time.perf_counter() - started, 2),
                        "perplexity": perplexity(rerun.state.params)}
     return result
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"discard {who} ({row['peer'][-6:]}, {row['updates_discarded']} updates): perplexity {row['perplexity']:.1f}")
     rerun = result["rerun"]
     print(f"repair: rerun (the default) — {rerun['updates_replaced']} updates replaced by honest re-runs "
-          f"({rerun['inner_steps']} inner steps, {rerun['seconds']} s), {rerun['updates_discarded']} discarded: "
+          f"({rerun['inner_steps']} inner steps, {rerun['seconds']} s), {rerun['updates_discarded']} discarded, "
+          f"{rerun['refused_as_sent']} refused as sent (as the live gate refused them): "
           f"perplexity {rerun['perplexity']:.1f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
