@@ -60,6 +60,10 @@ class StalenessTransform(ABC):
         params_base: torch.Tensor | None,
     ) -> Adjustment: ...
 
+    def drops(self, staleness: int) -> bool:
+        """Whether :meth:`adjust` drops every update of this staleness (without adjusting anything)."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -80,6 +84,9 @@ class PolyDiscount(StalenessTransform):
         self.exponent = float(exponent)
         self.max_staleness = max_staleness
 
+    def drops(self, staleness: int) -> bool:
+        return self.max_staleness is not None and staleness > self.max_staleness
+
     def adjust(
         self,
         pseudo_gradient: torch.Tensor,
@@ -87,7 +94,7 @@ class PolyDiscount(StalenessTransform):
         params_now: torch.Tensor,
         params_base: torch.Tensor | None,
     ) -> Adjustment:
-        if self.max_staleness is not None and staleness > self.max_staleness:
+        if self.drops(staleness):
             return Adjustment(None, 1.0, f"dropped: staleness {staleness} > threshold {self.max_staleness}")
         weight = (1.0 + staleness) ** -self.exponent
         return Adjustment(pseudo_gradient * weight, 1.0, f"poly weight {weight:.4g} at staleness {staleness}")

@@ -104,7 +104,9 @@ def _excluded_submission(
         verdict = update_gate.score(policy, state.gate, event.pseudo_gradient, lease.steps, event.peer,
                                     state.policy.norm_bound_per_step, probe)
         live_gate = copy.deepcopy(state.gate)
-        update_gate.record(policy, live_gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now)
+        if not any(transform.drops(state.version - lease.base_version) for transform in state.transforms):
+            # (an update the staleness policy drops was never recorded by the live gate: logic/submit.py)
+            update_gate.record(policy, live_gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now)
     update = _substitute(state, event, bases, substitute)
     if update is not None and policy is not None and update_gate.score(
             policy, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step).action == "reject":
