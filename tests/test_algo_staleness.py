@@ -59,6 +59,9 @@ def test_poly_thres_drops_beyond_ten_keeps_ten() -> None:
     dropped = transform.adjust(g, 11, g, None)
     assert dropped.pseudo_gradient is None
     assert "11" in dropped.reason and "10" in dropped.reason
+    # what the repair asks without adjusting (coordinator/repair.py): the same boundary; no other transform drops
+    assert (transform.drops(10), transform.drops(11)) == (False, True)
+    assert not PolyDiscount(0.5).drops(10**6) and not StalenessLR().drops(10**6)
 
 
 def test_delay_compensation_formula() -> None:
