@@ -29,6 +29,7 @@ from asyncloco.coordinator.logic import (
     Repaired,
     SubmitUpdate,
     base_theta,
+    gate_verdict,
     handle,
     refused_as_sent,
 )
@@ -100,9 +101,7 @@ def _excluded_submission(
     lease = state.leases[event.lease_id]
     live_gate = None
     if policy is not None:
-        probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
-        verdict = update_gate.score(policy, state.gate, event.pseudo_gradient, lease.steps, event.peer,
-                                    state.policy.norm_bound_per_step, probe)
+        verdict = gate_verdict(state, event, lease, policy)
         live_gate = copy.deepcopy(state.gate)
         if not any(transform.drops(state.version - lease.base_version) for transform in state.transforms):
             # (an update the staleness policy drops was never recorded by the live gate: logic/submit.py)

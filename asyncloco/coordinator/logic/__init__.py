@@ -77,7 +77,7 @@ from asyncloco.coordinator.logic.state import (
     ShardState, VerificationState, VerifyPolicy,
 )
 from asyncloco.coordinator.logic.submit import (
-    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, refused_as_sent, update_problem,
+    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, gate_verdict, refused_as_sent, update_problem,
     validate_update, void_leases,
 )
 
@@ -124,6 +124,7 @@ __all__ = [
     "verify_draw",
     "void_leases",
     "refused_as_sent",
+    "gate_verdict",
     "AdmissionRecord",
     "Action",
     "handle",

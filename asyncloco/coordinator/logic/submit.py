@@ -199,10 +199,7 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     verdict = None
     check = _verification_copy(state, lease, update)
     if policy.gate is not None:
-        probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
-        verdict = update_gate.score(
-            policy.gate, state.gate, update, lease.steps, event.peer, policy.norm_bound_per_step, probe
-        )
+        verdict = gate_verdict(state, event, lease, policy.gate)
         if verdict.action == "reject":
             return _gate_reject(state, policy.gate, event, lease, verdict, now)
         if verdict.action == "clip":  # not in place: handle never changes its event (a replay may feed it again)
@@ -256,6 +253,12 @@ def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | Non
     return _broken_chain(state, event)
 
 
+def gate_verdict(state: CoordinatorState, event: SubmitUpdate, lease: Lease, gate: GatePolicy) -> GateVerdict:
+    """The gate's verdict on the update as sent, with the probe losses the daemon logged in the event (pure)."""
+    probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
+    return update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer, state.policy.norm_bound_per_step, probe)
+
+
 def refused_as_sent(state: CoordinatorState, event: SubmitUpdate) -> bool:
     """Whether handling ``event`` as it is would refuse it and leave θ untouched — an invalid lease or update
     (:func:`_refusal`) or the gate's rejection — without changing ``state``. The repair's replay asks this of an
@@ -265,12 +268,7 @@ def refused_as_sent(state: CoordinatorState, event: SubmitUpdate) -> bool:
             or not _chain_links(state, event):
         return True
     gate = state.policy.gate
-    if gate is None:
-        return False
-    probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
-    verdict = update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer,
-                                state.policy.norm_bound_per_step, probe)
-    return verdict.action == "reject"
+    return gate is not None and gate_verdict(state, event, lease, gate).action == "reject"
 
 
 def _verification_copy(
