@@ -6,7 +6,6 @@ re-runs and the verdicts are in asyncloco/coordinator/verify.py (which re-export
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -34,7 +33,6 @@ from asyncloco.coordinator.logic import (
     refused_as_sent,
 )
 from asyncloco.coordinator import gate as update_gate
-from asyncloco.coordinator.gate import GateState
 from asyncloco.coordinator.logic.events import ADOPTED_FIELDS
 
 __all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "SUBSTITUTE_DIR", "Anchors", "RepairResult", "log_events", "repair", "repaired_event"]
@@ -76,19 +74,20 @@ def _note_bases(state: CoordinatorState, excluded: Collection[str], bases: dict[
                 bases[lease.lease_id] = theta.clone()
 
 
-def _excluded_submission(
+def _replay_excluded(
     state: CoordinatorState, event: SubmitUpdate, bases: Mapping[str, torch.Tensor], substitute: Optional[Substitute],
     now: float,
-) -> tuple[Event, Optional[GateState], str]:
-    """What the replay handles for an expelled peer's submission, the gate state to carry on with after it (None:
-    the one handling leaves), and what was done ("refused", "discarded", "substituted").
+) -> str:
+    """Replay an expelled peer's submission; what was done: "refused", "discarded" or "substituted".
 
-    The replay makes every decision the live run made; only θ differs. Its gate judges and records the submission as
-    it was sent, as the live gate did (the statistics stay the live ones, so every later verdict is the live verdict
-    too). Refused as sent (an invalid lease or update, or the gate's rejection): handled as it is — refused, its steps
-    given back, θ untouched. Otherwise its lease is consumed as the live run consumed it, θ taking the honest re-run
-    of the lease (``substitute``; judged by the gate without the probe, which was evaluated on the submitted update)
-    or nothing (a :class:`Discard`: ``repair: discard``, no re-run, or a re-run the gate would refuse).
+    The replay makes every decision the live run made; only θ differs. The gate judges and records the submission as
+    it was sent, as the live gate did, so its statistics stay the live ones and every later verdict is the live verdict
+    too. Refused as sent (an invalid lease or update, or the gate's rejection): handled as it is — refused, its steps
+    given back, θ untouched. Otherwise its lease is consumed as the live run consumed it and θ takes the honest re-run
+    of the lease (``substitute``; scaled as the gate would clip it, refused where the gate would refuse it — judged
+    without the probe, which was evaluated on the submitted update — and handled with the gate off, so that only the
+    submission as sent is recorded), or nothing (a :class:`Discard`: ``repair: discard``, no re-run, or a re-run the
+    gate would refuse).
 
     Why the live decisions: replaced by a re-run (or a Discard) where the live gate had refused the submission, the
     replay kept work the live run gave back, held a request the live run answered with that range and numbered
@@ -96,24 +95,29 @@ def _excluded_submission(
     state did not hold. In an attack-benchmark run (the `tailored` attacker: 2 submissions applied, 3 refused by the
     gate with their leases) 11 honest updates were lost so: perplexity 261 live, 300 after the repair."""
     if refused_as_sent(state, event):
-        return event, None, "refused"
-    policy = state.policy.gate
+        handle(state, event, now)
+        return "refused"
+    gate = state.policy.gate
     lease = state.leases[event.lease_id]
-    live_gate = None
-    if policy is not None:
-        verdict = gate_verdict(state, event, lease, policy)
-        live_gate = copy.deepcopy(state.gate)
-        if not any(transform.drops(state.version - lease.base_version) for transform in state.transforms):
-            # (an update the staleness policy drops was never recorded by the live gate: logic/submit.py)
-            update_gate.record(policy, live_gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now)
+    verdict = None if gate is None else gate_verdict(state, event, lease, gate)
+    # (an update the staleness policy drops was never recorded by the live gate: logic/submit.py)
+    dropped = any(transform.drops(state.version - lease.base_version) for transform in state.transforms)
     update = _substitute(state, event, bases, substitute)
-    if update is not None and policy is not None and update_gate.score(
-            policy, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step).action == "reject":
-        update = None
+    if update is not None and gate is not None:
+        own = update_gate.score(gate, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step)
+        update = None if own.action == "reject" else update if own.scale == 1.0 else update * own.scale
     if update is None:
-        return Discard(event.peer, event.lease_id), live_gate, "discarded"
-    return dataclasses.replace(event, pseudo_gradient=update, base_version=lease.base_version, probe_before=None,
-                               probe_after=None), live_gate, "substituted"
+        handle(state, Discard(event.peer, event.lease_id), now)
+    else:
+        policy = state.policy
+        state.policy = dataclasses.replace(policy, gate=None)
+        try:
+            handle(state, dataclasses.replace(event, pseudo_gradient=update, probe_before=None, probe_after=None), now)
+        finally:
+            state.policy = policy
+    if gate is not None and verdict is not None and not dropped:
+        update_gate.record(gate, state.gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now)
+    return "discarded" if update is None else "substituted"
 
 
 def _substitute(state: CoordinatorState, event: SubmitUpdate, bases: Mapping[str, torch.Tensor],
@@ -143,7 +147,7 @@ def repair(
 
     ``anchor`` (mutated and returned) is the state at some log record; ``records`` every later ``(event, now)`` up to
     and including the ``Verified`` event that expelled the last of ``expelled``. The replay makes every decision the live run
-    made, only θ differs (:func:`_excluded_submission`): a submission of an expelled peer that was refused stays
+    made, only θ differs (:func:`_replay_excluded`): a submission of an expelled peer that was refused stays
     refused; one that was applied is replaced by ``substitute(submission, lease, θ at its base version in the
     replay)`` — the honest re-run of that lease (coordinator/substitute.py; ``repair: rerun``) — or, where that gives
     None (or without ``substitute``: ``repair: discard``), by a :class:`Discard` (its lease is consumed, θ untouched);
@@ -179,7 +183,6 @@ def repair(
     bases: dict[str, torch.Tensor] = {}  # an excluded peer's active lease -> θ at its base version in the replay
     if substitute is not None:
         _note_bases(state, excluded, bases)  # leases the anchor holds already
-    live_gate: Optional[GateState] = None
     for event, now in records:
         replayed += 1
         last_now = now
@@ -188,16 +191,17 @@ def repair(
             if lease is not None and lease.peer == event.peer and lease.base_version != event.base_version:
                 event = dataclasses.replace(event, base_version=lease.base_version)
             if event.peer in excluded:
-                event, live_gate, kind = _excluded_submission(state, event, bases, substitute, now)
+                kind = _replay_excluded(state, event, bases, substitute, now)
                 discarded += kind == "discarded"
                 substituted += kind == "substituted"
                 refused += kind == "refused"
+                if substitute is not None:
+                    _note_bases(state, excluded, bases)
+                continue
         elif isinstance(event, Fetched) and live_leases is not None:
             event = _renumbered_fetch(state, event, live_leases)
         handle(state, event, now)  # Verify and Expelled actions of the past start nothing here; a Repaired repeats
         # the give-backs and the version jump of an earlier repair at the point where the live run made them
-        if live_gate is not None:
-            state.gate, live_gate = live_gate, None
         if substitute is not None:
             _note_bases(state, excluded, bases)
     repaired = repaired_event(state, excluded, live_version, live_leases, live_lease_counter, live_chain, live_base)
