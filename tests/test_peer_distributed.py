@@ -10,6 +10,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -373,6 +374,24 @@ def _leases_of(events: list[dict], peer: str) -> tuple[set[str], set[str]]:
     return assigned, decided
 
 
+def demo_config(tmp_path: Path, light: bool, parallel: str, verify: dict[str, Any] | None = None) -> Path:
+    """configs/demo.yaml with ``inner.parallel`` (and ``runtime.verify``) set, written under ``tmp_path``; ``light``:
+    10-step rounds (30 in the demo) and a lighter evaluation — the same run in a third of the time."""
+    import yaml
+
+    demo = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "demo.yaml").read_text())
+    if light:
+        demo["schedule"]["max_local_steps"] = 10
+        demo["task"]["val_sequences"] = 16
+        demo["runtime"]["eval_every"] = 10
+    demo["inner"]["parallel"] = parallel
+    if verify is not None:
+        demo["runtime"]["verify"] = verify
+    config = tmp_path / "demo.yaml"
+    config.write_text(yaml.safe_dump(demo))
+    return config
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
@@ -386,19 +405,11 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
     run, in a third of the time."""
     import signal
 
-    import yaml
-
     from asyncloco.local_cluster import LocalCluster
 
-    repo = Path(__file__).resolve().parent.parent
-    demo = yaml.safe_load((repo / "configs" / "demo.yaml").read_text())
-    demo["schedule"]["max_local_steps"] = 10
-    demo["task"]["val_sequences"] = 16
-    demo["runtime"]["eval_every"] = 10
-    demo["inner"]["parallel"] = "fsdp"  # the group shards its model (FSDP2); single peers train the plain model
-    demo["runtime"]["verify"] = {"enabled": False}  # an FSDP group cannot commit to its carried inner state (below)
-    config = tmp_path / "demo.yaml"
-    config.write_text(yaml.safe_dump(demo))
+    # the group shards its model (FSDP2), single peers train the plain model; an FSDP group cannot commit to its
+    # carried inner state (below), so verification is off
+    config = demo_config(tmp_path, light=True, parallel="fsdp", verify={"enabled": False})
     with LocalCluster(config, tmp_path) as cluster:
         cluster.start_coordinator()
         group = cluster.start_peer("group", extra=["--nproc-per-node", "2"])
@@ -470,16 +481,9 @@ def test_an_fsdp_group_refuses_to_join_a_run_that_verifies_the_carried_inner_sta
     """A group that shards its model (``inner.parallel: fsdp``) cannot commit to its inner state (it is spread over
     the ranks), and a run with ``runtime.verify.inner_state: carry`` refuses every update without the commitments:
     the group says so and leaves at once, naming the fixes, instead of training leases that are all thrown away."""
-    import yaml
-
     from asyncloco.local_cluster import LocalCluster
 
-    repo = Path(__file__).resolve().parent.parent
-    demo = yaml.safe_load((repo / "configs" / "demo.yaml").read_text())
-    demo["runtime"]["verify"] = {"enabled": True, "inner_state": "carry"}
-    demo["inner"]["parallel"] = "fsdp"
-    config = tmp_path / "demo.yaml"
-    config.write_text(yaml.safe_dump(demo))
+    config = demo_config(tmp_path, light=False, parallel="fsdp", verify={"enabled": True, "inner_state": "carry"})
     with LocalCluster(config, tmp_path) as cluster:
         cluster.start_coordinator()
         group = cluster.start_peer("group", extra=["--nproc-per-node", "2"])
@@ -497,18 +501,9 @@ def test_a_ddp_group_commits_to_its_leaders_state_and_passes_its_checks(tmp_path
     ``state_digest``; a reset goes to every rank). It names a compute class of its own (``ddp2/...``: its ranks
     sum the gradients in another order than one process), so its probation leases — every one re-run by the
     coordinator from the revealed state — are judged within the cross-device bound, and pass."""
-    import yaml
-
     from asyncloco.local_cluster import LocalCluster
 
-    repo = Path(__file__).resolve().parent.parent
-    demo = yaml.safe_load((repo / "configs" / "demo.yaml").read_text())
-    demo["schedule"]["max_local_steps"] = 10
-    demo["task"]["val_sequences"] = 16
-    demo["runtime"]["eval_every"] = 10
-    demo["inner"]["parallel"] = "ddp"
-    config = tmp_path / "demo.yaml"
-    config.write_text(yaml.safe_dump(demo))
+    config = demo_config(tmp_path, light=True, parallel="ddp")
     with LocalCluster(config, tmp_path) as cluster:
         cluster.start_coordinator()
         group = cluster.start_peer("group", extra=["--nproc-per-node", "2"])
