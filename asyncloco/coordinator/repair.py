@@ -115,7 +115,7 @@ def _replay_excluded(
             handle(state, dataclasses.replace(event, pseudo_gradient=update, probe_before=None, probe_after=None), now)
         finally:
             state.policy = policy
-    if gate is not None and verdict is not None and not dropped:
+    if verdict is not None and gate is not None and not dropped:
         update_gate.record(gate, state.gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now)
     return "discarded" if update is None else "substituted"
 

@@ -274,8 +274,10 @@ def refused_as_sent(state: CoordinatorState, event: SubmitUpdate) -> bool:
 def _verification_copy(
     state: CoordinatorState, lease: Lease, update: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-    """For a lease chosen for verification: θ at its base version (None when no longer held) and the update
-    exactly as submitted, copied before the optimizer step changes θ in place; None for a lease not checked. Verify is emitted only if the update is applied (:func:`_verify_actions`)."""
+    """For a lease chosen for verification: θ at its base version (None when no longer held; copied before the
+    optimizer step changes θ in place) and a copy of the update as submitted (the daemon decodes the next upload
+    into the same buffer: coordinator/serving.py); None for a lease not checked. Verify is emitted only if the
+    update is applied (:func:`_verify_actions`)."""
     if state.policy.verify is None or not lease.verify:
         return None
     base_now = base_theta(state, lease.base_version)
