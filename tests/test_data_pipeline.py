@@ -68,7 +68,7 @@ def test_local_files_stream_through_datasets_offline(tmp_path, tokenizer, source
     cfg = LMTaskConfig(source=source, path=paths[source], text_field=field, seq_len=15, batch_size=1,
                        num_shards=2, val_sequences=2, cache_dir=str(tmp_path / "cache"))
     assert list(iter_documents(cfg)) == DOCUMENTS
-    assert torch.equal(load_packed_rows(cfg, tokenizer), pack_documents(DOCUMENTS, tokenizer, 15))
+    assert torch.equal(load_packed_rows(cfg, tokenizer).long(), pack_documents(DOCUMENTS, tokenizer, 15).long())
 
 
 def test_missing_text_field_and_missing_files_are_explained(tmp_path) -> None:
@@ -100,7 +100,7 @@ def test_hub_source_streams_with_the_same_load_dataset_call(monkeypatch, tokeniz
     rows = load_packed_rows(cfg, tokenizer)
     assert calls == [("allenai/c4", "en", {"split": "train", "streaming": True})]
     assert checked == [("allenai/c4", "dataset")]
-    assert torch.equal(rows, pack_documents(DOCUMENTS, tokenizer, 15)[:6])  # 4 train + 2 held out
+    assert torch.equal(rows.long(), pack_documents(DOCUMENTS, tokenizer, 15)[:6].long())  # 4 train + 2 held out
 
 
 def test_packed_rows_are_cached_by_content_key(monkeypatch, tmp_path, tokenizer) -> None:
@@ -108,12 +108,12 @@ def test_packed_rows_are_cached_by_content_key(monkeypatch, tmp_path, tokenizer)
     cfg = LMTaskConfig(source="text", path=paths["text"], seq_len=15, batch_size=1, num_shards=2,
                        val_sequences=2, cache_dir=str(tmp_path / "cache"))
     first = load_packed_rows(cfg, tokenizer)
-    assert len(list((tmp_path / "cache").glob("lm-*.pt"))) == 1
+    assert len(list((tmp_path / "cache").glob("lm-*/manifest.json"))) == 1  # prepared once (models/prepared.py)
 
     def no_packing(*args, **kwargs):
         raise AssertionError("cache miss")
 
-    monkeypatch.setattr(data_module, "pack_documents", no_packing)
+    monkeypatch.setattr(data_module, "prepare_corpus", no_packing)
     assert torch.equal(load_packed_rows(cfg, tokenizer), first)
     with pytest.raises(AssertionError, match="cache miss"):  # another seq_len is another key
         load_packed_rows(cfg.model_copy(update={"seq_len": 16}), tokenizer)

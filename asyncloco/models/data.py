@@ -8,9 +8,12 @@ Pipeline (all deterministic):
 2. :func:`pack_documents` tokenizes them in order, appends eos after every document and cuts the
    token stream into rows of ``seq_len + 1`` tokens (the tail that does not fill a row is dropped),
    stopping once ``max_rows`` rows exist — a streaming source is read no further than needed.
-3. :func:`load_packed_rows` caches step 1-2 as ``<cache_dir>/lm-<key>.pt`` where the key hashes the
-   tokenizer's full definition, the source (content hash of the embedded corpus; size and mtime of
-   local files; id/config/split of hub datasets), ``seq_len`` and the row cap.
+3. :func:`load_packed_rows` prepares step 1-2 once into ``<cache_dir>/lm-<key>/`` through the code path of
+   ``asyncloco data prepare`` (:mod:`asyncloco.models.prepared`: a manifest and one shard file of token ids)
+   and memory-maps it, where the key hashes the tokenizer's full definition, the source (content hash of
+   the embedded corpus; size and mtime of local files; id/config/split of hub datasets), ``seq_len`` and
+   the row cap. (A corpus prepared ahead of time and named by its manifest digest, ``task.source:
+   prepared``, is read by :class:`asyncloco.models.lm.LMWorkload` shard file by shard file instead.)
 4. :func:`split_rows` holds out ``val_sequences`` seeded-random rows and deals the rest into shards.
 """
 
@@ -21,8 +24,11 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncloco.models.config import LMTaskConfig
 from asyncloco.models.corpus import EMBEDDED_CORPUS
+from asyncloco.models.prepared import MANIFEST_NAME, PreparedCorpus, prepare_corpus
 from asyncloco.models.tokenizer import tokenizer_fingerprint
 
 __all__ = [
@@ -37,14 +44,17 @@ __all__ = [
     "default_cache_dir",
     "epoch_permutation",
     "iter_documents",
+    "iter_source_documents",
     "load_packed_rows",
     "pack_documents",
+    "source_description",
     "split_rows",
 ]
 
 logger = logging.getLogger(__name__)
 
-PACKING_VERSION = 1  # bump when the packing rule changes, so old caches are not reused
+PACKING_VERSION = 2  # bump when the packing rule or cache layout changes, so old caches are not reused
+_ONE_FILE = 1 << 40  # rows per shard file of a cache: all of them in one file
 _TOKENIZE_BATCH = 32  # documents per tokenizer call (small, so a row cap stops reading early)
 
 
@@ -63,26 +73,45 @@ def _local_files(path: str | list[str]) -> list[str]:
     return files
 
 
-def iter_documents(cfg: LMTaskConfig) -> Iterator[str]:
-    """The source's document texts, in the source's order (non-empty ones only)."""
+def iter_source_documents(source: str, path: str | list[str] | None, name: str | None = None, split: str = "train",
+                          text_field: str = "text") -> Iterator[str]:
+    """The document texts of a source (``embedded``, ``text``/``json``/``parquet`` files, or a ``hub`` dataset), in
+    the source's order (non-empty ones only). A source that cannot be read raises a ``ValueError`` naming it."""
     from datasets import load_dataset  # heavy import, only when data is actually read
 
-    if cfg.source == "hub":
+    where = f"the hub dataset {path!r}" if source == "hub" else (
+        "the embedded corpus" if source == "embedded" else f"{source} file(s) {path!r}")
+    if source == "hub":
         from asyncloco.models.hub import require_hub
 
-        require_hub(str(cfg.path), "dataset")  # one line and exit 2 instead of a minute of retries (models/hub.py)
-        dataset = load_dataset(str(cfg.path), cfg.name, split=cfg.split, streaming=True)
+        require_hub(str(path), "dataset")  # one line and exit 2 instead of a minute of retries (models/hub.py)
     else:
-        builder = "json" if cfg.source == "embedded" else cfg.source
-        files = [str(EMBEDDED_CORPUS)] if cfg.source == "embedded" else _local_files(cfg.path or [])
-        dataset = load_dataset(builder, data_files={cfg.split: files}, split=cfg.split, streaming=True)
-    for record in dataset:
-        if cfg.text_field not in record:
-            raise ValueError(f"records of {cfg.path or 'the embedded corpus'} have no field {cfg.text_field!r} "
-                             f"(fields: {sorted(record)}); set task.text_field")
-        text = record[cfg.text_field]
-        if text:
-            yield text
+        files = [str(EMBEDDED_CORPUS)] if source == "embedded" else _local_files(path or [])
+    try:
+        if source == "hub":
+            dataset = load_dataset(str(path), name, split=split, streaming=True)
+        else:
+            builder = "json" if source == "embedded" else source
+            dataset = load_dataset(builder, data_files={split: files}, split=split, streaming=True)
+        for record in dataset:
+            if text_field not in record:
+                raise ValueError(f"records of {path or 'the embedded corpus'} have no field {text_field!r} "
+                                 f"(fields: {sorted(record)}); set task.text_field")
+            text = record[text_field]
+            if text:
+                yield text
+    except ValueError:
+        raise
+    except Exception as error:  # datasets/pyarrow errors: one line naming the source and what to check
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(f"cannot read {where} as {source}: {type(error).__name__}: {detail}; check that the "
+                         "source type (task.source / --source) matches the files, or the dataset id, "
+                         "configuration (name) and split") from error
+
+
+def iter_documents(cfg: LMTaskConfig) -> Iterator[str]:
+    """The source's document texts, in the source's order (non-empty ones only)."""
+    return iter_source_documents(cfg.source, cfg.path, cfg.name, cfg.split, cfg.text_field)
 
 
 def pack_documents(
@@ -127,8 +156,26 @@ def _source_fingerprint(cfg: LMTaskConfig) -> dict[str, object]:
     return {cfg.source: [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files], "split": cfg.split}
 
 
+def source_description(source: str, path: str | list[str] | None, name: str | None = None, split: str = "train",
+                       text_field: str = "text") -> dict[str, Any]:
+    """What a prepared corpus was made from, for its manifest (no machine-specific paths: file names and sizes)."""
+    if source == "embedded":
+        return {"source": "embedded", "sha256": hashlib.sha256(EMBEDDED_CORPUS.read_bytes()).hexdigest(),
+                "text_field": text_field}
+    if source == "hub":
+        return {"source": "hub", "path": path, "name": name, "split": split, "text_field": text_field}
+    files = _local_files(path or [])
+    return {"source": source, "files": [[os.path.basename(f), os.stat(f).st_size] for f in files], "split": split,
+            "text_field": text_field}
+
+
 def load_packed_rows(cfg: LMTaskConfig, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-    """Packed rows for ``cfg`` (training cap + held-out rows), from the cache when possible."""
+    """Packed rows for ``cfg`` (training cap + held-out rows) as a read-only tensor memory-mapped from the cache.
+
+    On first use the rows are prepared into ``<cache_dir>/lm-<key>/`` by :func:`prepared.prepare_corpus` (the code
+    path of ``asyncloco data prepare``: one shard file, no held-out file — :func:`split_rows` holds rows out), then
+    read back through :class:`prepared.PreparedCorpus`, which checks the file's sha256 against the manifest.
+    """
     max_rows = None if cfg.max_train_sequences is None else cfg.max_train_sequences + cfg.val_sequences
     key_fields = {
         "version": PACKING_VERSION,
@@ -140,18 +187,28 @@ def load_packed_rows(cfg: LMTaskConfig, tokenizer: PreTrainedTokenizerBase) -> t
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    cache_file = cache_dir / f"lm-{key}.pt"
-    if cache_file.is_file():
-        rows: torch.Tensor = torch.load(cache_file, weights_only=True)["rows"]
-        logger.info("packed rows from cache %s: %d x %d", cache_file, rows.shape[0], rows.shape[1])
-        return rows
-    rows = pack_documents(iter_documents(cfg), tokenizer, cfg.seq_len, max_rows)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"rows": rows, "key": key_fields}, partial)
-    os.replace(partial, cache_file)  # atomic: concurrent peers never read a half-written cache
-    logger.info("packed %d rows of %d tokens from %s; cached at %s", rows.shape[0], rows.shape[1],
-                cfg.path or "the embedded corpus", cache_file)
+    directory = cache_dir / f"lm-{key}"
+    if not (directory / MANIFEST_NAME).is_file():
+        partial = cache_dir / f"lm-{key}.{os.getpid()}.tmp"
+        source = source_description(cfg.source, cfg.path, cfg.name, cfg.split, cfg.text_field)
+        prepare_corpus(iter_documents(cfg), partial, tokenizer=tokenizer, source=source, seq_len=cfg.seq_len,
+                       rows_per_shard=max_rows or _ONE_FILE, held_out_rows=0, max_train_rows=max_rows,
+                       batch_docs=_TOKENIZE_BATCH, progress=False)
+        try:
+            os.rename(partial, directory)  # atomic: concurrent peers never read a half-written cache
+        except OSError:  # another process finished first: use its (identical) copy
+            if not (directory / MANIFEST_NAME).is_file():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+        logger.info("packed rows of %s cached at %s", cfg.path or "the embedded corpus", directory)
+    corpus = PreparedCorpus(json.loads((directory / MANIFEST_NAME).read_bytes()), directory)
+    if len(corpus.files) != 1:
+        raise ValueError(f"{directory} is not a packed-rows cache (it has {len(corpus.files)} shard files); delete it")
+    with warnings.catch_warnings():  # a read-only memmap: torch warns that it cannot be written, which is the point
+        warnings.simplefilter("ignore", UserWarning)
+        rows = torch.from_numpy(corpus.shard_file(0))
+    logger.info("packed rows from %s: %d x %d (%s, memory-mapped)", directory, rows.shape[0], rows.shape[1],
+                corpus.dtype)
     return rows
 
 
