@@ -88,12 +88,14 @@ def repair_quality(data: dict[str, Any]) -> str:
     for run in runs:
         discards = run.get("discards") or []
         discard = next((d for d in discards if d.get("expelled")), discards[0] if discards else {})
-        rerun = run.get("rerun") or {}
+        rerun = run.get("rerun") if isinstance(run.get("rerun"), dict) else {}
         rows.append([
-            "/".join(Path(str(run.get("run", ""))).parts[-2:]), discard.get("updates_discarded"), run.get("live_perplexity"),
-            discard.get("perplexity"), rerun.get("perplexity") if isinstance(rerun, dict) else rerun,
+            "/".join(Path(str(run.get("run", ""))).parts[-2:]), discard.get("updates_discarded"),
+            rerun.get("updates_replaced"), rerun.get("refused_as_sent"), run.get("live_perplexity"),
+            discard.get("perplexity"), rerun.get("perplexity"), rerun.get("seconds"),
         ])
-    return _table(["run", "expelled peer's updates", "live θ", "`discard`", "`rerun`"], rows)
+    return _table(["run", "expelled peer's submissions", "replaced by re-runs", "refused as sent", "live θ",
+                   "`discard`", "`rerun`", "re-run s"], rows)
 
 
 def verify_tolerance(data: dict[str, Any]) -> str:
@@ -103,9 +105,18 @@ def verify_tolerance(data: dict[str, Any]) -> str:
         cmp = data.get(name)
         if cmp:
             rows.append([name, cmp.get("bitwise"), cmp.get("rel_error"), cmp.get("cosine"), cmp.get("max_abs_diff")])
+    for other in data.get("cross_cpu") or []:
+        if other.get("bitwise") is None:
+            rows.append([f"{other.get('class')}, {other.get('threads')} thread(s): the reference", "", "", "", ""])
+            continue
+        codec = other.get("after_codec") or {}
+        rows.append([f"vs {other.get('class')}, {other.get('threads')} threads", other.get("bitwise"),
+                     f"{_fmt(other.get('rel_error'))} / int8 {_fmt((codec.get('int8') or {}).get('rel_error'))} / "
+                     f"sgn15of16 {_fmt((codec.get('sgn15of16') or {}).get('rel_error'))}",
+                     other.get("cosine"), other.get("max_abs_diff")])
     title = (f"`{data.get('model')}` ({_fmt(data.get('parameters'))} parameters), {data.get('precision')}, "
              f"{data.get('steps')} steps, {data.get('device_name') or data.get('device')}, torch {data.get('torch')}")
-    return title + "\n\n" + _table(["comparison", "bitwise", "relative L2 error", "cosine", "max \\|diff\\|"], rows)
+    return title + "\n\n" + _table(["comparison", "bitwise", "relative L2 error (before / after the codec)", "cosine", "max \\|diff\\|"], rows)
 
 
 def bench_swarm(data: dict[str, Any]) -> str:

@@ -1,0 +1,100 @@
+"""The docs cannot drift from the code or rot: the generated reference is current, every relative link resolves,
+every results file is cited (and every cited one exists), and the README stays short.
+
+Fast (no processes, no network): the reference is regenerated in memory from the config classes and the argparse
+parser, and compared with the committed files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+README_MAX_LINES = 200
+CI_TEST_COMMAND = "bash scripts/setup.sh && python -m pytest -q -n 2"
+
+
+def _script(name: str) -> ModuleType:
+    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_docs_{name}", ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _links(path: Path) -> list[tuple[int, str]]:
+    """(line number, target) of every markdown link and image outside code blocks and inline code."""
+    found, in_fence = [], False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if _FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        line = re.sub(r"`[^`]*`", "", line)
+        found.extend((number, target) for target in _LINK.findall(line))
+    return found
+
+
+def test_generated_reference_matches_the_code() -> None:
+    gen = _script("gen_reference")
+    for path, text in gen.generated().items():
+        rel = path.relative_to(ROOT)
+        assert path.exists(), f"{rel} is missing: run `python scripts/gen_reference.py` and commit it"
+        assert path.read_text() == text, (
+            f"{rel} is out of date with the code (a config key or CLI option changed): "
+            "run `python scripts/gen_reference.py` and commit the result"
+        )
+
+
+def test_every_relative_link_resolves() -> None:
+    broken = []
+    for doc in _markdown_files():
+        for number, target in _links(doc):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # http(s), mailto: not checked offline; in-page anchors are optional
+            file_part = target.split("#", 1)[0]
+            if not (doc.parent / file_part).exists():
+                broken.append(f"{doc.relative_to(ROOT)}:{number}: {target}")
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+def test_results_files_and_citations_match() -> None:
+    problems = _script("render_results").check()
+    assert not problems, "\n".join(problems)
+
+
+def test_every_results_file_renders() -> None:
+    render = _script("render_results")
+    for path in render.results_files():
+        if path.suffix == ".json":
+            assert render.render(path).startswith(("|", "`", "at ", "(")), path
+
+
+def test_readme_is_short_and_keeps_the_two_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move detail into docs/ and link it"
+    )
+    assert "bash scripts/setup.sh && asyncloco demo" in text
+    assert CI_TEST_COMMAND in text
+    assert CI_TEST_COMMAND in (ROOT / ".ci" / "run").read_text(), ".ci/run runs the README's test command"
