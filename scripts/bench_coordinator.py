@@ -37,7 +37,7 @@ Targets (issue 8, at 150m): ack ≤ 1.5 × fsync_update + 4 × memcpy; lease ≤
 int8 (issue 18; docs/compression.md).
 
 Usage: ``python scripts/bench_coordinator.py --sizes tiny,150m --json out.json`` (≈ 4 min on 2 cores;
-20m and 60m add ≈ 1 min each). Prints a table and the ratios; the README's capacity table comes from it.
+20m and 60m add ≈ 1 min each). Prints a table and the ratios; the capacity figures of docs/guide/organiser.md come from it.
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def _duration(seconds: float) -> str:
 
 
 def readme_table(results: dict[str, dict[str, Any]]) -> str:
-    """The README's capacity table (units in each cell), from the same results."""
+    """The capacity table (units in each cell) docs/guide/organiser.md quotes, from the same results."""
     head = [
         "size", "θ", "memcpy θ", "fsync of the int8 update", "decode", "validate", "apply (DN)", "log append + fsync",
         "**ack**", "ack during a snapshot", "**lease**", "snapshot copy (under the lock)", "background snapshot",
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             print(codec_report(size, result) + "\n")
     else:
         print(report(results))
-        print("\nREADME capacity table:\n" + readme_table(results))
+        print("\ncapacity table (docs/guide/organiser.md):\n" + readme_table(results))
     print(f"\ntotal {time.time() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -1,4 +1,4 @@
-"""What a repair does to θ's quality (issue 16; docs/threat-model.md, "Hiding inside the bound, for longer").
+"""What a repair does to θ's quality (docs/threat-model.md, "The remedy").
 
 A failed check expels a peer and rebuilds the coordinator state by replaying the write-ahead log from a repair anchor
 with that peer's submissions discarded (asyncloco/coordinator/repair.py). This script replays a finished run's log

@@ -42,7 +42,8 @@ _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 def _links(path: Path) -> list[tuple[int, str]]:
     """(line number, target) of every markdown link and image outside code blocks and inline code."""
-    found, in_fence = [], False
+    found: list[tuple[int, str]] = []
+    in_fence = False
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if _FENCE.match(line):
             in_fence = not in_fence
