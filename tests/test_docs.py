@@ -1,4 +1,4 @@
-"""The docs cannot drift from the code or rot: the generated reference is current, every relative link resolves,
+"""The docs cannot drift from the code or rot: the generated reference is current, every relative link (and its #heading) resolves,
 every results file is cited (and every cited one exists), and the README stays short.
 
 Fast (no processes, no network): the reference is regenerated in memory from the config classes and the argparse
@@ -55,6 +55,23 @@ def _links(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of a markdown file (lower case, punctuation dropped, spaces → '-')."""
+    anchors: set[str] = set()
+    in_fence = False
+    for line in path.read_text().splitlines():
+        if _FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence and line.startswith("#"):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            unique, n = slug, 0
+            while unique in anchors:
+                n += 1
+                unique = f"{slug}-{n}"
+            anchors.add(unique)
+    return anchors
+
+
 def test_generated_reference_matches_the_code() -> None:
     gen = _script("gen_reference")
     for path, text in gen.generated().items():
@@ -70,12 +87,15 @@ def test_every_relative_link_resolves() -> None:
     broken = []
     for doc in _markdown_files():
         for number, target in _links(doc):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-                continue  # http(s), mailto: not checked offline; in-page anchors are optional
-            file_part = target.split("#", 1)[0]
-            if not (doc.parent / file_part).exists():
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                continue  # http(s), mailto: not checked offline
+            file_part, _, anchor = target.partition("#")
+            linked = doc.parent / file_part if file_part else doc
+            if not linked.exists():
                 broken.append(f"{doc.relative_to(ROOT)}:{number}: {target}")
-    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{doc.relative_to(ROOT)}:{number}: {target} (no such heading)")
+    assert not broken, "links to files or headings that do not exist:\n" + "\n".join(broken)
 
 
 def test_results_files_and_citations_match() -> None:
