@@ -1,5 +1,5 @@
-"""The docs cannot drift from the code or rot: the generated reference is current, every relative link (and its #heading) resolves,
-every results file is cited (and every cited one exists), and the README stays short.
+"""The docs cannot drift from the code or rot: the generated reference is current, every relative link (and its
+#heading) resolves, every results file is cited (and every cited one exists), and the README stays short.
 
 Fast (no processes, no network): the reference is regenerated in memory from the config classes and the argparse
 parser, and compared with the committed files.
