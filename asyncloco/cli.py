@@ -110,6 +110,50 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- asyncloco data prepare (models/prepared.py, issue 36) ---
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    """Tokenize a source into a prepared corpus (shard files + manifest) that runs name by its digest."""
+    import os
+
+    from asyncloco.models.data import prepare_source
+    from asyncloco.models.prepared import manifest_digest
+
+    fields = {"source": args.source, "path": args.path, "name": args.name, "split": args.split,
+              "text_field": args.text_field, "tokenizer": args.tokenizer, "seq_len": args.seq_len}
+    if args.config:
+        from asyncloco.config import load_config
+
+        task = load_config(resolve_config(args.config)).task
+        if task.kind != "lm":
+            raise ValueError(f"--config {args.config} is not a language-model run (task.kind {task.kind!r})")
+        from asyncloco.models.tokenizer import default_tokenizer
+
+        taken = {"source": task.source, "path": task.path, "name": task.name, "split": task.split,
+                 "text_field": task.text_field, "seq_len": task.seq_len,
+                 "tokenizer": task.tokenizer if task.tokenizer is not None else default_tokenizer(task.model)}
+        fields = {key: taken[key] if value is None else value for key, value in fields.items()}
+    defaults = {"source": "embedded", "split": "train", "text_field": "text", "tokenizer": "embedded-32k", "seq_len": 256}
+    fields = {key: defaults.get(key) if value is None else value for key, value in fields.items()}
+    path = fields["path"]
+    if isinstance(path, list) and len(path) == 1:
+        path = path[0]
+    manifest = prepare_source(
+        args.out, source=fields["source"], path=path, name=fields["name"], split=fields["split"],
+        text_field=fields["text_field"], tokenizer=fields["tokenizer"], seq_len=fields["seq_len"],
+        max_tokens=args.max_tokens, shard_mb=args.shard_mb, held_out_rows=args.held_out_rows,
+        held_out_every=args.held_out_every, workers=args.workers or os.cpu_count() or 1, progress=not args.quiet,
+    )
+    digest = manifest_digest(manifest)
+    size = sum(entry["bytes"] for entry in manifest["shards"])
+    print(f"prepared {manifest['train_tokens']:,} training tokens ({manifest['train_rows']:,} rows of "
+          f"{manifest['row_tokens']}) in {len(manifest['shards'])} shard files ({size / 1e6:,.1f} MB, "
+          f"{manifest['dtype']}) and {manifest['held_out']['rows']} held-out rows under {args.out}")
+    print(f"manifest digest {digest}\nrun it with:\n  task:\n    kind: lm\n    source: prepared\n"
+          f"    manifest_digest: {digest}\n    shards_from: {Path(args.out).resolve()}   # or a URL serving it\n"
+          f"    tokenizer: {manifest['tokenizer']['name']}\n    seq_len: {manifest['seq_len']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from asyncloco.overrides import add_override_arguments
 
@@ -158,6 +202,31 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--url", help="a live coordinator's dashboard, e.g. http://127.0.0.1:8080")
     status.add_argument("--json", action="store_true", help="print the status document as JSON")
     status.set_defaults(func=cmd_status)
+
+    # --- asyncloco data prepare (models/prepared.py) ---
+    data = sub.add_parser("data", help="prepared corpora: `data prepare` tokenizes a dataset into shard files + manifest")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="tokenize a dataset (hub or local files) into a prepared, sharded corpus "
+                               "(docs/data-prepare.md)")
+    prep.add_argument("--out", required=True, help="directory to write (manifest.json, train-*.bin, heldout.bin); "
+                      "rerun with the same arguments to resume an interrupted preparation")
+    prep.add_argument("--config", help="take source, path, name, split, text_field, tokenizer and seq_len from a run "
+                      "config's task section (flags given here override it)")
+    prep.add_argument("--source", choices=["embedded", "text", "json", "parquet", "hub"], help="default embedded")
+    prep.add_argument("--path", nargs="+", help="files/globs (text/json/parquet) or a hub dataset id (hub)")
+    prep.add_argument("--name", help="hub dataset configuration, e.g. sample-10BT or en")
+    prep.add_argument("--split", help="default train")
+    prep.add_argument("--text-field", help="the records' text column (default text)")
+    prep.add_argument("--tokenizer", help="the run's tokenizer: embedded, embedded-32k (default) or a name/path")
+    prep.add_argument("--seq-len", type=int, help="tokens per training sequence (default 256); rows hold seq_len + 1")
+    prep.add_argument("--max-tokens", type=int, help="stop after this many training tokens (rows x seq_len)")
+    prep.add_argument("--workers", type=int, help="tokenizer processes (default: one per core)")
+    prep.add_argument("--shard-mb", type=float, default=16.0, help="size of a shard file in MiB (default 16)")
+    prep.add_argument("--held-out-rows", type=int, default=2048, help="held-out rows for evaluation (default 2048)")
+    prep.add_argument("--held-out-every", type=int, default=100,
+                      help="hold out rows 0, N, 2N, ... of the packed stream (default 100)")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(func=cmd_data_prepare)
 
     _add_runtime_commands(sub)
     return parser

@@ -9,6 +9,11 @@ Data sources, one code path (``datasets.load_dataset(..., streaming=True)``) for
 * ``hub``: a Hugging Face hub dataset streamed (never fully downloaded), e.g. ``path: allenai/c4``
   with ``name: en``, or ``path: HuggingFaceFW/fineweb`` with ``name: sample-10BT``. Needs
   ``max_train_sequences`` (the stream is read only that far).
+* ``prepared``: a corpus made ahead of time by ``asyncloco data prepare`` (docs/data-prepare.md), named by
+  ``manifest_digest``; ``shards_from`` is the directory or http(s) URL that holds its ``manifest.json``
+  and shard files. Each process fetches only the shard files its batches touch into ``cache_dir``,
+  checks them against the manifest's sha256 and memory-maps them; evaluation reads the manifest's
+  held-out rows (the first ``val_sequences``). See :mod:`asyncloco.models.prepared`.
 
 Documents are tokenized, joined with the tokenizer's eos token and packed into rows of
 ``seq_len + 1`` tokens (inputs = row[:-1], targets = row[1:]); ``val_sequences`` rows are held out
@@ -34,7 +39,7 @@ class LMTaskConfig(StrictModel):
     model: str = Field("tiny", description="model preset: tiny, small, 20m, 60m, 150m")
     tokenizer: str | None = Field(None, description="AutoTokenizer name or path, or a shipped one: embedded (4,096), "
                                   "embedded-32k (32,000); None: the preset's (embedded-32k for 20m/60m/150m)")
-    source: Literal["embedded", "text", "json", "parquet", "hub"] = "embedded"
+    source: Literal["embedded", "text", "json", "parquet", "hub", "prepared"] = "embedded"
     path: str | list[str] | None = Field(None, description="files/glob(s) for text/json/parquet, dataset id for hub")
     name: str | None = Field(None, description="hub dataset configuration, e.g. 'en' for allenai/c4")
     split: str = "train"
@@ -48,6 +53,10 @@ class LMTaskConfig(StrictModel):
     val_sequences: int = Field(64, ge=1, description="held-out rows evaluated by evaluate()")
     seed: int = Field(0, description="seeds the held-out split, the shard split and per-epoch orders")
     cache_dir: str | None = Field(None, description="packed-token cache; default ~/.cache/asyncloco (XDG)")
+    manifest_digest: str | None = Field(None, description="source prepared: the corpus's manifest digest (sha256 hex), "
+                                        "as `asyncloco data prepare` printed it")
+    shards_from: str | None = Field(None, description="source prepared: directory or http(s) URL holding the "
+                                    "prepared corpus's manifest.json and shard files")
 
     @model_validator(mode="after")
     def _check(self) -> "LMTaskConfig":
@@ -55,6 +64,11 @@ class LMTaskConfig(StrictModel):
             raise ValueError(f"task.model {self.model!r} is not a preset; choose one of {sorted(PRESETS)}")
         if self.source == "embedded" and self.path is not None:
             raise ValueError("task.path is only for source text/json/parquet/hub; remove it or set task.source")
+        if self.source == "prepared":
+            return self._check_prepared()
+        if self.manifest_digest is not None or self.shards_from is not None:
+            raise ValueError("task.manifest_digest and task.shards_from name a prepared corpus; set task.source: "
+                             "prepared, or remove them")
         if self.source != "embedded" and not self.path:
             hint = "a dataset id such as 'allenai/c4'" if self.source == "hub" else "a file, glob or list of files"
             raise ValueError(f"task.source={self.source!r} needs task.path: {hint}")
@@ -67,6 +81,21 @@ class LMTaskConfig(StrictModel):
             raise ValueError(f"task.max_train_sequences={self.max_train_sequences} gives some of the "
                              f"{self.num_shards} shards less than one batch of {self.batch_size}; raise it to "
                              f">= num_shards * batch_size = {self.num_shards * self.batch_size}")
+        return self
+
+    def _check_prepared(self) -> "LMTaskConfig":
+        if not self.manifest_digest or not self.shards_from:
+            raise ValueError("task.source='prepared' needs task.manifest_digest (printed by `asyncloco data prepare`) "
+                             "and task.shards_from (the directory or URL holding its manifest.json and shard files)")
+        digest = self.manifest_digest.lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"task.manifest_digest {self.manifest_digest!r} is not a sha256 hex digest (64 characters)")
+        if self.path is not None or self.name is not None:
+            raise ValueError("task.path and task.name describe a source to read; a prepared corpus is read from "
+                             "task.shards_from: remove them")
+        if self.max_train_sequences is not None:
+            raise ValueError("task.max_train_sequences does not apply to a prepared corpus (its size is fixed when "
+                             "it is prepared: `asyncloco data prepare --max-tokens`); remove it")
         return self
 
     @property

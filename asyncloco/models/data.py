@@ -47,6 +47,7 @@ __all__ = [
     "iter_source_documents",
     "load_packed_rows",
     "pack_documents",
+    "prepare_source",
     "source_description",
     "split_rows",
 ]
@@ -87,26 +88,35 @@ def iter_source_documents(source: str, path: str | list[str] | None, name: str |
         require_hub(str(path), "dataset")  # one line and exit 2 instead of a minute of retries (models/hub.py)
     else:
         files = [str(EMBEDDED_CORPUS)] if source == "embedded" else _local_files(path or [])
+
+    def unreadable(error: Exception) -> ValueError:  # datasets/pyarrow errors: one line naming the source
+        detail = (str(error).strip().splitlines() or [""])[0]
+        return ValueError(f"cannot read {where} as {source}: {type(error).__name__}: {detail}; check that the source "
+                          "type (task.source / --source) matches the files, or the dataset id, configuration (name) "
+                          "and split")
+
     try:
         if source == "hub":
             dataset = load_dataset(str(path), name, split=split, streaming=True)
         else:
             builder = "json" if source == "embedded" else source
             dataset = load_dataset(builder, data_files={split: files}, split=split, streaming=True)
-        for record in dataset:
-            if text_field not in record:
-                raise ValueError(f"records of {path or 'the embedded corpus'} have no field {text_field!r} "
-                                 f"(fields: {sorted(record)}); set task.text_field")
-            text = record[text_field]
-            if text:
-                yield text
-    except ValueError:
-        raise
-    except Exception as error:  # datasets/pyarrow errors: one line naming the source and what to check
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(f"cannot read {where} as {source}: {type(error).__name__}: {detail}; check that the "
-                         "source type (task.source / --source) matches the files, or the dataset id, "
-                         "configuration (name) and split") from error
+        records = iter(dataset)
+    except Exception as error:
+        raise unreadable(error) from error
+    while True:
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except Exception as error:
+            raise unreadable(error) from error
+        if text_field not in record:
+            raise ValueError(f"records of {path or 'the embedded corpus'} have no field {text_field!r} "
+                             f"(fields: {sorted(record)}); set task.text_field")
+        text = record[text_field]
+        if text:
+            yield text
 
 
 def iter_documents(cfg: LMTaskConfig) -> Iterator[str]:
@@ -210,6 +220,38 @@ def load_packed_rows(cfg: LMTaskConfig, tokenizer: PreTrainedTokenizerBase) -> t
     logger.info("packed rows from %s: %d x %d (%s, memory-mapped)", directory, rows.shape[0], rows.shape[1],
                 corpus.dtype)
     return rows
+
+
+def prepare_source(
+    out_dir: str | Path,
+    *,
+    source: str,
+    path: str | list[str] | None = None,
+    name: str | None = None,
+    split: str = "train",
+    text_field: str = "text",
+    tokenizer: str = "embedded-32k",
+    seq_len: int = 256,
+    max_tokens: int | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """``asyncloco data prepare``: read ``source`` through ``datasets`` (as a run would, :func:`iter_source_documents`)
+    and :func:`prepare_corpus` it into ``out_dir``. ``max_tokens`` caps the training tokens (``rows * seq_len``)."""
+    if source == "prepared":
+        raise ValueError("--source prepared names an already prepared corpus; prepare from embedded, text, json, "
+                         "parquet or hub")
+    if source != "embedded" and not path:
+        raise ValueError(f"--source {source} needs --path: "
+                         + ("a dataset id such as 'HuggingFaceFW/fineweb-edu'" if source == "hub" else "files or globs"))
+    if source == "hub":
+        from asyncloco.models.hub import require_hub
+
+        require_hub(str(path), "dataset")  # offline: one line naming the fix, before any worker starts
+    description = source_description(source, path, name, split, text_field)  # a local path matching nothing fails here
+    max_rows = None if max_tokens is None else max(1, -(-max_tokens // seq_len))
+    documents = iter_source_documents(source, path, name, split, text_field)
+    return prepare_corpus(documents, out_dir, tokenizer=tokenizer, source=description, seq_len=seq_len,
+                          max_train_rows=max_rows, **options)
 
 
 def _generator(*parts: int | str) -> torch.Generator:

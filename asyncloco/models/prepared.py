@@ -197,6 +197,137 @@ class _Progress:
 # ------------------------------------------------------------------------------------------------- preparing
 
 
+class _Packer:
+    """One preparation's packing state: rows of the token stream → the held-out list or the shard file being filled,
+    a checkpoint after every batch in which a shard file was completed."""
+
+    def __init__(self, out: Path, params: dict[str, Any], max_train_rows: int | None) -> None:
+        self.out, self.params = out, params
+        self.dtype = np.dtype(params["dtype"])
+        self.row_len: int = params["row_tokens"]
+        self.rows_per_shard: int = params["rows_per_shard"]
+        self.held_rows: int = params["held_out_rule"]["rows"]
+        self.held_every: int = params["held_out_rule"]["every"]
+        self.max_train_rows = max_train_rows
+        self.shards: list[dict[str, Any]] = []
+        self.docs = 0  # source documents consumed
+        self.next_row = 0  # index (in the packed stream) of the row that self.tokens starts
+        self.tokens = np.zeros(0, dtype=np.uint32)
+        self.held: list[tuple[int, np.ndarray]] = []
+        self.current: list[np.ndarray] = []
+        self.current_rows = 0
+        self.train_done = 0
+        self.checkpoints = 0
+        self.state_path = out / STATE_NAME
+
+    @property
+    def capped(self) -> bool:
+        return self.max_train_rows is not None and self.train_done >= self.max_train_rows
+
+    def resume(self) -> None:
+        """Continue from the last checkpoint of an interrupted preparation with the same params, if there is one."""
+        if not self.state_path.is_file():
+            return
+        state = json.loads(self.state_path.read_text(encoding="utf-8"))
+        if state.get("params") != self.params:
+            raise ValueError(f"{self.out} holds an interrupted preparation with other arguments ({self.state_path}); "
+                             "rerun it with the same arguments to resume, or give another --out")
+        for entry in state["shards"]:
+            path = self.out / entry["file"]
+            if not path.is_file() or path.stat().st_size != entry["bytes"]:
+                raise ValueError(f"{path} recorded as complete in {self.state_path} is missing or truncated; "
+                                 f"delete {self.out} and prepare again")
+        self.shards, self.docs, self.next_row = state["shards"], state["docs"], state["next_row"]
+        self.checkpoints = len(self.shards)
+        self.tokens = np.fromfile(self.out / state["pending"], dtype=np.uint32)
+        held_rows = np.fromfile(self.out / state["held"], dtype=self.dtype).reshape(-1, self.row_len)
+        self.held = [(row_id, row) for row_id, row in zip(state["held_ids"], held_rows)]
+        self.train_done = sum(entry["rows"] for entry in self.shards)
+        logger.info("resuming %s: %d shard files done, skipping %d documents", self.out, len(self.shards), self.docs)
+
+    def _held_block(self, count: int) -> np.ndarray:
+        rows = [row for _, row in self.held[:count]]
+        return (np.stack(rows) if rows else np.zeros((0, self.row_len))).astype(self.dtype)
+
+    def _write_shard(self) -> None:
+        data = np.concatenate(self.current).astype(self.dtype).tobytes()
+        name = f"train-{len(self.shards):05d}.bin"
+        _write_atomic(self.out / name, data)
+        self.shards.append({"file": name, "rows": self.current_rows, "bytes": len(data),
+                            "sha256": hashlib.sha256(data).hexdigest()})
+        self.train_done += self.current_rows
+        self.current, self.current_rows = [], 0
+
+    def _checkpoint(self, row: int, n_held: int, pending: np.ndarray) -> None:
+        self.checkpoints += 1
+        pending_name, held_name = f"prepare-pending-{self.checkpoints}.bin", f"prepare-held-{self.checkpoints}.bin"
+        _write_atomic(self.out / pending_name, pending.astype(np.uint32).tobytes())
+        _write_atomic(self.out / held_name, self._held_block(n_held).tobytes())
+        state = {"params": self.params, "shards": self.shards, "docs": self.docs, "next_row": row,
+                 "pending": pending_name, "held": held_name, "held_ids": [i for i, _ in self.held[:n_held]]}
+        _write_atomic(self.state_path, json.dumps(state, indent=1).encode("utf-8"))
+        for stale in self.out.glob("prepare-*-*.bin"):
+            if stale.name not in (pending_name, held_name):
+                stale.unlink()
+
+    def feed(self, docs: int, new: np.ndarray) -> int:
+        """Pack one batch's tokens; returns the training rows completed into shard files."""
+        self.docs += docs
+        if len(new) and int(new.max()) > np.iinfo(self.dtype).max:
+            raise ValueError(f"token id {int(new.max())} does not fit {self.dtype}")
+        tokens = np.concatenate([self.tokens, new]) if len(self.tokens) else new
+        row_len, n_full, pos, before = self.row_len, len(tokens) // self.row_len, 0, self.train_done
+        flushed: tuple[int, int] | None = None  # (row index, held-out rows) right after the last file written
+        while pos < n_full and not self.capped:
+            ids = np.arange(self.next_row + pos, self.next_row + n_full, dtype=np.int64)
+            is_held = (ids % self.held_every == 0) & (ids // self.held_every < self.held_rows)
+            need = self.rows_per_shard - self.current_rows
+            if self.max_train_rows is not None:
+                need = min(need, self.max_train_rows - self.train_done - self.current_rows)
+            train_count = np.cumsum(~is_held)
+            stop = int(np.searchsorted(train_count, need)) + 1 if train_count[-1] >= need else len(ids)
+            block, held = tokens[pos * row_len:(pos + stop) * row_len].reshape(stop, row_len), is_held[:stop]
+            self.held.extend((int(i), row.copy()) for i, row in zip(ids[:stop][held], block[held]))
+            if (~held).any():
+                self.current.append(block[~held].copy())
+                self.current_rows += int((~held).sum())
+            pos += stop
+            if self.current_rows == self.rows_per_shard or (
+                    self.max_train_rows is not None and self.train_done + self.current_rows >= self.max_train_rows):
+                self._write_shard()
+                flushed = (self.next_row + pos, len(self.held))
+        if flushed is not None and not self.capped:
+            row, n_held = flushed
+            self._checkpoint(row, n_held, tokens[(row - self.next_row) * row_len:])
+        self.tokens = tokens[pos * row_len:]
+        self.next_row += pos
+        return self.train_done - before
+
+    def finish(self) -> dict[str, Any]:
+        """Write the last (short) shard file, the held-out file and the manifest; drop the resume state."""
+        if self.current_rows:
+            self._write_shard()
+        if not self.shards:
+            raise ValueError(f"the source gave no full row of {self.row_len} tokens ({self.docs} documents); "
+                             "check the source and task.text_field, or lower --seq-len")
+        held_bytes = self._held_block(len(self.held)).tobytes()
+        if self.held:
+            _write_atomic(self.out / HELDOUT_NAME, held_bytes)
+        manifest = dict(self.params)
+        manifest.update({
+            "train_rows": self.train_done,
+            "train_tokens": self.train_done * self.row_len,
+            "shards": self.shards,
+            "held_out": {"file": HELDOUT_NAME if self.held else None, "rows": len(self.held),
+                         "bytes": len(held_bytes), "sha256": hashlib.sha256(held_bytes).hexdigest()},
+        })
+        _write_atomic(self.out / MANIFEST_NAME, canonical_json(manifest))
+        self.state_path.unlink(missing_ok=True)
+        for stale in self.out.glob("prepare-*-*.bin"):
+            stale.unlink()
+        return manifest
+
+
 def prepare_corpus(
     documents: Iterable[str],
     out_dir: str | Path,
@@ -216,17 +347,13 @@ def prepare_corpus(
     """Pack ``documents`` into ``out_dir`` (shard files + held-out file + ``manifest.json``); returns the manifest.
 
     ``tokenizer`` is a name or path :func:`~asyncloco.models.tokenizer.load_tokenizer` accepts (each worker loads
-    it), or with ``workers=1`` a loaded tokenizer. ``source`` describes the documents for the manifest. A directory holding an interrupted preparation with
-    the same arguments is resumed; one that holds a finished preparation is returned as it is.
+    it), or with ``workers=1`` a loaded tokenizer. ``source`` describes the documents for the manifest. A directory
+    holding an interrupted preparation with the same arguments is resumed; a finished one is returned as it is.
     """
     from asyncloco.models.tokenizer import load_tokenizer, tokenizer_fingerprint
 
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    if held_out_rows < 0 or held_out_every < 1:
-        raise ValueError("held_out_rows must be >= 0 and held_out_every >= 1")
-    if max_train_rows is not None and max_train_rows < 1:
-        raise ValueError(f"max_train_rows must be >= 1, got {max_train_rows}")
+    if seq_len < 2 or held_out_rows < 0 or held_out_every < 1 or (max_train_rows is not None and max_train_rows < 1):
+        raise ValueError("prepare needs seq_len >= 2, held_out_rows >= 0, held_out_every >= 1, max_train_rows >= 1")
     out = Path(out_dir).expanduser()
     if isinstance(tokenizer, (str, Path)):
         tok, tokenizer_name = load_tokenizer(tokenizer), str(tokenizer)
@@ -234,161 +361,43 @@ def prepare_corpus(
         raise ValueError("tokenizing in worker processes needs the tokenizer's name or path, not a loaded tokenizer")
     else:
         tok, tokenizer_name = tokenizer, str(getattr(tokenizer, "name_or_path", ""))
-    vocab = len(tok)
-    dtype = token_dtype(vocab)
-    row_len = seq_len + 1
-    rows_per_shard = rows_per_shard or rows_for_size(shard_mb, seq_len, dtype)
+    dtype = token_dtype(len(tok))
     params: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "tokenizer": {"name": tokenizer_name, "digest": tokenizer_fingerprint(tok), "vocab_size": vocab,
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "tokenizer": {"name": tokenizer_name, "digest": tokenizer_fingerprint(tok), "vocab_size": len(tok),
                       "eos_token_id": tok.eos_token_id},
-        "source": source,
-        "seq_len": seq_len,
-        "row_tokens": row_len,
-        "dtype": dtype,
-        "rows_per_shard": rows_per_shard,
-        "held_out_rule": {"rows": held_out_rows, "every": held_out_every},
-        "max_train_rows": max_train_rows,
+        "source": source, "seq_len": seq_len, "row_tokens": seq_len + 1, "dtype": dtype,
+        "rows_per_shard": rows_per_shard or rows_for_size(shard_mb, seq_len, dtype),
+        "held_out_rule": {"rows": held_out_rows, "every": held_out_every}, "max_train_rows": max_train_rows,
     }
-    manifest_path = out / MANIFEST_NAME
-    if manifest_path.is_file():
-        manifest: dict[str, Any] = json.loads(manifest_path.read_bytes())
+    if (out / MANIFEST_NAME).is_file():
+        manifest: dict[str, Any] = json.loads((out / MANIFEST_NAME).read_bytes())
         if {k: manifest.get(k) for k in params} == params:
             logger.info("%s is already prepared (manifest %s)", out, manifest_digest(manifest)[:16])
             return manifest
-        raise ValueError(f"{out} already holds a different prepared corpus ({manifest_path}); "
+        raise ValueError(f"{out} already holds a different prepared corpus ({out / MANIFEST_NAME}); "
                          "give another --out or delete that directory")
     out.mkdir(parents=True, exist_ok=True)
-    np_dtype = np.dtype(dtype)
-
-    # --- state: fresh, or the last checkpoint of an interrupted run with the same params
-    shards: list[dict[str, Any]] = []
-    docs_done = 0
-    next_row = 0  # global index (in the packed stream) of the row that tokens[0] starts
-    tokens = np.zeros(0, dtype=np.uint32)
-    held: list[tuple[int, np.ndarray]] = []
-    state_path = out / STATE_NAME
-    if state_path.is_file():
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-        if state.get("params") != params:
-            raise ValueError(f"{out} holds an interrupted preparation with other arguments ({state_path}); "
-                             "rerun it with the same arguments to resume, or give another --out")
-        shards = state["shards"]
-        for entry in shards:
-            path = out / entry["file"]
-            if not path.is_file() or path.stat().st_size != entry["bytes"]:
-                raise ValueError(f"{path} recorded as complete in {state_path} is missing or truncated; "
-                                 f"delete {out} and prepare again")
-        docs_done, next_row = state["docs"], state["next_row"]
-        tokens = np.fromfile(out / state["pending"], dtype=np.uint32)
-        held_rows = np.fromfile(out / state["held"], dtype=np_dtype).reshape(-1, row_len)
-        held = [(row_id, row) for row_id, row in zip(state["held_ids"], held_rows)]
-        logger.info("resuming %s: %d shard files done, skipping %d documents", out, len(shards), docs_done)
-    train_done = sum(entry["rows"] for entry in shards)
-
-    current: list[np.ndarray] = []
-    current_rows = 0
-    capped = max_train_rows is not None and train_done >= max_train_rows
-    bar = _Progress(None if max_train_rows is None else max_train_rows * row_len, train_done * row_len, progress)
-    checkpoints = len(shards)
-
-    def write_shard() -> None:
-        nonlocal current, current_rows
-        block = np.concatenate(current).astype(np_dtype)
-        name = f"train-{len(shards):05d}.bin"
-        data = block.tobytes()
-        _write_atomic(out / name, data)
-        shards.append({"file": name, "rows": int(block.shape[0]), "bytes": len(data),
-                       "sha256": hashlib.sha256(data).hexdigest()})
-        current, current_rows = [], 0
-
-    def checkpoint(row: int, n_held: int, pending: np.ndarray) -> None:
-        nonlocal checkpoints
-        checkpoints += 1
-        pending_name, held_name = f"prepare-pending-{checkpoints}.bin", f"prepare-held-{checkpoints}.bin"
-        _write_atomic(out / pending_name, pending.astype(np.uint32).tobytes())
-        held_block = (np.stack([r for _, r in held[:n_held]]) if n_held else np.zeros((0, row_len))).astype(np_dtype)
-        _write_atomic(out / held_name, held_block.tobytes())
-        state = {"params": params, "shards": shards, "docs": docs_done, "next_row": row,
-                 "pending": pending_name, "held": held_name, "held_ids": [i for i, _ in held[:n_held]]}
-        _write_atomic(state_path, json.dumps(state, indent=1).encode("utf-8"))
-        for stale in out.glob("prepare-*-*.bin"):
-            if stale.name not in (pending_name, held_name):
-                stale.unlink()
-
-    def skipped(texts: Iterable[str]) -> Iterator[str]:
-        for index, text in enumerate(texts):
-            if index >= docs_done:
-                yield text
-
-    started, packed_before = time.monotonic(), train_done
+    packer = _Packer(out, params, max_train_rows)
+    packer.resume()
+    skip = packer.docs
+    remaining = (text for index, text in enumerate(documents) if index >= skip)
+    bar = _Progress(None if max_train_rows is None else max_train_rows * (seq_len + 1),
+                    packer.train_done * (seq_len + 1), progress)
+    started, before = time.monotonic(), packer.train_done
     try:
-        for n_docs, new in ([] if capped else _tokenized(skipped(documents), tok, tokenizer_name, workers, batch_docs)):
-            docs_done += n_docs
-            if len(new) and int(new.max()) > np.iinfo(np_dtype).max:
-                raise ValueError(f"token id {int(new.max())} does not fit {dtype}")
-            tokens = np.concatenate([tokens, new]) if len(tokens) else new
-            n_full = len(tokens) // row_len
-            pos = 0
-            flushed: tuple[int, int] | None = None  # (row index, held-out count) after the last file written
-            while pos < n_full and not capped:
-                ids = np.arange(next_row + pos, next_row + n_full, dtype=np.int64)
-                is_held = (ids % held_out_every == 0) & (ids // held_out_every < held_out_rows)
-                need = rows_per_shard - current_rows
-                if max_train_rows is not None:
-                    need = min(need, max_train_rows - train_done - current_rows)
-                train_count = np.cumsum(~is_held)
-                stop = int(np.searchsorted(train_count, need)) + 1 if train_count[-1] >= need else len(ids)
-                block = tokens[pos * row_len:(pos + stop) * row_len].reshape(stop, row_len)
-                held.extend((int(i), row.copy()) for i, row in zip(ids[:stop][is_held[:stop]], block[is_held[:stop]]))
-                train_block = block[~is_held[:stop]]
-                if len(train_block):
-                    current.append(train_block.copy())
-                    current_rows += len(train_block)
-                pos += stop
-                if current_rows == rows_per_shard or (
-                        max_train_rows is not None and train_done + current_rows >= max_train_rows):
-                    train_done += current_rows
-                    bar.update(current_rows * row_len)
-                    write_shard()
-                    flushed = (next_row + pos, len(held))
-                    capped = max_train_rows is not None and train_done >= max_train_rows
-            if flushed is not None and not capped:
-                row, n_held = flushed
-                checkpoint(row, n_held, tokens[(row - next_row) * row_len:])
-            tokens = tokens[pos * row_len:]
-            next_row += pos
-            if capped:
-                break
+        if not packer.capped:
+            for n_docs, new in _tokenized(remaining, tok, tokenizer_name, workers, batch_docs):
+                bar.update(packer.feed(n_docs, new) * (seq_len + 1))
+                if packer.capped:
+                    break
     finally:
         bar.close()
-    if current_rows:
-        train_done += current_rows
-        write_shard()
-    if not shards:
-        raise ValueError(f"the source gave no full row of {row_len} tokens ({docs_done} documents); "
-                         "check the source and task.text_field, or lower --seq-len")
-    held_block = (np.stack([r for _, r in held]) if held else np.zeros((0, row_len))).astype(np_dtype)
-    held_bytes = held_block.tobytes()
-    if held:
-        _write_atomic(out / HELDOUT_NAME, held_bytes)
-    manifest = dict(params)
-    manifest.update({
-        "train_rows": train_done,
-        "train_tokens": train_done * row_len,
-        "shards": shards,
-        "held_out": {"file": HELDOUT_NAME if held else None, "rows": len(held), "bytes": len(held_bytes),
-                     "sha256": hashlib.sha256(held_bytes).hexdigest()},
-    })
-    _write_atomic(manifest_path, canonical_json(manifest))
-    state_path.unlink(missing_ok=True)
-    for stale in out.glob("prepare-*-*.bin"):
-        stale.unlink()
+    manifest = packer.finish()
     elapsed = time.monotonic() - started
     logger.info("prepared %s: %d training rows in %d shard files, %d held out; manifest %s (%.0f tokens/s)",
-                out, train_done, len(shards), len(held), manifest_digest(manifest),
-                (train_done - packed_before) * row_len / max(elapsed, 1e-9))
+                out, packer.train_done, len(packer.shards), len(packer.held), manifest_digest(manifest),
+                (packer.train_done - before) * (seq_len + 1) / max(elapsed, 1e-9))
     return manifest
 
 
@@ -527,4 +536,3 @@ class PreparedCorpus:
         state = dict(self.__dict__)
         state["_maps"] = {}
         return state
-
