@@ -252,6 +252,8 @@ CROSS_DEVICE_BOUNDS: dict[tuple[str, bool], tuple[float, float]] = {
     ("bf16", False): (0.1, 0.99), ("bf16", True): (0.4, 0.9),
 }
 SELECTING_CODECS = ("sgn", "topk", "grp")  # codecs whose kept positions a last-bit difference can move
+# the end inner state's bound by inner.precision (runtime.verify.cross_device_state_tolerance; issue 34)
+CROSS_DEVICE_STATE_TOLERANCE: dict[str, float] = {"fp32": 0.01, "bf16": 0.1}
 
 
 class VerifyConfig(StrictModel):
@@ -284,6 +286,13 @@ class VerifyConfig(StrictModel):
     cross_device_min_cosine: float | None = Field(
         None, ge=-1, le=1, description="and the cosine it needs with the re-run (default: 0.9999 / 0.99 in fp32 / bf16; "
         "with a sign/topk/grp codec 0.9995 / 0.9)"
+    )
+    # the revealed end inner state of a lease from another compute class against the re-run's (coordinator/rerun.py
+    # state_gap: relative L2 errors of m, v, the AdamW step m̂/(√v̂+eps) and the error-feedback residual; step counts
+    # exactly); the defaults in CROSS_DEVICE_STATE_TOLERANCE
+    cross_device_state_tolerance: float | None = Field(
+        None, ge=0, description="max relative L2 error of a foreign-class peer's revealed end inner state from the re-run's "
+        "(default by inner.precision: CROSS_DEVICE_STATE_TOLERANCE; 0: bitwise, which only the verifier's own class reaches)"
     )
     lease_warmup: int = Field(
         0, ge=0, description="with inner_state reset: ramp the LR linearly over each lease's first N steps (a fresh AdamW's first steps are large)"
