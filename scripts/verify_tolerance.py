@@ -15,7 +15,12 @@ model on one device, what an honest re-run gives, side by side with what an hone
 * ``cross_cpu`` (``--cross-cpu``) — the same lease on this CPU in fresh processes with torch's kernels dispatched
   to other instruction sets (``ATEN_CPU_CAPABILITY`` default / avx2 / avx512, i.e. other *compute classes*,
   peer/inner.py ``compute_class``) and with 1 or several threads, each against the first: what a CPU verifier
-  sees of a CPU peer on another machine (sets ``runtime.verify.cross_device_tolerance`` for fp32 runs).
+  sees of a CPU peer on another machine (sets ``runtime.verify.cross_device_tolerance`` for fp32 runs). Each row also
+  has the lease's *end inner state* against the first's (``end_state_fresh``: the lease from a fresh AdamW state;
+  ``end_state_carried``: the next lease, from a carried state the parent process trained, the same bytes for every
+  process, as a verifier re-runs it from the revealed start; coordinator/rerun.py ``state_gap``: relative L2 errors of
+  m, v and the AdamW step u = m̂/(√v̂+eps)) and the error-feedback residual each codec leaves
+  (``residual_after_codec``): what sets ``runtime.verify.cross_device_state_tolerance``.
 
     python scripts/verify_tolerance.py --model tiny --device cpu --json runs/verify-tolerance-cpu.json
     python scripts/verify_tolerance.py --model 20m --device cuda --precision bf16 --json /tmp/tol.json
@@ -45,19 +50,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout'
 from bench_peer import RandomTokens  # noqa: E402
 
 from asyncloco.algo.schedule import ShardSchedule  # noqa: E402
+from asyncloco.coordinator.rerun import state_gap, state_moments  # noqa: E402
 from asyncloco.coordinator.verify import compare  # noqa: E402
 from asyncloco.models.workload import flatten_params  # noqa: E402
 from asyncloco.peer.distributed import validate_device  # noqa: E402
-from asyncloco.peer.inner import InnerTrainer, compute_class  # noqa: E402
+from asyncloco.peer.inner import InnerTrainer, compute_class, inner_state_chunks, load_inner_state  # noqa: E402
 
 CROSS_CPU = (("avx2", 1), ("avx2", 2), ("default", 2), ("avx512", 2))  # (ATEN_CPU_CAPABILITY, threads)
 
 
+def trainer_for(workload: RandomTokens, device: str, precision: str) -> InnerTrainer:
+    return InnerTrainer(workload, ShardSchedule(1e-3, 1e-4, 0, 10**6), seed=0, optimizer="adamw",
+                        weight_decay=0.1, grad_clip=1.0, device=device, precision=precision)
+
+
 def lease(workload: RandomTokens, theta: torch.Tensor, device: str, precision: str, steps: int, offset: int) -> torch.Tensor:
     """One lease as a verifier re-runs it: a fresh trainer (fresh AdamW state), θ in, pseudo-gradient out."""
-    trainer = InnerTrainer(workload, ShardSchedule(1e-3, 1e-4, 0, 10**6), seed=0, optimizer="adamw",
-                           weight_decay=0.1, grad_clip=1.0, device=device, precision=precision)
-    return trainer.run(theta, 0, offset, steps, 0).pseudo_gradient.clone()
+    return trainer_for(workload, device, precision).run(theta, 0, offset, steps, 0).pseudo_gradient.clone()
 
 
 def judged(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
@@ -93,11 +102,42 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def emit(args: argparse.Namespace) -> None:
-    """One lease on this process's CPU kernels, saved with the process's compute class (for ``--cross-cpu``)."""
+    """One lease on this process's CPU kernels, saved with the process's compute class (for ``--cross-cpu``): from a
+    fresh state, and the next lease from the carried state in ``--start`` (the same bytes for every process); each
+    with its end inner state."""
     workload = RandomTokens(args.model, args.batch_size, args.seq_len, batches=2 * args.steps)
     theta = flatten_params(workload.build_model(seed=0)).detach().clone()
-    update = lease(workload, theta, "cpu", args.precision, args.steps, 0)
-    torch.save({"update": update, "class": compute_class("cpu"), "threads": torch.get_num_threads()}, args.emit)
+    trainer = trainer_for(workload, "cpu", args.precision)
+    update = trainer.run(theta, 0, 0, args.steps, 0).pseudo_gradient.clone()
+    saved: dict[str, Any] = {"update": update, "class": compute_class("cpu"), "threads": torch.get_num_threads(),
+                             "end_fresh": state_moments(trainer.optimizer)}
+    if args.start:
+        start = torch.load(args.start)
+        carried = trainer_for(workload, "cpu", args.precision)
+        load_inner_state(carried.optimizer, start["state"])
+        saved["carried_update"] = carried.run(start["theta"], 0, args.steps, args.steps, args.steps).pseudo_gradient.clone()
+        saved["end_carried"] = state_moments(carried.optimizer)
+    torch.save(saved, args.emit)
+
+
+def carried_start(args: argparse.Namespace, path: Path) -> None:
+    """The carried state every process's second lease starts from: one lease trained here, θ moved by it."""
+    workload = RandomTokens(args.model, args.batch_size, args.seq_len, batches=2 * args.steps)
+    theta = flatten_params(workload.build_model(seed=0)).detach().clone()
+    trainer = trainer_for(workload, "cpu", args.precision)
+    update = trainer.run(theta, 0, 0, args.steps, 0).pseudo_gradient
+    torch.save({"theta": theta - update, "state": b"".join(inner_state_chunks(trainer.optimizer) or [])}, path)
+
+
+def residuals(codec: str, first: torch.Tensor, other: torch.Tensor) -> dict[str, Any]:
+    """The error-feedback residual (what the upload drops) of the peer's lease (``first``) and of a verifier's re-run
+    of it on other kernels (``other``, re-encoded with the peer's rotation as coordinator/rerun.py does)."""
+    peer = coded(codec, first)
+    ours, theirs = other - coded(codec, other, peer), first - peer
+    gaps, _ = state_gap([], [], ours, theirs)
+    scaled, _ = state_gap([], [], ours, theirs, residual_scale=float(other.norm()))
+    return {"rel_error": gaps["residual"], "rel_to_upload": scaled["residual"], "norm": float(ours.norm()),
+            "upload_norm": float(other.norm())}
 
 
 CODECS = ("int8", "sgn15of16")
@@ -118,22 +158,34 @@ def cross_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     first: torch.Tensor | None = None
     with tempfile.TemporaryDirectory() as scratch:
+        start = Path(scratch) / "start.pt"
+        carried_start(args, start)
+        first_run: dict[str, Any] = {}
         for capability, threads in CROSS_CPU:
             out = Path(scratch) / f"{capability}-{threads}.pt"
             command = [sys.executable, __file__, "--model", args.model, "--precision", args.precision, "--steps",
                        str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-                       "--threads", str(threads), "--emit", str(out)]
+                       "--threads", str(threads), "--emit", str(out), "--start", str(start)]
             subprocess.run(command, check=True, env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
             got = torch.load(out)
             row: dict[str, Any] = {"capability": capability, "threads": threads, "class": got["class"]}
             if first is None:
                 first = got["update"]
+                first_run = got
                 row["reference"] = True
             else:
                 row.update(judged(first, got["update"]))
                 # what the verifier compares: both sides through the run's codec (the peer's upload, the re-run)
                 row["after_codec"] = {codec: judged(coded(codec, got["update"], coded(codec, first)), coded(codec, first))
                                       for codec in CODECS}
+                # the end inner state (the re-run's against the peer's), from a fresh and from a carried start
+                row["carried_update"] = judged(first_run["carried_update"], got["carried_update"])
+                for key in ("end_fresh", "end_carried"):
+                    gaps, problem = state_gap(got[key], first_run[key])
+                    row[key.replace("end_", "end_state_")] = {**{k: v for k, v in gaps.items() if k != "residual"},
+                                                              "problem": problem}
+                row["residual_after_codec"] = {codec: residuals(codec, first_run["carried_update"], got["carried_update"])
+                                               for codec in CODECS}
             rows.append(row)
     return rows
 
@@ -151,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--cross-cpu", action="store_true", help="also run the lease on other CPU kernels / threads")
     parser.add_argument("--emit", help=argparse.SUPPRESS)  # internal: one CPU lease into this file (--cross-cpu)
+    parser.add_argument("--start", help=argparse.SUPPRESS)  # internal: the carried start state (--cross-cpu)
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -166,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row['class']:>34} ×{row['threads']} thr: bitwise {row['bitwise']!s:5}  relative error "
                       f"{row['rel_error']:.3e}  cosine {row['cosine']:.8f}  after " + ", ".join(
                           f"{codec} {r['rel_error']:.3e}" for codec, r in row["after_codec"].items()))
+                for key in ("end_state_fresh", "end_state_carried"):
+                    g = row[key]
+                    print(f"{'':>34}  {key}: m {g.get('m', float('nan')):.3e}  v {g.get('v', float('nan')):.3e}  "
+                          f"u {g.get('u', float('nan')):.3e}  {g['problem'] or ''}")
+                print(f"{'':>34}  residual (carried lease): " + ", ".join(
+                    f"{codec} {r['rel_error']:.3e} (of the upload's norm {r['rel_to_upload']:.3e})"
+                    for codec, r in row["residual_after_codec"].items()))
     for key in ("rerun", "rerun_deterministic", "deterministic_vs_default", "other_lease", "vs_cpu_fp32"):
         if key in result:
             r = result[key]

@@ -6,7 +6,8 @@ upload with feedback bit for bit.
   the revealed state, and ends at the committed end (inner state and the new residual);
 * the residual matters: the same lease without it does not reproduce;
 * a residual one bit off its commitment, a reveal without the residual, a hidden direction in the upload, a false
-  end digest and a malformed reveal are each refused, naming the problem.
+  end digest and a malformed reveal are each refused, naming the problem; the revealed end state carries the residual
+  the upload left (peer/reveal.py ``RevealStore.end_residual``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from asyncloco.coordinator.logic import Verify
 from asyncloco.coordinator.rerun import Rerunner, compare
 from asyncloco.peer.feedback import ErrorFeedback
 from asyncloco.peer.inner import FRESH_STATE_DIGEST, InnerTrainer, inner_state_chunks
-from asyncloco.peer.reveal import RevealStore, committed_digest, pack_reveal, unpack_reveal
+from asyncloco.peer.reveal import RevealStore, committed_digest, pack_parts, pack_reveal, split_parts, unpack_reveal
 from asyncloco.workloads import build_workload
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,13 +61,20 @@ def test_a_sign_coded_upload_with_feedback_reproduces_from_its_revealed_state() 
     assert committed_digest(peer.state_digest() or "", feedback.residual) == end_of_first
     store = RevealStore(2)
     store.hold("L2", peer.optimizer, feedback.residual, feedback=True)
-    revealed = store.get("L2")
+    start_part = store.get("L2")
     chunks = inner_state_chunks(peer.optimizer)
-    assert revealed is not None and chunks
-    assert revealed == struct.pack("<Q", len(b"".join(chunks))) + b"".join(chunks) + feedback.residual.numpy().tobytes()
-    _, decoded = feedback.encode_decoded(peer.run(theta + 0.01, 1, 2, 5, 6).pseudo_gradient)
-    assert decoded is not None
-    end = committed_digest(peer.state_digest() or "", feedback.pending)
+    assert start_part is not None and chunks
+    assert start_part == struct.pack("<Q", len(b"".join(chunks))) + b"".join(chunks) + feedback.residual.numpy().tobytes()
+    pseudo_gradient = peer.run(theta + 0.01, 1, 2, 5, 6).pseudo_gradient
+    inner_end = store.hold_end("L2", peer.optimizer)  # as the runner keeps it: the digest from the same bytes
+    assert inner_end == peer.state_digest()
+    _, decoded = feedback.encode_decoded(pseudo_gradient)
+    assert decoded is not None and inner_end is not None
+    end = store.end_residual("L2", inner_end, feedback.pending)
+    assert end == committed_digest(inner_end, feedback.pending)
+    revealed = store.reveal("L2")
+    assert revealed is not None and split_parts(revealed)[0] == start_part
+    assert split_parts(revealed)[1] == pack_reveal(b"".join(inner_state_chunks(peer.optimizer) or []), feedback.pending)
     lease = logic.Lease("L2", "p", 1, 2, 5, 6, 0, 0.0, 1.0, 10.0)
     rerunner = Rerunner(cfg, workload)
     own = peer.compute_class  # the verifier's class: compared bitwise
@@ -75,13 +83,14 @@ def test_a_sign_coded_upload_with_feedback_reproduces_from_its_revealed_state() 
     assert verdict.ok and verdict.bitwise, verdict.detail
     assert rerunner.trainer.state_digest() == FRESH_STATE_DIGEST and rerunner.trainer.reset_state  # clean for the next
     # the residual matters: the same lease re-run from the same inner state without it does not give the upload
-    inner, residual = unpack_reveal(revealed, numel)
+    inner, residual = unpack_reveal(start_part, numel)
     assert residual is not None and torch.equal(residual, feedback.residual)
     assert not compare(rerunner.rerun(lease, theta + 0.01), decoded).ok
     # a residual one bit off its commitment; the inner state alone (the residual withheld)
-    tampered = bytearray(revealed)
+    tampered = bytearray(start_part)
     tampered[-3] ^= 1
-    for bad in (bytes(tampered), pack_reveal(inner, None)):
+    end_part = split_parts(revealed)[1]
+    for bad in (pack_parts(bytes(tampered), end_part), pack_parts(pack_reveal(inner, None), end_part)):
         verdict = rerunner.check_revealed(honest, bad)
         assert not verdict.ok and verdict.detail == "the revealed inner state does not match its commitment"
     # a hidden direction of 0.1 % of the upload's norm; a false end digest
@@ -92,11 +101,16 @@ def test_a_sign_coded_upload_with_feedback_reproduces_from_its_revealed_state() 
     assert not caught.ok and caught.rel_error == pytest.approx(1e-3, rel=1e-3)
     verdict = rerunner.check_revealed(Verify("p", lease, theta + 0.01, decoded, "sampled", "", end_of_first, "a" * 64, own),
                                       revealed)
-    assert not verdict.ok and "end differs" in verdict.detail
+    assert not verdict.ok and verdict.detail == "the revealed end state does not match its commitment"
+    # the end state without the residual its upload left
+    verdict = rerunner.check_revealed(honest, pack_parts(start_part, pack_reveal(unpack_reveal(end_part, numel)[0], None)))
+    assert not verdict.ok and verdict.detail == "the revealed end state does not match its commitment"
     # malformed reveals: a residual of the wrong length, a length field past the data, NaN in the residual
-    for bad, why in ((revealed[:-4], f"leaves {4 * numel - 4} bytes for the residual, which needs 0 or {4 * numel}"),
-                     (struct.pack("<Q", 10**9) + revealed[8:], "leaves"),
-                     (pack_reveal(inner, torch.full((numel,), float("nan"))), "the revealed residual has a NaN or Inf")):
+    for bad, why in ((pack_parts(start_part[:-4], end_part), f"leaves {4 * numel - 4} bytes for the residual, which needs 0 or {4 * numel}"),
+                     (pack_parts(struct.pack("<Q", 10**9) + start_part[8:], end_part), "leaves"),
+                     (struct.pack("<Q", 10**9) + revealed[8:], "runs past"),
+                     (pack_parts(pack_reveal(inner, torch.full((numel,), float("nan"))), end_part),
+                      "the revealed residual has a NaN or Inf")):
         verdict = rerunner.check_revealed(honest, bad)
         assert not verdict.ok and verdict.detail.startswith("the revealed inner state is malformed") and why in verdict.detail
     with pytest.raises(ValueError, match="fewer than its 8-byte length field"):

@@ -36,7 +36,7 @@ from asyncloco.coordinator.rerun import Rerunner
 from asyncloco.coordinator.substitute import Substitutes
 from asyncloco.coordinator.verify import ANCHOR_DIR, live_base, log_events, repair
 from asyncloco.peer.inner import InnerTrainer, inner_state_size
-from asyncloco.peer.reveal import RevealStore, send_reveal
+from asyncloco.peer.reveal import RevealStore, send_reveal, split_parts
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.transport.errors import MessageError, RemoteError
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
@@ -73,13 +73,14 @@ def config(feedback: bool = False) -> RunConfig:
 
 
 class LiarRunner(PeerRunner):
-    """Trains honestly but reveals a start state with one bit of one moment flipped."""
+    """Trains honestly but reveals a state with one bit of one moment flipped: the start state, or the end state of a
+    lease that started fresh (its start part is empty)."""
 
     async def _reveal(self, client: Any, lease_id: str, digest: Any) -> None:
-        state = self.reveals.get(lease_id)
+        state = self.reveals.reveal(lease_id)
         assert state
         tampered = bytearray(state)
-        tampered[20] ^= 1
+        tampered[8 + 20] ^= 1  # past the start part's length field: in the start part, or the end part when it is empty
         # sent as the real client sends it: a reveal refused because the first one already expelled this peer
         # is logged, and the next lease request ends the peer with PeerError
         await send_reveal(client, lease_id, bytes(tampered), digest)
@@ -173,7 +174,8 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     verdicts = [v for v in journal(run_dir, "verdict") if "(peer already expelled)" not in v["detail"]]
     failed = {v["peer"]: v["detail"] for v in verdicts if not v["ok"]}
     assert set(failed) == {LIAR, SILENT}
-    assert failed[LIAR] == "the revealed inner state does not match its commitment"
+    assert failed[LIAR] in ("the revealed inner state does not match its commitment",
+                            "the revealed end state does not match its commitment")
     assert failed[SILENT] == f"the lease's start inner state was not revealed within runtime.verify.reveal_timeout ({REVEAL_TIMEOUT:g} s)"
     # honest peers: every chosen applied lease got a bitwise match; the carried ones were revealed and re-run from it
     honest = [v for v in verdicts if v["peer"] in HONEST]
@@ -187,8 +189,9 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     assert reveals["late"] >= 1 and reveals["refused"] == 1  # the intruder's
     assert reveals["received"] >= 3
     assert out["status"]["verification"]["reveals"]["awaiting"] == 0
-    # the reveal's bound is the exact size of a full inner state (with feedback: its length field and the residual)
-    assert out["state_size"] == out["layout_size"] + (8 + 4 * out["numel"] if feedback else 0)
+    # the reveal's bound is the exact size of two full inner states, the start's and the end's (each with feedback:
+    # its length field and the residual), and the length field of the start part
+    assert out["state_size"] == 8 + 2 * (out["layout_size"] + (8 + 4 * out["numel"] if feedback else 0))
     for store in out["stores"].values():  # the honest peers kept at most reveal_keep (2) start states
         assert store is not None and len(store) <= 2
     if feedback:  # the kept start states carry the residual: length field, full inner state, 4 bytes per parameter
@@ -202,7 +205,9 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
         return Substitutes(Rerunner(cfg, workload), tmp_path / name, out["numel"])
 
     repairs = journal(run_dir, "repaired")
-    assert [r["peer"] for r in repairs] == [v["peer"] for v in verdicts if not v["ok"]] and repairs[-1]["anchor"] == 0
+    # a peer caught with no update applied unchecked (every one of its leases held for its check) needs no repair
+    repaired = [e["peer"] for e in journal(run_dir, "expelled") if e.get("repair", True)]
+    assert repaired and [r["peer"] for r in repairs] == repaired and repairs[-1]["anchor"] == 0
     assert sum(r["substituted"] for r in repairs) > 0  # (a submission not applied live is a no-op Discard)
     anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
     state = out["fresh"]()
@@ -211,7 +216,7 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     # each repair was carried out right before its Repaired record (after the expulsion, once its re-runs were
     # trained): replayed there, without every peer expelled by then, then the log goes on as it was
     marks = [i for i, (e, _) in enumerate(events) if isinstance(e, Repaired)]
-    assert len(marks) == 2 and all(any(isinstance(e, Verified) and not e.ok for e, _ in events[:i]) for i in marks)
+    assert len(marks) == len(repairs) and all(any(isinstance(e, Verified) and not e.ok for e, _ in events[:i]) for i in marks)
     live_then = out["fresh"]()
     live_then.load_state_dict(anchor["coordinator"])
     replayed = live_then
@@ -243,12 +248,13 @@ def test_reveal_wire_and_store() -> None:
     assert Ack.from_wire(ack.to_wire()).reveal is True and "reveal" not in Ack(True, 3, "x").to_wire()
     with pytest.raises(MessageError, match="Ack.reveal"):
         Ack.from_wire({**ack.to_wire(), "reveal": 1})
-    # the store: nothing for a fresh state, the last `keep` start states otherwise, each the exact canonical bytes
+    # the store without end states (as before issue 34): nothing for a fresh state, the last `keep` start states
+    # otherwise, each the exact canonical bytes
     cfg = config()
     trainer = InnerTrainer.from_config(cfg, build_workload(cfg))
-    store = RevealStore(keep=2)
+    store = RevealStore(keep=2, ends=False)
     store.hold("L0", trainer.optimizer)
-    assert len(store) == 0 and store.get("L0") is None
+    assert len(store) == 0 and store.get("L0") is None and store.reveal("L0") is None
     theta = trainer.full_params()
     for index in range(1, 4):
         trainer.run(theta, 0, 0, 2, 0)
@@ -256,7 +262,23 @@ def test_reveal_wire_and_store() -> None:
     size = inner_state_size(trainer.optimizer)
     assert len(store) == 2 and store.get("L1") is None and store.nbytes() == 2 * size
     state = store.get("L3")
-    assert state is not None and len(state) == size
+    assert state is not None and len(state) == size and store.reveal("L3") == state
+    # with end states (the default): a fresh start is kept (empty), each lease's end too, and a start that is the
+    # previous lease's end is held once — (keep + 1) full states in the steady state, at most 2 × keep
+    trainer.reset_inner_state()
+    store = RevealStore(keep=2)
+    for index in range(4):
+        store.hold(f"L{index}", trainer.optimizer)
+        trainer.run(theta, 0, 0, 2, 0)
+        assert store.hold_end(f"L{index}", trainer.optimizer) == trainer.state_digest()
+    assert store.get("L1") is store.get_end("L0") is None and store.get_end("L3") is not None
+    assert store.nbytes() == 3 * size and len(store) == 2
+    fresh = RevealStore(keep=2)
+    fresh.hold("F", InnerTrainer.from_config(cfg, build_workload(cfg)).optimizer)
+    assert fresh.get("F") == b"" and fresh.reveal("F") is None  # no end kept yet
+    revealed = store.reveal("L3")
+    assert revealed is not None and split_parts(revealed) == (store.get("L3"), store.get_end("L3"))
+    assert len(revealed) == 8 + 2 * size
     with pytest.raises(ValueError, match="reveal_keep >= 1"):
         RevealStore(keep=0)
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from asyncloco.peer.inner import InnerTrainer
     from asyncloco.transport.codec_format import EncodedTensor
 
-__all__ = ["Comparison", "compare", "implausible_state", "moment_bound", "Rerunner"]
+__all__ = ["Comparison", "compare", "implausible_state", "moment_bound", "Rerunner", "state_moments", "state_gap"]
 
 
 # ------------------------------------------------------------------------------------------- comparing
@@ -97,6 +97,71 @@ def implausible_state(optimizer: torch.optim.Optimizer) -> Optional[str]:
                 return (f"parameter {index}: {bad} element(s) with |exp_avg| above {bound:.3f} × sqrt(exp_avg_sq), "
                         f"the most AdamW reaches in {int(step)} steps (largest ratio {ratio:.3g})")
     return None
+
+
+# ----------------------------------------------------------------- a revealed end state against the re-run's
+
+# per parameter (in param_groups order): None without state, else (step, exp_avg, exp_avg_sq, β1, β2, eps), fp32 on CPU
+StateMoments = list[Optional[tuple[float, torch.Tensor, torch.Tensor, float, float, float]]]
+
+
+def state_moments(optimizer: torch.optim.Optimizer) -> StateMoments:
+    """A copy of an AdamW state's moments and step counts (what :func:`state_gap` compares)."""
+    moments: StateMoments = []
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                moments.append(None)
+                continue
+            moments.append((float(state["step"]), state["exp_avg"].detach().float().cpu().clone(),
+                            state["exp_avg_sq"].detach().float().cpu().clone(), float(beta1), float(beta2), float(group["eps"])))
+    return moments
+
+
+def _relative(sums: tuple[float, float]) -> float:
+    diff, norm = sums
+    return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def state_gap(rerun: StateMoments, revealed: StateMoments, rerun_residual: Optional[torch.Tensor] = None,
+              revealed_residual: Optional[torch.Tensor] = None, residual_scale: Optional[float] = None
+              ) -> tuple[dict[str, float], Optional[str]]:
+    """How far a revealed inner state is from the re-run's, as relative L2 errors over the whole model (the re-run's
+    norm below): ``m`` (exp_avg), ``v`` (exp_avg_sq), ``u`` — the step AdamW takes from them, m̂ / (√v̂ + eps) with
+    the bias corrections, per element: what a forged state steers (a small moment forged where the second moment is
+    small too moves its coordinates at full step, which m's and v's norms hardly see) — and ``residual`` (error
+    feedback; 0 without), relative to ``residual_scale`` when given (the norm of the upload the residual was cut from:
+    a codec that keeps most of it, int8, leaves a residual so small that a flipped rounding is a large part of it). Also what differs structurally (None: nothing): a parameter with state on one side only,
+    a step count, a residual on one side only. The step counts must be equal exactly."""
+    sums = {key: [0.0, 0.0] for key in ("m", "v", "u", "residual")}
+    if len(rerun) != len(revealed):
+        return {}, f"{len(revealed)} parameters in the revealed state, {len(rerun)} in the re-run's"
+    for index, (ours, theirs) in enumerate(zip(rerun, revealed)):
+        if ours is None or theirs is None:
+            if ours is not theirs:
+                return {}, f"parameter {index} has state on one side only"
+            continue
+        if ours[0] != theirs[0]:
+            return {}, f"parameter {index}: step count {theirs[0]:g}, the re-run's {ours[0]:g}"
+        step, beta1, beta2, eps = ours[0], ours[3], ours[4], ours[5]
+        pairs = {"m": (ours[1].double(), theirs[1].double()), "v": (ours[2].double(), theirs[2].double())}
+        correction1, correction2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+        steps = [(m / correction1) / ((v.clamp_min(0) / correction2).sqrt() + eps) for m, v in zip(pairs["m"], pairs["v"])]
+        pairs["u"] = (steps[0], steps[1])
+        for key, (a, b) in pairs.items():
+            sums[key][0] += float((b - a).square().sum())
+            sums[key][1] += float(a.square().sum())
+    if (rerun_residual is None) != (revealed_residual is None):
+        return {}, "a residual on one side only"
+    if rerun_residual is not None and revealed_residual is not None:
+        a, b = rerun_residual.double(), revealed_residual.double()
+        sums["residual"] = [float((b - a).square().sum()), float(a.square().sum()) if residual_scale is None else residual_scale ** 2]
+    gaps = {key: _relative((diff, norm)) for key, (diff, norm) in sums.items()}
+    if not all(math.isfinite(gap) for gap in gaps.values()):
+        return gaps, "non-finite difference from the re-run's state"
+    return gaps, None
 
 
 # -------------------------------------------------------------------------------------------- re-running
@@ -206,25 +271,52 @@ class Rerunner:
     def check(self, task: Verify) -> Comparison:
         return compare(self.rerun(task.lease, task.base, self._sign_rotation(task)), task.update, *self.bounds(task))
 
-    def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
-        """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start in the
-        canonical layout (peer/inner.py ``inner_state_chunks``; with error feedback followed by the residual,
-        peer/reveal.py ``pack_reveal``). It must hash to the committed ``state_start``; the lease re-run from it must
-        give the submitted pseudo-gradient and end at the committed ``state_end``."""
-        from asyncloco.peer.inner import inner_state_digest, load_inner_state, revealed_digest
-        from asyncloco.peer.reveal import committed_digest, unpack_reveal
+    def state_tolerance(self) -> float:
+        """The bound on a foreign-class peer's revealed end state (:func:`state_gap`): the config's, else the default for
+        the run's ``inner.precision`` (config.py ``CROSS_DEVICE_STATE_TOLERANCE``)."""
+        from asyncloco.config import CROSS_DEVICE_STATE_TOLERANCE
 
-        trainer = self.trainer
-        residual = None
-        if self.cfg.runtime.uses_error_feedback:  # the residual is revealed with the inner state (peer/reveal.py)
-            try:
-                revealed, residual = unpack_reveal(revealed, trainer.numel)
-            except ValueError as error:
-                return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
-        if committed_digest(revealed_digest(revealed), residual) != task.state_start:
-            return Comparison(False, False, math.inf, -1.0, "the revealed inner state does not match its commitment")
+        knob = self.cfg.runtime.verify.cross_device_state_tolerance
+        return CROSS_DEVICE_STATE_TOLERANCE[self.cfg.inner.precision] if knob is None else knob
+
+    def _parts(self, task: Verify, revealed: bytes) -> tuple[Optional[tuple[bytes, Optional[torch.Tensor], bytes,
+                                                                             Optional[torch.Tensor]]], str]:
+        """The revealed start and end states (peer/reveal.py ``pack_parts``), each an inner layout and a residual, once
+        each hashes to its commitment; else None and why."""
+        from asyncloco.peer.inner import revealed_digest
+        from asyncloco.peer.reveal import committed_digest, split_parts, unpack_reveal
+
         try:
-            load_inner_state(trainer.optimizer, revealed)
+            start, end = split_parts(revealed)
+            parts = []
+            for part in (start, end):
+                parts.append(unpack_reveal(part, self.trainer.numel) if self.cfg.runtime.uses_error_feedback else (part, None))
+        except ValueError as error:
+            return None, f"the revealed inner state is malformed: {error}"
+        (start_inner, start_residual), (end_inner, end_residual) = parts
+        if committed_digest(revealed_digest(start_inner), start_residual) != task.state_start:
+            return None, "the revealed inner state does not match its commitment"
+        if committed_digest(revealed_digest(end_inner), end_residual) != task.state_end:
+            return None, "the revealed end state does not match its commitment"
+        return (start_inner, start_residual, end_inner, end_residual), ""
+
+    def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
+        """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start and at its
+        end (peer/reveal.py ``pack_parts``; each in the canonical layout of peer/inner.py ``inner_state_chunks``, with
+        error feedback followed by the residual, ``pack_reveal``). Each must hash to its commitment (``state_start``,
+        ``state_end``); the lease re-run from the start must give the submitted pseudo-gradient, and end at the committed
+        end: bitwise (the digest) for a peer of the verifier's compute class, within :meth:`state_tolerance` of the
+        revealed end (:func:`state_gap`) for another class."""
+        from asyncloco.peer.inner import inner_state_digest, load_inner_state
+        from asyncloco.peer.reveal import committed_digest
+
+        parts, why = self._parts(task, revealed)
+        if parts is None:
+            return Comparison(False, False, math.inf, -1.0, why)
+        start, residual, end_inner, end_residual = parts
+        trainer = self.trainer
+        try:
+            load_inner_state(trainer.optimizer, start)
         except ValueError as error:
             return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is malformed: {error}")
         implausible = implausible_state(trainer.optimizer)
@@ -236,20 +328,54 @@ class Rerunner:
             rerun, left = self._rerun(task.lease, task.base, residual, self._sign_rotation(task))
         finally:
             trainer.reset_state = True
+        own_class = task.device_class == self.compute_class
         inner_end = inner_state_digest(trainer.optimizer)
         end = None if inner_end is None else committed_digest(inner_end, left)
+        ours = None if own_class else state_moments(trainer.optimizer)
         trainer.reset_inner_state()
         comparison = compare(rerun, task.update, *self.bounds(task))
         if not comparison.ok:
             return comparison
-        if task.device_class == self.compute_class:
+        if own_class:
             if end != task.state_end:
                 return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine,
                                   "the re-run's inner state at the lease's end differs from the committed one")
             return comparison
-        # another compute class: the re-run's inner state differs from the peer's in the last bits (even where the
-        # codec made the uploads agree), so its digest cannot be compared; the next lease starts from the committed
-        # end (the chain), unchecked here
+        assert ours is not None
+        # another compute class: the re-run's end state differs from the peer's in the last bits, so its digest cannot
+        # be compared; the revealed end (which hashes to the committed one) must be within the state tolerance of it
+        scale = None if left is None else float((rerun + left).norm())  # the upload the residual was cut from
+        failed = self._end_state_failure(ours, end_inner, left, end_residual, scale)
+        if failed:
+            return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine, failed)
         return Comparison(True, comparison.bitwise, comparison.rel_error, comparison.cosine,
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
-                          f"verifier's {self.compute_class!r}: the end state is not compared)")
+                          f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)")
+
+    def _end_state_failure(self, ours: StateMoments, end_inner: bytes, left: Optional[torch.Tensor],
+                           end_residual: Optional[torch.Tensor], scale: Optional[float]) -> str:
+        """Why a foreign-class peer's revealed end state is not the re-run's within :meth:`state_tolerance` ("": it is)."""
+        from asyncloco.peer.inner import load_inner_state
+
+        trainer = self.trainer
+        try:
+            load_inner_state(trainer.optimizer, end_inner)
+            implausible = implausible_state(trainer.optimizer)
+            theirs = state_moments(trainer.optimizer)
+        except ValueError as error:
+            return f"the revealed end state is malformed: {error}"
+        finally:
+            trainer.reset_inner_state()
+        if implausible is not None:
+            return f"the revealed end state is not one AdamW reaches: {implausible}"
+        gaps, problem = state_gap(ours, theirs, left, end_residual, scale)
+        if problem is not None:
+            return f"the revealed end state differs from the re-run's: {problem}"
+        tolerance = self.state_tolerance()
+        names = {"m": "first moment (exp_avg)", "v": "second moment (exp_avg_sq)", "u": "AdamW step m̂/(√v̂+eps)",
+                 "residual": "error-feedback residual"}
+        over = [f"{names[key]} {gap:.3g}" for key, gap in gaps.items() if gap > tolerance]
+        if over:
+            return (f"the revealed end state differs from the re-run's beyond the state tolerance {tolerance:g} "
+                    f"(relative L2 error): " + ", ".join(over))
+        return ""

@@ -125,7 +125,7 @@ class Verifier:
         self.on_skip = on_skip  # a check that ends without a verdict (its re-run failed)
         self.moot = moot  # a queued check no longer needed (its peer was expelled meanwhile): dropped unrun
         self.clock = clock
-        # (check, when it was offered, the revealed start state: None for a reset-state lease re-run from θ alone)
+        # (check, when it was offered, the revealed start and end states: None for a reset-state lease re-run from θ alone)
         self.queue: "asyncio.Queue[tuple[Verify, float, Optional[bytes]]]" = asyncio.Queue(maxsize=capacity)
         self.stats = VerifyStats()
         self.idle = asyncio.Event()
@@ -197,13 +197,11 @@ def live_base(live: CoordinatorState) -> Callable[[int], Optional[torch.Tensor]]
 
 
 def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
-    """Does the submission of ``lease_id`` that produced ``actions`` need its start inner state revealed (a
-    :class:`Verify` of a carried, committed state that is not the fresh one)? The submit's Ack asks for it."""
-    from asyncloco.coordinator.logic import FRESH_STATE_DIGEST
-
+    """Does the submission of ``lease_id`` that produced ``actions`` need its inner states revealed (a :class:`Verify`
+    of a carried, committed state)? The submit's Ack asks for it. A lease that started fresh too: its end state is
+    revealed with the start (peer/reveal.py ``pack_parts``) and compared with the re-run's (coordinator/rerun.py)."""
     return any(
         isinstance(a, Verify) and a.lease.lease_id == lease_id and bool(a.state_start) and not a.failed
-        and a.state_start != FRESH_STATE_DIGEST
         for a in actions
     )
 
@@ -340,8 +338,8 @@ class DaemonVerification:
         }
 
     def reveal_limit(self, lease_id: str, peer: str) -> int:
-        """The most bytes the reveal of ``lease_id`` may carry (the model's inner-state size, with error feedback plus
-        its residual); raises ValueError naming
+        """The most bytes the reveal of ``lease_id`` may carry (the lease's start and end states: twice the model's
+        inner-state size, with error feedback plus its residual, and a length field); raises ValueError naming
         the problem when no reveal of it by ``peer`` is awaited (checked before any byte of the body is read)."""
         waiting = self.awaiting.get(lease_id)
         if waiting is None or waiting[0].peer != peer:
@@ -353,13 +351,14 @@ class DaemonVerification:
 
             params = list(self.daemon.model.parameters())
             inner = sum(9 + 8 * param.numel() for param in params)
-            # with error feedback the residual comes with it (peer/reveal.py pack_reveal)
+            # with error feedback the residual comes with each state (peer/reveal.py pack_reveal), both states with
+            # their length field (pack_parts)
             self._state_size = revealed_size(inner, sum(param.numel() for param in params),
                                              self.daemon.cfg.runtime.uses_error_feedback)
         return self._state_size
 
     def reveal(self, lease_id: str, state: bytes, peer: str) -> Any:
-        """The peer's revealed start state of ``lease_id``: queued for the re-run (Rerunner.check_revealed judges
+        """The peer's revealed start and end states of ``lease_id``: queued for the re-run (Rerunner.check_revealed judges
         its digest, the re-run and the end digest)."""
         from asyncloco.transport.wire import RevealReply
 
@@ -407,9 +406,8 @@ class DaemonVerification:
         if action.state_start and needs_reveal([action], action.lease.lease_id):
             self._await_reveal(action)
             return
-        # inner_state reset: θ at the base version and the data suffice; a carried state that started fresh: the
-        # verifier knows it
-        if not self.verifier.offer(action, b"" if action.state_start else None):
+        # inner_state reset: θ at the base version and the data suffice
+        if not self.verifier.offer(action, None):
             self._decide_later(self._unverified(action, "the verification queue was full"))
 
     def _decide_later(self, decision: Awaitable[None]) -> None:

@@ -3,15 +3,22 @@
 With ``runtime.verify.enabled`` and ``inner_state: carry`` a peer commits, in each submission, to the digests of its
 inner AdamW state at the lease's start and end (peer/inner.py ``inner_state_digest``). When the coordinator picks
 that lease for verification — after the submission, by an HMAC the peer cannot compute — its :class:`~asyncloco.
-transport.wire.Ack` asks for ``reveal``: the peer sends the start state in its canonical layout (``inner_state_chunks``,
-raw little-endian floats, never pickled) with the ``reveal`` RPC, and the coordinator re-runs the lease from it
-(coordinator/verify.py ``Rerunner.check_revealed``). A lease that is not revealed before ``runtime.verify.
-reveal_timeout`` counts as a failed check.
+transport.wire.Ack` asks for ``reveal``: the peer sends the lease's start *and* end states with the ``reveal`` RPC
+(:func:`pack_parts`: the start part's length as uint64 LE, the start part, the end part; each part in the canonical
+layout of ``inner_state_chunks`` — raw little-endian floats, never pickled — with error feedback followed by the
+residual, :func:`pack_reveal`), and the coordinator re-runs the lease from the start state and compares its own end
+state with the revealed one (coordinator/rerun.py ``Rerunner.check_revealed``): bitwise via the digest for a peer of
+the verifier's compute class, within ``runtime.verify.cross_device_state_tolerance`` for another class (issue 34).
+A lease that started fresh is revealed too (its start part is empty): its end state is what is checked. A lease
+that is not revealed before ``runtime.verify.reveal_timeout`` counts as a failed check.
 
-:class:`RevealStore` keeps the start states of the peer's last ``runtime.verify.reveal_keep`` leases (default 2: the
-lease being trained and the one being submitted). Memory: at most ``reveal_keep × Σ (9 + 8 n)`` bytes over the
-parameter tensors of n elements — two fp32 moments per weight per kept lease (20m: ≈ 0.16 GB per kept lease). A fresh state
-(the first lease, or after a reset) is not kept: its digest is a constant the coordinator re-runs from directly.
+:class:`RevealStore` keeps the start and the end states of the peer's last ``runtime.verify.reveal_keep`` leases
+(default 2: the lease being trained and the one being submitted). Memory: a full state is ``S = Σ (9 + 8 n)`` bytes
+over the parameter tensors of n elements (with feedback plus ``8 + 4 N`` for the residual, N parameters): two fp32
+moments per weight (20m: ≈ 0.16 GB). The store holds at most ``2 × reveal_keep × S``; in the steady state (each
+lease applied, the next starting from its end) a lease's start is the previous lease's end and is kept once, so
+``(reveal_keep + 1) × S`` (20m, default: ≈ 0.48 GB, of which 0.16 GB is the end states this module adds). A reveal
+sends ``8 + 2 S`` bytes (one part empty for a fresh start).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import struct
 import numpy as np
 import torch
 
-from asyncloco.peer.inner import FRESH_STATE_DIGEST, inner_state_chunks
+from asyncloco.peer.inner import FRESH_STATE_DIGEST, inner_state_chunks, inner_state_digest
 
-__all__ = ["RevealStore", "send_reveal", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size"]
+__all__ = ["RevealStore", "send_reveal", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts",
+           "split_parts"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +71,29 @@ def pack_reveal(inner: bytes, residual: Optional[torch.Tensor]) -> bytes:
     return struct.pack("<Q", len(inner)) + inner + (b"" if residual is None else _residual_bytes(residual))
 
 
-def revealed_size(inner_size: int, numel: int, feedback: bool) -> int:
-    """The most bytes a reveal may carry: the full inner state (``inner_size``), with feedback plus 8 + 4·numel."""
-    return inner_size + (8 + 4 * numel if feedback else 0)
+def revealed_size(inner_size: int, numel: int, feedback: bool, ends: bool = True) -> int:
+    """The most bytes a reveal may carry: per part the full inner state (``inner_size``), with feedback plus
+    8 + 4·numel; with ``ends`` (the lease's end state revealed too: :func:`pack_parts`) two parts and their 8-byte
+    length field."""
+    part = inner_size + (8 + 4 * numel if feedback else 0)
+    return 8 + 2 * part if ends else part
+
+
+def pack_parts(start: bytes, end: bytes) -> bytes:
+    """A reveal of a lease's start and end states: the start part's length (uint64 LE), the start part (b"": the
+    fresh state), the end part — each part in the single-state layout (the canonical inner layout, with error feedback
+    :func:`pack_reveal`'s)."""
+    return struct.pack("<Q", len(start)) + start + end
+
+
+def split_parts(data: bytes) -> tuple[bytes, bytes]:
+    """(start part, end part) of :func:`pack_parts`; raises ValueError naming what is malformed."""
+    if len(data) < 8:
+        raise ValueError(f"the reveal has {len(data)} bytes, fewer than its 8-byte length field")
+    (start_length,) = struct.unpack_from("<Q", data, 0)
+    if start_length > len(data) - 8:
+        raise ValueError(f"the reveal's start part of {start_length} bytes runs past its {len(data) - 8} bytes")
+    return bytes(data[8 : 8 + start_length]), bytes(data[8 + start_length :])
 
 
 def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor]]:
@@ -90,52 +118,104 @@ def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor
 
 
 class RevealStore:
-    """Start states of the peer's most recent leases, by lease id, at most ``keep`` of them (oldest dropped first)."""
+    """Start and end states of the peer's most recent leases, by lease id, at most ``keep`` of each (oldest dropped
+    first). ``ends`` (the default): the end states are kept too and a fresh start is kept as b"", so that
+    :meth:`reveal` has both parts of every kept lease; ``ends=False``: start states only, as before issue 34."""
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, keep: int = 2, ends: bool = True) -> None:
         if keep < 1:
             raise ValueError(f"RevealStore keeps at least one lease's state, got keep={keep}; set runtime.verify.reveal_keep >= 1")
         self.keep = keep
+        self.ends = ends
         self._states: "OrderedDict[str, bytes]" = OrderedDict()
+        self._ends: "OrderedDict[str, bytes]" = OrderedDict()
+
+    @staticmethod
+    def _put(kept: "OrderedDict[str, bytes]", lease_id: str, state: bytes, keep: int) -> None:
+        kept[lease_id] = state
+        kept.move_to_end(lease_id)
+        while len(kept) > keep:
+            kept.popitem(last=False)
 
     def hold(self, lease_id: str, optimizer: Any, residual: Optional[torch.Tensor] = None, feedback: bool = False) -> None:
         """Keep ``optimizer``'s state (and, with error feedback on, the residual) as lease ``lease_id`` starts from
-        it — nothing for a fresh state without a residual."""
+        it — without ``ends``, nothing for a fresh state without a residual (with ``ends``: b"")."""
         chunks = inner_state_chunks(optimizer)
-        if chunks is None or (not chunks and residual is None):
+        if chunks is None or (not chunks and residual is None and not self.ends):
             return
         inner = b"".join(chunks)
-        self._states[lease_id] = pack_reveal(inner, residual) if feedback else inner
-        self._states.move_to_end(lease_id)
-        while len(self._states) > self.keep:
-            self._states.popitem(last=False)
+        state = b"" if not chunks and residual is None else (pack_reveal(inner, residual) if feedback else inner)
+        for end in self._ends.values():  # the previous lease's end, where this one starts: kept once
+            if end == state:
+                state = end
+                break
+        self._put(self._states, lease_id, state, self.keep)
+
+    def hold_end(self, lease_id: str, optimizer: Any) -> Optional[str]:
+        """Keep ``optimizer``'s state as lease ``lease_id`` ends (with ``ends``); returns its inner digest (peer/inner.py
+        ``inner_state_digest``, None when it cannot be committed to). With error feedback call :meth:`end_residual`
+        once the upload's residual is known."""
+        if not self.ends:
+            return inner_state_digest(optimizer)
+        chunks = inner_state_chunks(optimizer)
+        if chunks is None:
+            return None
+        self._put(self._ends, lease_id, b"".join(chunks), self.keep)
+        if not chunks:
+            return FRESH_STATE_DIGEST
+        hasher = hashlib.sha256(b"asyncloco inner state v1:")
+        for chunk in chunks:
+            hasher.update(chunk)
+        return hasher.hexdigest()
+
+    def end_residual(self, lease_id: str, inner_digest: str, residual: Optional[torch.Tensor]) -> str:
+        """Error feedback: the end state of ``lease_id`` gets the residual its upload leaves (:func:`pack_reveal`);
+        returns the end's commitment (:func:`committed_digest`)."""
+        inner = self._ends.get(lease_id)
+        if inner is not None:
+            self._ends[lease_id] = pack_reveal(inner, residual)
+        return committed_digest(inner_digest, residual)
 
     def get(self, lease_id: str) -> Optional[bytes]:
-        """The start state of ``lease_id`` (b"" when it is not kept: a fresh start, or dropped)."""
+        """The start state of ``lease_id`` (None when it is not kept: dropped, or without ``ends`` a fresh start)."""
         return self._states.get(lease_id)
+
+    def get_end(self, lease_id: str) -> Optional[bytes]:
+        return self._ends.get(lease_id)
+
+    def reveal(self, lease_id: str) -> Optional[bytes]:
+        """What the ``reveal`` RPC sends for ``lease_id``: with ``ends`` both parts (:func:`pack_parts`), else the start
+        state; None when what it needs is no longer kept."""
+        start = self._states.get(lease_id)
+        if not self.ends:
+            return start
+        end = self._ends.get(lease_id)
+        return None if start is None or end is None else pack_parts(start, end)
 
     def __len__(self) -> int:
         return len(self._states)
 
     def nbytes(self) -> int:
-        return sum(len(state) for state in self._states.values())
+        """Bytes held (a start that is the previous lease's end counted once)."""
+        unique = {id(state): len(state) for state in list(self._states.values()) + list(self._ends.values())}
+        return sum(unique.values())
 
 
 async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest: Optional[str], *,
                       retry_for: float = 0.0, wait: Optional[Callable[[float], Awaitable[None]]] = None,
                       now: Callable[[], float] = time.monotonic, aborted: Callable[[], bool] = lambda: False) -> bool:
-    """Answer the coordinator's ``reveal`` request for ``lease_id``; True when it took the state. A lease whose start
-    was the fresh state needs no reveal (the coordinator knows that state); one whose state was dropped cannot be
-    revealed (the check fails at the deadline: raise ``runtime.verify.reveal_keep``). An upload that fails on the
+    """Answer the coordinator's ``reveal`` request for ``lease_id`` with ``state`` (:meth:`RevealStore.reveal`); True
+    when it took it. Without end states (``state`` None) a lease whose start was the fresh state needs no reveal; one
+    whose state was dropped cannot be revealed (the check fails at the deadline: raise ``runtime.verify.reveal_keep``). An upload that fails on the
     way (a reset, a dropped stream) is sent again with backoff (``wait``) for ``retry_for`` seconds — an honest peer
     whose reveal is lost would fail its check at ``runtime.verify.reveal_timeout``; a refusal is an answer, and so is
     an error the coordinator's handler returns (a restarted coordinator awaits no reveal of an older check)."""
     from asyncloco.transport.errors import RemoteError, TransportError
 
-    if digest == FRESH_STATE_DIGEST:
+    if state is None and digest == FRESH_STATE_DIGEST:
         return True
     if state is None:
-        logger.error("the coordinator asked for lease %s's start state, which this peer no longer keeps "
+        logger.error("the coordinator asked for lease %s's states, which this peer no longer keeps "
                      "(runtime.verify.reveal_keep); the check will fail", lease_id)
         return False
     give_up, delay = now() + retry_for, 0.5
@@ -148,9 +228,9 @@ async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest
             return False
         except TransportError as error:
             if wait is None or now() + delay > give_up or aborted():
-                logger.warning("revealing lease %s's start state failed: %s", lease_id, error)
+                logger.warning("revealing lease %s's states failed: %s", lease_id, error)
                 return False
-            logger.warning("revealing lease %s's start state failed (%s); sending it again in %.1fs", lease_id, error, delay)
+            logger.warning("revealing lease %s's states failed (%s); sending it again in %.1fs", lease_id, error, delay)
             await wait(delay)
             delay = min(2 * delay, 10.0)
     if not reply.accepted:

@@ -452,7 +452,7 @@ class PeerRunner:
             return None
         if self._commits(trainer) and self.feedback.enabled and self._inner_end is not None:
             # with error feedback the lease's end state includes the residual this upload leaves (peer/reveal.py)
-            self._digests = (self._digests[0], committed_digest(self._inner_end, self.feedback.pending))
+            self._digests = (self._digests[0], self.reveals.end_residual(lease.lease_id, self._inner_end, self.feedback.pending))
         if self._stop.is_set():
             logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
         ack = await submit_with_retry(client, lease, encoded, inner_loss=self._inner_loss, digests=self._digests,
@@ -472,7 +472,7 @@ class PeerRunner:
         if self.options.prefetch and not self._stop.is_set():
             # the next lease most likely starts from the newest θ: fetch it while asking for the lease
             self._prefetch = asyncio.ensure_future(client.get_model(None))
-        if ack.reveal:  # chosen for verification after the submission: send the lease's start state
+        if ack.reveal:  # chosen for verification after the submission: send the lease's start and end states
             await self._reveal(client, lease.lease_id, self._digests[0])
         if ack.accepted:
             self.summary.accepted += 1
@@ -516,17 +516,18 @@ class PeerRunner:
                 self.reveals = RevealStore(self._cfg.runtime.verify.reveal_keep)
             self.reveals.hold(lease.lease_id, trainer.optimizer, residual, feedback=feedback)
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
-        self._inner_end = trainer.state_digest() if commit else None
+        # the end state is kept to be revealed with the start (peer/reveal.py), its digest taken from the same bytes
+        self._inner_end = self.reveals.hold_end(lease.lease_id, trainer.optimizer) if commit else None
         self._digests = (state_start, self._inner_end)  # with feedback, _upload adds the residual to the end
         loss = float(result.mean_loss)
         self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
 
     async def _reveal(self, client: Any, lease_id: str, digest: Optional[str]) -> None:
-        """Reveal lease ``lease_id``'s start inner state (peer/reveal.py; issue 16 commitments)."""
+        """Reveal lease ``lease_id``'s start and end inner states (peer/reveal.py; issue 16 commitments)."""
         from asyncloco.peer.reveal import send_reveal
 
-        state = self.reveals.get(lease_id) if self.reveals is not None else None
+        state = self.reveals.reveal(lease_id) if self.reveals is not None else None
         # a lost reveal fails an honest check at reveal_timeout: resend for up to half of it
         retry_for = self._cfg.runtime.verify.reveal_timeout / 2 if self._cfg is not None else 0.0
         await send_reveal(client, lease_id, state, digest, retry_for=retry_for, wait=self._pause,

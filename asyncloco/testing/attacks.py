@@ -16,9 +16,10 @@ import torch
 
 __all__ = [
     "DEFAULT_SCALE", "hidden_direction", "trigger_rows", "poisoned_workload", "tamper", "encode_attack", "flood_frames",
+    "forge_moment",
 ]
 
-DEFAULT_SCALE = {"huge": 1e30, "signflip": 1000.0, "hidden": 2.0, "alie": 1.0, "tailored": 0.06}
+DEFAULT_SCALE = {"huge": 1e30, "signflip": 1000.0, "hidden": 2.0, "alie": 1.0, "tailored": 0.06, "forge-state": 1.0}
 """``--scale`` when none is given (or when several attacks take turns): the factor, z-score or cosine of each."""
 
 
@@ -67,6 +68,28 @@ def poisoned_workload(workload: Any, trigger: torch.Tensor) -> Any:
 
 def _unit(vector: torch.Tensor) -> torch.Tensor:
     return vector / torch.linalg.vector_norm(vector).clamp_min(1e-12)
+
+
+def forge_moment(optimizer: torch.optim.Optimizer, direction: torch.Tensor, share: float) -> None:
+    """The ``forge-state`` attack (issue 34): the carried AdamW first moment pushed along the unit ``direction`` (one
+    value per parameter element, in ``param_groups`` order) by ``share`` × its norm before the lease's end is
+    committed, each element kept inside the plausibility bound the verifier checks (coordinator/rerun.py
+    ``implausible_state``: |m| ≤ 0.99 × moment_bound × √v). The next lease then steers θ along it from a state that
+    re-runs exactly; only a comparison of the lease's end state with the re-run's sees the forgery."""
+    from asyncloco.coordinator.rerun import moment_bound
+
+    states = [(group, optimizer.state.get(p), p.numel()) for group in optimizer.param_groups for p in group["params"]]
+    norm = sum(float(s["exp_avg"].double().square().sum()) for _, s, _ in states if s) ** 0.5
+    offset = 0
+    with torch.no_grad():
+        for group, state, count in states:
+            if state:
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                beta1, beta2 = group["betas"]
+                bound = 0.99 * moment_bound(beta1, beta2, float(state["step"])) * v.sqrt()
+                forged = m + share * norm * direction[offset : offset + count].view_as(m).to(m.device, m.dtype)
+                m.copy_(torch.maximum(torch.minimum(forged, bound), -bound))
+            offset += count
 
 
 def tamper(

@@ -30,13 +30,14 @@ codec and (where the attack says so) the norm of an honest update:
 | ``tailored``     | cosine ``--scale`` (0.06: just above the gate's bar) with the consensus its θ downloads show, the |
 |                  | rest along the hidden direction, at its honest norm |
 | ``freeride``     | no training after its first lease: echoes the newest θ difference it saw, at its first honest norm |
+| ``forge-state``  | honest updates; its carried first moment pushed along the hidden direction (``--scale`` × its norm, inside the plausibility bound) before each end is committed |
 
 ``alie``, ``tailored``, ``freeride``: honest work until two θ downloads (arithmetic: asyncloco/testing/attacks.py).
 
 In a run that verifies carried inner state (``runtime.verify``, on by default) a submission without commitments is
 refused at the door, so the update attackers commit as an honest peer does — to the state they really trained from —
-and reveal a start state when the Ack asks: what stops them is the re-run itself. ``--device-class`` names another
-compute class than its own (the verifier then allows the cross-device tolerance instead of bitwise equality).
+and reveal their start and end states when the Ack asks: what stops them is the re-run itself. ``--device-class``
+names another compute class than its own (the verifier then allows the cross-device tolerances, not bitwise equality).
 
 A comma-separated list of update attacks runs one per round, in turn. ``--token`` (and
 ``--identity``) make it an admitted insider in ``runtime.admission: token`` runs. The
@@ -61,7 +62,7 @@ import torch
 
 from asyncloco.refusals import FATAL
 from asyncloco.testing.attacks import (
-    DEFAULT_SCALE, encode_attack, flood_frames, hidden_direction, poisoned_workload, tamper, trigger_rows,
+    DEFAULT_SCALE, encode_attack, flood_frames, forge_moment, hidden_direction, poisoned_workload, tamper, trigger_rows,
 )
 
 __all__ = ["ATTACKS", "Hostile", "HostileOptions", "main", "hidden_direction", "trigger_rows"]
@@ -70,10 +71,10 @@ logger = logging.getLogger(__name__)
 
 ATTACKS = (
     "honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
-    "ghost", "ghost-forge", "flood", "probe", "hidden", "poison", "alie", "tailored", "freeride",
+    "ghost", "ghost-forge", "flood", "probe", "hidden", "poison", "alie", "tailored", "freeride", "forge-state",
 )
 UPDATE_ATTACKS = ("honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
-                  "hidden", "poison", "alie", "tailored", "freeride")
+                  "hidden", "poison", "alie", "tailored", "freeride", "forge-state")
 SUBMIT_ATTEMPTS = 4  # sends of one submission (a resend only after a failure without a refusal code)
 HISTORY = 6  # θ versions an estimating attacker (alie, tailored, freeride) keeps
 
@@ -340,10 +341,8 @@ class Hostile:
         return lease, theta
 
     async def _work(self, run: _Run, lease: Any, theta: torch.Tensor, attack: str) -> torch.Tensor:
-        """The lease's honest pseudo-gradient (zeros for a free-rider past its first lease), with the inner-state
-        commitments of this round when the run asks for them."""
-        self.digests = (None, None)
-        start_digest = None
+        """The lease's honest pseudo-gradient (zeros for a free-rider past its first lease), and this round's commitments."""
+        self.digests, start_digest = (None, None), None
         if run.reveals is not None:
             run.reveals.hold(lease.lease_id, run.trainer.optimizer)
             start_digest = run.trainer.state_digest()
@@ -357,7 +356,9 @@ class Hostile:
             if attack == "freeride" and self.first_norm is None:
                 self.first_norm = float(torch.linalg.vector_norm(honest))
         if run.reveals is not None:
-            self.digests = (start_digest, run.trainer.state_digest())
+            if attack == "forge-state":  # before its end is committed (and kept to be revealed as it is)
+                forge_moment(run.trainer.optimizer, self._hidden(theta.numel()), self.o.scale or DEFAULT_SCALE[attack])
+            self.digests = (start_digest, run.reveals.hold_end(lease.lease_id, run.trainer.optimizer))
         return honest
 
     async def _send(self, run: _Run, lease: Any, honest: torch.Tensor, attack: str) -> None:
@@ -386,7 +387,7 @@ class Hostile:
             if run.reveals is not None and not (ack is not None and ack.accepted):
                 run.trainer.reset_inner_state()  # only applied leases advance the commitment chain
             if run.reveals is not None and ack is not None and ack.reveal:
-                revealed = await send_reveal(client, lease_id, run.reveals.get(lease_id), self.digests[0])
+                revealed = await send_reveal(client, lease_id, run.reveals.reveal(lease_id), self.digests[0])
                 self._note("reveal", revealed, lease_id=lease_id)
         if attack == "replay":
             # its own first applied lease again; without one (its own work was refused), another peer's
@@ -568,8 +569,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--direction-seed", type=int, default=1234, help="hidden/tailored: seed of the hidden direction")
     parser.add_argument("--trigger-seed", type=int, default=4321, help="poison: seed of the trigger sequence")
-    parser.add_argument("--device-class", help="compute class named in submissions (default: its own; another gets "
-                        "the cross-device tolerance)")
+    parser.add_argument("--device-class", help="compute class named in submissions (default: its own)")
     return parser
 
 

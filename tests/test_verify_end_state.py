@@ -1,0 +1,227 @@
+"""The carried inner state is checked across compute classes too (issue 34; peer/reveal.py, coordinator/rerun.py).
+
+A checked lease reveals its start *and* end states (``pack_parts``); the end must hash to the committed ``state_end``,
+and the re-run's end state is compared with it: bitwise (the digest) for a peer naming the verifier's compute class,
+within ``runtime.verify.cross_device_state_tolerance`` (relative L2 errors of m, v, the AdamW step and the residual;
+step counts exactly) for a peer naming another class.
+
+* an honest lease from a carried state, its end a few last bits off the re-run's (as another CPU's kernels leave it),
+  passes under a foreign class and fails under the verifier's own (bitwise there);
+* a forger that trains honestly but pushes its carried first moment along its own direction before committing the end
+  (``testing/attacks.py forge_moment``, inside the plausibility bound the verifier checks) fails under a foreign class,
+  naming the part and how far, and under its own; one that stays inside the tolerance passes a foreign-class check
+  (what a peer can still hide);
+* a lease that started fresh is revealed too (empty start part) and its end checked;
+* a revealed end one bit off its commitment fails; malformed reveals are refused; a step count set off fails;
+* the reveal's size bound: two full states with their length field, refused above it before the body is read.
+"""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from asyncloco.config import CROSS_DEVICE_STATE_TOLERANCE, RunConfig
+from asyncloco.coordinator import logic
+from asyncloco.coordinator.logic import Verify
+from asyncloco.coordinator.rerun import Rerunner, implausible_state, state_gap, state_moments
+from asyncloco.peer.inner import FRESH_STATE_DIGEST, InnerTrainer, inner_state_chunks, load_inner_state, revealed_digest
+from asyncloco.peer.reveal import pack_parts, revealed_size, split_parts
+from asyncloco.testing.attacks import forge_moment, hidden_direction
+from asyncloco.workloads import build_workload
+
+pytestmark = pytest.mark.timeout(120)
+
+FOREIGN = "cuda/NVIDIA H100 80GB HBM3 cuda 13.0/torch 2.11.0+cu130"
+
+
+def config(**verify: Any) -> RunConfig:
+    return RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 16, "hidden": 8, "points": 1024, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "inner": {"lr": 1e-2, "weight_decay": 0.1, "grad_clip": 1.0},
+        "schedule": {"max_local_steps": 6},
+        "runtime": {"verify": {"enabled": True, "inner_state": "carry", **verify}},
+    })
+
+
+def layout(trainer: InnerTrainer) -> bytes:
+    return b"".join(inner_state_chunks(trainer.optimizer) or [])
+
+
+class Lease:
+    """One peer's lease from a carried (or fresh) state: what it submits, its start and its end as it commits them."""
+
+    def __init__(self, cfg: RunConfig, carried: bool = True, tamper_end: Optional[Any] = None) -> None:
+        workload = build_workload(cfg)
+        peer = InnerTrainer.from_config(cfg, workload)
+        self.theta = peer.full_params()
+        if carried:
+            peer.run(self.theta, 0, 0, 6, 0)  # an earlier lease: this one starts from a carried state
+        self.start = layout(peer)
+        self.lease = logic.Lease("L1", "p", 1, 5, 6, 3, 0, 0.0, 1.0, 10.0)
+        self.update = peer.run(self.theta, 1, 5, 6, 3).pseudo_gradient
+        if tamper_end is not None:  # what the peer does to its state before committing the end
+            tamper_end(peer)
+        self.end = layout(peer)
+        self.peer = peer
+        self.workload = workload
+
+    def task(self, device_class: str, end: Optional[bytes] = None) -> Verify:
+        return Verify("p", self.lease, self.theta, self.update, "sampled", "", revealed_digest(self.start),
+                      revealed_digest(self.end if end is None else end), device_class)
+
+    def revealed(self, end: Optional[bytes] = None) -> bytes:
+        return pack_parts(self.start, self.end if end is None else end)
+
+
+def nudge(relative: float, seed: int = 0) -> Any:
+    """A peer-side change of the end state's moments by ``relative`` × their norm in a random direction (last-bit noise
+    of other kernels for a small ``relative``)."""
+    def tamper(peer: InnerTrainer) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for state in peer.optimizer.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    noise = torch.randn(state[key].shape, generator=generator)
+                    state[key].mul_(1.0 + relative * noise)
+    return tamper
+
+
+def forge(share: float) -> Any:
+    """The forge-state attack: the first moment pushed along a fixed direction by ``share`` × its norm."""
+    def tamper(peer: InnerTrainer) -> None:
+        forge_moment(peer.optimizer, hidden_direction(peer.numel, 1234), share)
+        assert implausible_state(peer.optimizer) is None  # inside the bound the verifier checks: not caught by it
+    return tamper
+
+
+def test_an_honest_foreign_class_lease_passes_within_the_state_tolerance() -> None:
+    cfg = config()
+    honest = Lease(cfg, tamper_end=nudge(1e-6))
+    rerunner = Rerunner(cfg, honest.workload)
+    own = rerunner.compute_class
+    assert rerunner.state_tolerance() == CROSS_DEVICE_STATE_TOLERANCE["fp32"]
+    verdict = rerunner.check_revealed(honest.task(FOREIGN), honest.revealed())
+    assert verdict.ok and verdict.bitwise and "its end state within" in verdict.detail, verdict.detail
+    # the same last bits from a peer naming the verifier's own class: bitwise there, so the end differs
+    verdict = rerunner.check_revealed(honest.task(own), honest.revealed())
+    assert not verdict.ok and "end differs from the committed one" in verdict.detail
+    # without any change the end is the re-run's, bitwise, in either class
+    exact = Lease(cfg)
+    for device_class in (own, FOREIGN, ""):
+        verdict = rerunner.check_revealed(exact.task(device_class), exact.revealed())
+        assert verdict.ok and verdict.bitwise, verdict.detail
+    assert rerunner.trainer.state_digest() == FRESH_STATE_DIGEST and rerunner.trainer.reset_state
+
+
+def test_a_forged_first_moment_fails_in_a_foreign_class_and_in_its_own() -> None:
+    cfg = config()
+    forger = Lease(cfg, tamper_end=forge(0.2))
+    rerunner = Rerunner(cfg, forger.workload)
+    verdict = rerunner.check_revealed(forger.task(FOREIGN), forger.revealed())
+    assert not verdict.ok and verdict.bitwise, verdict.detail  # the update itself is honest: equal to the re-run
+    assert "beyond the state tolerance 0.01" in verdict.detail and "first moment (exp_avg)" in verdict.detail
+    assert "second moment" not in verdict.detail  # only m was forged
+    verdict = rerunner.check_revealed(forger.task(rerunner.compute_class), forger.revealed())
+    assert not verdict.ok and "end differs from the committed one" in verdict.detail
+    # what a peer can still hide: a forgery inside the tolerance passes a foreign-class check (never its own class's)
+    small = Lease(cfg, tamper_end=forge(0.2 * CROSS_DEVICE_STATE_TOLERANCE["fp32"]))
+    assert rerunner.check_revealed(small.task(FOREIGN), small.revealed()).ok
+    assert not rerunner.check_revealed(small.task(rerunner.compute_class), small.revealed()).ok
+    # a tighter bound from the organiser catches it; 0 allows only the bitwise end
+    for tolerance in (1e-4, 0.0):
+        strict = Rerunner(config(cross_device_state_tolerance=tolerance), small.workload)
+        verdict = strict.check_revealed(small.task(FOREIGN), small.revealed())
+        assert not verdict.ok and f"state tolerance {tolerance:g}" in verdict.detail, verdict.detail
+
+
+def test_a_fresh_start_is_revealed_and_its_end_checked() -> None:
+    cfg = config()
+    fresh = Lease(cfg, carried=False)
+    assert fresh.start == b"" and revealed_digest(b"") == FRESH_STATE_DIGEST
+    rerunner = Rerunner(cfg, fresh.workload)
+    for device_class in (rerunner.compute_class, FOREIGN):
+        verdict = rerunner.check_revealed(fresh.task(device_class), fresh.revealed())
+        assert verdict.ok and verdict.bitwise, verdict.detail
+    forged = Lease(cfg, carried=False, tamper_end=forge(0.2))
+    verdict = rerunner.check_revealed(forged.task(FOREIGN), forged.revealed())
+    assert not verdict.ok and "first moment (exp_avg)" in verdict.detail
+
+
+def test_an_end_off_its_commitment_or_malformed_fails() -> None:
+    cfg = config()
+    honest = Lease(cfg)
+    rerunner = Rerunner(cfg, honest.workload)
+    task = honest.task(FOREIGN)
+    tampered = bytearray(honest.end)
+    tampered[20] ^= 1  # one bit of the first parameter's exp_avg
+    for device_class in (FOREIGN, rerunner.compute_class):
+        verdict = rerunner.check_revealed(honest.task(device_class), honest.revealed(bytes(tampered)))
+        assert not verdict.ok and verdict.detail == "the revealed end state does not match its commitment"
+    # the start part alone (the layout before issue 34), a length field past the data, a truncated end
+    for bad, why in ((honest.start, "the revealed inner state is malformed"),
+                     (struct.pack("<Q", 10**9) + honest.revealed()[8:], "runs past"),
+                     (b"\x00" * 7, "fewer than its 8-byte length field")):
+        verdict = rerunner.check_revealed(task, bad)
+        assert not verdict.ok and why in verdict.detail, verdict.detail
+    # an end committed and revealed consistently but with a step count set off: no honest re-run reaches it
+    peer = honest.peer
+    for state in peer.optimizer.state.values():
+        state["step"] = state["step"] + 1
+    off = layout(peer)
+    verdict = rerunner.check_revealed(honest.task(FOREIGN, off), honest.revealed(off))
+    assert not verdict.ok and "step count" in verdict.detail, verdict.detail
+    load_inner_state(peer.optimizer, honest.end)
+    assert rerunner.trainer.state_digest() == FRESH_STATE_DIGEST
+
+
+def test_state_gap_measures_each_part() -> None:
+    cfg = config()
+    honest = Lease(cfg)
+    ours = state_moments(honest.peer.optimizer)
+    gaps, problem = state_gap(ours, ours)
+    assert problem is None and gaps == {"m": 0.0, "v": 0.0, "u": 0.0, "residual": 0.0}
+    theirs = [None if entry is None else (entry[0], entry[1] * 1.01, *entry[2:]) for entry in ours]
+    gaps, problem = state_gap(ours, theirs)  # type: ignore[arg-type]
+    assert problem is None and gaps["m"] == pytest.approx(0.01, rel=1e-4) and gaps["v"] == 0.0
+    assert gaps["u"] == pytest.approx(0.01, rel=1e-3)
+    residual = torch.ones(10)
+    gaps, _ = state_gap(ours, ours, residual, residual * 1.5)
+    assert gaps["residual"] == pytest.approx(0.5)
+    gaps, _ = state_gap(ours, ours, residual, residual * 1.5, residual_scale=50 * float(residual.norm()))
+    assert gaps["residual"] == pytest.approx(0.01)
+    assert state_gap(ours, ours, residual, None)[1] == "a residual on one side only"
+    assert state_gap(ours, ours[:-1])[1] is not None
+
+
+def test_the_reveal_bound_is_two_states_and_refused_before_reading() -> None:
+    from asyncloco.coordinator.verify import DaemonVerification
+
+    cfg = config()
+    honest = Lease(cfg)
+    params = list(honest.peer.model.parameters())
+    inner = sum(9 + 8 * p.numel() for p in params)
+    numel = sum(p.numel() for p in params)
+    assert revealed_size(inner, numel, False) == 8 + 2 * inner == 8 + 2 * len(honest.end)
+    assert revealed_size(inner, numel, True) == 8 + 2 * (inner + 8 + 4 * numel)
+    assert revealed_size(inner, numel, True, ends=False) == inner + 8 + 4 * numel
+    assert len(honest.revealed()) <= revealed_size(inner, numel, False)
+    # the coordinator's side: the bound is known before any body byte, and an oversize reveal is refused at it
+    desk: Any = DaemonVerification.__new__(DaemonVerification)
+    check = honest.task(FOREIGN)
+    desk.awaiting = {"L1": (check, 0.0, None)}
+    desk.reveals = {"refused": 0}
+    desk._state_size = None
+    desk.daemon = SimpleNamespace(model=honest.peer.model, cfg=cfg)
+    limit = desk.reveal_limit("L1", "p")
+    assert limit == revealed_size(inner, numel, False)
+    with pytest.raises(ValueError, match="exceeds"):
+        desk.reveal("L1", b"\x00" * (limit + 1), "p")
+    assert "L1" in desk.awaiting  # still awaited: nothing was taken
+    with pytest.raises(ValueError, match="no reveal of lease"):
+        desk.reveal_limit("L1", "someone else")
+    assert split_parts(honest.revealed()) == (honest.start, honest.end)
