@@ -244,6 +244,17 @@ def test_a_damaged_shard_file_is_refused_by_name(tmp_path, corpus_dir) -> None:
         build_workload(wrong)
 
 
+def test_shards_come_from_a_url_as_from_a_directory(tmp_path, corpus_dir) -> None:
+    from_dir = build_workload(run_config(corpus_dir, tmp_path / "a"))
+    from_url = build_workload(run_config(corpus_dir, tmp_path / "b", shards_from=corpus_dir.as_uri()))
+    assert torch.equal(from_url.batch(2, 7), from_dir.batch(2, 7))
+    missing = build_workload(run_config(corpus_dir, tmp_path / "c", shards_from=corpus_dir.as_uri()))
+    assert isinstance(missing.corpus, PreparedCorpus)
+    missing.corpus.shards_from = (tmp_path / "nowhere").as_uri()
+    with pytest.raises(ValueError, match="cannot download .*nowhere/train-.*check task.shards_from"):
+        missing.batch(2, 7)
+
+
 def test_prepared_config_rules() -> None:
     with pytest.raises(ValueError, match="needs task.manifest_digest"):
         LMTaskConfig(source="prepared", shards_from="/data")

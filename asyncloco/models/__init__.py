@@ -6,6 +6,7 @@
 * ``tokenizer`` — the project byte-level BPE (``asyncloco/data/tokenizer``) and ``load_tokenizer``;
 * ``corpus``    — the embedded public-domain English corpus;
 * ``data``      — streaming through ``datasets``, packing, cache, held-out split, shards;
+* ``prepared``  — prepared corpora: ``asyncloco data prepare``'s shard files + manifest, verified memory-mapped reads;
 * ``lm``        — ``LMWorkload`` / ``build_lm_workload``;
 * ``export``    — a trained model as a ``from_pretrained`` directory with its tokenizer.
 
