@@ -71,7 +71,7 @@ def bench_prepare(work: Path, megabytes: float, workers: list[int]) -> list[dict
         manifest = prepare_source(out, source="json", path=str(source), tokenizer="embedded-32k", seq_len=256,
                                   workers=n, progress=False, held_out_rows=64)
         seconds = time.perf_counter() - started
-        tokens = manifest["train_tokens"] + manifest["held_out"]["rows"] * manifest["row_tokens"]
+        tokens = (manifest["train_rows"] + manifest["held_out"]["rows"]) * manifest["row_tokens"]  # all tokenized
         results.append({"workers": n, "docs": docs, "tokens": tokens, "seconds": seconds,
                         "tokens_per_s": tokens / seconds, "tokens_per_s_per_core": tokens / seconds / n})
     return results
@@ -92,7 +92,7 @@ def make_synthetic_corpus(out: Path, tokens: float, seq_len: int, shard_mb: floa
     held = rng.integers(0, len(tokenizer), size=(held_out, row_len), dtype=np.uint16).tobytes()
     (out / "heldout.bin").write_bytes(held)
     sha = hashlib.sha256(block).hexdigest()
-    n_files = max(1, int(round(tokens / (rows_per_file * row_len))))
+    n_files = max(1, int(round(tokens / (rows_per_file * seq_len))))
     shards = []
     for index in range(n_files):
         name = f"train-{index:05d}.bin"
@@ -105,7 +105,7 @@ def make_synthetic_corpus(out: Path, tokens: float, seq_len: int, shard_mb: floa
                       "eos_token_id": tokenizer.eos_token_id},
         "source": {"source": "synthetic", "seed": 0}, "seq_len": seq_len, "row_tokens": row_len, "dtype": "uint16",
         "rows_per_shard": rows_per_file, "held_out_rule": {"rows": held_out, "every": 1}, "max_train_rows": None,
-        "train_rows": n_files * rows_per_file, "train_tokens": n_files * rows_per_file * row_len, "shards": shards,
+        "train_rows": n_files * rows_per_file, "train_tokens": n_files * rows_per_file * seq_len, "shards": shards,
         "held_out": {"file": "heldout.bin", "rows": held_out, "bytes": len(held), "sha256": hashlib.sha256(held).hexdigest()},
     }
     (out / "manifest.json").write_bytes(canonical_json(manifest))

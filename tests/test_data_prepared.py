@@ -238,6 +238,8 @@ def test_a_damaged_shard_file_is_refused_by_name(tmp_path, corpus_dir) -> None:
     cached = tmp_path / "cache2" / "prepared" / good.corpus.digest / name  # type: ignore[union-attr]
     cached.write_bytes(bytes(damaged))
     assert torch.equal(build_workload(run_config(corpus_dir, tmp_path / "cache2")).batch(0, 0), expected)
+    (cached.parent / MANIFEST_NAME).write_text("{}")  # and so is a damaged cached manifest
+    assert torch.equal(build_workload(run_config(corpus_dir, tmp_path / "cache2")).batch(0, 0), expected)
     # a manifest that is not the one the run names
     wrong = run_config(corpus_dir, tmp_path / "cache3", manifest_digest="0" * 64)
     with pytest.raises(CorruptShard, match="not task.manifest_digest"):

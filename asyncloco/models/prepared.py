@@ -316,7 +316,7 @@ class _Packer:
         manifest = dict(self.params)
         manifest.update({
             "train_rows": self.train_done,
-            "train_tokens": self.train_done * self.row_len,
+            "train_tokens": self.train_done * (self.row_len - 1),  # tokens trained on: rows x seq_len
             "shards": self.shards,
             "held_out": {"file": HELDOUT_NAME if self.held else None, "rows": len(self.held),
                          "bytes": len(held_bytes), "sha256": hashlib.sha256(held_bytes).hexdigest()},
@@ -458,16 +458,21 @@ class PreparedCorpus:
         """The corpus named by ``digest``, its manifest fetched from ``shards_from`` unless cached."""
         root = Path(cache_dir).expanduser() / "prepared" / digest
         cached = root / MANIFEST_NAME
-        if not cached.is_file():
-            _fetch(shards_from, MANIFEST_NAME, cached)
-        manifest = json.loads(cached.read_bytes())
-        found = manifest_digest(manifest)
-        if found != digest:
+        found = ""
+        for _ in range(2):  # a damaged cached copy is fetched again once
+            if not cached.is_file():
+                _fetch(shards_from, MANIFEST_NAME, cached)
+            try:
+                manifest = json.loads(cached.read_bytes())
+                found = manifest_digest(manifest)
+            except ValueError:
+                found = "(not JSON)"
+            if found == digest:
+                return cls(manifest, root, shards_from)
             cached.unlink()
-            raise CorruptShard(f"the {MANIFEST_NAME} at {shards_from} has digest {found}, not task.manifest_digest "
-                               f"{digest}: task.shards_from holds another prepared corpus; point it at the one the "
-                               "run names, or set task.manifest_digest to the digest `asyncloco data prepare` printed")
-        return cls(manifest, root, shards_from)
+        raise CorruptShard(f"the {MANIFEST_NAME} at {shards_from} has digest {found}, not task.manifest_digest "
+                           f"{digest}: task.shards_from holds another prepared corpus; point it at the one the "
+                           "run names, or set task.manifest_digest to the digest `asyncloco data prepare` printed")
 
     @property
     def train_rows(self) -> int:
