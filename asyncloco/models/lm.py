@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 def causal_lm_loss(model: nn.Module, rows: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross-entropy of ``rows`` ``[B, T+1]``: inputs ``rows[:, :-1]``, targets ``rows[:, 1:]``."""
     device = next(model.parameters()).device
-    rows = rows.to(device=device, dtype=torch.long)
+    rows = rows.to(dtype=torch.long).to(device)  # widen first: memory-mapped rows are uint16 (models/prepared.py)
     logits = model(input_ids=rows[:, :-1]).logits  # [B, T, V]
     return F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(), reduction=reduction)
 
