@@ -257,6 +257,22 @@ def test_shards_come_from_a_url_as_from_a_directory(tmp_path, corpus_dir) -> Non
         missing.batch(2, 7)
 
 
+def test_a_hub_dataset_repo_of_shards_is_its_resolve_url_and_offline_names_the_fix(tmp_path, monkeypatch,
+                                                                                   corpus_dir) -> None:
+    from asyncloco.models.hub import HubUnreachable
+    from asyncloco.models.prepared import hub_url, token_dtype
+
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example")
+    assert hub_url("hf://datasets/me/fineweb-20m") == "https://hub.example/datasets/me/fineweb-20m/resolve/main"
+    assert hub_url("hf://datasets/me/c4/prepared/20m") == "https://hub.example/datasets/me/c4/resolve/main/prepared/20m"
+    with pytest.raises(ValueError, match="hf://datasets/<owner>/<repo>"):
+        hub_url("hf://me/c4")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnreachable, match="HF_HUB_OFFLINE=1 forbids.*--repo-type dataset me/fineweb-20m"):
+        build_workload(run_config(corpus_dir, tmp_path / "c", shards_from="hf://datasets/me/fineweb-20m"))
+    assert (token_dtype(32_000), token_dtype(65_536), token_dtype(100_277)) == ("uint16", "uint16", "uint32")
+
+
 def test_prepared_config_rules() -> None:
     with pytest.raises(ValueError, match="needs task.manifest_digest"):
         LMTaskConfig(source="prepared", shards_from="/data")

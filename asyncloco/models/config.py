@@ -10,8 +10,8 @@ Data sources, one code path (``datasets.load_dataset(..., streaming=True)``) for
   with ``name: en``, or ``path: HuggingFaceFW/fineweb`` with ``name: sample-10BT``. Needs
   ``max_train_sequences`` (the stream is read only that far).
 * ``prepared``: a corpus made ahead of time by ``asyncloco data prepare`` (docs/data-prepare.md), named by
-  ``manifest_digest``; ``shards_from`` is the directory or http(s) URL that holds its ``manifest.json``
-  and shard files. Each process fetches only the shard files its batches touch into ``cache_dir``,
+  ``manifest_digest``; ``shards_from`` is the directory, http(s) URL or hub dataset repo
+  (``hf://datasets/<owner>/<repo>[/<folder>]``) that holds its ``manifest.json`` and shard files. Each process fetches only the shard files its batches touch into ``cache_dir``,
   checks them against the manifest's sha256 and memory-maps them; evaluation reads the manifest's
   held-out rows (the first ``val_sequences``). See :mod:`asyncloco.models.prepared`.
 
@@ -55,8 +55,8 @@ class LMTaskConfig(StrictModel):
     cache_dir: str | None = Field(None, description="packed-token cache; default ~/.cache/asyncloco (XDG)")
     manifest_digest: str | None = Field(None, description="source prepared: the corpus's manifest digest (sha256 hex), "
                                         "as `asyncloco data prepare` printed it")
-    shards_from: str | None = Field(None, description="source prepared: directory or http(s) URL holding the "
-                                    "prepared corpus's manifest.json and shard files")
+    shards_from: str | None = Field(None, description="source prepared: directory, http(s) URL or hub dataset repo "
+                                    "(hf://datasets/<owner>/<repo>[/<folder>]) holding its manifest.json and shard files")
 
     @model_validator(mode="after")
     def _check(self) -> "LMTaskConfig":

@@ -51,6 +51,7 @@ __all__ = [
     "CorruptShard",
     "PreparedCorpus",
     "canonical_json",
+    "hub_url",
     "manifest_digest",
     "prepare_corpus",
     "rows_for_size",
@@ -410,10 +411,35 @@ def _is_url(where: str) -> bool:
     return where.startswith(("http://", "https://", "file://"))
 
 
+def hub_url(source: str) -> str:
+    """``hf://datasets/<owner>/<repo>[/<folder>]`` (prepared files in a hub dataset repo) as the URL of its files."""
+    from asyncloco.models.hub import hub_endpoint
+
+    parts = source[len("hf://"):].strip("/").split("/")
+    if len(parts) < 3 or parts[0] != "datasets":
+        raise ValueError(f"task.shards_from {source!r}: write a hub dataset repo as hf://datasets/<owner>/<repo>[/<folder>]")
+    folder = "/".join(parts[3:])
+    return f"{hub_endpoint()}/datasets/{parts[1]}/{parts[2]}/resolve/main" + (f"/{folder}" if folder else "")
+
+
 def _fetch(source: str, name: str, dest: Path) -> None:
-    """Copy ``name`` from a directory or URL ``source`` to ``dest`` (atomically)."""
+    """Copy ``name`` from a directory, an http(s)/file URL or a hub dataset repo (``hf://datasets/...``) to ``dest``
+    (atomically)."""
     partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if source.startswith("hf://"):
+        from asyncloco.models.hub import HubUnreachable, hub_offline, require_hub
+
+        url = hub_url(source)
+        try:
+            require_hub(source, "dataset")  # offline: one line naming the fix instead of a minute of retries
+        except HubUnreachable:
+            repo = "/".join(source[len("hf://"):].strip("/").split("/")[1:3])
+            why = "HF_HUB_OFFLINE=1 forbids reaching" if hub_offline() else "cannot be reached from here"
+            raise HubUnreachable(f"the prepared corpus {source} is on the hub, which {why}; download it where the hub "
+                                 f"is reachable (huggingface-cli download --repo-type dataset {repo} --local-dir DIR) "
+                                 "and set task.shards_from to the folder of DIR that holds manifest.json") from None
+        source = url
     try:
         if _is_url(source):
             url = f"{source.rstrip('/')}/{name}"
