@@ -244,9 +244,16 @@ def prepare_source(
         raise ValueError(f"--source {source} needs --path: "
                          + ("a dataset id such as 'HuggingFaceFW/fineweb-edu'" if source == "hub" else "files or globs"))
     if source == "hub":
-        from asyncloco.models.hub import require_hub
+        from asyncloco.models.hub import HubUnreachable, hub_offline, require_hub
 
-        require_hub(str(path), "dataset")  # offline: one line naming the fix, before any worker starts
+        try:
+            require_hub(str(path), "dataset")  # offline: one line naming the fix, before any worker starts
+        except HubUnreachable:
+            why = "HF_HUB_OFFLINE=1 forbids reaching the hub" if hub_offline() else "the hub cannot be reached from here"
+            raise HubUnreachable(f"the hub dataset {path!r} cannot be streamed: {why}; download its files where the hub "
+                                 f"is reachable (huggingface-cli download --repo-type dataset {path} --local-dir DIR) and "
+                                 "prepare them with --source parquet or json --path 'DIR/...' (docs/data-prepare.md)"
+                                 ) from None
     description = source_description(source, path, name, split, text_field)  # a local path matching nothing fails here
     max_rows = None if max_tokens is None else max(1, -(-max_tokens // seq_len))
     documents = iter_source_documents(source, path, name, split, text_field)
