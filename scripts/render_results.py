@@ -116,7 +116,19 @@ def verify_tolerance(data: dict[str, Any]) -> str:
                      other.get("cosine"), other.get("max_abs_diff")])
     title = (f"`{data.get('model')}` ({_fmt(data.get('parameters'))} parameters), {data.get('precision')}, "
              f"{data.get('steps')} steps, {data.get('device_name') or data.get('device')}, torch {data.get('torch')}")
-    return title + "\n\n" + _table(["comparison", "bitwise", "relative L2 error (before / after the codec)", "cosine", "max \\|diff\\|"], rows)
+    out = title + "\n\n" + _table(["comparison", "bitwise", "relative L2 error (before / after the codec)", "cosine", "max \\|diff\\|"], rows)
+    # the lease's end inner state against the reference's (issue 34), where measured
+    states = [other for other in data.get("cross_cpu") or [] if other.get("end_state_carried")]
+    if states:
+        out += "\n\n" + _table(
+            ["end inner state vs", "m / v / AdamW step (fresh start)", "m / v / AdamW step (carried start)",
+             "residual of the upload's norm: int8 / sgn15of16"],
+            [[f"{o.get('class')}, {o.get('threads')} threads",
+              " / ".join(_fmt(o["end_state_fresh"].get(k)) for k in ("m", "v", "u")),
+              " / ".join(_fmt(o["end_state_carried"].get(k)) for k in ("m", "v", "u")),
+              " / ".join(_fmt((o.get("residual_after_codec") or {}).get(c, {}).get("rel_to_upload")) for c in ("int8", "sgn15of16"))]
+             for o in states])
+    return out
 
 
 def bench_swarm(data: dict[str, Any]) -> str:

@@ -11,7 +11,8 @@ model on one device, what an honest re-run gives, side by side with what an hone
   kernels for the embedding's backward and the like, cuBLAS with a fixed workspace);
 * ``other_lease`` — the lease against one on other batches from the same θ: an honest different update;
 * ``vs_cpu_fp32`` (``--device cuda`` only) — the device's lease against the same lease on the CPU in fp32:
-  what a CPU verifier of a GPU peer would see;
+  what a CPU verifier of a GPU peer would see (``vs_cpu_fp32_end_state``: the lease's end inner state, as
+  ``end_state_fresh`` below);
 * ``cross_cpu`` (``--cross-cpu``) — the same lease on this CPU in fresh processes with torch's kernels dispatched
   to other instruction sets (``ATEN_CPU_CAPABILITY`` default / avx2 / avx512, i.e. other *compute classes*,
   peer/inner.py ``compute_class``) and with 1 or several threads, each against the first: what a CPU verifier
@@ -80,7 +81,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     workload = RandomTokens(args.model, args.batch_size, args.seq_len, batches=2 * args.steps)
     theta = flatten_params(workload.build_model(seed=0)).detach().clone()
     started = time.perf_counter()
-    first = lease(workload, theta, device, args.precision, args.steps, 0)
+    trainer = trainer_for(workload, device, args.precision)
+    first = trainer.run(theta, 0, 0, args.steps, 0).pseudo_gradient.clone()
+    first_state = state_moments(trainer.optimizer)
     result: dict[str, Any] = {
         "model": args.model, "parameters": theta.numel(), "device": device, "precision": args.precision,
         "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "torch": torch.__version__,
@@ -96,7 +99,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         torch.use_deterministic_algorithms(False)
     if device != "cpu" and args.cpu_reference:
-        result["vs_cpu_fp32"] = judged(lease(workload, theta, "cpu", "fp32", args.steps, 0), first)
+        cpu = trainer_for(workload, "cpu", "fp32")
+        result["vs_cpu_fp32"] = judged(cpu.run(theta, 0, 0, args.steps, 0).pseudo_gradient.clone(), first)
+        # the lease's end inner state against a CPU verifier's fp32 re-run's (sets the bf16 state tolerance)
+        gaps, problem = state_gap(state_moments(cpu.optimizer), first_state)
+        result["vs_cpu_fp32_end_state"] = {**{k: v for k, v in gaps.items() if k != "residual"}, "problem": problem}
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 

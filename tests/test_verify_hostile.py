@@ -81,8 +81,8 @@ def test_hostile_client_commits_reveals_and_is_caught_by_the_rerun(tmp_path: Pat
     honest_lease, hidden_lease = submits[0]["lease_id"], submits[1]["lease_id"]
     assert submits[0]["accepted"] and submits[1]["accepted"]  # the gate is off: only verification stands in the way
     reveals = [c for c in calls if c["call"] == "reveal"]
-    # the honest lease started fresh (nothing to reveal: the coordinator knows that state); the hidden one did not
-    assert [(c["lease_id"], c["ok"]) for c in reveals] == [(hidden_lease, True)], reveals
+    # both were revealed: the honest lease started fresh (an empty start part) but its end state is checked too
+    assert [(c["lease_id"], c["ok"]) for c in reveals] == [(honest_lease, True), (hidden_lease, True)], reveals
     # after the expulsion it is refused at its next call, naming it, and stops (far fewer rounds than it asked for)
     first = next(i for i, c in enumerate(calls) if "expelled from this run" in str(c.get("error", "")))
     assert all(not c["ok"] and "expelled from this run" in c["error"] for c in calls[first:]), calls[first:]
@@ -104,3 +104,35 @@ def test_hostile_client_commits_reveals_and_is_caught_by_the_rerun(tmp_path: Pat
         [c for c in submits if c["accepted"] and not c["duplicate"]]), repaired
     status = json.loads((cluster.checkpoint_dir / "status.json").read_text())
     assert status["verification"]["failed"] == 1 and mallory in status["verification"]["expelled"]
+
+
+@pytest.mark.parametrize("named", ["foreign", "own"])
+def test_a_forged_carried_state_is_caught_in_any_compute_class(tmp_path: Path, named: str) -> None:
+    """The forge-state attacker (issue 34): honest updates, but its carried first moment pushed along its own direction
+    before each lease's end is committed (inside the plausibility bound). Naming a GPU class, as every GPU volunteer of
+    a CPU coordinator does, its revealed end is compared with the re-run's within the state tolerance; naming the
+    verifier's own class, bitwise. Caught on its first forged lease either way."""
+    cluster = LocalCluster(write_config(tmp_path), tmp_path / "run", threads=1)
+    extra = ["--device-class", "cuda/NVIDIA H100 80GB HBM3 cuda 13.0/torch 2.11.0+cu130"] if named == "foreign" else []
+    try:
+        cluster.start_coordinator()
+        cluster.start_peer("honest", 1.0)
+        hostile, summary_path = start_hostile(cluster, "mallory", "forge-state", "--rounds", str(ROUNDS), *extra)
+        cluster.wait_for(lambda: [e for e in cluster.events() if e.get("type") == "expelled"], 300, "the forger's expulsion")
+        cluster.wait_for(lambda: hostile.poll() is not None, 120, "the hostile client to stop")
+    finally:
+        cluster.close()
+    assert_all_gone(cluster)
+    summary = read_json(summary_path)
+    submits = [c for c in summary["calls"] if c["call"] == "submit" and c["ok"]]
+    first = submits[0]["lease_id"]  # its end state is already forged
+    assert all(c["norm_sent"] == c["norm_honest"] for c in submits)  # every update it sent is its honest one
+    verdicts = {e["lease_id"]: e for e in cluster.events() if e.get("type") == "verdict"}
+    assert verdicts[first]["ok"] is False, verdicts
+    detail = verdicts[first]["detail"]
+    if named == "foreign":
+        assert "beyond the state tolerance" in detail and "first moment (exp_avg)" in detail, detail
+    else:
+        assert "end differs from the committed one" in detail, detail
+    out = [e for e in cluster.events() if e.get("type") == "expelled"]
+    assert [(e["peer"], e["lease_id"]) for e in out] == [(summary["peer_id"], first)], out

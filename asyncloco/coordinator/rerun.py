@@ -272,8 +272,9 @@ class Rerunner:
         return compare(self.rerun(task.lease, task.base, self._sign_rotation(task)), task.update, *self.bounds(task))
 
     def state_tolerance(self) -> float:
-        """The bound on a foreign-class peer's revealed end state (:func:`state_gap`): the config's, else the default for
-        the run's ``inner.precision`` (config.py ``CROSS_DEVICE_STATE_TOLERANCE``)."""
+        """The bound on a foreign-class peer's revealed end state (:func:`state_gap`'s m, v and AdamW step; the residual
+        is held to :meth:`cross_device_bounds`): the config's, else the default for the run's ``inner.precision``
+        (config.py ``CROSS_DEVICE_STATE_TOLERANCE``)."""
         from asyncloco.config import CROSS_DEVICE_STATE_TOLERANCE
 
         knob = self.cfg.runtime.verify.cross_device_state_tolerance
@@ -372,10 +373,15 @@ class Rerunner:
         if problem is not None:
             return f"the revealed end state differs from the re-run's: {problem}"
         tolerance = self.state_tolerance()
-        names = {"m": "first moment (exp_avg)", "v": "second moment (exp_avg_sq)", "u": "AdamW step m̂/(√v̂+eps)",
-                 "residual": "error-feedback residual"}
-        over = [f"{names[key]} {gap:.3g}" for key, gap in gaps.items() if gap > tolerance]
+        names = {"m": "first moment (exp_avg)", "v": "second moment (exp_avg_sq)", "u": "AdamW step m̂/(√v̂+eps)"}
+        over = [f"{names[key]} {gaps[key]:.3g}" for key in names if gaps[key] > tolerance]
         if over:
             return (f"the revealed end state differs from the re-run's beyond the state tolerance {tolerance:g} "
                     f"(relative L2 error): " + ", ".join(over))
+        # the residual is the part of the upload its codec dropped: the upload's own bound, of the upload's norm
+        # (measured on other CPU kernels: 1.4e-4 int8, 2.0e-3 sgn15of16; config.py CROSS_DEVICE_STATE_TOLERANCE's file)
+        bound = self.cross_device_bounds()[0]
+        if gaps["residual"] > bound:
+            return (f"the revealed end state's error-feedback residual differs from the re-run's by {gaps['residual']:.3g} "
+                    f"of the upload's norm, beyond the upload's cross-device tolerance {bound:g}")
         return ""
