@@ -272,6 +272,14 @@ class VerifyConfig(StrictModel):
     fraction: float = Field(0.08, ge=0, le=1, description="share of a proven peer's leases re-run (HMAC of the lease id)")
     probation_updates: int = Field(2, ge=0, description="a peer's first N leases are all re-run (probation)")
     suspect_fraction: float = Field(0.5, ge=0, le=1, description="share re-run for a peer the gate refused recently")
+    # a sleeper (honest through probation, then a hidden direction in every update) shows as a persistent residual:
+    # coordinator/sketch.py scores each update by the cosine of its residual against the consensus with the peer's
+    # previous one (honest: near 0; docs/threat-model.md, "Sleepers")
+    sketch_threshold: float = Field(
+        0.35, ge=0, le=1, description="a peer whose consecutive updates share a residual direction beyond this cosine "
+        "becomes a suspect: its next sketch_checks leases are all re-run (1: never)"
+    )
+    sketch_checks: int = Field(2, ge=0, description="leases re-run after a peer's sketch score passed sketch_threshold")
     tolerance: float = Field(
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ for a peer of the verifier's own compute "
         "class (0: bitwise, which the same class reproduces; other classes: cross_device_tolerance)"

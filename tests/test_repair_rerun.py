@@ -159,7 +159,7 @@ def gated_run(optimizer: Any, rounds: int, huge: set[int]) -> tuple[Any, list[An
     """scripted_run's turns with the update gate on: the attacker's update is 1000 × too large in the rounds of
     ``huge`` (the gate rejects it and gives its steps back). Returns the live state, the log, the honest updates
     in the order they were applied, and the attacker's verdicts (applied / rejected), round by round."""
-    from asyncloco.coordinator.logic import Applied, Assign, RequestWork, Rejected, SpeedReport, Verified, handle
+    from asyncloco.coordinator.logic import Applied, Assign, Held, RequestWork, Rejected, SpeedReport, Verified, handle
 
     state = gated_state(optimizer)
     log: list[Any] = []
@@ -185,10 +185,13 @@ def gated_run(optimizer: Any, rounds: int, huge: set[int]) -> tuple[Any, list[An
             sent = update.clone()
             actions = feed(SubmitUpdate(peer, leases[peer].lease_id, leases[peer].base_version, update), now)
             assert torch.equal(update, sent)  # handle never changes its event (a replay feeds it again)
-            if peer == "a":
+            if peer == "a":  # a held update of the attacker waits for a check it never passes
                 outcomes.append("applied" if any(isinstance(x, Applied) for x in actions) else
-                                "rejected" if any(isinstance(x, Rejected) for x in actions) else "?")
+                                "rejected" if any(isinstance(x, Rejected) for x in actions) else
+                                "held" if any(isinstance(x, Held) for x in actions) else "?")
             else:
+                if any(isinstance(x, Held) for x in actions):  # a suspect's (the echo rule) lease was checked: it agrees
+                    actions = feed(Verified(peer, leases[peer].lease_id, True, "bitwise"), now)
                 assert any(isinstance(x, Applied) for x in actions)
                 honest.append(update)
             leases[peer] = next(x.lease for x in feed(RequestWork(peer), now) if isinstance(x, Assign))
@@ -203,7 +206,9 @@ def test_a_repair_keeps_every_decision_of_the_live_run(make: Any) -> None:
     what it applied is replaced by the re-run, and the gate's statistics stay the live ones (they saw the
     submissions as sent), so every honest verdict is the live verdict."""
     live, log, honest, outcomes = gated_run(make(), rounds=5, huge={1, 3})
-    assert outcomes == ["applied", "rejected", "applied", "rejected", "applied"]
+    # rejected by the gate, the attacker became a suspect: its later leases were checked and held, never applied
+    assert outcomes == ["applied", "rejected", "held", "rejected", "held"]
+    assert not live.verification.held and live.verification.dropped == 2
     calls: list[str] = []
 
     def substitute(event: SubmitUpdate, lease: Lease, base: torch.Tensor) -> torch.Tensor:
@@ -211,7 +216,7 @@ def test_a_repair_keeps_every_decision_of_the_live_run(make: Any) -> None:
         return torch.full((DIM,), 0.01 * len(calls))
 
     result = repair(gated_state(make()), log, ["a"], live.version, substitute=substitute)
-    assert (result.substituted, result.refused, result.discarded) == (3, 2, 0) and len(calls) == 3
+    assert (result.substituted, result.refused, result.held, result.discarded) == (1, 2, 2, 0) and len(calls) == 1
     # θ: the outer optimizer stepping on h0, (the re-run where the live run applied the attacker's update), h1
     reference_params = torch.zeros(DIM)
     reference = make()

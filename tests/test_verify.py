@@ -187,12 +187,13 @@ def test_selection_rate_and_secret() -> None:
 DIM = 6
 
 
-def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: int = 1, grace: float = 0.0) -> CoordinatorState:
+def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: int = 1, grace: float = 0.0,
+                 secret: bytes = b"s" * 32) -> CoordinatorState:
     policy = CoordinatorPolicy(
         max_local_steps=4, grace_period=grace, lease_timeout_factor=3.0, lease_slack=100.0,
         verify=VerifyPolicy(fraction=fraction, probation_updates=probation, suspect_fraction=0.5),
     )
-    return new_state(torch.zeros(DIM), optimizer, [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+    return new_state(torch.zeros(DIM), optimizer, [], policy, [10_000], seed=3, lease_secret=secret)
 
 
 def lease_of(actions: list[Any]) -> Any:
@@ -209,10 +210,18 @@ def test_verdicts_count_probation_and_expel() -> None:
     _, actions = handle(state, SubmitUpdate("p", lease.lease_id, 0, torch.ones(DIM)), 1.0)
     checks = [a for a in actions if isinstance(a, Verify)]
     assert len(checks) == 1 and torch.equal(checks[0].base, torch.zeros(DIM)) and torch.equal(checks[0].update, torch.ones(DIM))
-    assert state.verification.pending == {lease.lease_id: "p"}
+    # held until its check agrees: θ and its version untouched, the peer told it was accepted
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+    assert state.version == 0 and torch.equal(state.params, torch.zeros(DIM)) and lease.lease_id not in state.applied
+    assert state.verification.pending == {lease.lease_id: "p"} and list(state.verification.held) == [lease.lease_id]
+    _, resent = handle(state, SubmitUpdate("p", lease.lease_id, 0, torch.ones(DIM)), 1.5)
+    assert [type(a).__name__ for a in resent] == ["Duplicate"] and state.version == 0  # a resend is not held twice
     _, actions = handle(state, Verified("p", lease.lease_id, True, "bitwise equal to the re-run"), 2.0)
-    assert actions == [Verdict("p", lease.lease_id, True, "bitwise equal to the re-run")]
-    assert state.verification.passed == {"p": 1} and not state.verification.pending
+    assert actions[0] == Verdict("p", lease.lease_id, True, "bitwise equal to the re-run")
+    assert [type(a).__name__ for a in actions] == ["Verdict", "Applied"]
+    assert actions[1].version == 1 and state.version == 1 and state.applied[lease.lease_id] == 1
+    assert state.verification.passed == {"p": 1} and not state.verification.pending and not state.verification.held
+    assert state.verification.unchecked == {}  # its only update was checked before it was applied
     # past probation, fraction 0: nothing is re-run
     _, actions = handle(state, RequestWork("p"), 3.0)
     second = next(a.lease for a in actions if isinstance(a, Assign))
@@ -221,6 +230,7 @@ def test_verdicts_count_probation_and_expel() -> None:
     _, actions = handle(state, Verified("p", "Lx", False, "relative error 0.2"), 4.0)
     assert [type(a).__name__ for a in actions] == ["Verdict", "Expelled", "Expired"]
     assert isinstance(actions[1], Expelled) and actions[1].peer == "p"
+    assert actions[1].repair is False  # nothing of it was applied unchecked: no repair
     assert second.lease_id not in state.leases
     _, actions = handle(state, RequestWork("p"), 5.0)
     assert len(actions) == 1 and isinstance(actions[0], Refused) and "expelled" in actions[0].reason
@@ -289,12 +299,14 @@ def test_repair_equals_a_run_that_never_saw_the_attacker(make: Any) -> None:
     assert again.state_dict()["optimizer"].keys() == repaired.state_dict()["optimizer"].keys()
 
 
-def test_a_pending_check_never_costs_a_peer_its_lease() -> None:
+@pytest.mark.parametrize("probation", [False, True], ids=["sampled", "probation"])
+def test_a_pending_check_never_costs_a_peer_its_lease(probation: bool) -> None:
     """θ versions kept only for a pending re-run (the lease downloaded its θ) do not count toward
-    max_retained_versions: slow peers keep their leases; past 5 × the cap the oldest check is dropped instead."""
+    max_retained_versions: slow peers keep their leases; past 5 × the cap the oldest sampled check is dropped instead.
+    A probation check is never dropped (a deliberately slow client would skip its probation): that lease goes back."""
     policy = CoordinatorPolicy(
         max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=1e6, max_retained_versions=2,
-        verify=VerifyPolicy(fraction=0.0, probation_updates=100),
+        verify=VerifyPolicy(fraction=1.0, probation_updates=100 if probation else 0),
     )
     state = new_state(torch.zeros(DIM), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=0, lease_secret=b"k" * 32)
     from asyncloco.coordinator.logic import Fetched
@@ -306,15 +318,23 @@ def test_a_pending_check_never_costs_a_peer_its_lease() -> None:
     for i, peer in enumerate(slow):
         _, actions = handle(state, RequestWork(peer), float(i))
         lease = next(a.lease for a in actions if isinstance(a, Assign))
-        assert lease.base_version == i and lease.verify
+        assert lease.base_version == i and lease.verify.startswith("probation" if probation else "sampled")
         handle(state, Fetched(peer, i), float(i))
         _, actions = handle(state, RequestWork("b"), float(i))
         mine = next(a.lease for a in actions if isinstance(a, Assign))
         _, actions = handle(state, SubmitUpdate("b", mine.lease_id, mine.base_version, torch.ones(DIM)), i + 0.5)
+        assert [type(a).__name__ for a in actions] == ["Verify", "Held"]  # b's lease is checked too: held
+        _, actions = handle(state, Verified("b", mine.lease_id, True, "bitwise"), i + 0.6)
+        assert state.version == i + 1
         expired += [a for a in actions if type(a).__name__ == "Expired"]
-    assert expired == [] and all(any(l.peer == p for l in state.leases.values()) for p in slow)
-    assert sorted(state.base_params) == list(range(1, 11)) and state.verification.unverifiable == 1
-    assert next(l for l in state.leases.values() if l.peer == "s0").verify == ""
+    if probation:
+        assert [a.peer for a in expired] == ["s0"] and "no longer retained" in expired[0].reason
+        assert all(any(l.peer == p for l in state.leases.values()) for p in slow[1:]) and state.verification.unverifiable == 0
+    else:
+        assert expired == [] and all(any(l.peer == p for l in state.leases.values()) for p in slow)
+        assert state.verification.unverifiable == 1
+        assert next(l for l in state.leases.values() if l.peer == "s0").verify == ""
+    assert sorted(state.base_params) == list(range(1, 11))
 
 
 def test_anchors_rotate_and_prune_the_archived_log(tmp_path: Path) -> None:
@@ -708,7 +728,7 @@ def test_a_lease_at_the_version_its_peer_prefetched_is_fetched_and_survives_a_re
 
 
 def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_the_theta_its_peer_had() -> None:
-    """An honest lease chosen for verification (here: every lease, fraction 1) and downloaded when a repair comes is
+    """An honest lease chosen for verification and downloaded when a repair comes is
     kept: it stays chosen, the live θ at its base version — the one its peer trained from, which holds the expelled
     peer's update — is retained, and its submission's check carries exactly that θ, while the update itself is
     applied to the repaired θ. Before, such leases were given back (in the warm attack benchmark all 8 honest
@@ -717,7 +737,9 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     from asyncloco.coordinator.logic import Applied, Fetched
     from asyncloco.coordinator.verify import live_base
 
-    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=1.0, probation=0)
+    # under this secret the first lease draws 0.69 (not chosen at fraction 0.5: the attacker's update is applied
+    # unchecked, and its expulsion needs a repair) and the second 0.088 (chosen: the honest lease is checked)
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.5, probation=0, secret=b"c" * 32)
     live = copy.deepcopy(anchor)
     log: list[tuple[Event, float]] = []
 
@@ -733,7 +755,8 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     assert mine.verify and mine.base_version == 1
     feed(Fetched("h", mine.base_version), 1.5)
     trained_from = live.params.clone()  # θ(1): holds the attacker's update
-    feed(Verified("a", theirs.lease_id, False, "relative error 1.0"), 2.0)
+    expelled = [a for a in feed(Verified("a", theirs.lease_id, False, "relative error 1.0"), 2.0) if isinstance(a, Expelled)]
+    assert [a.repair for a in expelled] == [True]  # its update was applied unchecked: θ needs a repair
     without = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
                      live.lease_counter, dict(live.verification.chain))
     assert without.state.leases == {}  # no live θ at hand: given back
@@ -742,11 +765,14 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     repaired = result.state
     assert list(repaired.leases) == [mine.lease_id] and repaired.leases[mine.lease_id].verify == mine.verify
     assert torch.equal(repaired.base_params[1], trained_from) and repaired.base_params[1] is not live.params
+    assert not theirs.verify
     honest = torch.arange(DIM, dtype=torch.float32)
     _, actions = handle(repaired, SubmitUpdate("h", mine.lease_id, mine.base_version, honest.clone()), 3.0)
     checks = [a for a in actions if isinstance(a, Verify)]
-    assert [type(a) for a in actions if not isinstance(a, Verify)] == [Applied] and len(checks) == 1
+    assert [type(a).__name__ for a in actions if not isinstance(a, Verify)] == ["Held"] and len(checks) == 1
     assert torch.equal(checks[0].base, trained_from) and torch.equal(checks[0].update, honest)
+    _, actions = handle(repaired, Verified("h", mine.lease_id, True, "bitwise"), 3.5)
+    assert [type(a) for a in actions] == [Verdict, Applied]
     reference = torch.zeros(DIM)
     OuterNesterov(0.7, 0.9).step(reference, honest)
     assert torch.equal(repaired.params, reference)

@@ -20,7 +20,9 @@ verified updates; the draw is an HMAC under a secret the peers never see). What 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -33,7 +35,7 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator.checkpoint import load_snapshot
 from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE, CoordinatorDaemon
 from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, decode_event, read_records
-from asyncloco.coordinator.logic import Repaired, Verified, handle
+from asyncloco.coordinator.logic import Repaired, SubmitUpdate, Verified, handle
 from asyncloco.coordinator.substitute import Substitutes
 from asyncloco.coordinator.verify import ANCHOR_DIR, Rerunner, live_base, log_events, repair
 from asyncloco.workloads import build_workload
@@ -108,9 +110,76 @@ def read_journal(run_dir: Path, kind: Optional[str] = None) -> list[dict[str, An
     return [r for r in records if kind is None or r["type"] == kind]
 
 
+def test_a_peer_caught_on_probation_never_touches_theta(tmp_path: Path) -> None:
+    """Checked work waits for its verdict: a peer that cheats from its first lease has every update held until its
+    check, the first check fails, its held updates are dropped — none is ever applied, no repair runs — and θ equals,
+    bitwise, the log replayed without its submissions."""
+    cfg = config(verify={"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2,
+                         "horizon": 100000, "queue": 256, "sketch_threshold": 1.0})
+    clock = FakeClock()
+    run_dir = tmp_path / "run"
+
+    async def scenario() -> tuple[Any, int, int, Any]:
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        daemon = await transport.start()
+        try:
+            peers = {name: start_peer(transport, name, rounds=8) for name in HONEST}
+            _, hostile_task = start_peer(transport, HOSTILE, rounds=20, runner_cls=HostileRunner, honest_leases=0)
+            tasks = {name: task for name, (_, task) in peers.items()} | {HOSTILE: hostile_task}
+            await drive(clock, tasks, real_timeout=150.0)
+            daemon = transport.daemon
+            assert daemon is not None and daemon.verification is not None
+            await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
+            with pytest.raises(PeerError, match="expelled from this run"):
+                hostile_task.result()
+            return daemon.state, daemon.wal.last_seq, daemon.numel, daemon.verification._fresh_state
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    live, last_seq, numel, fresh = asyncio.run(asyncio.wait_for(scenario(), timeout=200.0))
+    assert list(live.verification.expelled) == [HOSTILE] and not live.verification.held
+    journal = read_journal(run_dir)
+    held = [r for r in journal if r["type"] == "held" and r["peer"] == HOSTILE]
+    assert held and not [r for r in journal if r["type"] == "applied" and r["peer"] == HOSTILE]
+    assert [r["repair"] for r in journal if r["type"] == "expelled"] == [False]
+    assert not [r for r in journal if r["type"] == "repaired"] and live.verification.unchecked.get(HOSTILE, 0) == 0
+    dropped = [r for r in journal if r["type"] == "rejected" and r["peer"] == HOSTILE and "held update not applied" in r["reason"]]
+    assert {r["lease_id"] for r in dropped} == {r["lease_id"] for r in held}
+    # the log replayed without the hostile peer's submissions gives the same θ, bitwise
+    anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
+    state = fresh()
+    state.load_state_dict(anchor["coordinator"])
+    events = list(log_events(run_dir / "wal", 0, last_seq, EVENT_TYPES, numel))
+    for event, now in events:
+        if not (isinstance(event, SubmitUpdate) and event.peer == HOSTILE):
+            handle(state, event, now)
+    assert torch.equal(state.params, live.params) and state.version == live.version and live.version > 0
+
+
 @pytest.mark.parametrize("mode", ["rerun", "discard"])
-def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Path, mode: str) -> None:
-    cfg = config(repair=mode)  # rerun: the default
+def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Path, mode: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # the repair of what got through: the attacker's first two leases after probation are not drawn for a check (so its
+    # tampered updates are applied), its third is (the sketch that would make it a suspect sooner is off). Decided per
+    # lease id, so every replay of the log draws the same
+    cfg = config(repair=mode, verify={"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2,
+                                      "horizon": 100000, "queue": 256, "repair": mode, "sketch_threshold": 1.0})
+    from asyncloco.coordinator.logic import leases as lease_logic
+
+    drawn = lease_logic.verify_reason
+    decided: dict[str, str] = {}
+
+    def verify_reason(state: Any, policy: Any, peer: str, lease_id: str) -> str:
+        reason = drawn(state, policy, peer, lease_id)
+        if peer != HOSTILE or reason.startswith("probation"):
+            return reason
+        if lease_id not in decided:
+            decided[lease_id] = "sampled at 0.5" if len(decided) >= 2 else ""
+        return decided[lease_id]
+
+    monkeypatch.setattr(lease_logic, "verify_reason", verify_reason)
     clock = FakeClock()
     run_dir = tmp_path / "run"
 
@@ -170,14 +239,31 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     assert len(repairs) == 1 and repairs[0]["peer"] == HOSTILE and repairs[0]["anchor"] == 0
     expelled_at = next(r for r in read_journal(run_dir) if r["type"] == "expelled")["time"]
     hostile_applied = [a for a in read_journal(run_dir, "applied") if a["peer"] == HOSTILE and a["time"] <= expelled_at]
-    if mode == "rerun":
+    # its checked leases were held until their (passed) checks: the repair's replay keeps them as the live run applied
+    # them; only what was applied unchecked is taken out
+    unchecked = [a for a in hostile_applied if not assigned[a["lease_id"]]["verify"]]
+    held = [h for h in read_journal(run_dir, "held") if h["peer"] == HOSTILE and h["time"] <= expelled_at]
+    assert len(hostile_applied) - len(unchecked) >= 2  # its probation leases, applied once their checks agreed
+    # held: applied once its check agreed, or dropped (the one that failed, and any still pending then)
+    dropped = {r["lease_id"] for r in read_journal(run_dir, "rejected")
+               if r["peer"] == HOSTILE and "held update not applied" in r["reason"]}
+    checked_applied = {a["lease_id"] for a in hostile_applied} - {a["lease_id"] for a in unchecked}
+    assert failed[0]["lease_id"] in dropped and not dropped & checked_applied
+    assert repairs[0]["held"] == len(held) and {h["lease_id"] for h in held} == checked_applied | dropped
+    # the remedy: both candidates' θ evaluated, the lower validation loss installed (never worse than leaving it out)
+    remedy, losses = repairs[0]["remedy"], repairs[0]["losses"]
+    candidates = ["rerun", "discard"] if mode == "rerun" else ["discard"]
+    assert sorted(losses) == sorted(candidates + ["live"]) and all(math.isfinite(v) for v in losses.values())
+    assert remedy == min(candidates, key=lambda kind: (losses[kind], candidates.index(kind)))
+    assert repairs[0]["loss_before"] == losses["live"] and repairs[0]["loss_after"] == losses[remedy] <= losses["discard"]
+    if remedy == "rerun":
         # (a submission the live coordinator did not apply is a no-op Discard in either mode)
-        assert repairs[0]["substituted"] == len(hostile_applied) > 2
+        assert repairs[0]["substituted"] == len(unchecked) >= 1
         # trained after the expulsion (nothing more of the peer's was taken), outside the daemon's lock, and read back
         # by the repair: nothing trained under the lock
         assert repairs[0]["rerun_stored"] == repairs[0]["substituted"] and repairs[0]["rerun_now"] == 0
     else:
-        assert repairs[0]["discarded"] >= len(hostile_applied) > 2 and repairs[0]["substituted"] == 0
+        assert repairs[0]["discarded"] >= len(unchecked) >= 1 and repairs[0]["substituted"] == 0
     # status.json
     section = out["status"]["verification"]
     assert section["failed"] == 1 and list(section["expelled"]) == [HOSTILE] and len(section["repairs"]) == 1
@@ -187,7 +273,7 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     # of its leases trained again here (or discarded) up to its expulsion (verify.repair), then every later record as
     # it was — equals the live coordinator, bitwise
     substitute = Substitutes(Rerunner(cfg, build_workload(cfg)), tmp_path / "reruns", out["numel"], carry=False) \
-        if mode == "rerun" else None
+        if remedy == "rerun" else None
     anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
     state = out["fresh"]()
     state.load_state_dict(anchor["coordinator"])
@@ -205,7 +291,7 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     replayed = result.state
     repaired_params, repaired_version = replayed.params.clone(), replayed.version  # θ right after the repair
     # the repair's own decisions are the log's next record (a later repair's replay repeats them there)
-    assert events[cut + 1][0] == result.repaired
+    assert events[cut + 1][0] == dataclasses.replace(result.repaired, remedy=remedy)
     assert sum(isinstance(e, Repaired) for e, _ in events) == 1
     for event, now in events[cut + 1 :]:
         handle(replayed, event, now)
@@ -228,7 +314,7 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     assert torch.equal(died.state.params, repaired_params) and died.state.version == repaired_version
     written = list(read_records(tmp_path / "died" / WAL_DIR, cut_seq - 1))
     assert [r.type for r in written] == ["Repaired", "Restarted"] and written[0].seq == cut_seq
-    assert decode_event(written[0], EVENT_TYPES, lambda *_: None) == result.repaired
+    assert decode_event(written[0], EVENT_TYPES, lambda *_: None) == dataclasses.replace(result.repaired, remedy=remedy)
 
 
 def resume_from_anchor(cfg: RunConfig, run_dir: Path, out: Path, upto: Optional[int] = None) -> CoordinatorDaemon:
@@ -261,11 +347,11 @@ def resume_from_anchor(cfg: RunConfig, run_dir: Path, out: Path, upto: Optional[
 @pytest.mark.parametrize("snapshot", [False, True], ids=["replayed", "before-snapshot"])
 def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot: bool) -> None:
     """A coordinator that dies with checks queued (their verdicts not yet in the log) queues them again after
-    ``--resume`` where the replay met them (their Verify actions): every such lease gets its verdict; checks applied
-    before the snapshot the resume starts from (``snapshot``: one written just before the crash) end as
-    ``Unverified`` events (counted, journaled). Nothing stays pending — before, a restart dropped checks unjudged and
-    a newcomer's dropped probation checks counted as "on the way" forever. A check whose re-run fails ends
-    ``Unverified`` too."""
+    ``--resume`` where the replay met them (their Verify actions), or from their held updates in the snapshot the
+    resume starts from (``snapshot``: one written just before the crash): every such lease gets its verdict, and its
+    held update is applied then. Nothing stays pending — before, a restart dropped checks unjudged and a newcomer's
+    dropped probation checks counted as "on the way" forever. A check whose re-run fails ends ``Unverified`` (counted,
+    journaled), its held update dropped."""
     from asyncloco.coordinator.verify import DaemonVerification, Rerunner
 
     cfg = config(snapshot_every=100_000)  # the log holds every check since the start (unless ``snapshot``)
@@ -311,10 +397,10 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     assert book.pending == {} and book.failed == 0 and not book.expelled
     verdicts = read_journal(run_dir, "verdict")
     unverified = {u["lease_id"]: u["reason"] for u in read_journal(run_dir, "unverified")}
-    if snapshot:
-        assert book.checked == 0 and not verdicts and book.unverifiable == len(chosen) == len(unverified)
-        assert all("before the snapshot it resumed from" in reason for reason in unverified.values())
-        return
+    # (with the snapshot: the checks held before it are rebuilt from their held updates in it, and run all the same)
     assert book.checked == len(chosen) - 1 and sum(book.passed.values()) == len(chosen) - 1 and book.unverifiable == 1
     assert sorted(v["lease_id"] for v in verdicts) == sorted(set(chosen) - {out["failing"]}) and all(v["ok"] for v in verdicts)
     assert list(unverified) == [out["failing"]] and "the re-run failed" in unverified[out["failing"]]
+    # their updates were held meanwhile: each applied once its check agreed; the one without a verdict never
+    applied = {a["lease_id"] for a in read_journal(run_dir, "applied")}
+    assert not book.held and set(chosen) - {out["failing"]} <= applied and out["failing"] not in applied

@@ -115,7 +115,7 @@ class Durability:
                         if isinstance(event, Repaired) and self.verification is not None:
                             # the live coordinator repaired θ right before this record (verify.py: after an
                             # expulsion, once the re-runs were trained): so does the replay, up to the record before
-                            self.verification.repair_pending(self.monitoring.journal)
+                            self.verification.repair_pending(self.monitoring.journal, event.remedy)
                         _, actions = node_module.handle(self.node.state, event, record.now)
                         if self.verification is not None:
                             self.verification.replay_seq = record.seq  # a repair replays up to this record

@@ -222,7 +222,8 @@ def coordinator_policy(
     if real and runtime.verify.enabled:  # verification of the work (coordinator/verify.py)
         knobs_v = runtime.verify
         verify = VerifyPolicy(knobs_v.fraction, knobs_v.probation_updates, knobs_v.suspect_fraction,
-                              commit=knobs_v.inner_state == "carry")
+                              commit=knobs_v.inner_state == "carry", sketch_threshold=knobs_v.sketch_threshold,
+                              sketch_checks=knobs_v.sketch_checks)
     return CoordinatorPolicy(
         gate=gate,
         verify=verify,

@@ -28,6 +28,7 @@ from asyncloco.coordinator.logic import (
     Applied,
     Assign,
     Duplicate,
+    Held,
     Expelled,
     Expired,
     Hold,
@@ -211,6 +212,11 @@ class Monitoring:
             self.journal.write("expired", peer=action.peer, lease_id=action.lease_id, shard=action.shard, steps=action.steps, reason=action.reason)
             logger.warning("lease %s of %s given back: %s", action.lease_id, action.peer[-8:], action.reason)
             return True
+        if isinstance(action, Held):
+            self.stats.peer(action.peer).last_seen = self.clock.time()
+            self.journal.write("held", peer=action.peer, lease_id=action.lease_id, version=action.version, reason=action.reason,
+                               sketch=action.sketch)
+            return True
         if isinstance(action, Duplicate):
             self.stats.peer(action.peer).duplicates += 1
             self.stats.peer(action.peer).last_seen = self.clock.time()
@@ -271,6 +277,7 @@ class Monitoring:
             local_updates=self.node.state.local_updates,
             reason=action.reason,
             gate=action.gate,
+            sketch=action.sketch,
         )
         logger.debug("applied %s from %s: version %d, staleness %d", action.lease_id, action.peer[-8:], action.version, action.staleness)
         return True
@@ -415,6 +422,10 @@ class Monitoring:
         self.journal.write("eval", **record)
         logger.info("eval at version %d: %s", version, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         self.write_status()
+
+    def eval_model(self) -> torch.nn.Module:
+        """The model evaluations run on (``runtime.eval_device``); the repair's validation losses use a copy of it."""
+        return self._model_for_eval()
 
     def _model_for_eval(self) -> torch.nn.Module:
         """The model evaluation runs on: ``self.model`` on CPU, else a copy kept on ``runtime.eval_device``."""

@@ -30,6 +30,7 @@ from asyncloco.coordinator.logic import (
     base_theta,
     gate_verdict,
     handle,
+    holds,
     refused_as_sent,
 )
 from asyncloco.coordinator import gate as update_gate
@@ -56,6 +57,7 @@ class RepairResult:
     repaired: Repaired  # what the repair decided beyond the replay: the daemon logs it after the Verified record
     substituted: int = 0  # submissions of expelled peers replayed as an honest re-run of their lease
     refused: int = 0  # submissions of expelled peers refused as sent, as the live run refused them
+    held: int = 0  # submissions of expelled peers held for their check, as live: applied where it agreed, else dropped
 
 
 # (submission, its lease, θ at the lease's base version in the replay) -> the update applied in its place, or None
@@ -78,7 +80,7 @@ def _replay_excluded(
     state: CoordinatorState, event: SubmitUpdate, bases: Mapping[str, torch.Tensor], substitute: Optional[Substitute],
     now: float,
 ) -> str:
-    """Replay an expelled peer's submission; what was done: "refused", "discarded" or "substituted".
+    """Replay an expelled peer's submission; what was done: "refused", "held", "discarded" or "substituted".
 
     The replay makes every decision the live run made; only θ differs. The gate judges and records the submission as
     it was sent, as the live gate did, so its statistics stay the live ones and every later verdict is the live verdict
@@ -97,6 +99,11 @@ def _replay_excluded(
     if refused_as_sent(state, event):
         handle(state, event, now)
         return "refused"
+    if holds(state, event):
+        # held for its check, as the live run held it: the log's verdict applies it (its re-run agreed: the update is
+        # the honest one) or drops it, exactly as it did live
+        handle(state, event, now)
+        return "held"
     gate = state.policy.gate
     lease = state.leases[event.lease_id]
     verdict = None if gate is None else gate_verdict(state, event, lease, gate)
@@ -178,7 +185,7 @@ def repair(
     crosses this point then repeats it there (a ``Repaired`` in ``records`` is handled like any event)."""
     state = anchor
     excluded = set(expelled)
-    discarded = replayed = substituted = refused = 0
+    discarded = replayed = substituted = refused = held = 0
     last_now = 0.0
     bases: dict[str, torch.Tensor] = {}  # an excluded peer's active lease -> θ at its base version in the replay
     if substitute is not None:
@@ -195,6 +202,7 @@ def repair(
                 discarded += kind == "discarded"
                 substituted += kind == "substituted"
                 refused += kind == "refused"
+                held += kind == "held"
                 if substitute is not None:
                     _note_bases(state, excluded, bases)
                 continue
@@ -208,7 +216,7 @@ def repair(
     _, voided = handle(state, repaired, last_now)
     if live_leases is not None and live_base is not None:
         _keep_checks(state, live_leases, live_base)
-    return RepairResult(state, voided, discarded, replayed, repaired, substituted, refused)
+    return RepairResult(state, voided, discarded, replayed, repaired, substituted, refused, held)
 
 
 def _keep_checks(state: CoordinatorState, live_leases: Mapping[str, Lease],

@@ -22,6 +22,7 @@ from asyncloco.coordinator.logic import (
     Admit,
     Applied,
     Duplicate,
+    Held,
     Fetched,
     Fingerprint,
     Hello,
@@ -267,6 +268,8 @@ class Serving:
             self.monitoring.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
         for action in actions:
             if isinstance(action, Applied) and action.lease_id == lease_id:  # reveal: issue 16 commitments (verify.py)
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=needs_reveal(actions, lease_id) or None)
+            if isinstance(action, Held) and action.lease_id == lease_id:  # accepted; applied once its check agrees
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=needs_reveal(actions, lease_id) or None)
             if isinstance(action, Duplicate) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], True)

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
 import logging
 import math
 import time
@@ -244,6 +246,7 @@ class DaemonVerification:
         self.reruns = RepairReruns(cfg, daemon.workload, Path(daemon.dir), self.anchors, self._fresh_state, event_types) \
             if self.knobs.repair == "rerun" else None
         self.pending_repairs: list[Expelled] = []  # expulsions whose repair has not been carried out yet
+        self._loss_model: Optional[torch.nn.Module] = None  # the repair's validation losses are computed on it
         self._repairing: set["asyncio.Task[None]"] = set()
         self._repair_turn = asyncio.Lock()
 
@@ -269,8 +272,14 @@ class DaemonVerification:
                     deadline.cancel()
                     del self.awaiting[lease_id]
                     self.reveals["moot"] += 1
-            journal.write("expelled", peer=action.peer, lease_id=action.lease_id, reason=action.reason, anchor=action.anchor)
+            journal.write("expelled", peer=action.peer, lease_id=action.lease_id, reason=action.reason, anchor=action.anchor,
+                          repair=action.repair)
             logger.warning("peer %s expelled: %s", action.peer[-8:], action.reason)
+            if not action.repair:
+                # every update of it that θ holds was checked before it was applied (its held ones are dropped): there
+                # is nothing to take out, and no repair runs
+                logger.warning("peer %s had no update applied without a check: θ needs no repair", action.peer[-8:])
+                return True
             # The peer is out now (everything it sends is refused); θ is repaired once the re-runs that replace its
             # updates are trained, outside the lock (the coordinator serves meanwhile), and the repair's Repaired
             # record marks where: a --resume replay repairs at that record, or at its end if the record never came.
@@ -290,16 +299,27 @@ class DaemonVerification:
         checks = [check for lease_id, check in sorted(self.resumed_checks.items()) if pending.get(lease_id) == check.peer]
         self.resumed_checks.clear()
         queued = 0
+        # a check held before the snapshot the resume started from: the replay did not meet it, but its held update
+        # (with θ at its base version and the commitments) is in the snapshot — rebuilt from it
+        found = {check.lease.lease_id for check in checks}
+        held = self.daemon.state.verification.held
+        for lease_id, peer in sorted(pending.items()):
+            record = held.get(lease_id)
+            if lease_id not in found and record is not None and record.lease.peer == peer:
+                checks.append(Verify(peer, record.lease, record.base, record.update, record.lease.verify, "",
+                                     record.state_start, record.state_end, record.device_class))
+                found.add(lease_id)
         for check in checks:
             if not check.failed and check.state_start and needs_reveal([check], check.lease.lease_id):
+                # the ack that asked for it is gone: the coordinator's loss, not the peer's — a held update is applied
                 self._decide_later(self._unverified_id(check.peer, check.lease.lease_id,
-                                                       "the coordinator restarted while the check awaited the peer's reveal"))
+                                                       "the coordinator restarted while the check awaited the peer's reveal",
+                                                       apply=True))
             else:
                 self._check(check)
                 queued += 1
-        # checks applied before the snapshot the resume started from: the replay did not meet them, so their update
-        # and base θ are not at hand — ended, counted as unverifiable
-        found = {check.lease.lease_id for check in checks}
+        # checks applied (before holding existed) before the snapshot the resume started from: their update and base θ
+        # are not at hand — ended, counted as unverifiable
         lost = sorted((lease_id, peer) for lease_id, peer in pending.items() if lease_id not in found)
         for lease_id, peer in lost:
             self._decide_later(self._unverified_id(peer, lease_id, "the coordinator restarted before this check ran "
@@ -402,6 +422,9 @@ class DaemonVerification:
         if action.failed:  # a broken commitment chain: nothing to re-run, the verdict is already known
             self._decide_later(self._verdict(action, Comparison(False, False, math.inf, -1.0, action.failed)))
             return
+        if not action.base.numel():  # θ at its base version is gone (logic/submit.py _on_submit): no re-run can be had
+            self._decide_later(self._unverified(action, "θ at the lease's base version is no longer held"))
+            return
         self._start()
         if action.state_start and needs_reveal([action], action.lease.lease_id):
             self._await_reveal(action)
@@ -418,14 +441,14 @@ class DaemonVerification:
     async def _unverified(self, task: Verify, reason: str) -> None:
         await self._unverified_id(task.peer, task.lease.lease_id, reason)
 
-    async def _unverified_id(self, peer: str, lease_id: str, reason: str) -> None:
+    async def _unverified_id(self, peer: str, lease_id: str, reason: str, apply: bool = False) -> None:
         """End a check without a verdict: an :class:`~asyncloco.coordinator.logic.Unverified` event through the
         daemon's decision entry point, journaled."""
         daemon = self.daemon
         async with daemon.lock:
             if daemon._stopping:
                 return
-            await daemon._decide(Unverified(peer, lease_id, reason))
+            await daemon._decide(Unverified(peer, lease_id, reason, apply))
         daemon.journal.write("unverified", peer=peer, lease_id=lease_id, reason=reason)
         logger.warning("lease %s of %s is not verified: %s", lease_id, peer[-8:], reason)
 
@@ -509,18 +532,35 @@ class DaemonVerification:
         self._repairing.add(task)
         task.add_done_callback(self._repairing.discard)
 
-    def repair_pending(self, journal: Any) -> None:
+    def repair_pending(self, journal: Any, remedy: str = "") -> None:
         """Carry out the oldest expulsion's repair (live: its deferred turn, with the daemon's lock held; a
-        ``--resume`` replay: when it meets that repair's ``Repaired`` record, or after its last record)."""
+        ``--resume`` replay: when it meets that repair's ``Repaired`` record, with the remedy the record names, or
+        after its last record)."""
         if not self.pending_repairs:
             return
         action = self.pending_repairs.pop(0)
         try:
-            self._repair(action, journal)
+            self._repair(action, journal, remedy)
         finally:
             self.anchors.unpin(action.anchor)
 
-    def _repair(self, action: Expelled, journal: Any) -> None:
+    def _val_loss(self, theta: torch.Tensor) -> float:
+        """The validation loss of ``theta`` (the workload's held-out set, on ``runtime.eval_device``)."""
+        from asyncloco.models.workload import load_flat_params
+
+        if self._loss_model is None:  # its own copy: an evaluation may be running on the monitoring's in a thread
+            self._loss_model = copy.deepcopy(self.daemon.monitoring.eval_model())
+        model = self._loss_model
+        load_flat_params(model, theta.to(next(model.parameters()).device))
+        loss = float(self.daemon.workload.evaluate(model)["loss"])
+        return loss if math.isfinite(loss) else math.inf
+
+    def _repair(self, action: Expelled, journal: Any, remedy: str = "") -> None:
+        """Rebuild θ without the expelled peer's unchecked updates. Live, both remedies are computed — its updates
+        replaced by honest re-runs (``repair: rerun``, when configured) and left out (``discard``) — and the one whose θ
+        has the lower validation loss is installed: a repair never leaves θ worse than leaving the attacker out (early
+        in a run, replaying hundreds of honest updates onto a θ without the attacker's, with re-runs in their place,
+        could diverge). The choice goes into the ``Repaired`` record; a ``--resume`` replay repeats it (``remedy``)."""
         from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
 
         daemon = self.daemon
@@ -536,34 +576,48 @@ class DaemonVerification:
         started = time.perf_counter()
         live = daemon.state
         before_version = live.version
+        kinds = [remedy] if remedy else (["rerun", "discard"] if self.reruns is not None else ["discard"])
+        results: dict[str, tuple[RepairResult, Any]] = {}
         with self.anchors.lock:  # no anchor rotation or segment pruning while the repair reads them
             snapshot = load_snapshot(anchor_dir)
-            state = self._fresh_state()
-            state.load_state_dict(snapshot["coordinator"])
             after = snapshot_wal_seq(snapshot)
-            records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
-            substitutes = self.reruns.substitutes(action.anchor) if self.reruns is not None else None
-            with self.reruns.lock if self.reruns is not None else contextlib.nullcontext():
-                result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
-                                live.lease_counter, dict(live.verification.chain), live_base(live), substitutes)
+            for kind in kinds:
+                state = self._fresh_state()
+                state.load_state_dict(snapshot["coordinator"])
+                records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
+                substitutes = self.reruns.substitutes(action.anchor) if kind == "rerun" and self.reruns is not None else None
+                with self.reruns.lock if substitutes is not None and self.reruns is not None else contextlib.nullcontext():
+                    result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
+                                    live.lease_counter, dict(live.verification.chain), live_base(live), substitutes)
+                results[kind] = (result, substitutes)
+        losses: dict[str, float] = {}
+        if not remedy:  # live (or a resume whose log ends before the record): measured, the lower loss installed
+            losses = {"live": self._val_loss(live.params)}
+            losses.update({kind: self._val_loss(results[kind][0].state.params) for kind in kinds})
+        chosen = remedy or min(kinds, key=lambda kind: (losses[kind], kinds.index(kind)))
+        result, substitutes = results[chosen]
+        repaired = dataclasses.replace(result.repaired, remedy=chosen)
         daemon.state = result.state
-        # The repair's own decisions (leases given back, the version jump) go into the log as the record right after
-        # the last one it replayed, so that a later repair replaying across this point repeats them (logic.Repaired).
-        # A --resume replay carries out this repair right before it meets that record (durability.py), which is
-        # then handled again (a no-op); if the coordinator died before writing it, the repair is carried out after
-        # the replay, not replaying, and the record appended here.
+        # The repair's own decisions (leases given back, the version jump, the remedy) go into the log as the record
+        # right after the last one it replayed, so that a later repair replaying across this point repeats them
+        # (logic.Repaired). A --resume replay carries out this repair right before it meets that record
+        # (durability.py), which is then handled again (a no-op); if the coordinator died before writing it, the repair
+        # is carried out after the replay, not replaying, and the record appended here.
         if self.replay_seq is None:
-            daemon.wal.append_event(result.repaired, daemon.clock.time())
+            daemon.wal.append_event(repaired, daemon.clock.time())
         seconds = time.perf_counter() - started
         summary = {
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
             # runtime.verify.repair rerun: its updates replaced by honest re-runs (trained now / stored before)
             "substituted": result.substituted, "rerun_now": substitutes.computed if substitutes else 0,
-            "rerun_stored": substitutes.loaded if substitutes else 0, "refused": result.refused,
+            "rerun_stored": substitutes.loaded if substitutes else 0, "refused": result.refused, "held": result.held,
             "version_before": before_version, "version_after": result.state.version, "seconds": round(seconds, 3),
             "voided": sum(1 for a in result.voided if isinstance(a, Expired)), "kept": len(result.state.leases),
             # of the kept: live leases the replay never issued, adopted with their peers' work (coordinator/repair.py)
             "adopted": sum(1 for entry in result.repaired.adopted if str(entry[0]) in result.state.leases),
+            # the remedy installed, and the validation loss of the θ it replaced and of each candidate (live only)
+            "remedy": chosen, "loss_before": losses.get("live"), "loss_after": losses.get(chosen),
+            "losses": losses,
         }
         self.repairs.append(summary)
         journal.write("repaired", **summary)

@@ -12,8 +12,9 @@ Events and what the coordinator decides:
   grace period (:class:`Hold`), paper Algorithm 2 / docs/algorithm.md §6. A held request is answered
   later by an :class:`Assign` emitted while handling another event.
 * :class:`SubmitUpdate` — a pseudo-gradient arrives for a lease: validate it, apply it with the
-  method's outer optimizer (:class:`Applied`), acknowledge a resend without applying it twice
-  (:class:`Duplicate`), or refuse it (:class:`Rejected`).
+  method's outer optimizer (:class:`Applied`), hold it until its check agrees when the lease was chosen for
+  verification (:class:`Held`), acknowledge a resend without applying it twice (:class:`Duplicate`), or refuse it
+  (:class:`Rejected`).
 * :class:`Tick` — time passes: expired leases give their steps back (:class:`Expired`), held
   requests whose grace window closed are answered.
 * :class:`PeerLeft` — a peer is gone: its leases are given back, it leaves the DyLU max.
@@ -21,9 +22,9 @@ Events and what the coordinator decides:
   the one submitted: a match counts toward the peer's probation; a mismatch expels the peer (:class:`Expelled`:
   its leases are given back and everything it sends is turned away from then on). Which leases are re-run is
   decided here, when a lease is issued (:func:`verify_reason`: HMAC of the lease id under the run secret below
-  ``fraction``, every update of a peer on probation, more for a peer the gate refused recently), and an applied
-  update of such a lease yields a :class:`Verify` action carrying θ at its base version and the update as
-  submitted. :class:`Discard` voids a lease's update (consumed, θ untouched): the repair after an expulsion
+  ``fraction``, every update of a peer on probation, more for a suspect), and the update of such a lease is held
+  (:class:`Held`, not applied) with a :class:`Verify` action carrying θ at its base version and the update as
+  submitted; its ``Verified`` applies it (ok) or drops it (failed), so θ never holds checked work that failed. :class:`Discard` voids a lease's update (consumed, θ untouched): the repair after an expulsion
   replays the log with the expelled peer's submissions discarded (coordinator/verify.py, ``repair``), and
   :class:`Repaired` records what that repair decided beyond the replay (leases given back, the version jump), so a
   later repair's replay repeats it.
@@ -62,7 +63,7 @@ from asyncloco.coordinator.logic.admission import (
 )
 from asyncloco.coordinator.logic.events import (
     Action, Admit, Admitted, Applied, Assign, Discard, Duplicate, Event, Expelled, Expired, Fetched, Fingerprint,
-    Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
+    Held, Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
     Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Unverified, Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
@@ -70,14 +71,16 @@ from asyncloco.coordinator.logic.leases import (
     _dylu_reference, _effective_speed, _expected_in_window, _expire, _fastest_alive, _give_back, _index_lease,
     _issue, _lease_id, _lease_index, _leases_due, _next_uniform, _note_speed, _notice_peer_count, _on_fetched,
     _on_hello, _on_peer_left, _on_request, _on_restarted, _on_speed, _on_tick, _peer_leases, _release_held,
-    _retain_before_step, _serves_download, _unindex_lease, _version_needed, base_theta, verify_draw, verify_reason,
+    _retain_before_step, _serves_download, _unindex_lease, _version_needed, base_theta, must_check, return_range,
+    verify_draw, verify_reason,
 )
 from asyncloco.coordinator.logic.state import (
-    AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, Lease, PeerInfo,
+    AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
     ShardState, VerificationState, VerifyPolicy,
 )
 from asyncloco.coordinator.logic.submit import (
-    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, gate_verdict, refused_as_sent, update_problem,
+    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, gate_verdict, holds,
+    refused_as_sent, update_problem,
     validate_update, void_leases,
 )
 
@@ -109,6 +112,9 @@ __all__ = [
     "Assign",
     "Hold",
     "Applied",
+    "Held",
+    "HeldUpdate",
+    "holds",
     "Duplicate",
     "Rejected",
     "Expired",
@@ -173,7 +179,7 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
     elif isinstance(event, Repaired):
         actions = _on_repaired(state, event)
     elif isinstance(event, Unverified):
-        actions = _on_unverified(state, event)
+        actions = _on_unverified(state, event, now)
     else:
         raise TypeError(f"unknown event {event!r}")
     actions += _release_held(state, now)

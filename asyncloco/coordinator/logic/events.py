@@ -141,11 +141,14 @@ class Verified:
 class Unverified:
     """The check of lease ``lease_id`` of ``peer`` ends without a verdict (coordinator/verify.py): the verification
     queue was full, the re-run failed, or a coordinator restart lost the ack that asked for the peer's reveal.
-    Counted as unverifiable; the check no longer counts toward the peer's probation as one on its way."""
+    Counted as unverifiable; the check no longer counts toward the peer's probation as one on its way. A held update
+    (logic/submit.py) is dropped — no verdict, no application — unless ``apply``: the coordinator's own restart lost
+    the check, which the peer cannot cause (its honest work is not thrown away for it)."""
 
     peer: str
     lease_id: str
     reason: str
+    apply: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,9 @@ class Repaired:
     # live leases the replay never issued (its grace windows held their requests instead), each as ADOPTED_FIELDS:
     # adopted with the work its peer has when its shard range is still free after the give-backs (absent in older logs)
     adopted: tuple[tuple[Any, ...], ...] = ()
+    # the remedy the live repair installed ("rerun": honest re-runs in the expelled peer's place, "discard": left
+    # out), chosen by validation loss (coordinator/verify.py); a --resume replay repeats it ("": older logs)
+    remedy: str = ""
 
 
 ADOPTED_FIELDS = ("lease_id", "peer", "shard", "start_offset", "steps", "lr_offset", "base_version", "issued_at",
@@ -218,6 +224,20 @@ class Applied:
     moved: bool
     reason: str
     gate: str = ""  # what the update gate did (e.g. "clipped ×0.25: ..."), empty when it is off
+    sketch: float | None = None  # the update's persistent-residual score (coordinator/sketch.py), None when not scored
+
+
+@dataclass(frozen=True)
+class Held:
+    """A submission of a lease chosen for a check is accepted but held until its re-run agrees (logic/submit.py): it
+    is applied (an :class:`Applied` from the :class:`Verified` event) only then, and never if the check fails. The peer
+    is told it was accepted; ``version`` is θ's version now (unchanged by it)."""
+
+    peer: str
+    lease_id: str
+    version: int
+    reason: str
+    sketch: float | None = None  # the update's persistent-residual score (coordinator/sketch.py)
 
 
 @dataclass(frozen=True)
@@ -338,16 +358,20 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Expelled:
-    """``peer`` failed a verification: it is out of the run for good. The daemon repairs θ: the log is replayed
-    without its updates (coordinator/verify.py, ``repair``)."""
+    """``peer`` failed a verification: it is out of the run for good. Where θ holds updates of it applied without a
+    check (``repair``), the daemon repairs θ: the log is replayed without them (coordinator/verify.py, ``repair``);
+    its held updates are never applied."""
 
     peer: str
     lease_id: str
     reason: str
     anchor: int = -1  # the Verified event's: the log record the daemon's repair replays from
+    # whether θ holds an update of the peer that was applied without a check (a held update never counts): only then
+    # is there anything for a repair to take out
+    repair: bool = True
 
 
 Action = Union[
-    Assign, Hold, Applied, Duplicate, Rejected, Expired, Admitted, Refused, Revoked, Quarantined, Released, Left, Notice,
+    Assign, Hold, Applied, Held, Duplicate, Rejected, Expired, Admitted, Refused, Revoked, Quarantined, Released, Left, Notice,
     Verify, Verdict, Expelled, Incompatible,
 ]

@@ -434,7 +434,7 @@ def _retain_before_step(state: CoordinatorState) -> list[Action]:
         for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
             if lease.base_version != oldest:
                 continue
-            if lease.fetched and not state.needs_base_params and lease.verify:
+            if lease.fetched and not state.needs_base_params and lease.verify and not must_check(lease):
                 lease.verify = ""  # its check is dropped: the base it would re-run from is gone
                 state.verification.unverifiable += 1
             else:
@@ -462,6 +462,13 @@ def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
     info = state.peers.get(lease.peer)
     if info is not None and info.observed is None:
         info.failed = True
+    return_range(state, lease)
+    _drop_unused_base_params(state)
+    return [Expired(lease.peer, lease.lease_id, lease.shard, lease.steps, f"{why}; {lease.steps} steps given back to shard {lease.shard}")]
+
+
+def return_range(state: CoordinatorState, lease: Lease) -> None:
+    """Give ``lease``'s shard range back (its batches are issued again first; Eq. 2's progress forgets its steps)."""
     shard = state.shards[lease.shard]
     shard.assigned -= lease.steps
     if lease.start_offset + lease.steps == shard.cursor and not shard.returned:
@@ -469,8 +476,6 @@ def _give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
     else:
         shard.returned.append((lease.start_offset, lease.steps))
         shard.returned.sort()
-    _drop_unused_base_params(state)
-    return [Expired(lease.peer, lease.lease_id, lease.shard, lease.steps, f"{why}; {lease.steps} steps given back to shard {lease.shard}")]
 
 
 def _drop_unused_base_params(state: CoordinatorState) -> None:
@@ -572,6 +577,13 @@ def _on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[
 # ---------------------------------------------------------------------------------- verification
 
 
+def must_check(lease: Lease) -> bool:
+    """A check that is never dropped, even when the θ it would re-run from costs memory: probation and a suspect's
+    draw. A peer that holds such a lease until its base θ is no longer retained gets it given back instead —
+    otherwise a deliberately slow client would skip its probation (its update applied unchecked)."""
+    return lease.verify.startswith(("probation", "suspect"))
+
+
 def verify_draw(secret: bytes, lease_id: str) -> float:
     """A uniform number in [0, 1) from HMAC-SHA256(run secret, lease id): fixed by the lease, unknowable to a peer
     (it never learns the secret), and the same again when the log is replayed."""
@@ -581,8 +593,9 @@ def verify_draw(secret: bytes, lease_id: str) -> float:
 
 def verify_reason(state: CoordinatorState, policy: VerifyPolicy, peer: str, lease_id: str) -> str:
     """Why ``peer``'s lease ``lease_id`` is to be re-run, or "" when it is not: every lease while the peer has
-    fewer than ``probation_updates`` verified updates, then ``suspect_fraction`` of them while the gate refused one
-    of its recent updates, else ``fraction``. Decided when the lease is issued, never told to the peer. Checks on
+    fewer than ``probation_updates`` verified updates, then every lease while its update sketch makes it a suspect
+    (coordinator/sketch.py: ``sketch_checks`` leases after a score above ``sketch_threshold``), then
+    ``suspect_fraction`` of them while the gate refused one of its recent updates, else ``fraction``. Decided when the lease is issued, never told to the peer. Checks on
     their way count toward probation (its leases chosen and still active, its applied updates awaiting a verdict):
     a fast peer's probation is ``probation_updates`` re-runs, not every lease it takes before its first verdicts."""
     passed = state.verification.passed.get(peer, 0)
@@ -591,10 +604,17 @@ def verify_reason(state: CoordinatorState, policy: VerifyPolicy, peer: str, leas
         on_the_way += sum(1 for lease in state.leases.values() if lease.peer == peer and lease.verify)
         if passed + on_the_way < policy.probation_updates:
             return f"probation ({passed} of {policy.probation_updates} verified" + (f", {on_the_way} on the way)" if on_the_way else ")")
+    sketches = state.verification.sketch
+    if sketches.flagged.get(peer, 0) > 0:  # its updates keep a direction the others' do not (coordinator/sketch.py)
+        sketches.flagged[peer] -= 1
+        if not sketches.flagged[peer]:
+            del sketches.flagged[peer]
+        return (f"suspect: its updates keep one direction the other peers' do not (residual cosine "
+                f"{sketches.score.get(peer, float('nan')):.2f} with its previous update)")
     draw = verify_draw(state.lease_secret, lease_id)
     suspect = update_gate.suspect(state.gate, peer)  # a counted gate rejection or weak agreement, recently
     if suspect and draw < policy.suspect_fraction:
-        return f"sampled at {policy.suspect_fraction:g} ({suspect})"
+        return f"suspect, sampled at {policy.suspect_fraction:g} ({suspect})"
     if draw < policy.fraction:
         return f"sampled at {policy.fraction:g}"
     return ""

@@ -13,6 +13,7 @@ import torch
 from asyncloco.algo.outer import OuterOptimizer
 from asyncloco.algo.staleness import StalenessTransform
 from asyncloco.coordinator.gate import GatePolicy, GateState
+from asyncloco.coordinator.sketch import Sketcher, SketchState
 
 
 # ----------------------------------------------------------------------------------------- state
@@ -107,10 +108,44 @@ class VerifyPolicy:
     probation_updates: int = 2  # every one of a peer's first N verified updates
     suspect_fraction: float = 0.5  # share for a peer with a gate rejection among its recent verdicts
     commit: bool = False  # inner_state "carry": submissions carry chained digests of the inner state (Commitments)
+    sketch_threshold: float = 1.0  # a persistent residual beyond this cosine makes a suspect (coordinator/sketch.py; 1: off)
+    sketch_checks: int = 2  # its next leases re-run, this many
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
 """The commitment to a fresh inner optimizer state; the same value as peer/inner.py's (which computes the digests)."""
+
+
+@dataclass(eq=False)
+class HeldUpdate:
+    """A submission of a lease chosen for a check, accepted but held until its verdict (:class:`VerificationState`
+    ``held``): applied to θ when its re-run agrees, never when it does not. ``update`` is the pseudo-gradient as
+    submitted, ``scale`` the gate's clip factor (1.0 without a gate), ``verdict`` the gate's verdict as a dict of its
+    fields (recorded into the gate's statistics only when the update is applied), ``base`` θ at the lease's base
+    version (what a staleness transform that needs θ_base reads at application)."""
+
+    lease: Lease
+    update: torch.Tensor
+    base: torch.Tensor
+    scale: float
+    submitted_at: float
+    verdict: dict[str, Any] | None = None
+    # what its check needs besides the tensors (a check a restart finds unjudged is rebuilt from them)
+    state_start: str = ""
+    state_end: str = ""
+    device_class: str = ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lease": self.lease.to_dict(), "update": self.update, "base": self.base, "scale": self.scale,
+                "submitted_at": self.submitted_at, "verdict": None if self.verdict is None else dict(self.verdict),
+                "state_start": self.state_start, "state_end": self.state_end, "device_class": self.device_class}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "HeldUpdate":
+        verdict = state.get("verdict")
+        return cls(Lease(**state["lease"]), state["update"], state["base"], float(state["scale"]),
+                   float(state["submitted_at"]), None if verdict is None else dict(verdict),
+                   str(state.get("state_start", "")), str(state.get("state_end", "")), str(state.get("device_class", "")))
 
 
 @dataclass
@@ -123,12 +158,20 @@ class VerificationState:
     checked: int = 0
     failed: int = 0
     unverifiable: int = 0  # chosen leases never judged: base θ no longer retained, queue full, re-run failed, restart (Unverified)
-    chain: dict[str, str] = field(default_factory=dict)  # peer -> inner-state digest at the end of its last applied lease
+    chain: dict[str, str] = field(default_factory=dict)  # peer -> inner-state digest at the end of its last accepted lease
+    # lease id -> a checked lease's update, accepted and held until its verdict (applied only if its re-run agrees)
+    held: dict[str, HeldUpdate] = field(default_factory=dict)
+    # peer -> its updates applied to θ without a check before them: what a repair has to take out if it is expelled
+    unchecked: dict[str, int] = field(default_factory=dict)
+    dropped: int = 0  # held updates never applied: their check failed, or ended without a verdict
+    sketch: SketchState = field(default_factory=SketchState)  # per peer: its updates' residual sketch (sleepers)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "passed": dict(self.passed), "expelled": dict(self.expelled), "pending": dict(self.pending),
             "checked": self.checked, "failed": self.failed, "unverifiable": self.unverifiable, "chain": dict(self.chain),
+            "held": {k: v.state_dict() for k, v in self.held.items()}, "unchecked": dict(self.unchecked),
+            "dropped": self.dropped, "sketch": self.sketch.state_dict(),
         }
 
     @classmethod
@@ -137,6 +180,9 @@ class VerificationState:
             {k: int(v) for k, v in state["passed"].items()}, {k: str(v) for k, v in state["expelled"].items()},
             {k: str(v) for k, v in state["pending"].items()}, int(state["checked"]), int(state["failed"]),
             int(state["unverifiable"]), {k: str(v) for k, v in state.get("chain", {}).items()},
+            {k: HeldUpdate.from_state_dict(v) for k, v in state.get("held", {}).items()},
+            {k: int(v) for k, v in state.get("unchecked", {}).items()}, int(state.get("dropped", 0)),
+            SketchState.from_state_dict(state.get("sketch", {})),
         )
 
 
@@ -175,6 +221,7 @@ class DerivedIndexes:
     lease_indexes: dict[str, tuple[dict[str, Lease], list[tuple[float, str]]]] = field(default_factory=dict)
     lease_book: "_LeaseBook | None" = None
     speed_heap: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = None
+    sketcher: Sketcher | None = None  # the run's update sketch (coordinator/sketch.py), built on first use
 
 
 @dataclass

@@ -4,6 +4,7 @@ the re-runs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -14,30 +15,47 @@ from asyncloco.algo.staleness import apply_transforms
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.logic.events import (
     ADOPTED_FIELDS,
-    Action, Applied, Discard, Duplicate, Expelled, Quarantined, Rejected, Released, Repaired, SubmitUpdate, Unverified,
+    Action, Applied, Discard, Duplicate, Expelled, Held, Quarantined, Rejected, Released, Repaired, SubmitUpdate, Unverified,
     Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
-    _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta,
+    _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta, return_range,
 )
 from asyncloco.coordinator.gate import GatePolicy, GateVerdict
-from asyncloco.coordinator.logic.state import CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, Lease, PeerInfo
+from asyncloco.coordinator.sketch import Sketcher, observe
+from asyncloco.coordinator.logic.state import (
+    CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
+)
 from asyncloco.refusals import RefusalCode
 
 
 def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Action]:
+    """A check's verdict. Agreed: it counts toward the peer's probation and its held update is applied now. Failed:
+    the peer is expelled — its held updates are never applied, its leases go back, and a repair is asked for only
+    where θ holds updates of it that were applied without a check (``Expelled.repair``)."""
     book = state.verification
     book.pending.pop(event.lease_id, None)
+    held = book.held.get(event.lease_id)
+    if held is not None and held.lease.peer == event.peer:
+        del book.held[event.lease_id]
+    else:
+        held = None  # none, or another peer's: left as it is
     book.checked += 1
     if event.peer in book.expelled:
-        return [Verdict(event.peer, event.lease_id, event.ok, f"{event.detail} (peer already expelled)")]
+        actions: list[Action] = [Verdict(event.peer, event.lease_id, event.ok, f"{event.detail} (peer already expelled)")]
+        return actions + ([] if held is None else _drop_held(state, held, "its peer was expelled"))
     if event.ok:
         book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
-        return [Verdict(event.peer, event.lease_id, True, event.detail)]
+        return [Verdict(event.peer, event.lease_id, True, event.detail)] + ([] if held is None else _apply_held(state, held, now))
     book.failed += 1
     reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
     book.expelled[event.peer] = reason
-    actions: list[Action] = [Verdict(event.peer, event.lease_id, False, event.detail), Expelled(event.peer, event.lease_id, reason, event.anchor)]
+    actions = [Verdict(event.peer, event.lease_id, False, event.detail)]
+    if held is not None:
+        actions += _drop_held(state, held, "its check failed")
+    actions += _drop_peer_held(state, event.peer, "its peer was expelled")
+    book.sketch.forget(event.peer)
+    actions.append(Expelled(event.peer, event.lease_id, reason, event.anchor, repair=book.unchecked.get(event.peer, 0) > 0))
     info = state.peers.get(event.peer)
     if info is not None:
         info.alive = False
@@ -48,13 +66,24 @@ def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[A
     return actions
 
 
-def _on_unverified(state: CoordinatorState, event: Unverified) -> list[Action]:
+def _on_unverified(state: CoordinatorState, event: Unverified, now: float) -> list[Action]:
+    """A check ends without a verdict: counted unverifiable. A held update is not applied (no verdict, no application:
+    a peer must not be able to skip its check by making it fail to run) — its range goes back to the shard; unless
+    the coordinator's restart lost the check (``apply``), when it is applied as its peer was told."""
     book = state.verification
-    if book.pending.get(event.lease_id) != event.peer:
+    held = book.held.get(event.lease_id)
+    if held is not None and held.lease.peer != event.peer:
+        held = None
+    if book.pending.get(event.lease_id) != event.peer and held is None:
         return []  # judged meanwhile, or cleared by a repair
-    del book.pending[event.lease_id]
+    book.pending.pop(event.lease_id, None)
     book.unverifiable += 1
-    return []
+    if held is None:
+        return []
+    del book.held[event.lease_id]
+    if event.apply and event.peer not in book.expelled:
+        return _apply_held(state, held, now)
+    return _drop_held(state, held, f"its check ended without a verdict ({event.reason})")
 
 
 def _on_discard(state: CoordinatorState, event: Discard, now: float) -> list[Action]:
@@ -80,8 +109,11 @@ def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
     kept = dict(zip(event.kept, event.kept_versions))
     adopted = {str(entry[0]): _adopted_lease(entry) for entry in event.adopted}
     # a lease already adopted (the event handled again) stays; a replayed one under an adopted id goes back
+    # handled again (a --resume replay meets the record of a repair it has just carried out): the θs retained for the
+    # kept leases' checks — the live ones the repair handed on — stay
+    again = state.version >= event.version
     actions = void_leases(state, "θ was repaired after an expulsion: ask for a new lease",
-                          lambda lease: lease.lease_id in kept or adopted.get(lease.lease_id) == lease)
+                          lambda lease: lease.lease_id in kept or adopted.get(lease.lease_id) == lease, clear_bases=not again)
     renumbered = False
     for lease in state.leases.values():
         if lease.base_version != kept.get(lease.lease_id, lease.base_version):
@@ -89,7 +121,8 @@ def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
     renumbered = _adopt(state, event) or renumbered
     if renumbered:
         state.indexes = DerivedIndexes()  # the lease book indexes leases by base version: rebuilt on next use
-    state.verification.pending.clear()
+    book = state.verification
+    book.pending = {lease_id: peer for lease_id, peer in book.pending.items() if lease_id in book.held}  # held: still judged
     state.version = max(state.version, event.version)
     state.lease_counter = max(state.lease_counter, event.lease_counter)
     expelled = state.verification.expelled
@@ -132,7 +165,8 @@ def _adopt(state: CoordinatorState, event: Repaired) -> bool:
     return changed
 
 
-def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None) -> list[Action]:
+def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None,
+                clear_bases: bool = True) -> list[Action]:
     """Give back every active lease (but those ``keep`` holds valid) and drop every held request (after a repair
     replaced θ: no lease's base version means the same θ any more). Deterministic, so a replay repeats it."""
     actions: list[Action] = []
@@ -147,7 +181,8 @@ def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool]
         actions.append(Released(peer, why))
     state.held.clear()
     state.window_end = None
-    state.base_params.clear()
+    if clear_bases:
+        state.base_params.clear()
     return actions
 
 
@@ -184,13 +219,13 @@ def update_problem(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -
 
 
 def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[Action]:
-    """A peer's update for one of its leases: refused (:func:`_refusal`), rejected by the gate, dropped by the
-    staleness policy, or applied to θ — in that order of checks (each step a function below)."""
+    """A peer's update for one of its leases: refused (:func:`_refusal`), rejected by the gate, held until its check
+    (a lease chosen for verification: :func:`_hold`), dropped by the staleness policy, or applied to θ — in that
+    order of checks (each step a function below)."""
     refused = _refusal(state, event)
     if refused is not None:
         return refused
     lease = state.leases[event.lease_id]
-    staleness = state.version - lease.base_version
     info = state.peers.get(event.peer)
     if info is not None:
         info.last_seen = now
@@ -202,29 +237,80 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
         verdict = gate_verdict(state, event, lease, policy.gate)
         if verdict.action == "reject":
             return _gate_reject(state, policy.gate, event, lease, verdict, now)
-        if verdict.action == "clip":  # not in place: handle never changes its event (a replay may feed it again)
-            update = update.mul(verdict.scale)
-    base = base_theta(state, lease.base_version) if state.needs_base_params else None
-    adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
+    scale = verdict.scale if verdict is not None and verdict.action == "clip" else 1.0
+    score = _sketch(state, event)
     del state.leases[lease.lease_id]
     _unindex_lease(state, lease)
     if info is not None and not policy.trust_speeds:
         _observe_speed(state, info, lease, event, now)
+    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
+        # the chain advances with every accepted lease (a held one included: its peer goes on from that state)
+        state.verification.chain[event.peer] = event.state_end
+    if check is not None and not _dropped(state, lease):
+        # (θ at its base version no longer held — only in a replay that crosses an earlier repair, which cannot hand
+        # on the live θ: held all the same, and the log's Unverified or verdict settles it as it did live)
+        return _hold(state, event, lease, check[0] if check[0] is not None else torch.empty(0), check[1], scale,
+                     verdict, now, score)
+    if scale != 1.0:  # not in place: handle never changes its event (a replay may feed it again)
+        update = update.mul(scale)
+    base = base_theta(state, lease.base_version) if state.needs_base_params else None
+    return _apply(state, lease, update, base, verdict, now, checked=False, sketch=score)
+
+
+def _sketch(state: CoordinatorState, event: SubmitUpdate) -> float | None:
+    """Score an accepted update by its persistent residual (coordinator/sketch.py): a peer whose consecutive updates
+    keep one direction the others' do not becomes a suspect, and its next leases are all re-run (verify_reason)."""
+    policy = state.policy.verify
+    if policy is None or policy.sketch_threshold >= 1.0:
+        return None
+    indexes = state.indexes
+    if indexes.sketcher is None or indexes.sketcher.numel != state.params.numel():
+        indexes.sketcher = Sketcher(state.lease_secret + b"/" + str(state.seed).encode(), state.params.numel())
+    live = {name for name, info in state.peers.items() if info.alive}
+    return observe(state.verification.sketch, indexes.sketcher(event.pseudo_gradient), event.peer, live,
+                   policy.sketch_threshold, policy.sketch_checks)
+
+
+def holds(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """Would handling ``event`` now hold its update for a check (:func:`_hold`), without changing ``state``? The
+    repair's replay asks this of an expelled peer's submission: a held one is replayed as it is (coordinator/repair.py)."""
+    lease = state.leases.get(event.lease_id)
+    if state.policy.verify is None or lease is None or not lease.verify or refused_as_sent(state, event):
+        return False
+    return not _dropped(state, lease)
+
+
+def _dropped(state: CoordinatorState, lease: Lease) -> bool:
+    """Would the staleness policy drop ``lease``'s update now (holding it for a check would then be pointless)?"""
+    return any(transform.drops(state.version - lease.base_version) for transform in state.transforms)
+
+
+def _apply(
+    state: CoordinatorState, lease: Lease, update: torch.Tensor, base: torch.Tensor | None, verdict: GateVerdict | None,
+    now: float, checked: bool, sketch: float | None = None,
+) -> list[Action]:
+    """Apply an accepted update (already clipped as the gate said) with the method's outer optimizer, its staleness
+    counted from now; or drop it, consumed, where the staleness policy says so. ``checked``: its check agreed first
+    (a held update); an unchecked one counts toward what a repair would have to take out of θ."""
+    staleness = state.version - lease.base_version
+    adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
     if adjusted.pseudo_gradient is None:
         # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
         state.applied[lease.lease_id] = state.version
         _drop_unused_base_params(state)
-        return [Rejected(event.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
+        return [Rejected(lease.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
     retained = _retain_before_step(state)
     info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
     state.version += 1
     state.local_updates += lease.steps
     state.applied[lease.lease_id] = state.version
-    gate_note = _after_step(state, event, lease, verdict, update, now)
-    verify = _verify_actions(state, event, lease, check)
-    return retained + verify + [
+    if not checked:
+        book = state.verification
+        book.unchecked[lease.peer] = book.unchecked.get(lease.peer, 0) + 1
+    gate_note = _after_step(state, lease, verdict, update, now)
+    return retained + [
         Applied(
-            event.peer,
+            lease.peer,
             lease.lease_id,
             state.version,
             staleness,
@@ -233,8 +319,57 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
             info_step.moved,
             f"{info_step.reason}; {adjusted.reason}",
             gate_note,
+            sketch,
         )
     ]
+
+
+def _hold(
+    state: CoordinatorState, event: SubmitUpdate, lease: Lease, base: torch.Tensor, update: torch.Tensor, scale: float,
+    verdict: GateVerdict | None, now: float, sketch: float | None = None,
+) -> list[Action]:
+    """Accept a checked lease's update but hold it until its verdict (:func:`_on_verified`): θ never sees the work of a
+    peer whose check fails, so nothing needs repair when one is caught on its checked leases. ``base``/``update``: θ at
+    the lease's base version and the update as submitted (copies that never change)."""
+    book = state.verification
+    book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
+                                           None if verdict is None else dataclasses.asdict(verdict),
+                                           event.state_start or "", event.state_end or "", event.device_class or "")
+    book.pending[lease.lease_id] = event.peer
+    _drop_unused_base_params(state)
+    return [
+        Verify(event.peer, lease, base, update, lease.verify, "", event.state_start or "", event.state_end or "",
+               event.device_class or ""),
+        Held(event.peer, lease.lease_id, state.version, f"held until its check agrees ({lease.verify})", sketch),
+    ]
+
+
+def _apply_held(state: CoordinatorState, held: HeldUpdate, now: float) -> list[Action]:
+    """A held update whose check agreed: applied now, its staleness counted from now."""
+    update = held.update if held.scale == 1.0 else held.update.mul(held.scale)
+    verdict = None if held.verdict is None else GateVerdict(**held.verdict)
+    base = held.base if held.base.numel() else base_theta(state, held.lease.base_version)
+    return _apply(state, held.lease, update, base, verdict, now, checked=True)
+
+
+def _drop_held(state: CoordinatorState, held: HeldUpdate, why: str) -> list[Action]:
+    """A held update that is never applied (its check failed or ended without a verdict, or its peer was expelled):
+    the lease's range goes back to its shard, to be trained by someone else."""
+    lease = held.lease
+    return_range(state, lease)
+    state.verification.dropped += 1
+    return [Rejected(lease.peer, lease.lease_id, f"held update not applied: {why}; {lease.steps} steps given back to "
+                     f"shard {lease.shard}", RefusalCode.DISCARDED)]
+
+
+def _drop_peer_held(state: CoordinatorState, peer: str, why: str) -> list[Action]:
+    """Drop every held update of ``peer`` (it was expelled: their checks no longer matter)."""
+    book = state.verification
+    actions: list[Action] = []
+    for lease_id in sorted(lease_id for lease_id, held in book.held.items() if held.lease.peer == peer):
+        book.pending.pop(lease_id, None)
+        actions += _drop_held(state, book.held.pop(lease_id), why)
+    return actions
 
 
 def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
@@ -244,6 +379,9 @@ def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | Non
     if event.lease_id in state.applied:
         version = state.applied[event.lease_id]
         return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
+    held = state.verification.held.get(event.lease_id)
+    if held is not None and held.lease.peer == event.peer:
+        return [Duplicate(event.peer, event.lease_id, state.version, "accepted already and held until its check; not held twice")]
     lease = state.leases.get(event.lease_id)
     if lease is None:
         return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back", RefusalCode.UNKNOWN_LEASE)]
@@ -276,8 +414,8 @@ def _verification_copy(
 ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """For a lease chosen for verification: θ at its base version (None when no longer held; copied before the
     optimizer step changes θ in place) and a copy of the update as submitted (the daemon decodes the next upload
-    into the same buffer: coordinator/serving.py); None for a lease not checked. Verify is emitted only if the
-    update is applied (:func:`_verify_actions`)."""
+    into the same buffer: coordinator/serving.py); None for a lease not checked. The update is then held until its
+    verdict (:func:`_hold`), which emits the Verify."""
     if state.policy.verify is None or not lease.verify:
         return None
     base_now = base_theta(state, lease.base_version)
@@ -307,34 +445,17 @@ def _observe_speed(state: CoordinatorState, info: PeerInfo, lease: Lease, event:
 
 
 def _after_step(
-    state: CoordinatorState, event: SubmitUpdate, lease: Lease, verdict: GateVerdict | None, update: torch.Tensor, now: float
+    state: CoordinatorState, lease: Lease, verdict: GateVerdict | None, update: torch.Tensor, now: float
 ) -> str:
-    """Bookkeeping once θ moved: the peer's commitment chain advances (applied leases only), the gate records the
-    update it passed, unused base parameters are dropped. Returns the gate's note for Applied ("" without a gate)."""
+    """Bookkeeping once θ moved: the gate records the update it passed (when it is applied: a held update's only once
+    its check agreed), unused base parameters are dropped. Returns the gate's note for Applied ("" without a gate)."""
     policy = state.policy
-    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
-        state.verification.chain[event.peer] = event.state_end  # the chain advances with applied leases only
     gate_note = ""
     if verdict is not None and policy.gate is not None:
-        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, event.peer, now)
+        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, lease.peer, now)
         gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
     _drop_unused_base_params(state)
     return gate_note
-
-
-def _verify_actions(
-    state: CoordinatorState, event: SubmitUpdate, lease: Lease, check: tuple[torch.Tensor | None, torch.Tensor] | None
-) -> list[Action]:
-    """The Verify for an applied lease chosen for verification (pending until its Verified), or none: a lease not
-    chosen, or one whose base θ is no longer held (counted as unverifiable)."""
-    if check is None:
-        return []
-    if check[0] is None:
-        state.verification.unverifiable += 1
-        return []
-    state.verification.pending[lease.lease_id] = event.peer
-    return [Verify(event.peer, lease, check[0], check[1], lease.verify, "", event.state_start or "", event.state_end or "",
-                   event.device_class or "")]
 
 
 def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
