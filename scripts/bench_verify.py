@@ -77,9 +77,10 @@ def bench_size(preset: str, steps: int, batch: int, seq_len: int, codec: str) ->
 
 def bench_carried(preset: str, steps: int, batch: int, seq_len: int, codec: str, workload: Any) -> dict[str, Any]:
     """``inner_state: carry``: the peer's lease from a carried state, and the verifier's re-run from the revealed
-    start state (digest check, load, re-run, end digest: Rerunner.check_revealed) — its seconds and verdict."""
+    start and end states (digest checks, load, re-run, end digest: Rerunner.check_revealed) — its seconds and verdict."""
     from asyncloco.coordinator.logic import Verify
     from asyncloco.peer.inner import inner_state_chunks
+    from asyncloco.peer.reveal import pack_parts
 
     cfg = lm_config(preset, batch, seq_len, codec, "carry")
     peer = InnerTrainer.from_config(cfg, workload)
@@ -92,6 +93,7 @@ def bench_carried(preset: str, steps: int, batch: int, seq_len: int, codec: str,
     submitted = peer.run(theta, 1, 3, steps, 3).pseudo_gradient
     peer_s = time.perf_counter() - started
     end = peer.state_digest()
+    revealed = pack_parts(revealed, b"".join(inner_state_chunks(peer.optimizer) or []))  # start and end (peer/reveal.py)
     if codec != "none":
         from asyncloco.transport.codecs import decode, encode
 

@@ -15,6 +15,7 @@ from asyncloco.coordinator import logic
 from asyncloco.coordinator.logic import Verify
 from asyncloco.coordinator.rerun import Rerunner, implausible_state, moment_bound
 from asyncloco.peer.inner import InnerTrainer, inner_state_chunks, load_inner_state, revealed_digest
+from asyncloco.peer.reveal import pack_parts
 from asyncloco.workloads import build_workload
 
 from tests.test_verify_commit import carried_config
@@ -63,14 +64,15 @@ def test_an_honest_state_passes_and_a_crafted_one_fails_the_check_of_its_lease()
     assert worst < moment_bound(0.9, 0.999, 10)  # 5.08 against 6.81: honest states come close to the bound
     lease = logic.Lease("L1", "p", 1, 5, 6, 3, 0, 0.0, 1.0, 10.0)
     submitted = peer.run(theta, 1, 5, 6, 3).pseudo_gradient
+    end = b"".join(inner_state_chunks(peer.optimizer) or [])  # revealed with the start (peer/reveal.py pack_parts)
     rerunner = Rerunner(cfg, workload)
 
     def check(state: bytes, update: torch.Tensor) -> object:
-        digest = revealed_digest(state)
-        return rerunner.check_revealed(Verify("p", lease, theta, update, "sampled", "", digest, "0" * 64, FOREIGN), state)
+        task = Verify("p", lease, theta, update, "sampled", "", revealed_digest(state), revealed_digest(end), FOREIGN)
+        return rerunner.check_revealed(task, pack_parts(state, end))
 
     honest = check(revealed, submitted)
-    assert getattr(honest, "ok") and "the end state is not compared" in getattr(honest, "detail")
+    assert getattr(honest, "ok") and "its end state within" in getattr(honest, "detail")
     # crafted: the second moment of the first parameter's first 4 elements shrunk 10⁴ × (their steps amplified ~100 ×);
     # the peer trained from it honestly, so the re-run reproduces its update — only the state's plausibility fails
     crafter = InnerTrainer.from_config(cfg, workload)
