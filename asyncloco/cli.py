@@ -59,7 +59,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- asyncloco reproduce (sim/reproduce.py, issue 9) ---
+# --- asyncloco reproduce (sim/reproduce.py) ---
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """The paper's Tables 1-4 in the simulator, written to docs/reproduction.md with a figure."""
     from asyncloco.sim.reproduce import TABLES, parse_speeds, reproduce
@@ -110,7 +110,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- asyncloco data prepare (models/prepared.py, issue 36) ---
+# --- asyncloco data prepare (models/prepared.py) ---
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     """Tokenize a source into a prepared corpus (shard files + manifest) that runs name by its digest."""
     import os

@@ -1,4 +1,4 @@
-"""The clock the coordinator daemon and the peer runner read (issue 8, item 1).
+"""The clock the coordinator daemon and the peer runner read.
 
 Every decision that depends on time (lease deadlines, holds and grace windows, a peer's resend until its
 lease's deadline, its backoff) reads a :class:`Clock` instead of :mod:`time` directly, so the same code runs

@@ -252,7 +252,7 @@ CROSS_DEVICE_BOUNDS: dict[tuple[str, bool], tuple[float, float]] = {
     ("bf16", False): (0.1, 0.99), ("bf16", True): (0.4, 0.9),
 }
 SELECTING_CODECS = ("sgn", "topk", "grp")  # codecs whose kept positions a last-bit difference can move
-# the end inner state's bound by inner.precision (runtime.verify.cross_device_state_tolerance; issue 34). Measured on
+# the end inner state's bound by inner.precision (runtime.verify.cross_device_state_tolerance). Measured on
 # other CPU kernels (docs/results/verify-tolerance-end-state-cross-cpu-20m-fp32-2026-11-27.json, 20m, 20 steps): m and v
 # ≤ 7e-5, the AdamW step m̂/(√v̂+eps) ≤ 3.8e-4 (a lease from a fresh state; from a carried one ≤ 3.2e-5); fp32 allows 13×
 # the largest. bf16 (a GPU peer, a CPU verifier in fp32) is not measured yet: 0.2, twice the update's bf16 bound
@@ -274,10 +274,11 @@ class VerifyConfig(StrictModel):
     suspect_fraction: float = Field(0.5, ge=0, le=1, description="share re-run for a peer the gate refused recently")
     # a sleeper (honest through probation, then a hidden direction in every update) shows as a persistent residual:
     # coordinator/sketch.py scores each update by the cosine of its residual against the consensus with the peer's
-    # previous one (honest: near 0; docs/threat-model.md, "Sleepers")
+    # previous one. Off by default: in the demo honest peers score 0.1-0.97 too (the carried AdamW state and DyLU's
+    # per-peer lease lengths give each honest peer a persistent residual of its own; docs/threat-model.md, "Sleepers")
     sketch_threshold: float = Field(
-        0.35, ge=0, le=1, description="a peer whose consecutive updates share a residual direction beyond this cosine "
-        "becomes a suspect: its next sketch_checks leases are all re-run (1: never)"
+        1.0, ge=0, le=1, description="a peer whose consecutive updates share a residual direction beyond this cosine "
+        "becomes a suspect: its next sketch_checks leases are all re-run (1: never, the default)"
     )
     sketch_checks: int = Field(2, ge=0, description="leases re-run after a peer's sketch score passed sketch_threshold")
     tolerance: float = Field(

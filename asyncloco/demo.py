@@ -104,7 +104,7 @@ def summary_table(status: dict[str, Any], peers: dict[str, dict[str, Any]], slow
 
 
 def swarm_line(status: dict[str, Any], peers: dict[str, dict[str, Any]]) -> str:
-    """θ through the swarm (issue 19), when the peers used it: downloads through the swarm and fallbacks to the
+    """θ through the swarm, when the peers used it: downloads through the swarm and fallbacks to the
     coordinator (the peers' summaries), and what the coordinator's seed sent itself (status.json)."""
     downloads = sum(int(summary.get("swarm_downloads", 0)) for summary in peers.values())
     fallbacks = sum(int(summary.get("swarm_fallbacks", 0)) for summary in peers.values())

@@ -133,7 +133,7 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         identity_path=args.identity,  # admission: a token binds to this identity
         dht_server=args.dht_server,  # reach
         name=args.name,
-        swarm=args.swarm,  # issue 19 (transport/swarm.py)
+        swarm=args.swarm,  # θ from other peers (transport/swarm.py)
         serve=args.serve,
         serve_bandwidth=None if args.serve_bandwidth is None else args.serve_bandwidth * 125_000.0,
     )

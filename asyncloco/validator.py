@@ -1,4 +1,4 @@
-"""A validator peer: an organiser-run machine that re-runs checks for the coordinator (issue 16; docs/threat-model.md,
+"""A validator peer: an organiser-run machine that re-runs checks for the coordinator (docs/threat-model.md,
 "Who verifies").
 
 ``asyncloco validator id --identity val.key`` prints the peer id a key file gives (creating the key); the organiser

@@ -73,7 +73,8 @@ from asyncloco.local_cluster import ClusterError, LocalCluster  # noqa: E402
 logger = logging.getLogger("bench_attacks")
 
 TABLE = ["honest", "huge", "signflip", "signflip-honest", "random", "ghost"]
-NEW = ["hidden:0.5", "hidden:1", "hidden:2", "poison", "alie", "tailored", "freeride", "hidden:2x3"]
+NEW = ["hidden:0.5", "hidden:1", "hidden:2", "poison", "sandbag", "sleeper", "forge-state", "forge-state@foreign", "alie",
+       "tailored", "freeride", "hidden:2x3"]
 DIRECTION_SEED, TRIGGER_SEED = 1234, 4321  # asyncloco.testing.hostile's defaults
 SLOWDOWNS = (1.0, 1.5, 4.0)
 
@@ -95,6 +96,12 @@ class Result:
     identities: int = 0  # hostile processes
     verification: dict[str, int] = field(default_factory=dict)  # the attackers': checked / failed / expelled
     honest_steps: int = 0  # local steps of the honest peers' applied leases (applied_steps)
+    # the run's repairs: the remedy installed and the validation loss of the θ it replaced and of the θ it installed
+    repairs: list[dict[str, Any]] = field(default_factory=list)
+    caught_after: Optional[int] = None  # tampered submissions the coordinator took from an attacker before its expulsion
+    honest_suspect: int = 0  # honest leases re-run because the update sketch made their peer a suspect
+    held_staleness: float = math.nan  # mean staleness of the updates that waited for their check (all peers)
+    staleness: float = math.nan  # mean staleness of the other applied updates
 
 
 # the compute class a row ending in "@foreign" claims (its checks then get the cross-device tolerance, not bitwise)
@@ -188,12 +195,50 @@ def signal_marks(events: list[dict[str, Any]], hostile: set[str]) -> dict[str, d
     return out
 
 
+def repairs_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's repairs (the journal's ``repaired`` records): whose, the remedy, the losses before and after."""
+    return [{"peer": e.get("peer", "")[-8:], "remedy": e.get("remedy", ""), "loss_before": e.get("loss_before"),
+             "loss_after": e.get("loss_after"), "losses": e.get("losses", {}), "substituted": e.get("substituted", 0),
+             "discarded": e.get("discarded", 0)} for e in events if e.get("type") == "repaired"]
+
+
+def tampered_before_caught(summaries: list[Path], events: list[dict[str, Any]]) -> Optional[int]:
+    """For attackers that were expelled: the most tampered submissions the coordinator accepted from one of them
+    (its ``submit`` calls whose round attack was not honest work; a sleeper's honest leases do not count); None when
+    none was expelled."""
+    expelled = {e.get("peer") for e in events if e.get("type") == "expelled"}
+    counts = []
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        if summary.get("peer_id") not in expelled:
+            continue
+        counts.append(sum(1 for c in summary.get("calls", []) if c.get("call") == "submit" and c.get("accepted")
+                          and not c.get("duplicate") and c.get("attack") not in ("honest", None)))
+    return max(counts) if counts else None
+
+
+def holding(events: list[dict[str, Any]], honest: set[str]) -> dict[str, float]:
+    """Honest leases re-run as suspects of the update sketch, and the mean staleness of held vs other applied updates."""
+    held = {e["lease_id"] for e in events if e.get("type") == "held"}
+    applied = [e for e in events if e.get("type") == "applied"]
+    waited = [float(e.get("staleness", 0)) for e in applied if e.get("lease_id") in held]
+    other = [float(e.get("staleness", 0)) for e in applied if e.get("lease_id") not in held]
+    return {
+        "honest_suspect": float(sum(1 for e in events if e.get("type") == "assign" and e.get("peer") in honest
+                                    and str(e.get("verify", "")).startswith("suspect: its updates"))),
+        "held_staleness": sum(waited) / len(waited) if waited else math.nan,
+        "staleness": sum(other) / len(other) if other else math.nan,
+    }
+
+
 def verification_cost(events: list[dict[str, Any]]) -> dict[str, float]:
     """From a run's journal with ``runtime.verify`` on: the steps re-run (leases with a verdict) and the steps of
     every applied update (the run's training), and the seconds from an update's application to its verdict."""
     applied = {e["lease_id"]: e for e in events if e.get("type") == "applied" and e.get("lease_id")}
+    # a checked lease is held from its submission until its verdict (the journal's held record), then applied
+    submitted = {**applied, **{e["lease_id"]: e for e in events if e.get("type") == "held" and e.get("lease_id")}}
     verdicts = [e for e in events if e.get("type") == "verdict" and e.get("lease_id") in applied]
-    latency = sorted(float(v["time"]) - float(applied[v["lease_id"]]["time"]) for v in verdicts)
+    latency = sorted(float(v["time"]) - float(submitted[v["lease_id"]]["time"]) for v in verdicts)
     return {
         "rerun_steps": float(sum(int(applied[v["lease_id"]].get("steps", 0)) for v in verdicts)),
         "trained_steps": float(sum(int(e.get("steps", 0)) for e in applied.values())),
@@ -395,6 +440,7 @@ def run_one(
         cluster.close()
     events = cluster.events()
     status = cluster.status()
+    held = holding(events, honest_ids)
     perplexity, max_abs, cosine, trigger = final_metrics(config, cluster.checkpoint_dir,
                                                          warm.checkpoint_dir if warm is not None else None)
     hostile_ids.discard("")
@@ -413,14 +459,20 @@ def run_one(
         identities=len(hostile_ids) if attack not in ("clean", "honest") else 0,
         verification=verification(events, hostile_ids) if verify and hostile_ids else {},
         honest_steps=applied_steps(events, honest_ids),
+        repairs=repairs_of(events),
+        caught_after=tampered_before_caught(sorted((workdir / "run").glob("hostile*.json")), events),
+        honest_suspect=int(held["honest_suspect"]),
+        held_staleness=held["held_staleness"],
+        staleness=held["staleness"],
     )
 
 
 def table(results: list[Result]) -> str:
     lines = [
         "| extra peer | gate | final perplexity | × clean | updates | honest steps | wall s | hostile applied/rejected/clipped "
-        "| honest rejected/clipped | cos(θ−θ₀, hidden) | trigger loss | verification failed/checked, expelled |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "| honest rejected/clipped | cos(θ−θ₀, hidden) | trigger loss | verification failed/checked, expelled "
+        "| caught after | repairs: remedy, loss before → after |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|",
     ]
     for r in results:
         hostile = "/".join(str(r.hostile.get(k, 0)) for k in ("applied", "rejected", "clipped")) if r.hostile else "—"
@@ -429,8 +481,13 @@ def table(results: list[Result]) -> str:
         ratio = f"{r.ratio:.3g}" if r.ratio is not None and math.isfinite(r.ratio) else "—"
         checked = (f"{r.verification.get('failed', 0)}/{r.verification.get('checked', 0)}, "
                    f"{r.verification.get('expelled', 0)} of {r.identities}") if r.verification else "—"
+        repairs = "; ".join(f"{x['remedy']} {x['loss_before']:.4g} → {x['loss_after']:.4g}"
+                            if x.get("loss_before") is not None and x.get("loss_after") is not None else str(x.get("remedy"))
+                            for x in r.repairs) or "none"
+        caught = "—" if r.caught_after is None else str(r.caught_after)
         lines.append(f"| {r.attack} | {'on' if r.gate else 'off'} | {r.perplexity:.4g} | {ratio} | {r.version} | "
-                     f"{r.honest_steps} | {r.duration_s:.0f} | {hostile} | {honest} | {r.hidden_cosine:+.3f} | {r.trigger_loss:.3f} | {checked} |")
+                     f"{r.honest_steps} | {r.duration_s:.0f} | {hostile} | {honest} | {r.hidden_cosine:+.3f} | {r.trigger_loss:.3f} | {checked} "
+                     f"| {caught} | {repairs} |")
     return "\n".join(lines)
 
 
@@ -560,6 +617,20 @@ def acceptance16(results: list[Result]) -> list[str]:
     share = refused / total if total else 0.0
     lines.append(f"honest refusals: clean runs {clean_refused} of {clean_total}, all runs {refused} of {total} "
                  f"({100 * share:.2f} %, ≤ 1 %: {'yes' if share <= 0.01 else 'NO'})")
+    applied = sum(r.honest.get("applied", 0) for r in on)
+    clipped = sum(r.honest.get("clipped", 0) for r in on)
+    suspect = sum(r.honest_suspect for r in on)
+    lines.append(f"honest updates clipped: {clipped} of {applied} ({100 * clipped / max(1, applied):.2f} %, ≤ 2 %: "
+                 f"{'yes' if clipped <= 0.02 * applied else 'NO'}); honest leases re-run as sketch suspects: {suspect} "
+                 f"({100 * suspect / max(1, applied):.2f} %, ≤ 2 %: {'yes' if suspect <= 0.02 * applied else 'NO'})")
+    sleepers = [r.caught_after for r in on if parse_row(r.attack, 1)[0] == "sleeper"]
+    if sleepers:
+        within = sum(1 for c in sleepers if c is not None and c <= 5)
+        lines.append(f"sleeper caught within 5 of its hostile leases: {within} of {len(sleepers)} runs "
+                     f"(tampered submissions taken: {sleepers})")
+    worse = [x for r in on for x in r.repairs if x.get("losses") and x.get("loss_after") is not None
+             and x["loss_after"] > x["losses"].get("discard", math.inf)]
+    lines.append(f"repairs: {sum(len(r.repairs) for r in on)}, installed a θ worse than leaving the attacker out: {len(worse)}")
     return lines
 
 

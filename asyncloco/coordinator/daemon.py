@@ -95,7 +95,7 @@ class CoordinatorDaemon:
         clock: Clock = SYSTEM_CLOCK,
         crash_hook: Optional[Callable[[str], None]] = None,
     ) -> None:
-        # --- transport seam (issue 8): every decision reads ``clock`` (a fake one in testing/memory.py's
+        # --- transport seam: every decision reads ``clock`` (a fake one in testing/memory.py's
         # tests); ``crash_hook`` (tests only) is called at each named kill point of the node's decide
         self.clock = clock
         self.cfg = cfg
@@ -142,7 +142,7 @@ class CoordinatorDaemon:
         self.peer_id: str = ""
         self.reach_problem: Optional[str] = None  # what the start-up reachability check found (_check_reach)
         self.counters: Any = None  # transport/rpc.py TrafficCounters while serving
-        # --- verification of the work (issue 16; coordinator/verify.py): re-runs, verdicts, repairs after an expulsion
+        # --- verification of the work (coordinator/verify.py): re-runs, verdicts, repairs after an expulsion
         self.swarm_seed: Any = None  # transport/swarm.py SwarmSeed while serving (run), if runtime.swarm
         self.verification: Optional[DaemonVerification] = (
             DaemonVerification(self, EVENT_TYPES) if cfg.runtime.verify.enabled else None
@@ -318,7 +318,7 @@ class CoordinatorDaemon:
         return await self.serving.submit(header, pseudo_gradient, peer_id, upload_seconds)
 
     async def reveal_limit(self, header: Any, peer_id: str) -> int:
-        """The ``reveal`` RPC's size bound (issue 16 commitments; coordinator/verify.py), before its body is read."""
+        """The ``reveal`` RPC's size bound (commitments; coordinator/verify.py), before its body is read."""
         await self.serving.check_admitted(peer_id)
         if self.verification is None:
             raise ValueError("this run does not verify work (runtime.verify.enabled is false): nothing to reveal")
@@ -384,7 +384,7 @@ class CoordinatorDaemon:
             logger.warning("%s", self.reach_problem)
 
     async def _start_swarm_seed(self, p2p: Any) -> Any:
-        """The θ swarm's seed (transport/swarm.py; issue 19): serves θ's bodies in signed chunks to peers that
+        """The θ swarm's seed (transport/swarm.py): serves θ's bodies in signed chunks to peers that
         join with ``--swarm`` and lists them as holders for each other, so the coordinator sends each body about
         once per version instead of once per peer. Manifests are signed with the coordinator's Ed25519 key (the
         one admission tokens are signed with); only admitted peers are served; reports of bad or slow sources go

@@ -198,7 +198,7 @@ function render(status) {
     cell(row, "last_inner_loss", p.last_inner_loss, fixed(p.last_inner_loss, 4));
     body.appendChild(row);
   }
-  // verification of the work (issue 16) and the θ swarm (issue 19): "off" where the run does not use them
+  // verification of the work and the θ swarm: "off" where the run does not use them
   const v = status.verification;
   const expelled = v ? Object.keys(v.expelled || {}).length : null;
   setNum("verified", v ? v.checked : null, v ? v.checked + " (" + v.failed + ")" : "off");

@@ -19,7 +19,7 @@ An update is judged against statistics of recently *accepted* updates, so no per
 
 **weak agreement** — below that bar but not pointing away (cosine ≥ −flip_margin × median), and not clearly uphill
 on the probe: from a peer past probation the update is *accepted*, scaled down to at most the median per-step
-norm and kept out of the statistics (see ``_weak``; issue 16: refusing it wasted honest work and stopped no
+norm and kept out of the statistics (see ``_weak``; refusing it wasted honest work and stopped no
 shaped attack); from a peer on probation it is refused without counting.
 
 Until ``warmup`` updates have been accepted the relative checks have no statistics; the norm is then
@@ -105,7 +105,7 @@ def _weak(policy: GatePolicy, per_step: float, typical: float, norm: float, cosi
     """The verdict for an established peer's update that agrees only weakly with the consensus and that the probe
     does not show making the model worse: accepted, scaled down to at most the recent median per-step norm.
 
-    Refusing it wasted honest work (issue 16: 11 honest refusals at cosine −0.01 in one run of the attack suite —
+    Refusing it wasted honest work (11 honest refusals at cosine −0.01 in one run of the attack suite —
     a slow peer's stale or short lease, judged against a consensus dominated by the fastest peer, agrees weakly
     and is still honest) and bought no safety: an attacker shapes its update to pass any such bar (a few % of
     the consensus direction added is enough), which is what verification (coordinator/verify.py) is for. What
@@ -306,7 +306,7 @@ def _in_gray_zone(policy: GatePolicy, gate: GateState, seen: _Update) -> bool:
 
 def _probe_away(policy: GatePolicy, seen: _Update, before: float, after: float, margin: float) -> GateVerdict:
     """An established peer's update pointing away from the consensus, judged by the probe. Honest updates land
-    here (issue 20: three at cosine −0.06…−0.13 against a median of 0.20–0.23, refused as pointing away in one
+    here (three at cosine −0.06…−0.13 against a median of 0.20–0.23, refused as pointing away in one
     suite run under load — the bar −0.25 × median is near zero when the consensus is spread): one that lowers the
     probe loss by more than the margin is taken with weak agreement; one that raises it by more is rejected and
     counted (a sign-flipped update goes uphill); one that lowers it by less, or raises it by no more than the
@@ -328,7 +328,7 @@ def _probe_away(policy: GatePolicy, seen: _Update, before: float, after: float, 
                      f"(within the {100 * margin:.3g} % margin)")
     if math.isfinite(before) and math.isfinite(after) and after <= before * (1.0 + margin):
         # Flat within the margin: the probe cannot tell it from honest work where the consensus is weak. In a
-        # fresh-clone CI run of test_attacks_on_one_coordinator (issue 16) 9 of an honest peer's 148 updates came in
+        # fresh-clone CI run of test_attacks_on_one_coordinator, 9 of an honest peer's 148 updates came in
         # pointing away (cosine −0.18) and moved the probe loss by about +0.003 %: refused. On the loss plateau of
         # that test two honest peers' updates agree with the consensus at −0.11…+0.07 (local runs), so the "away"
         # bar (−0.25 × median) is near 0. A sign-flipped update goes uphill by about what the honest one lowers it
@@ -362,7 +362,7 @@ def _norm_check(policy: GatePolicy, seen: _Update) -> GateVerdict | None:
 
 
 def _echo_check(policy: GatePolicy, gate: GateState, seen: _Update) -> GateVerdict | None:
-    """Free-riding (issue 16): an update that echoes the consensus — the newest θ difference, rescaled to an
+    """Free-riding: an update that echoes the consensus — the newest θ difference, rescaled to an
     honest norm — is no work of its own, and fed back through the outer momentum it drove the demo's model to a
     perplexity of 1e16-1e22 in the attack benchmark (37 of 62 updates were the free-rider's: not training, it
     turns leases round at once). Honest updates never agree that closely: the highest cosine of an honest update
@@ -414,7 +414,7 @@ def _probe_check(policy: GatePolicy, gate: GateState, seen: _Update, probe: tupl
     wanted = before if probation else before * (1.0 - margin)
     if not (math.isfinite(before) and after < wanted) and not probation and math.isfinite(before):
         # an established peer's weakly agreeing update that does not help measurably: honest work of a slow or
-        # short lease often lands here (issue 16) — taken at no more than the median norm
+        # short lease often lands here — taken at no more than the median norm
         return _weak(policy, seen.per_step, seen.typical, seen.norm, cosine,
                      f"does not lower the probe-batch loss by more than {100 * margin:.3g} % ({before:.5f} → {after:.5f})")
     if not (math.isfinite(before) and after < wanted):

@@ -101,7 +101,7 @@ class GateState:
             verdicts={k: [bool(x) for x in v] for k, v in state["verdicts"].items()},
             quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
             quarantines={k: int(v) for k, v in state["quarantines"].items()},
-            weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent before issue 16
+            weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent in older checkpoints
             close={k: [bool(x) for x in v] for k, v in state.get("close", {}).items()},  # absent before its signal
             # absent before the share cap: no shares known, every peer starts from none
             shares={k: float(v) for k, v in state.get("shares", {}).items()},

@@ -360,7 +360,7 @@ class Monitoring:
             "peer_id": identity["peer_id"],
             "multiaddrs": identity["multiaddrs"],
             "method": identity["method"],
-            "parameters": identity["parameters"],  # θ's size: the model's parameter count (issue 22)
+            "parameters": identity["parameters"],  # θ's size: the model's parameter count
             "speed_unit": "tok/s" if self.cfg.task.kind == "lm" else "samples/s",
             "version": state.version,
             "local_updates": state.local_updates,
@@ -412,7 +412,7 @@ class Monitoring:
 
     async def evaluate(self, version: int, local_updates: int, theta: torch.Tensor) -> None:
         def run() -> dict[str, float]:
-            model = self._model_for_eval()  # runtime.eval_device (issue 12)
+            model = self._model_for_eval()  # runtime.eval_device
             load_flat_params(model, theta.to(next(model.parameters()).device))
             return self.workload.evaluate(model)
 

@@ -50,7 +50,7 @@ class CoordinatorNode:
         self.state = state
         self.dir = directory
         self.clock = clock
-        # --- transport seam (issue 8): ``crash_hook`` (tests only) is called at each named kill point of decide:
+        # --- transport seam: ``crash_hook`` (tests only) is called at each named kill point of decide:
         # "wal_appended" (the event is in the log, not yet fsynced) and "wal_synced" (durable, nobody told yet)
         self.crash_hook = crash_hook
         self.wal: WriteAheadLog  # opened by the daemon (new run) or coordinator/durability.py (--resume)
@@ -82,7 +82,7 @@ class CoordinatorNode:
 
         A submission (``wire`` given: θ-sized bytes to checksum, write and fsync) is logged in a worker thread
         *while* ``handle`` validates and applies it here — the log and the state see the same event and
-        ``now``, and nothing is carried out before both are done (issue 8's ack latency). Should ``handle``
+        ``now``, and nothing is carried out before both are done (the ack latency). Should ``handle``
         raise meanwhile, the daemon fail-stops: the event is in the log, so a resume meets the same error."""
         now = self.clock.time()
         attachments = None

@@ -1,4 +1,4 @@
-"""The exact remedy after a failed verification (issue 16; docs/threat-model.md, "The remedy"): :func:`repair`
+"""The exact remedy after a failed verification (docs/threat-model.md, "The remedy"): :func:`repair`
 rebuilds the coordinator's state by replaying the write-ahead log from a repair anchor with the expelled peers'
 submissions discarded, and :class:`Anchors` keeps the snapshots a repair may start from. The daemon's side, the
 re-runs and the verdicts are in asyncloco/coordinator/verify.py (which re-exports these names).
@@ -244,7 +244,7 @@ def repaired_event(
 ) -> Repaired:
     """What a repair decides after its replay of ``state`` (:func:`repair`'s docstring says why), as the event that
     carries it out through ``handle`` and that a later repair's replay meets in the log."""
-    # Honest work in flight stays valid (issue 16: repairs voided 5.7 % of honest leases, measured): its update is
+    # Honest work in flight stays valid (repairs voided 5.7 % of honest leases, measured): its update is
     # applied to the repaired θ as a stale one, like any update trained from an older θ. A lease chosen for
     # verification is kept when the live θ at its base version (the one its peer trained from, which the re-run
     # needs) is at hand (``live_base``); given back otherwise, and all of them for methods that need θ_base at

@@ -1,4 +1,4 @@
-"""Re-running a lease and judging the submitted pseudo-gradient against the re-run (issue 16; docs/threat-model.md,
+"""Re-running a lease and judging the submitted pseudo-gradient against the re-run (docs/threat-model.md,
 "Verified work"): :class:`Rerunner` and :func:`compare`, used by the coordinator's own verification worker
 (coordinator/verify.py) and by validator peers (asyncloco/validator.py) alike."""
 

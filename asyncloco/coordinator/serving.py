@@ -87,7 +87,7 @@ class Serving:
         self.service: Any = None  # the transport service, once serving
         self.fingerprint: dict[str, str] = {}  # this run's (asyncloco/fingerprint.py), computed at start-up
         self._decode_buffers: list[torch.Tensor] = []  # at most one idle θ-sized int8 decode buffer (submit)
-        self._probe: Optional[Probe] = None  # the update gate's probe (issue 7), built on first use
+        self._probe: Optional[Probe] = None  # the update gate's probe, built on first use
 
     # --- admission (coordinator/admission.py): nothing is served to a peer the logic does not admit
 
@@ -242,7 +242,7 @@ class Serving:
         # call check_admitted); ``handle`` decides again on the event itself (a Refused action, below).
         upload_s = float(upload_seconds)  # measured by the transport (the body's arrival), never claimed by the peer
         # --- int8, int2, topk*, grp* are decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of
-        # page faults; issue 8's ack-latency target). The logic keeps no reference to the update after handle.
+        # page faults; the ack-latency target). The logic keeps no reference to the update after handle.
         reuse = decodes_into(str(getattr(pseudo_gradient, "codec", "")))
         buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
         started = time.perf_counter()
@@ -267,7 +267,7 @@ class Serving:
         if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
             self.monitoring.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
         for action in actions:
-            if isinstance(action, Applied) and action.lease_id == lease_id:  # reveal: issue 16 commitments (verify.py)
+            if isinstance(action, Applied) and action.lease_id == lease_id:  # reveal: commitments (verify.py)
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=needs_reveal(actions, lease_id) or None)
             if isinstance(action, Held) and action.lease_id == lease_id:  # accepted; applied once its check agrees
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=needs_reveal(actions, lease_id) or None)

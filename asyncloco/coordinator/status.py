@@ -190,7 +190,7 @@ def _ago(now: float, then: float) -> str:
 
 
 def swarm_lines(swarm: Optional[dict[str, Any]]) -> list[str]:
-    """Who serves what (issue 19, transport/swarm.py ``SwarmSeed.status``): one line per version the seed
+    """Who serves what (transport/swarm.py ``SwarmSeed.status``): one line per version the seed
     holds — its holders (last 10 characters of their ids), the chunks the seed sent per chunk of the
     body — and one per recent report of a bad or slow source."""
     if not swarm:

@@ -1,4 +1,4 @@
-"""What a repair applies in place of an expelled peer's updates (issue 16; docs/threat-model.md, "The remedy: honest
+"""What a repair applies in place of an expelled peer's updates (docs/threat-model.md, "The remedy: honest
 re-runs in place of the expelled peer's updates"): :class:`Substitutes`, the coordinator's own honest run of each of
 that peer's leases, from the θ the repair's replay holds at the lease's base version, with the inner state carried
 from one of its leases to the next as an honest peer carries it (``runtime.verify.repair: rerun``).

@@ -1,4 +1,4 @@
-"""Validator peers' side of the coordinator (issue 16; docs/threat-model.md, "Who verifies").
+"""Validator peers' side of the coordinator (docs/threat-model.md, "Who verifies").
 
 Organiser-run machines (``asyncloco validator join``, asyncloco/validator.py) whose libp2p peer ids are listed in
 ``runtime.verify.validators`` take checks off the same queue as the coordinator's own verification worker

@@ -1,4 +1,4 @@
-"""Verification of the work itself (issue 16; docs/threat-model.md, "Verified work").
+"""Verification of the work itself (docs/threat-model.md, "Verified work").
 
 The update gate (coordinator/gate.py) judges an update's *shape*; a modified client can shape a poisoned update
 like an honest one. The one check it cannot shape its way past is doing the work again: with
@@ -389,7 +389,7 @@ class DaemonVerification:
         self.reveals["received"] += 1
         self._start()
         if not self.verifier.offer(task, state, offered_at=asked_at):
-            self._decide_later(self._unverified(task, "the verification queue was full"))
+            self._decide_later(self._unverified(task, "the verification queue was full", overflow=True))
             return RevealReply(False, "the verification queue is full; this check is skipped")
         return RevealReply(True, "queued for verification")
 
@@ -431,15 +431,20 @@ class DaemonVerification:
             return
         # inner_state reset: θ at the base version and the data suffice
         if not self.verifier.offer(action, None):
-            self._decide_later(self._unverified(action, "the verification queue was full"))
+            self._decide_later(self._unverified(action, "the verification queue was full", overflow=True))
 
     def _decide_later(self, decision: Awaitable[None]) -> None:
         task = asyncio.ensure_future(decision)
         self._decided.add(task)
         task.add_done_callback(self._decided.discard)
 
-    async def _unverified(self, task: Verify, reason: str) -> None:
-        await self._unverified_id(task.peer, task.lease.lease_id, reason)
+    async def _unverified(self, task: Verify, reason: str, overflow: bool = False) -> None:
+        """End ``task`` without a verdict. ``overflow`` (the queue was full): a sampled check's held update is applied,
+        as it was before updates were held — a sample skipped under load; a probation or suspect check's is dropped
+        (a flood of new identities must not let its own probation updates through unchecked)."""
+        from asyncloco.coordinator.logic import must_check
+
+        await self._unverified_id(task.peer, task.lease.lease_id, reason, apply=overflow and not must_check(task.lease))
 
     async def _unverified_id(self, peer: str, lease_id: str, reason: str, apply: bool = False) -> None:
         """End a check without a verdict: an :class:`~asyncloco.coordinator.logic.Unverified` event through the

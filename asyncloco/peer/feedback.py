@@ -1,4 +1,4 @@
-"""Error feedback for lossy upload codecs (issue 18; docs/compression.md).
+"""Error feedback for lossy upload codecs (docs/compression.md).
 
 A lossy codec ``C`` (int8, int4, int2, the sparse ``topk{k}b{b}``/``grp{G}b{b}``, the sign codecs ``sgn{p}of{q}``)
 sends ``C(Δ)`` instead of the pseudo-gradient ``Δ``. With error feedback the peer keeps what was dropped, the

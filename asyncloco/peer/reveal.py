@@ -1,4 +1,4 @@
-"""The peer's side of the inner-state commitments (issue 16, stage 2; docs/threat-model.md, "Commitments").
+"""The peer's side of the inner-state commitments (docs/threat-model.md, "Commitments").
 
 With ``runtime.verify.enabled`` and ``inner_state: carry`` a peer commits, in each submission, to the digests of its
 inner AdamW state at the lease's start and end (peer/inner.py ``inner_state_digest``). When the coordinator picks
@@ -8,7 +8,7 @@ transport.wire.Ack` asks for ``reveal``: the peer sends the lease's start *and* 
 layout of ``inner_state_chunks`` — raw little-endian floats, never pickled — with error feedback followed by the
 residual, :func:`pack_reveal`), and the coordinator re-runs the lease from the start state and compares its own end
 state with the revealed one (coordinator/rerun.py ``Rerunner.check_revealed``): bitwise via the digest for a peer of
-the verifier's compute class, within ``runtime.verify.cross_device_state_tolerance`` for another class (issue 34).
+the verifier's compute class, within ``runtime.verify.cross_device_state_tolerance`` for another class.
 A lease that started fresh is revealed too (its start part is empty): its end state is what is checked. A lease
 that is not revealed before ``runtime.verify.reveal_timeout`` counts as a failed check.
 
@@ -120,7 +120,7 @@ def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor
 class RevealStore:
     """Start and end states of the peer's most recent leases, by lease id, at most ``keep`` of each (oldest dropped
     first). ``ends`` (the default): the end states are kept too and a fresh start is kept as b"", so that
-    :meth:`reveal` has both parts of every kept lease; ``ends=False``: start states only, as before issue 34."""
+    :meth:`reveal` has both parts of every kept lease; ``ends=False``: start states only, as in older runs."""
 
     def __init__(self, keep: int = 2, ends: bool = True) -> None:
         if keep < 1:

@@ -98,7 +98,7 @@ class PeerOptions:
     # --- reach (README "Behind a NAT"): outbound connections only unless asked; a name for the status table
     dht_server: bool = False  # serve the DHT (needs inbound connections); default: a DHT client
     name: Optional[str] = None  # shown in `asyncloco status`; 1-64 of [A-Za-z0-9_.-]
-    # --- swarm downloads (issue 19, transport/swarm.py): θ from other peers, verified chunk by chunk
+    # --- swarm downloads (transport/swarm.py): θ from other peers, verified chunk by chunk
     swarm: bool = False  # --swarm: download θ from the swarm (the coordinator is the seed and the fallback)
     serve: Optional[bool] = None  # --serve/--no-serve; default: serve only when reachable (--dht-server)
     serve_bandwidth: Optional[float] = None  # --serve-bandwidth, bytes/s of chunks served (None: no cap)
@@ -147,7 +147,7 @@ class PeerRunner:
         self._cfg: Optional[RunConfig] = None  # the run's config, once fetched
         self._closing = asyncio.Event()
         self._loop_started: Optional[float] = None
-        self.clock = clock  # --- transport seam (issue 8): deadlines, pauses and the summary's wall times on this clock
+        self.clock = clock  # --- transport seam: deadlines, pauses and the summary's wall times on this clock
         self.crash_hook = crash_hook
         self.feedback: Any = None  # peer/feedback.py ErrorFeedback: this peer's residual, kept across leases and rejoins
         self._prefetch: Optional[asyncio.Task[Any]] = None  # --prefetch: the newest θ, fetched after an ack
@@ -214,9 +214,9 @@ class PeerRunner:
             client: Any = CoordinatorClient(  # a held lease request is answered before this times out
                 p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold_timings(cfg).client, counters=counters,
                 download_codec=hello.download_codec,
-                link=LinkSpeed(),  # issue 11: get_model/submit timeouts from this link's measured speed
+                link=LinkSpeed(),  # get_model/submit timeouts from this link's measured speed
             )
-            if self.options.swarm:  # issue 19: θ from other peers (transport/swarm.py; docs/transport.md "Swarm")
+            if self.options.swarm:  # θ from other peers (transport/swarm.py; docs/transport.md "Swarm")
                 from asyncloco.transport.swarm import SwarmLink
 
                 serve = self.options.dht_server if self.options.serve is None else self.options.serve
@@ -524,7 +524,7 @@ class PeerRunner:
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
 
     async def _reveal(self, client: Any, lease_id: str, digest: Optional[str]) -> None:
-        """Reveal lease ``lease_id``'s start and end inner states (peer/reveal.py; issue 16 commitments)."""
+        """Reveal lease ``lease_id``'s start and end inner states (peer/reveal.py; commitments)."""
         from asyncloco.peer.reveal import send_reveal
 
         state = self.reveals.reveal(lease_id) if self.reveals is not None else None

@@ -71,7 +71,7 @@ def _unit(vector: torch.Tensor) -> torch.Tensor:
 
 
 def forge_moment(optimizer: torch.optim.Optimizer, direction: torch.Tensor, share: float) -> None:
-    """The ``forge-state`` attack (issue 34): the carried AdamW first moment pushed along the unit ``direction`` (one
+    """The ``forge-state`` attack: the carried AdamW first moment pushed along the unit ``direction`` (one
     value per parameter element, in ``param_groups`` order) by ``share`` × its norm before the lease's end is
     committed, each element kept inside the plausibility bound the verifier checks (coordinator/rerun.py
     ``implausible_state``: |m| ≤ 0.99 × moment_bound × √v). The next lease then steers θ along it from a state that

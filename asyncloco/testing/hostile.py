@@ -31,6 +31,8 @@ codec and (where the attack says so) the norm of an honest update:
 |                  | rest along the hidden direction, at its honest norm |
 | ``freeride``     | no training after its first lease: echoes the newest θ difference it saw, at its first honest norm |
 | ``forge-state``  | honest updates; its carried first moment pushed along the hidden direction (``--scale`` × its norm, inside the plausibility bound) before each end is committed |
+| ``sleeper``      | honest for ``--sleep`` leases (default 8), then ``hidden`` (``--scale``, default 2) on every lease |
+| ``sandbag``      | trains a quarter of each lease's steps, sends that update × 4 and sleeps out the rest of the lease's time |
 
 ``alie``, ``tailored``, ``freeride``: honest work until two θ downloads (arithmetic: asyncloco/testing/attacks.py).
 
@@ -72,9 +74,10 @@ logger = logging.getLogger(__name__)
 ATTACKS = (
     "honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
     "ghost", "ghost-forge", "flood", "probe", "hidden", "poison", "alie", "tailored", "freeride", "forge-state",
+    "sleeper", "sandbag",
 )
 UPDATE_ATTACKS = ("honest", "huge", "nan", "signflip", "signflip-honest", "random", "replay", "other-lease",
-                  "hidden", "poison", "alie", "tailored", "freeride", "forge-state")
+                  "hidden", "poison", "alie", "tailored", "freeride", "forge-state", "sleeper", "sandbag")
 SUBMIT_ATTEMPTS = 4  # sends of one submission (a resend only after a failure without a refusal code)
 HISTORY = 6  # θ versions an estimating attacker (alie, tailored, freeride) keeps
 
@@ -98,6 +101,7 @@ class HostileOptions(argparse.Namespace):
     direction_seed: int
     trigger_seed: int
     device_class: Optional[str]
+    sleep: int
 
 
 def _coordinator_id(multiaddr: str) -> str:
@@ -215,10 +219,14 @@ class Hostile:
         attack per round, in turn."""
         if len(self.sequence) == 1:
             attack = self.sequence[0]
+            if attack == "sleeper":  # honest through its probation and beyond, then a hidden direction on every lease
+                return "honest" if round_index < self.o.sleep else "hidden"
             return "honest" if attack == "huge" and round_index > 0 else attack
         return self.sequence[round_index % len(self.sequence)]
 
     def _tamper(self, attack: str, honest: torch.Tensor, round_index: int) -> torch.Tensor:
+        if attack == "sandbag":
+            return honest  # already its quarter of the work × 4 (_work)
         scale = self.o.scale if self.o.scale is not None and len(self.sequence) == 1 else DEFAULT_SCALE.get(attack, 1000.0)
         direction = self._hidden(honest.numel()) if attack in ("hidden", "tailored") else None
         return tamper(attack, honest, scale=scale, seed=self.o.seed * 1000 + round_index,
@@ -350,9 +358,15 @@ class Hostile:
             honest = torch.zeros_like(theta)  # no training: its claimed speed stays the one it measured honestly
         else:
             started = time.perf_counter()
-            result = await asyncio.to_thread(run.trainer.run, theta, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
-            run.speed = lease.steps * run.units_per_step / max(time.perf_counter() - started, 1e-6)
+            steps = max(1, lease.steps // 4) if attack == "sandbag" else lease.steps
+            result = await asyncio.to_thread(run.trainer.run, theta, lease.shard, lease.start_offset, steps, lease.lr_offset)
+            elapsed = max(time.perf_counter() - started, 1e-6)
             honest = result.pseudo_gradient
+            if attack == "sandbag":  # a quarter of the work made to look like all of it, at the speed it claims
+                honest = honest * (lease.steps / steps)
+                await asyncio.sleep(elapsed * (lease.steps / steps - 1.0))
+                elapsed *= lease.steps / steps
+            run.speed = lease.steps * run.units_per_step / elapsed
             if attack == "freeride" and self.first_norm is None:
                 self.first_norm = float(torch.linalg.vector_norm(honest))
         if run.reveals is not None:
@@ -570,6 +584,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--direction-seed", type=int, default=1234, help="hidden/tailored: seed of the hidden direction")
     parser.add_argument("--trigger-seed", type=int, default=4321, help="poison: seed of the trigger sequence")
     parser.add_argument("--device-class", help="compute class named in submissions (default: its own)")
+    parser.add_argument("--sleep", type=int, default=8, help="sleeper: honest leases before it turns")
     return parser
 
 

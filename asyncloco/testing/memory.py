@@ -1,6 +1,6 @@
 """The in-memory transport: the real coordinator daemon, its real RPC service and the peers' real
 :class:`~asyncloco.transport.rpc_client.CoordinatorClient` in one event loop, under an injectable clock, with
-fault injection (issue 8, item 1; issue 20: the network double sits *below* the real RPC code).
+fault injection (the network double sits *below* the real RPC code).
 
 Only libp2p is replaced: the streams are in-memory pipes (asyncloco/testing/memory_p2p.py), so framing, bounds,
 error frames, admission at the door and traffic counters are the ones a real run uses. Faults, per call

@@ -1,5 +1,5 @@
 """An in-memory stand-in for the part of ``hivemind.P2P`` the coordinator's RPCs use: binary stream handlers and
-the streams between nodes, in one event loop (issue 20, "the network double below the real code").
+the streams between nodes, in one event loop ("the network double below the real code").
 
 The real :class:`~asyncloco.transport.rpc_client.CoordinatorClient` and
 :class:`~asyncloco.transport.rpc.CoordinatorService` run on it unchanged — framing, bounds, error frames, traffic

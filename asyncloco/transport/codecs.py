@@ -171,7 +171,7 @@ def encode(name: str, tensor: torch.Tensor, *, sign_rotation: int | None = None)
     return encoded
 
 
-# --- int8 decoding into a preallocated tensor (issue 8: the coordinator's ack latency) -----------------------
+# --- int8 decoding into a preallocated tensor (the coordinator's ack latency) -----------------------
 # bitsandbytes 0.50 registers only the allocating CPU op. Its cost is mostly the fresh θ-sized allocation
 # (the kernel zero-fills every page on first touch: ≈ 7 × a memcpy of the output on this 2-core VM), not
 # the dequantization (≈ 2 × memcpy). So the daemon decodes into a buffer it reuses, calling bitsandbytes'

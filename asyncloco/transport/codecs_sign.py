@@ -1,4 +1,4 @@
-"""The sign codecs ``sgn{p}of{q}`` (issue 18; the table is in asyncloco/transport/codecs.py, the measurements in
+"""The sign codecs ``sgn{p}of{q}`` (the table is in asyncloco/transport/codecs.py, the measurements in
 docs/compression.md): one bit per kept value, no positions on the wire.
 
 In every group of ``q`` consecutive values the ``p`` positions ``(r + t) mod q`` (t = 0 .. p − 1) are kept, for a

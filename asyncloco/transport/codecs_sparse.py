@@ -1,4 +1,4 @@
-"""The 2-bit and sparse codecs (issue 18; the table is in asyncloco/transport/codecs.py, the format in
+"""The 2-bit and sparse codecs (the table is in asyncloco/transport/codecs.py, the format in
 codec_format.py): ``int2``, ``topk{k}b{b}`` and ``grp{G}b{b}``, encoded in pure vectorised torch and decoded through
 lookup tables in slabs, into a caller's buffer."""
 
@@ -26,7 +26,7 @@ from asyncloco.transport.codec_format import (
 from asyncloco.transport.errors import CodecError
 
 
-# --- 2-bit and sparse codecs (issue 18): pure torch, vectorised ----------------------------------------------
+# --- 2-bit and sparse codecs: pure torch, vectorised ----------------------------------------------
 
 
 def _pack(codes: torch.Tensor, bits: int) -> bytes:

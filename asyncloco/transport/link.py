@@ -1,4 +1,4 @@
-"""The transport seam between the peer runner, the coordinator daemon and the network (issue 8, item 1).
+"""The transport seam between the peer runner, the coordinator daemon and the network.
 
 Two sides, two implementations each:
 

@@ -108,7 +108,7 @@ class CoordinatorHandler(Protocol):
         (the coordinator times a peer's transfers itself instead of trusting a claim)."""
         ...
 
-    # Optional (issue 16, commitments; coordinator/serving.py has them): ``async def reveal_limit(self, header: RevealHeader,
+    # Optional (commitments; coordinator/serving.py has them): ``async def reveal_limit(self, header: RevealHeader,
     # peer_id: str) -> int`` — the most bytes this reveal may carry (raise to refuse it), checked before its body is read;
     # ``async def reveal(self, header: RevealHeader, state: bytes, peer_id: str) -> RevealReply``.
 
@@ -252,7 +252,7 @@ class CoordinatorService:
         self._streams = 0
         self._lingering = 0  # streams answered with an error, reading what their caller still sends
         self._model_cache: OrderedDict[Tuple[int, str], Any] = OrderedDict()
-        # issue 8 item 4: lossy downloads are full encodings (anchors) or deltas from the peer's anchor
+        # lossy downloads are full encodings (anchors) or deltas from the peer's anchor
         self.downloads = AnchorStore(model_numel, max_anchors=limits.download_anchors, max_bodies=limits.download_anchors)
 
     @property

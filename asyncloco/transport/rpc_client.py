@@ -95,9 +95,9 @@ class CoordinatorClient:
         self.liveness_period = liveness_period
         self.counters = counters if counters is not None else TrafficCounters()
         self.held: Optional[Tuple[int, str, torch.Tensor]] = None  # (version, codec it came in, θ)
-        # issue 8 item 4: the last full download in a lossy codec, as received: deltas are taken from it
+        # the last full download in a lossy codec, as received: deltas are taken from it
         self.anchor: Optional[Tuple[int, str, bytearray]] = None  # (version, codec, encoded body)
-        # issue 11: with a LinkSpeed, get_model/submit without an explicit timeout get one derived from the
+        # with a LinkSpeed, get_model/submit without an explicit timeout get one derived from the
         # measured throughput of this link (transport/linkspeed.py), and each completed body is a sample
         self.link = link
 
@@ -274,7 +274,7 @@ class CoordinatorClient:
 
     async def reveal(self, lease_id: str, state: bytes, *, timeout: Optional[float] = None) -> RevealReply:
         """Send the inner state this peer started lease ``lease_id`` from (its canonical layout, peer/inner.py), as an
-        :class:`Ack` with ``reveal`` asked (issue 16, commitments)."""
+        :class:`Ack` with ``reveal`` asked (commitments)."""
         header = RevealHeader(lease_id, len(state))
 
         async def call(frames_in: FrameReader, frames_out: FrameWriter) -> RevealReply:

@@ -1,4 +1,4 @@
-"""θ that does not all come from the coordinator: peers serve the versions they hold to each other (issue 19).
+"""θ that does not all come from the coordinator: peers serve the versions they hold to each other.
 
 The unit shared is a version's **download body**: exactly the bytes the coordinator sends on a full
 ``get_model`` in a codec (``wire_bytes(codec, numel)``: fp32 θ, or the full encoding that a lossy codec's

@@ -348,7 +348,7 @@ class Ready(_Message):
 @dataclass(frozen=True)
 class Ack(_Message):
     """The coordinator's verdict on a submission (``duplicate``: an already applied lease, resent). ``reveal``
-    (issue 16, commitments): the lease was chosen for verification after its submission — send its start inner state
+    (commitments): the lease was chosen for verification after its submission — send its start inner state
     with the ``reveal`` RPC (:class:`RevealHeader`) before ``runtime.verify.reveal_timeout``; absent otherwise."""
 
     accepted: bool
@@ -371,7 +371,7 @@ class Ack(_Message):
 
 @dataclass(frozen=True)
 class RevealHeader(_Message):
-    """``reveal`` header (issue 16, commitments; docs/threat-model.md): the peer's inner optimizer state at the start
+    """``reveal`` header (commitments; docs/threat-model.md): the peer's inner optimizer state at the start
     of lease ``lease_id``, in the canonical layout of peer/inner.py ``inner_state_chunks`` (raw little-endian bytes,
     never unpickled), follows as ``size`` body bytes (0: the fresh state, no body). The service refuses a ``size``
     above the model's inner-state size before reading or allocating anything."""
@@ -398,7 +398,7 @@ class RevealReply(_Message):
         self._str("reason", MAX_REASON_CHARS)
 
 
-# --------------------------------------------------------------------------- validator peers (issue 16)
+# --------------------------------------------------------------------------- validator peers
 
 MAX_CHECK_WAIT_S = 600.0
 

@@ -167,7 +167,7 @@ def _index_lease(state: CoordinatorState, lease: Lease) -> None:
     _book_issued(state, lease)
 
 
-# --- per-event indexes of the lease table and of the peers' speeds (issue 9) ---------------------------------
+# --- per-event indexes of the lease table and of the peers' speeds ---------------------------------
 
 
 def _book_add(book: _LeaseBook, lease: Lease) -> None:
