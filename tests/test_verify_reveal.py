@@ -20,6 +20,7 @@ model's inner-state size). What this pins, with two honest peers, one liar and o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -65,32 +66,46 @@ def config(feedback: bool = False) -> RunConfig:
         "runtime": {
             "snapshot_every": 4, "eval_every": 100000, "lease_slack": 30.0, "speed_report_period": 600.0,
             "gate": {"enabled": False},
-            "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.5, "probation_updates": 3, "horizon": 100000,
+            "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.5, "probation_updates": PROBATION, "horizon": 100000,
                        "queue": 256, "reveal_timeout": REVEAL_TIMEOUT},
             **upload,
         },
     })
 
 
+PROBATION = 3  # runtime.verify.probation_updates below
+
+
 class LiarRunner(PeerRunner):
-    """Trains honestly but reveals a state with one bit of one moment flipped: the start state, or the end state of a
-    lease that started fresh (its start part is empty)."""
+    """Trains honestly and reveals honestly through its probation (its leases held until their checks agree), then
+    reveals a state with one bit of one moment flipped: the lease's start state (carried by then). Its unchecked leases
+    meanwhile were applied: the repair takes them out."""
+
+    revealed = 0
 
     async def _reveal(self, client: Any, lease_id: str, digest: Any) -> None:
+        self.revealed += 1
+        if self.revealed <= PROBATION:
+            await super()._reveal(client, lease_id, digest)
+            return
         state = self.reveals.reveal(lease_id)
         assert state
         tampered = bytearray(state)
-        tampered[8 + 20] ^= 1  # past the start part's length field: in the start part, or the end part when it is empty
+        tampered[8 + 20] ^= 1  # past the start part's length field: in the start state
         # sent as the real client sends it: a reveal refused because the first one already expelled this peer
         # is logged, and the next lease request ends the peer with PeerError
         await send_reveal(client, lease_id, bytes(tampered), digest)
 
 
 class SilentRunner(PeerRunner):
-    """Trains honestly but never reveals."""
+    """Trains honestly and reveals through its probation, then never again."""
+
+    revealed = 0
 
     async def _reveal(self, client: Any, lease_id: str, digest: Any) -> None:
-        return None
+        self.revealed += 1
+        if self.revealed <= PROBATION:
+            await super()._reveal(client, lease_id, digest)
 
 
 def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: Any = PeerRunner) -> tuple[PeerRunner, "asyncio.Task[Any]"]:
@@ -174,8 +189,7 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     verdicts = [v for v in journal(run_dir, "verdict") if "(peer already expelled)" not in v["detail"]]
     failed = {v["peer"]: v["detail"] for v in verdicts if not v["ok"]}
     assert set(failed) == {LIAR, SILENT}
-    assert failed[LIAR] in ("the revealed inner state does not match its commitment",
-                            "the revealed end state does not match its commitment")
+    assert failed[LIAR] == "the revealed inner state does not match its commitment"
     assert failed[SILENT] == f"the lease's start inner state was not revealed within runtime.verify.reveal_timeout ({REVEAL_TIMEOUT:g} s)"
     # honest peers: every chosen applied lease got a bitwise match; the carried ones were revealed and re-run from it
     honest = [v for v in verdicts if v["peer"] in HONEST]
@@ -208,7 +222,9 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     # a peer caught with no update applied unchecked (every one of its leases held for its check) needs no repair
     repaired = [e["peer"] for e in journal(run_dir, "expelled") if e.get("repair", True)]
     assert repaired and [r["peer"] for r in repairs] == repaired and repairs[-1]["anchor"] == 0
-    assert sum(r["substituted"] for r in repairs) > 0  # (a submission not applied live is a no-op Discard)
+    # each of their applied updates re-run or discarded, by the remedy the repair chose (a submission not applied live
+    # is a no-op Discard)
+    assert sum(r["substituted"] + r["discarded"] for r in repairs) > 0
     anchor = load_snapshot(run_dir / ANCHOR_DIR / f"{0:020d}")
     state = out["fresh"]()
     state.load_state_dict(anchor["coordinator"])
@@ -225,10 +241,12 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
             handle(replayed, event, now)
         fresh = out["fresh"]()
         fresh.load_state_dict(anchor["coordinator"])
+        # the remedy the live repair chose by validation loss (coordinator/verify.py): re-runs in their place, or nothing
+        substitute = rerun(f"repair-{index}") if record["remedy"] == "rerun" else None
         result = repair(fresh, events[:mark], sorted(replayed.verification.expelled), record["version_before"],
                         replayed.leases, replayed.lease_counter, replayed.verification.chain, live_base(replayed),
-                        rerun(f"repair-{index}"))
-        assert events[mark][0] == result.repaired
+                        substitute)
+        assert events[mark][0] == dataclasses.replace(result.repaired, remedy=record["remedy"])
         replayed = result.state
     for event, now in events[marks[-1] :]:
         handle(replayed, event, now)
