@@ -15,7 +15,7 @@ from asyncloco.shipped import shipped_configs as shipped_configs  # re-exported 
 
 __all__ = ["main"]
 
-logger = logging.getLogger("asyncloco")
+logger = logging.getLogger(__name__)
 
 DEFAULT_TOY_CONFIG = "toy"
 

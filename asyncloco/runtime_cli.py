@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 __all__ = ["add_commands"]
 
-logger = logging.getLogger("asyncloco")
+logger = logging.getLogger(__name__)
 
 
 def _run_until_signal(

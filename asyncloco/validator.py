@@ -28,7 +28,7 @@ from asyncloco.peer.joining import PeerError, RunJoiner, coordinator_id_from, re
 
 __all__ = ["ValidatorOptions", "ValidatorSummary", "Validator", "identity_peer_id"]
 
-logger = logging.getLogger("asyncloco.validator")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -203,7 +203,7 @@ def drive_daemon(tmp_path: Path, **runtime: Any) -> Any:
 
 @pytest.mark.timeout(120)
 def test_status_json_carries_everything_the_table_shows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="asyncloco.coordinator.daemon"):
+    with caplog.at_level(logging.INFO, logger="asyncloco.coordinator"):
         daemon, leases = drive_daemon(tmp_path)
     # a lease or an applied update is a DEBUG line now, not INFO
     assert not [r for r in caplog.records if r.levelno >= logging.INFO and r.getMessage().startswith(("lease ", "applied "))]
@@ -404,7 +404,7 @@ def test_monitor_loop_logs_a_summary_line_and_feeds_the_sinks(tmp_path: Path, ca
         stop.set()
         await task
 
-    with caplog.at_level(logging.INFO, logger="asyncloco.coordinator.daemon"):
+    with caplog.at_level(logging.INFO, logger="asyncloco.coordinator"):
         asyncio.run(scenario())
     line = next(r for r in caplog.records if r.getMessage().startswith("version 1, "))
     assert line.levelno == logging.INFO
@@ -461,7 +461,7 @@ def test_live_coordinator_serves_its_dashboard_and_logs_summaries(
         log = (cluster.workdir / "coordinator.log").read_text()
         assert f"Dashboard: {url}" in log
         cluster.wait_for(
-            lambda: re.search(r"INFO \[asyncloco\.coordinator\.daemon\] version \d+, [0-9.]+ updates/s, ",
+            lambda: re.search(r"INFO \[asyncloco\.coordinator\.[a-z_]+\] version \d+, [0-9.]+ updates/s, ",
                               (cluster.workdir / "coordinator.log").read_text()),
             60, "a summary line in the coordinator's log",
         )
@@ -469,7 +469,7 @@ def test_live_coordinator_serves_its_dashboard_and_logs_summaries(
             assert cluster.stop(process, timeout=60.0) == 0, name
         assert cluster.stop_coordinator(timeout=60.0) == 0
         log = (cluster.workdir / "coordinator.log").read_text()
-        assert not re.search(r"INFO \[asyncloco\.coordinator\.daemon\] (applied|lease) ", log)
+        assert not re.search(r"INFO \[asyncloco\.coordinator\.[a-z_]+\] (applied|lease) ", log)
         with pytest.raises(ValueError, match="could not read"):
             read_status(url=url, timeout=5)
     finally:

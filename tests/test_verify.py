@@ -776,3 +776,45 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     reference = torch.zeros(DIM)
     OuterNesterov(0.7, 0.9).step(reference, honest)
     assert torch.equal(repaired.params, reference)
+
+
+@pytest.mark.parametrize("verifies", [True, False], ids=["verified", "gate-alone"])
+def test_an_update_only_the_probe_speaks_against_is_checked_instead_of_refused(verifies: bool) -> None:
+    """Where work is verified, the gate's probe (a few rows' loss, noisy on honest cold-start work) does not refuse
+    an update on its own: the update is held for a check and, its re-run agreeing, applied with weak agreement (at
+    most the median norm, out of the gate's statistics). With the gate alone it is refused as before."""
+    from asyncloco.coordinator import gate as G
+    from asyncloco.coordinator.logic import Applied, Rejected
+    from tests.test_gate_probe import N, warm_state, with_cosine
+
+    policy = CoordinatorPolicy(max_local_steps=10, dylu=False, grace_period=0.0, lease_timeout_factor=3.0,
+                               lease_slack=100.0, gate=G.GatePolicy(),
+                               verify=VerifyPolicy(fraction=0.0, probation_updates=0) if verifies else None)
+    state = new_state(torch.zeros(N), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+    state.gate = warm_state()
+    handle(state, SpeedReport("old", 10.0), 0.0)
+    lease = lease_of(handle(state, RequestWork("old"), 0.0)[1])
+    assert lease.verify == "" and lease.steps == 10
+    update = with_cosine(-0.05)
+    actions = handle(state, SubmitUpdate("old", lease.lease_id, 0, update, probe_before=5.0, probe_after=5.02), 1.0)[1]
+    if not verifies:
+        assert [type(a).__name__ for a in actions] == ["Rejected", "Expired"] and "raises the probe-batch loss" in actions[0].reason
+        return
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"] and state.version == 0
+    assert actions[0].reason.startswith("suspect: the gate's probe: raises the probe-batch loss 5.00000 → 5.02000")
+    accepted_before = state.gate.accepted
+    actions = handle(state, Verified("old", lease.lease_id, True, "bitwise"), 2.0)[1]
+    applied = [a for a in actions if isinstance(a, Applied)]
+    assert len(applied) == 1 and state.version == 1 and "accepted with weak agreement" in applied[0].gate
+    assert state.gate.accepted == accepted_before + 1 and len(state.gate.cosines) == 10  # weak: out of the statistics
+    expected = torch.zeros(N)
+    OuterNesterov(0.5, 0.9).step(expected, update)  # per-step norm 1 = the median: not clipped
+    assert torch.equal(state.params, expected)
+    # a check that fails drops it, and the peer is expelled without a repair
+    lease = lease_of(handle(state, RequestWork("old"), 3.0)[1])
+    actions = handle(state, SubmitUpdate("old", lease.lease_id, 1, update, probe_before=5.0, probe_after=5.02), 4.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+    actions = handle(state, Verified("old", lease.lease_id, False, "relative error 2"), 5.0)[1]
+    assert [type(a).__name__ for a in actions][:3] == ["Verdict", "Rejected", "Expelled"] and state.version == 1
+    assert isinstance(actions[1], Rejected) and "held update not applied" in actions[1].reason
+    assert actions[2].repair is False  # its one applied update was checked first

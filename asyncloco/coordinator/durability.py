@@ -26,7 +26,7 @@ from asyncloco.coordinator.wal import WAL_DIR, WalRecord, check_stamp, decode_ev
 
 __all__ = ["Durability", "INITIAL_SNAPSHOT", "RESUME_GRACE_S", "SOFTWARE_STAMP"]
 
-logger = logging.getLogger("asyncloco.coordinator.daemon")  # the coordinator's log lines keep their name (operators filter on it)
+logger = logging.getLogger(__name__)
 
 INITIAL_SNAPSHOT = "initial-state.pt"  # in wal/archive/ when runtime.wal_archive is on
 RESUME_GRACE_S = 10.0  # after --resume, peers known from the checkpoint get this long to call again

@@ -19,7 +19,7 @@ from asyncloco.coordinator.node import CoordinatorNode
 
 __all__ = ["announce_loop", "revocation_loop", "speed_loop", "tick_loop"]
 
-logger = logging.getLogger("asyncloco.coordinator.daemon")  # the coordinator's log lines keep their name (operators filter on it)
+logger = logging.getLogger(__name__)
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:

@@ -52,7 +52,7 @@ from asyncloco.models.workload import Workload, load_flat_params
 
 __all__ = ["Monitoring", "PeerStats", "RefusalLog", "Waiter", "STATUS_FILE", "JOURNAL_FILE"]
 
-logger = logging.getLogger("asyncloco.coordinator.daemon")  # the coordinator's log lines keep their name (operators filter on it)
+logger = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
 JOURNAL_FILE = "events.jsonl"

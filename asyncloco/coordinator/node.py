@@ -24,7 +24,7 @@ from asyncloco.coordinator.wal import WriteAheadLog, software_stamp
 
 __all__ = ["CoordinatorNode", "EVENT_TYPES", "SOFTWARE_STAMP"]
 
-logger = logging.getLogger("asyncloco.coordinator.daemon")  # the coordinator's log lines keep their name (operators filter on it)
+logger = logging.getLogger(__name__)
 
 # Events of the logic the write-ahead log can hold, by class name (every member of the Event union).
 EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Event)}

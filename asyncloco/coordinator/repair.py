@@ -38,7 +38,7 @@ from asyncloco.coordinator.logic.events import ADOPTED_FIELDS
 
 __all__ = ["ANCHOR_DIR", "KEEP_ANCHORS", "SUBSTITUTE_DIR", "Anchors", "RepairResult", "log_events", "repair", "repaired_event"]
 
-logger = logging.getLogger("asyncloco.coordinator.verify")  # one logger for verification and its repairs
+logger = logging.getLogger(__name__)
 
 ANCHOR_DIR = "verify-anchors"
 SUBSTITUTE_DIR = "verify-substitutes"  # the honest re-runs a repair from an anchor applied (coordinator/substitute.py)

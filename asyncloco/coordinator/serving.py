@@ -47,7 +47,7 @@ from asyncloco.refusals import Refusal, RefusalCode
 
 __all__ = ["Serving", "lease_to_wire"]
 
-logger = logging.getLogger("asyncloco.coordinator.daemon")  # the coordinator's log lines keep their name (operators filter on it)
+logger = logging.getLogger(__name__)
 
 
 def lease_to_wire(lease: Lease, batch_size: int) -> dict[str, Any]:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RepairReruns", "Substitutes", "substitute_dir"]
 
-logger = logging.getLogger("asyncloco.coordinator.verify")
+logger = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 

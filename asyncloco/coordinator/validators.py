@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["ValidatorDesk"]
 
-logger = logging.getLogger("asyncloco.coordinator.verify")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

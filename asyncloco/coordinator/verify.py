@@ -345,6 +345,9 @@ class DaemonVerification:
             "failed": book.failed,
             "passed": sum(book.passed.values()),
             "pending": len(book.pending),
+            "held": len(book.held),  # checked updates waiting for their verdict (applied only if it agrees)
+            "dropped": book.dropped,  # held updates never applied: their check failed or ended without a verdict
+            "sketch_suspects": dict(book.sketch.flagged),
             "unverifiable": book.unverifiable,
             "expelled": dict(book.expelled),
             "repairs": list(self.repairs),

@@ -33,7 +33,7 @@ __all__ = [
     "refused_admission",
 ]
 
-logger = logging.getLogger("asyncloco.peer.runner")  # the peer's log lines keep their name (operators filter on it)
+logger = logging.getLogger(__name__)
 
 
 class PeerError(RuntimeError):

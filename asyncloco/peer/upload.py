@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the transport package imports hivemind: imported where used
 
 __all__ = ["error_feedback", "submit_with_retry"]
 
-logger = logging.getLogger("asyncloco.peer.runner")  # the peer's log lines keep their name (operators filter on it)
+logger = logging.getLogger(__name__)
 
 
 def error_feedback(current: Any, cfg: RunConfig, codec: str) -> Any:

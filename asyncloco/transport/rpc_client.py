@@ -36,7 +36,7 @@ from asyncloco.transport.wire import (
     VerdictReply,
 )
 
-logger = logging.getLogger("asyncloco.transport.rpc")  # one logger name for both ends (operators filter on it)
+logger = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorClient"]
 

@@ -35,7 +35,7 @@ from asyncloco.transport.swarm_wire import (
 )
 from asyncloco.transport.wire import MAX_REASON_CHARS
 
-logger = logging.getLogger("asyncloco.transport.swarm")  # one logger name for the swarm
+logger = logging.getLogger(__name__)
 GONE_RETRIES = 3  # download(None): fresh starts on the newest manifest when the seed drops the one being fetched
 
 

@@ -37,7 +37,7 @@ from asyncloco.transport.swarm_wire import (
     swarm_handle,
 )
 
-logger = logging.getLogger("asyncloco.transport.swarm")  # one logger name for the swarm
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ store

@@ -236,7 +236,11 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     if policy.gate is not None:
         verdict = gate_verdict(state, event, lease, policy.gate)
         if verdict.action == "reject":
-            return _gate_reject(state, policy.gate, event, lease, verdict, now)
+            instead = _checked_instead(state, lease, verdict)
+            if instead is None:
+                return _gate_reject(state, policy.gate, event, lease, verdict, now)
+            verdict, lease = instead  # only the probe spoke against it: held for a check instead of refused
+            check = _verification_copy(state, lease, update)
     scale = verdict.scale if verdict is not None and verdict.action == "clip" else 1.0
     score = _sketch(state, event)
     del state.leases[lease.lease_id]
@@ -257,6 +261,16 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     return _apply(state, lease, update, base, verdict, now, checked=False, sketch=score)
 
 
+def _checked_instead(state: CoordinatorState, lease: Lease, verdict: GateVerdict) -> tuple[GateVerdict, Lease] | None:
+    """A gate rejection that only the probe shows (the update raises the probe-batch loss: a few rows' noise on honest
+    cold-start work, or a sign-flipped update) is not a refusal where work is verified: the update is held for a check
+    (its lease then counts as a suspect's) and applied, weakly, if its re-run agrees — the verdict and lease to do that
+    with, or None to refuse it."""
+    if verdict.if_checked is None or state.policy.verify is None or base_theta(state, lease.base_version) is None:
+        return None
+    return verdict.if_checked, dataclasses.replace(lease, verify=f"suspect: the gate's probe: {verdict.reason}"[:300])
+
+
 def _sketch(state: CoordinatorState, event: SubmitUpdate) -> float | None:
     """Score an accepted update by its persistent residual (coordinator/sketch.py): a peer whose consecutive updates
     keep one direction the others' do not becomes a suspect, and its next leases are all re-run (verify_reason)."""
@@ -275,9 +289,11 @@ def holds(state: CoordinatorState, event: SubmitUpdate) -> bool:
     """Would handling ``event`` now hold its update for a check (:func:`_hold`), without changing ``state``? The
     repair's replay asks this of an expelled peer's submission: a held one is replayed as it is (coordinator/repair.py)."""
     lease = state.leases.get(event.lease_id)
-    if state.policy.verify is None or lease is None or not lease.verify or refused_as_sent(state, event):
+    if state.policy.verify is None or lease is None or refused_as_sent(state, event):
         return False
-    return not _dropped(state, lease)
+    gate = state.policy.gate
+    forced = gate is not None and gate_verdict(state, event, lease, gate).action == "reject"  # held instead (_checked_instead)
+    return (bool(lease.verify) or forced) and not _dropped(state, lease)
 
 
 def _dropped(state: CoordinatorState, lease: Lease) -> bool:
@@ -406,7 +422,10 @@ def refused_as_sent(state: CoordinatorState, event: SubmitUpdate) -> bool:
             or not _chain_links(state, event):
         return True
     gate = state.policy.gate
-    return gate is not None and gate_verdict(state, event, lease, gate).action == "reject"
+    if gate is None:
+        return False
+    verdict = gate_verdict(state, event, lease, gate)
+    return verdict.action == "reject" and _checked_instead(state, lease, verdict) is None
 
 
 def _verification_copy(
