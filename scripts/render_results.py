@@ -121,11 +121,11 @@ def verify_tolerance(data: dict[str, Any]) -> str:
     states = [other for other in data.get("cross_cpu") or [] if other.get("end_state_carried")]
     if states:
         out += "\n\n" + _table(
-            ["end inner state vs", "m / v / AdamW step (fresh start)", "m / v / AdamW step (carried start)",
+            ["end inner state vs", "m / v / AdamW step / step size (fresh start)", "(carried start)",
              "residual of the upload's norm: int8 / sgn15of16"],
             [[f"{o.get('class')}, {o.get('threads')} threads",
-              " / ".join(_fmt(o["end_state_fresh"].get(k)) for k in ("m", "v", "u")),
-              " / ".join(_fmt(o["end_state_carried"].get(k)) for k in ("m", "v", "u")),
+              " / ".join(_fmt(o["end_state_fresh"].get(k)) for k in ("m", "v", "u", "precond")),
+              " / ".join(_fmt(o["end_state_carried"].get(k)) for k in ("m", "v", "u", "precond")),
               " / ".join(_fmt((o.get("residual_after_codec") or {}).get(c, {}).get("rel_to_upload")) for c in ("int8", "sgn15of16"))]
              for o in states])
     return out

@@ -20,7 +20,8 @@ model on one device, what an honest re-run gives, side by side with what an hone
   has the lease's *end inner state* against the first's (``end_state_fresh``: the lease from a fresh AdamW state;
   ``end_state_carried``: the next lease, from a carried state the parent process trained, the same bytes for every
   process, as a verifier re-runs it from the revealed start; coordinator/rerun.py ``state_gap``: relative L2 errors of
-  m, v and the AdamW step u = m̂/(√v̂+eps)) and the error-feedback residual each codec leaves
+  m, v and the AdamW step u = m̂/(√v̂+eps); ``precond``: the RMS log-ratio of the step size 1/(√v̂+eps)) and the
+  error-feedback residual each codec leaves
   (``residual_after_codec``): what sets ``runtime.verify.cross_device_state_tolerance``.
 
     python scripts/verify_tolerance.py --model tiny --device cpu --json runs/verify-tolerance-cpu.json
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the CPU fp32 run of the same lease (slow for the larger presets)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--cross-cpu", action="store_true", help="also run the lease on other CPU kernels / threads")
+    parser.add_argument("--cross-cpu-only", action="store_true", help="--cross-cpu without the same-device comparisons")
     parser.add_argument("--emit", help=argparse.SUPPRESS)  # internal: one CPU lease into this file (--cross-cpu)
     parser.add_argument("--start", help=argparse.SUPPRESS)  # internal: the carried start state (--cross-cpu)
     parser.add_argument("--json", help="write the result here")
@@ -218,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.emit:
         emit(args)
         return 0
-    result = measure(args)
-    if args.cross_cpu:
+    result = {k: getattr(args, k) for k in ("model", "precision", "steps", "batch_size", "seq_len")} | {
+        "torch": torch.__version__, "device": "cpu"} if args.cross_cpu_only else measure(args)
+    if args.cross_cpu or args.cross_cpu_only:
         result["cross_cpu"] = cross_cpu(args)
         for row in result["cross_cpu"]:
             if not row.get("reference"):
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 for key in ("end_state_fresh", "end_state_carried"):
                     g = row[key]
                     print(f"{'':>34}  {key}: m {g.get('m', float('nan')):.3e}  v {g.get('v', float('nan')):.3e}  "
-                          f"u {g.get('u', float('nan')):.3e}  {g['problem'] or ''}")
+                          f"u {g.get('u', float('nan')):.3e}  step size {g.get('precond', float('nan')):.3e}  {g['problem'] or ''}")
                 print(f"{'':>34}  residual (carried lease): " + ", ".join(
                     f"{codec} {r['rel_error']:.3e} (of the upload's norm {r['rel_to_upload']:.3e})"
                     for codec, r in row["residual_after_codec"].items()))

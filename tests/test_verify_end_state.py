@@ -2,15 +2,17 @@
 
 A checked lease reveals its start *and* end states (``pack_parts``); the end must hash to the committed ``state_end``,
 and the re-run's end state is compared with it: bitwise (the digest) for a peer naming the verifier's compute class,
-within ``runtime.verify.cross_device_state_tolerance`` (relative L2 errors of m, v, the AdamW step and the residual;
-step counts exactly) for a peer naming another class.
+within ``runtime.verify.cross_device_state_tolerance`` (relative L2 errors of m, v and the AdamW step, the RMS
+log-ratio of the step size; step counts exactly; the residual within the upload's bound) for a peer naming another
+class.
 
 * an honest lease from a carried state, its end a few last bits off the re-run's (as another CPU's kernels leave it),
   passes under a foreign class and fails under the verifier's own (bitwise there);
 * a forger that trains honestly but pushes its carried first moment along its own direction before committing the end
   (``testing/attacks.py forge_moment``, inside the plausibility bound the verifier checks) fails under a foreign class,
   naming the part and how far, and under its own; one that stays inside the tolerance passes a foreign-class check
-  (what a peer can still hide);
+  (what a peer can still hide); a second moment shrunk with its first where it is smallest (the step unchanged, the
+  next steps there amplified) passes m's, v's and u's L2 bounds and fails on the step size;
 * a lease that started fresh is revealed too (empty start part) and its end checked;
 * a revealed end one bit off its commitment fails; malformed reveals are refused; a step count set off fails;
 * the reveal's size bound: two full states with their length field, refused above it before the body is read.
@@ -18,6 +20,7 @@ step counts exactly) for a peer naming another class.
 
 from __future__ import annotations
 
+import math
 import struct
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -139,6 +142,43 @@ def test_a_forged_first_moment_fails_in_a_foreign_class_and_in_its_own() -> None
         assert not verdict.ok and f"state tolerance {tolerance:g}" in verdict.detail, verdict.detail
 
 
+def shrink(share: float) -> Any:
+    """A second moment shrunk 10⁴× (and m 100×, so the AdamW step stays as it was) on the elements where it is
+    smallest, as many as keep m's and v's changes within ``share`` of their norms: the next steps there are ~100×
+    larger (the gradients then dominate v), which the L2 errors of m, v and u hardly see."""
+    def tamper(peer: InnerTrainer) -> None:
+        states = list(peer.optimizer.state.values())
+        m = torch.cat([s["exp_avg"].reshape(-1) for s in states]).double()
+        v = torch.cat([s["exp_avg_sq"].reshape(-1) for s in states]).double()
+        order = torch.argsort(v)
+        fits = ((m[order] ** 2).cumsum(0) <= share ** 2 * float((m ** 2).sum())) & \
+            ((v[order] ** 2).cumsum(0) <= share ** 2 * float((v ** 2).sum()))
+        chosen = torch.zeros_like(v, dtype=torch.bool)
+        chosen[order[: int(fits.sum())]] = True
+        offset = 0
+        with torch.no_grad():
+            for state in states:
+                count = state["exp_avg"].numel()
+                mask = chosen[offset : offset + count].view_as(state["exp_avg"])
+                state["exp_avg"][mask] *= 1e-2
+                state["exp_avg_sq"][mask] *= 1e-4
+                offset += count
+        assert int(chosen.sum()) > 0 and implausible_state(peer.optimizer) is None
+    return tamper
+
+
+def test_a_second_moment_shrunk_where_it_is_small_fails_on_the_step_size() -> None:
+    cfg = config()
+    shrunk = Lease(cfg, tamper_end=shrink(0.3 * CROSS_DEVICE_STATE_TOLERANCE["fp32"]))
+    rerunner = Rerunner(cfg, shrunk.workload)
+    ours = Lease(cfg).peer.optimizer
+    gaps, _ = state_gap(state_moments(ours), state_moments(shrunk.peer.optimizer))
+    assert max(gaps["m"], gaps["v"], gaps["u"]) <= CROSS_DEVICE_STATE_TOLERANCE["fp32"] < gaps["precond"], gaps
+    verdict = rerunner.check_revealed(shrunk.task(FOREIGN), shrunk.revealed())
+    assert not verdict.ok and "step size 1/(√v̂+eps), RMS log-ratio" in verdict.detail, verdict.detail
+    assert "first moment" not in verdict.detail and "second moment" not in verdict.detail
+
+
 def test_a_fresh_start_is_revealed_and_its_end_checked() -> None:
     cfg = config()
     fresh = Lease(cfg, carried=False)
@@ -184,11 +224,14 @@ def test_state_gap_measures_each_part() -> None:
     honest = Lease(cfg)
     ours = state_moments(honest.peer.optimizer)
     gaps, problem = state_gap(ours, ours)
-    assert problem is None and gaps == {"m": 0.0, "v": 0.0, "u": 0.0, "residual": 0.0}
+    assert problem is None and gaps == {"m": 0.0, "v": 0.0, "u": 0.0, "precond": 0.0, "residual": 0.0}
     theirs = [None if entry is None else (entry[0], entry[1] * 1.01, *entry[2:]) for entry in ours]
     gaps, problem = state_gap(ours, theirs)  # type: ignore[arg-type]
     assert problem is None and gaps["m"] == pytest.approx(0.01, rel=1e-4) and gaps["v"] == 0.0
-    assert gaps["u"] == pytest.approx(0.01, rel=1e-3)
+    assert gaps["u"] == pytest.approx(0.01, rel=1e-3) and gaps["precond"] == 0.0
+    quartered = [None if entry is None else (entry[0], entry[1], entry[2] * 0.25, *entry[3:]) for entry in ours]
+    gaps, _ = state_gap(ours, quartered)  # type: ignore[arg-type]
+    assert gaps["precond"] == pytest.approx(math.log(2), rel=1e-2)  # √v halved: the step size doubles, ε aside
     residual = torch.ones(10)
     gaps, _ = state_gap(ours, ours, residual, residual * 1.5)
     assert gaps["residual"] == pytest.approx(0.5)

@@ -131,11 +131,14 @@ def state_gap(rerun: StateMoments, revealed: StateMoments, rerun_residual: Optio
     """How far a revealed inner state is from the re-run's, as relative L2 errors over the whole model (the re-run's
     norm below): ``m`` (exp_avg), ``v`` (exp_avg_sq), ``u`` — the step AdamW takes from them, m̂ / (√v̂ + eps) with
     the bias corrections, per element: what a forged state steers (a small moment forged where the second moment is
-    small too moves its coordinates at full step, which m's and v's norms hardly see) — and ``residual`` (error
+    small too moves its coordinates at full step, which m's and v's norms hardly see) —, ``precond`` — the root mean
+    square over the elements of log((√v̂' + eps) / (√v̂ + eps)), the per-coordinate step size's relative change: a
+    second moment shrunk (with m, leaving u as it was) where it is smallest amplifies the next steps there, which
+    the L2 norms of v and u hardly see — and ``residual`` (error
     feedback; 0 without), relative to ``residual_scale`` when given (the norm of the upload the residual was cut from:
     a codec that keeps most of it, int8, leaves a residual so small that a flipped rounding is a large part of it). Also what differs structurally (None: nothing): a parameter with state on one side only,
     a step count, a residual on one side only. The step counts must be equal exactly."""
-    sums = {key: [0.0, 0.0] for key in ("m", "v", "u", "residual")}
+    sums = {key: [0.0, 0.0] for key in ("m", "v", "u", "precond", "residual")}
     if len(rerun) != len(revealed):
         return {}, f"{len(revealed)} parameters in the revealed state, {len(rerun)} in the re-run's"
     for index, (ours, theirs) in enumerate(zip(rerun, revealed)):
@@ -148,8 +151,10 @@ def state_gap(rerun: StateMoments, revealed: StateMoments, rerun_residual: Optio
         step, beta1, beta2, eps = ours[0], ours[3], ours[4], ours[5]
         pairs = {"m": (ours[1].double(), theirs[1].double()), "v": (ours[2].double(), theirs[2].double())}
         correction1, correction2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
-        steps = [(m / correction1) / ((v.clamp_min(0) / correction2).sqrt() + eps) for m, v in zip(pairs["m"], pairs["v"])]
-        pairs["u"] = (steps[0], steps[1])
+        sizes = [(v.clamp_min(0) / correction2).sqrt() + eps for v in pairs["v"]]  # 1 / the step size, per element
+        pairs["u"] = ((pairs["m"][0] / correction1) / sizes[0], (pairs["m"][1] / correction1) / sizes[1])
+        sums["precond"][0] += float((sizes[1] / sizes[0]).log().square().sum())
+        sums["precond"][1] += float(sizes[0].numel())  # a mean over the elements, not relative to a norm
         for key, (a, b) in pairs.items():
             sums[key][0] += float((b - a).square().sum())
             sums[key][1] += float(a.square().sum())
@@ -373,7 +378,8 @@ class Rerunner:
         if problem is not None:
             return f"the revealed end state differs from the re-run's: {problem}"
         tolerance = self.state_tolerance()
-        names = {"m": "first moment (exp_avg)", "v": "second moment (exp_avg_sq)", "u": "AdamW step m̂/(√v̂+eps)"}
+        names = {"m": "first moment (exp_avg)", "v": "second moment (exp_avg_sq)", "u": "AdamW step m̂/(√v̂+eps)",
+                 "precond": "step size 1/(√v̂+eps), RMS log-ratio"}
         over = [f"{names[key]} {gaps[key]:.3g}" for key in names if gaps[key] > tolerance]
         if over:
             return (f"the revealed end state differs from the re-run's beyond the state tolerance {tolerance:g} "
