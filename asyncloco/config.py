@@ -254,9 +254,10 @@ CROSS_DEVICE_BOUNDS: dict[tuple[str, bool], tuple[float, float]] = {
 SELECTING_CODECS = ("sgn", "topk", "grp")  # codecs whose kept positions a last-bit difference can move
 # the end inner state's bound by inner.precision (runtime.verify.cross_device_state_tolerance). Measured on
 # other CPU kernels (docs/results/verify-tolerance-end-state-cross-cpu-20m-fp32-2026-11-27.json, 20m, 20 steps): m and v
-# ≤ 7e-5, the AdamW step m̂/(√v̂+eps) ≤ 3.8e-4 (a lease from a fresh state; from a carried one ≤ 3.2e-5); fp32 allows 13×
-# the largest. bf16 (a GPU peer, a CPU verifier in fp32) is not measured yet: 0.2, twice the update's bf16 bound
-CROSS_DEVICE_STATE_TOLERANCE: dict[str, float] = {"fp32": 0.005, "bf16": 0.2}
+# ≤ 7e-5, the AdamW step m̂/(√v̂+eps) ≤ 3.8e-4, its step size (RMS log-ratio) ≤ 6.4e-4 (a lease from a fresh state; from
+# a carried one ≤ 4.6e-5); fp32 allows 15× the largest, as the update's 0.01 allows 11× its own. bf16 (a GPU peer, a
+# CPU verifier in fp32) is not measured yet: 0.2, twice the update's bf16 bound
+CROSS_DEVICE_STATE_TOLERANCE: dict[str, float] = {"fp32": 0.01, "bf16": 0.2}
 
 
 class VerifyConfig(StrictModel):
@@ -300,12 +301,12 @@ class VerifyConfig(StrictModel):
         "with a sign/topk/grp codec 0.9995 / 0.9)"
     )
     # the revealed end inner state of a lease from another compute class against the re-run's (coordinator/rerun.py
-    # state_gap: relative L2 errors of m, v and the AdamW step m̂/(√v̂+eps); step counts exactly; the error-feedback
-    # residual, a part of the upload, within cross_device_tolerance of the upload's norm)
+    # state_gap: relative L2 errors of m, v and the AdamW step m̂/(√v̂+eps), the RMS log-ratio of its step size; step
+    # counts exactly; the error-feedback residual, a part of the upload, within cross_device_tolerance of its norm)
     cross_device_state_tolerance: float | None = Field(
-        None, ge=0, description="max relative L2 error of the end inner state (m, v, the AdamW step) a peer of another "
-        "compute class reveals from the re-run's (default by inner.precision: 0.005 fp32, measured ≤ 3.8e-4 on other CPU "
-        "kernels at 20m: results/verify-tolerance-end-state-cross-cpu-20m-fp32-2026-11-27.json, tiny: results/"
+        None, ge=0, description="max relative error of the end inner state (m, v, the AdamW step and its size) a peer "
+        "of another compute class reveals from the re-run's (default by inner.precision: 0.01 fp32, measured ≤ 6.4e-4 on "
+        "other CPU kernels at 20m: results/verify-tolerance-end-state-cross-cpu-20m-fp32-2026-11-27.json, tiny: results/"
         "verify-tolerance-end-state-cross-cpu-tiny-fp32-2026-11-27.json; 0.2 bf16, not measured)"
     )
     lease_warmup: int = Field(

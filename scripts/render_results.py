@@ -117,7 +117,7 @@ def verify_tolerance(data: dict[str, Any]) -> str:
     title = (f"`{data.get('model')}` ({_fmt(data.get('parameters'))} parameters), {data.get('precision')}, "
              f"{data.get('steps')} steps, {data.get('device_name') or data.get('device')}, torch {data.get('torch')}")
     out = title + "\n\n" + _table(["comparison", "bitwise", "relative L2 error (before / after the codec)", "cosine", "max \\|diff\\|"], rows)
-    # the lease's end inner state against the reference's (issue 34), where measured
+    # the lease's end inner state against the reference's, where measured
     states = [other for other in data.get("cross_cpu") or [] if other.get("end_state_carried")]
     if states:
         out += "\n\n" + _table(
