@@ -97,7 +97,7 @@ def nudge(relative: float, seed: int = 0) -> Any:
 def forge(share: float) -> Any:
     """The forge-state attack: the first moment pushed along a fixed direction by ``share`` × its norm."""
     def tamper(peer: InnerTrainer) -> None:
-        forge_moment(peer.optimizer, hidden_direction(peer.numel, 1234), share)
+        forge_moment(peer.optimizer, hidden_direction(peer.numel, 1234), share, list(peer.model.parameters()))
         assert implausible_state(peer.optimizer) is None  # inside the bound the verifier checks: not caught by it
     return tamper
 

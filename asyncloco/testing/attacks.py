@@ -70,26 +70,32 @@ def _unit(vector: torch.Tensor) -> torch.Tensor:
     return vector / torch.linalg.vector_norm(vector).clamp_min(1e-12)
 
 
-def forge_moment(optimizer: torch.optim.Optimizer, direction: torch.Tensor, share: float) -> None:
+def forge_moment(optimizer: torch.optim.Optimizer, direction: torch.Tensor, share: float,
+                 flat_order: Optional[Sequence[torch.Tensor]] = None) -> None:
     """The ``forge-state`` attack: the carried AdamW first moment pushed along the unit ``direction`` (one
-    value per parameter element, in ``param_groups`` order) by ``share`` × its norm before the lease's end is
-    committed, each element kept inside the plausibility bound the verifier checks (coordinator/rerun.py
-    ``implausible_state``: |m| ≤ 0.99 × moment_bound × √v). The next lease then steers θ along it from a state that
+    value per parameter element, in θ's flat order: ``flat_order``, the model's ``parameters()``; without it in
+    ``param_groups`` order) by ``share`` × its norm before the lease's end is committed, each element kept inside
+    the plausibility bound the verifier checks (coordinator/rerun.py ``implausible_state``: |m| ≤ 0.99 × moment_bound
+    × √v). The next lease then steers θ along it from a state that
     re-runs exactly; only a comparison of the lease's end state with the re-run's sees the forgery."""
     from asyncloco.coordinator.rerun import moment_bound
 
-    states = [(group, optimizer.state.get(p), p.numel()) for group in optimizer.param_groups for p in group["params"]]
+    states = [(group, optimizer.state.get(p), p) for group in optimizer.param_groups for p in group["params"]]
     norm = sum(float(s["exp_avg"].double().square().sum()) for _, s, _ in states if s) ** 0.5
+    offsets: dict[int, int] = {}  # each parameter's first element in ``direction``
     offset = 0
+    for param in flat_order if flat_order is not None else [p for _, _, p in states]:
+        offsets[id(param)] = offset
+        offset += param.numel()
     with torch.no_grad():
-        for group, state, count in states:
+        for group, state, param in states:
+            count, offset = param.numel(), offsets[id(param)]
             if state:
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 beta1, beta2 = group["betas"]
                 bound = 0.99 * moment_bound(beta1, beta2, float(state["step"])) * v.sqrt()
                 forged = m + share * norm * direction[offset : offset + count].view_as(m).to(m.device, m.dtype)
                 m.copy_(torch.maximum(torch.minimum(forged, bound), -bound))
-            offset += count
 
 
 def tamper(

@@ -371,7 +371,8 @@ class Hostile:
                 self.first_norm = float(torch.linalg.vector_norm(honest))
         if run.reveals is not None:
             if attack == "forge-state":  # before its end is committed (and kept to be revealed as it is)
-                forge_moment(run.trainer.optimizer, self._hidden(theta.numel()), self.o.scale or DEFAULT_SCALE[attack])
+                forge_moment(run.trainer.optimizer, self._hidden(theta.numel()), self.o.scale or DEFAULT_SCALE[attack],
+                             list(run.trainer.model.parameters()))  # θ's flat order: colluders push the same way
             self.digests = (start_digest, run.reveals.hold_end(lease.lease_id, run.trainer.optimizer))
         return honest
 
