@@ -66,7 +66,7 @@ def test_float_codecs_match_torch_casts_exactly() -> None:
     assert torch.equal(decode(encode("bf16", tensor), tensor.numel()), tensor.bfloat16().float())
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(180)  # bitsandbytes' first import probes the machine in subprocesses: 30 s ran out under load
 def test_quantized_codecs_match_bitsandbytes_and_error_bounds() -> None:
     import bitsandbytes.functional as bnbf
 

@@ -818,3 +818,39 @@ def test_an_update_only_the_probe_speaks_against_is_checked_instead_of_refused(v
     assert [type(a).__name__ for a in actions][:3] == ["Verdict", "Rejected", "Expelled"] and state.version == 1
     assert isinstance(actions[1], Rejected) and "held update not applied" in actions[1].reason
     assert actions[2].repair is False  # its one applied update was checked first
+
+
+def test_a_discard_repair_keeps_the_expelled_peers_commitment_chain() -> None:
+    """With commitments, each submission chains to the peer's previous end state. Left out by the repair (discard),
+    an expelled peer's updates are still taken as the live run took them: its chain advances, so each next submission
+    is discarded too, not refused as a broken chain (which gave its range back and renumbered the replay)."""
+    from asyncloco.coordinator.logic import FRESH_STATE_DIGEST
+
+    def state() -> CoordinatorState:
+        live = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=0)
+        live.policy = dataclasses.replace(live.policy, verify=VerifyPolicy(fraction=0.0, probation_updates=0, commit=True))
+        return live
+
+    live = state()
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(live, event, now)[1]
+
+    for peer in ("h", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    ends = {"h": FRESH_STATE_DIGEST, "a": FRESH_STATE_DIGEST}
+    for round_index in range(4):
+        for peer in ("h", "a"):
+            now = 1.0 + 2 * round_index + (peer == "a")
+            lease = lease_of(feed(RequestWork(peer), now))
+            end = f"{peer}-end-{round_index}"
+            actions = feed(SubmitUpdate(peer, lease.lease_id, lease.base_version, torch.full((DIM,), 0.1),
+                                        state_start=ends[peer], state_end=end), now + 0.5)
+            assert [type(a).__name__ for a in actions] == ["Applied"]
+            ends[peer] = end
+    feed(Verified("a", "Lx", False, "relative error 1"), 20.0)
+    result = repair(state(), log, live.verification.expelled, live.version)
+    assert (result.discarded, result.refused, result.held) == (4, 0, 0)
+    assert result.state.verification.chain == {"h": "h-end-3"}  # the expelled peer's chain is dropped with it

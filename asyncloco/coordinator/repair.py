@@ -114,7 +114,7 @@ def _replay_excluded(
         own = update_gate.score(gate, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step)
         update = None if own.action == "reject" else update if own.scale == 1.0 else update * own.scale
     if update is None:
-        handle(state, Discard(event.peer, event.lease_id), now)
+        handle(state, Discard(event.peer, event.lease_id, event.state_end), now)
     else:
         policy = state.policy
         state.policy = dataclasses.replace(policy, gate=None)

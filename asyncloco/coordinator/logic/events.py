@@ -158,6 +158,9 @@ class Discard:
 
     peer: str
     lease_id: str
+    # the submission's committed end state: the peer's commitment chain advances as it did when the live run took the
+    # submission (else its next lease would not chain in the replay)
+    state_end: str | None = None
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,9 @@ def _on_discard(state: CoordinatorState, event: Discard, now: float) -> list[Act
         info.last_seen = now
     del state.leases[lease.lease_id]
     _unindex_lease(state, lease)
+    policy = state.policy.verify
+    if policy is not None and policy.commit and event.state_end is not None:
+        state.verification.chain[event.peer] = event.state_end  # its peer went on from there, as in the live run
     state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
     _drop_unused_base_params(state)
     return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled", RefusalCode.DISCARDED)]
