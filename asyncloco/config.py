@@ -322,7 +322,7 @@ class VerifyConfig(StrictModel):
     reveal_timeout: float = Field(
         300.0, gt=0, description="inner_state carry: seconds a peer has to reveal a checked lease's start state; then the check fails"
     )
-    reveal_keep: int = Field(2, ge=1, description="inner_state carry: start states of its last N leases a peer keeps to reveal")
+    reveal_keep: int = Field(2, ge=1, description="inner_state carry: start and end states of its last N leases a peer keeps to reveal")
     # --- validator peers (asyncloco/validator.py): organiser-run machines that take checks over the verify_task RPC
     validators: list[str] = Field(
         default_factory=list, description="libp2p peer ids of the organiser's validator peers (`asyncloco validator join` "
