@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch
@@ -194,6 +194,17 @@ def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: in
         verify=VerifyPolicy(fraction=fraction, probation_updates=probation, suspect_fraction=0.5),
     )
     return new_state(torch.zeros(DIM), optimizer, [], policy, [10_000], seed=3, lease_secret=secret)
+
+
+def recorder(state: CoordinatorState) -> tuple[list[tuple[Event, float]], Callable[[Event, float], list[Any]]]:
+    """A log of the events fed to ``state`` and the function that feeds one (handle, then its actions)."""
+    log: list[tuple[Event, float]] = []
+
+    def feed(event: Event, now: float) -> list[Any]:
+        log.append((event, now))
+        return handle(state, event, now)[1]
+
+    return log, feed
 
 
 def lease_of(actions: list[Any]) -> Any:
@@ -509,11 +520,7 @@ def test_a_kept_lease_is_applied_to_the_repaired_theta() -> None:
 
     anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
     live = copy.deepcopy(anchor)
-    log: list[tuple[Event, float]] = []
-
-    def feed(event: Event, now: float) -> list[Any]:
-        log.append((event, now))
-        return handle(live, event, now)[1]
+    log, feed = recorder(live)
 
     for peer in ("h", "a"):
         feed(SpeedReport(peer, 10.0), 0.0)
@@ -542,11 +549,7 @@ def test_a_lease_issued_after_the_attackers_update_is_kept_and_applied_at_its_li
 
     anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
     live = copy.deepcopy(anchor)
-    log: list[tuple[Event, float]] = []
-
-    def feed(event: Event, now: float) -> list[Any]:
-        log.append((event, now))
-        return handle(live, event, now)[1]
+    log, feed = recorder(live)
 
     for peer in ("h", "a"):
         feed(SpeedReport(peer, 10.0), 0.0)
@@ -584,7 +587,7 @@ def test_a_later_repair_repeats_an_earlier_repairs_give_backs_and_keeps_the_hone
     live = copy.deepcopy(anchor)
     log: list[tuple[Event, float]] = []
 
-    def feed(event: Event, now: float) -> list[Any]:
+    def feed(event: Event, now: float) -> list[Any]:  # follows ``live``, which the first repair replaces
         log.append((event, now))
         return handle(live, event, now)[1]
 
@@ -664,11 +667,7 @@ def test_a_discarded_submission_is_heard_like_the_submission_it_replaces() -> No
     anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
     anchor.policy = dataclasses.replace(anchor.policy, peer_timeout=10.0)
     live = copy.deepcopy(anchor)
-    log: list[tuple[Event, float]] = []
-
-    def feed(event: Event, now: float) -> list[Any]:
-        log.append((event, now))
-        return handle(live, event, now)[1]
+    log, feed = recorder(live)
 
     for peer in ("h", "a", "b"):
         feed(SpeedReport(peer, 10.0), 0.0)
@@ -703,11 +702,7 @@ def test_a_lease_at_the_version_its_peer_prefetched_is_fetched_and_survives_a_re
 
     anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.0, probation=0)
     live = copy.deepcopy(anchor)
-    log: list[tuple[Event, float]] = []
-
-    def feed(event: Event, now: float) -> list[Any]:
-        log.append((event, now))
-        return handle(live, event, now)[1]
+    log, feed = recorder(live)
 
     for peer in ("h", "a"):
         feed(SpeedReport(peer, 10.0), 0.0)
@@ -741,11 +736,7 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     # unchecked, and its expulsion needs a repair) and the second 0.088 (chosen: the honest lease is checked)
     anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.5, probation=0, secret=b"c" * 32)
     live = copy.deepcopy(anchor)
-    log: list[tuple[Event, float]] = []
-
-    def feed(event: Event, now: float) -> list[Any]:
-        log.append((event, now))
-        return handle(live, event, now)[1]
+    log, feed = recorder(live)
 
     for peer in ("h", "a"):
         feed(SpeedReport(peer, 10.0), 0.0)
@@ -832,11 +823,7 @@ def test_a_discard_repair_keeps_the_expelled_peers_commitment_chain() -> None:
         return live
 
     live = state()
-    log: list[tuple[Event, float]] = []
-
-    def feed(event: Event, now: float) -> list[Any]:
-        log.append((event, now))
-        return handle(live, event, now)[1]
+    log, feed = recorder(live)
 
     for peer in ("h", "a"):
         feed(SpeedReport(peer, 10.0), 0.0)

@@ -34,7 +34,7 @@ import struct
 import numpy as np
 import torch
 
-from asyncloco.peer.inner import FRESH_STATE_DIGEST, inner_state_chunks, inner_state_digest
+from asyncloco.peer.inner import FRESH_STATE_DIGEST, inner_state_chunks, revealed_digest, inner_state_digest
 
 __all__ = ["RevealStore", "send_reveal", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts",
            "split_parts"]
@@ -160,13 +160,9 @@ class RevealStore:
         chunks = inner_state_chunks(optimizer)
         if chunks is None:
             return None
-        self._put(self._ends, lease_id, b"".join(chunks), self.keep)
-        if not chunks:
-            return FRESH_STATE_DIGEST
-        hasher = hashlib.sha256(b"asyncloco inner state v1:")
-        for chunk in chunks:
-            hasher.update(chunk)
-        return hasher.hexdigest()
+        end = b"".join(chunks)
+        self._put(self._ends, lease_id, end, self.keep)
+        return revealed_digest(end)  # the digest of the same bytes (FRESH_STATE_DIGEST for an empty state)
 
     def end_residual(self, lease_id: str, inner_digest: str, residual: Optional[torch.Tensor]) -> str:
         """Error feedback: the end state of ``lease_id`` gets the residual its upload leaves (:func:`pack_reveal`);
