@@ -371,8 +371,11 @@ class RuntimeConfig(StrictModel):
         1.0, gt=0, le=1, description="the share of the residual carried into the next upload (1: classic error feedback; "
         "0.5 with the sgn codecs, measured in docs/compression.md)"
     )
-    # --- θ downloads (transport, docs/transport.md): none = fp32; int8 ≈ 0.25 × fp32; no body when the peer holds the version
-    download_codec: Literal["none", "bf16", "int8"] = Field("none", description="codec of θ downloads (none = fp32)")
+    # --- θ downloads (transport, docs/transport.md): none = fp32; int8 ≈ 0.25 × fp32 (a delta from the peer's anchor); no
+    # body when the peer holds the version. Verification re-runs a lease from the θ the peer decoded (docs/design.md)
+    download_codec: Literal["none", "bf16", "int8"] = Field(
+        "int8", description="codec of θ downloads (none = fp32; int8: 0.25 × fp32, a check re-runs from the θ the peer decoded)"
+    )
     lease_timeout_factor: float = Field(3.0, gt=1, description="lease deadline = expected duration × this + slack")
     lease_slack: float = Field(30.0, ge=0, description="seconds added to every lease deadline")
     checkpoint_dir: str = "runs/coordinator"
@@ -439,13 +442,6 @@ class RuntimeConfig(StrictModel):
                 "runtime.error_feedback: true with runtime.verify.enabled needs runtime.verify.inner_state: carry (the "
                 "default): the peer's error-feedback residual is committed and revealed with its carried inner state, "
                 "and with inner_state: reset nothing is revealed, so every check would fail (docs/compression.md)"
-            )
-        if self.verify.enabled and self.download_codec != "none":
-            raise ValueError(
-                f"runtime.download_codec {self.download_codec!r} cannot be combined with runtime.verify.enabled: a peer "
-                "trains from the lossy θ it decoded (a delta from its own anchor), the re-run from the exact θ, so every "
-                "check of an honest peer would fail; with verification (on by default) set runtime.download_codec: none, or turn "
-                "verification off with runtime.verify.enabled: false (docs/threat-model.md says what that gives up)"
             )
         return self
 

@@ -131,14 +131,11 @@ def test_config_names_the_validator_fix() -> None:
         RunConfig.model_validate({"name": "v", "runtime": {"verify": {"validators": ["not-an-id"]}}})
     cfg = RunConfig.model_validate({"name": "v", "runtime": {"verify": {"enabled": True, "local": False, "validators": [V1]}}})
     assert cfg.runtime.verify.validators == [V1]
-    # a re-run starts from the exact θ; a peer on a lossy download trains from another one: refused, naming the fix
-    # verification is on by default: a lossy θ download is refused naming both fixes, and taken with it off
-    for verify in ({"enabled": True}, {}):
-        with pytest.raises(ValueError, match="set runtime.download_codec: none, or turn verification off with "
-                                             "runtime.verify.enabled: false"):
-            RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "int8", "verify": verify}})
-    off = {"download_codec": "int8", "verify": {"enabled": False}}
-    assert RunConfig.model_validate({"name": "v", "runtime": off}).runtime.download_codec == "int8"
+    # a re-run starts from the θ the peer decoded (coordinator/rerun.py start_theta): a lossy θ download goes with
+    # verification, which is on by default, and int8 is the default download
+    for verify in ({"enabled": True}, {}, {"enabled": False}):
+        assert RunConfig.model_validate({"name": "v", "runtime": {"verify": verify}}).runtime.download_codec == "int8"
+        assert RunConfig.model_validate({"name": "v", "runtime": {"download_codec": "bf16", "verify": verify}})
 
 
 @pytest.mark.integration

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from asyncloco.peer.inner import InnerTrainer
     from asyncloco.transport.codec_format import EncodedTensor
 
-__all__ = ["Comparison", "compare", "implausible_state", "moment_bound", "Rerunner", "state_moments", "state_gap"]
+__all__ = ["Comparison", "compare", "implausible_state", "moment_bound", "Rerunner", "start_theta", "state_moments", "state_gap"]
 
 
 # ------------------------------------------------------------------------------------------- comparing
@@ -51,6 +51,28 @@ def compare(rerun: torch.Tensor, submitted: torch.Tensor, tolerance: float = 0.0
     ok = tolerance > 0 and rel <= tolerance and cosine >= min_cosine
     bound = "bitwise equality" if tolerance == 0 else f"≤ {tolerance:g}" + (f", cosine ≥ {min_cosine:g}" if min_cosine > -1 else "")
     return Comparison(ok, False, rel, cosine, f"relative error {rel:.3g} (cosine {cosine:.6f}) vs the re-run; allowed: {bound}")
+
+
+def start_theta(task: "Verify") -> tuple[Optional[torch.Tensor], str]:
+    """The θ a checked lease is re-run from: the one its peer says it decoded (``theta_codec``, ``theta_anchor``; a
+    compressed download, docs/design.md "Compressed downloads and verification"), rebuilt bit for bit from θ at the
+    base version (``task.base``) and the anchor's full encoding (``task.anchor_body``) with the coordinator's own
+    encoding (transport/delta.py ``decoded_theta``), once it hashes to the peer's ``theta_digest``; θ itself for a
+    submission without them. None and why when the peer's digest is not that θ's: it trained from another θ than the
+    one it names (or names one it was never sent), a failed check."""
+    if not task.theta_codec:
+        return task.base, ""
+    from asyncloco.transport.delta import decoded_theta, theta_digest
+
+    try:
+        theta = decoded_theta(task.theta_codec, task.base, task.anchor_body if task.theta_anchor is not None else None)
+    except Exception as error:  # a malformed anchor: the coordinator's own bytes, never the peer's fault
+        raise RuntimeError(f"rebuilding the peer's θ failed: {error!r}") from error
+    if theta_digest(theta) != task.theta_digest:
+        source = f"a delta from v{task.theta_anchor}" if task.theta_anchor is not None else "in full"
+        return None, (f"the θ the peer committed to (sha256 {task.theta_digest[:16]}…) is not θ v{task.lease.base_version} "
+                      f"as the coordinator sent it in {task.theta_codec}, {source}")
+    return theta, ""
 
 
 # ------------------------------------------------------------------------------- a revealed state's plausibility
@@ -274,7 +296,10 @@ class Rerunner:
         return update, b"".join(chunks or []), left, encoded
 
     def check(self, task: Verify) -> Comparison:
-        return compare(self.rerun(task.lease, task.base, self._sign_rotation(task)), task.update, *self.bounds(task))
+        base, why = start_theta(task)
+        if base is None:
+            return Comparison(False, False, math.inf, -1.0, why)
+        return compare(self.rerun(task.lease, base, self._sign_rotation(task)), task.update, *self.bounds(task))
 
     def state_tolerance(self) -> float:
         """The bound on a foreign-class peer's revealed end state (:func:`state_gap`'s m, v and AdamW step; the residual
@@ -317,8 +342,9 @@ class Rerunner:
         from asyncloco.peer.reveal import committed_digest
 
         parts, why = self._parts(task, revealed)
-        if parts is None:
-            return Comparison(False, False, math.inf, -1.0, why)
+        base, why_base = start_theta(task) if parts is not None else (None, "")
+        if parts is None or base is None:
+            return Comparison(False, False, math.inf, -1.0, why or why_base)
         start, residual, end_inner, end_residual = parts
         trainer = self.trainer
         try:
@@ -331,7 +357,7 @@ class Rerunner:
             return Comparison(False, False, math.inf, -1.0, f"the revealed inner state is not one AdamW reaches: {implausible}")
         trainer.reset_state = False
         try:
-            rerun, left = self._rerun(task.lease, task.base, residual, self._sign_rotation(task))
+            rerun, left = self._rerun(task.lease, base, residual, self._sign_rotation(task))
         finally:
             trainer.reset_state = True
         own_class = task.device_class == self.compute_class

@@ -257,7 +257,10 @@ class Serving:
                 event = SubmitUpdate(peer_id, lease_id, base_version, update, transfer_s=round(upload_s, 6),
                                      probe_before=probe[0], probe_after=probe[1],
                                      state_start=getattr(header, "state_start", None), state_end=getattr(header, "state_end", None),
-                                     device_class=getattr(header, "device_class", None))
+                                     device_class=getattr(header, "device_class", None),
+                                     theta_codec=getattr(header, "theta_codec", None),
+                                     theta_anchor=getattr(header, "theta_anchor", None),
+                                     theta_digest=getattr(header, "theta_digest", None))
                 actions = await node.decide(event, wire=pseudo_gradient)
                 self.monitoring.stats.submit_timing.add(decode=decoded - started, lock_wait=locked - decoded,
                                                         probe=probed - locked, decide=time.perf_counter() - probed)

@@ -92,8 +92,15 @@ class ValidatorDesk:
                 except asyncio.TimeoutError:
                     return CheckHeader(numel), []
             if not verifier.moot(task):
-                break
-            verifier.stats.moot += 1  # its peer was expelled meanwhile: dropped unrun
+                from asyncloco.coordinator.rerun import start_theta
+
+                # a compressed download: the validator re-runs from the θ the peer decoded, rebuilt here
+                base, why = await asyncio.to_thread(start_theta, task) if task.theta_codec else (task.base, "")
+                if base is not None:
+                    break
+                await self.verification.judged(task, False, False, math.inf, -1.0, why)
+            else:
+                verifier.stats.moot += 1  # its peer was expelled meanwhile: dropped unrun
             verifier._done()
         lease = task.lease
         loan = _Loan(task, queued_at, revealed, peer)
@@ -105,7 +112,7 @@ class ValidatorDesk:
             lease.lr_offset, task.state_start or None, task.state_end or None, None if revealed is None else len(revealed),
             task.device_class or None,
         )
-        return header, [fp32_bytes(task.base), fp32_bytes(task.update), revealed or b""]
+        return header, [fp32_bytes(base), fp32_bytes(task.update), revealed or b""]
 
     async def _expire(self, loan: _Loan) -> None:
         timeout = float(self.verification.knobs.validator_timeout)

@@ -307,7 +307,8 @@ class DaemonVerification:
             record = held.get(lease_id)
             if lease_id not in found and record is not None and record.lease.peer == peer:
                 checks.append(Verify(peer, record.lease, record.base, record.update, record.lease.verify, "",
-                                     record.state_start, record.state_end, record.device_class))
+                                     record.state_start, record.state_end, record.device_class, record.theta_codec,
+                                     record.theta_anchor, record.theta_digest))
                 found.add(lease_id)
         for check in checks:
             if not check.failed and check.state_start and needs_reveal([check], check.lease.lease_id):
@@ -428,6 +429,15 @@ class DaemonVerification:
         if not action.base.numel():  # θ at its base version is gone (logic/submit.py _on_submit): no re-run can be had
             self._decide_later(self._unverified(action, "θ at the lease's base version is no longer held"))
             return
+        if action.theta_anchor is not None and action.anchor_body is None:
+            # a delta download: the re-run starts from the anchor's full encoding plus the delta (rerun.start_theta)
+            service = getattr(self.daemon.serving, "service", None)
+            body = None if service is None else service.downloads.anchor_body(action.theta_codec, action.theta_anchor)
+            if body is None:  # never served, or evicted (runtime download_anchors), or gone with a restart
+                self._decide_later(self._unverified(action, f"the download anchor v{action.theta_anchor} "
+                                                    f"({action.theta_codec}) the peer's θ was a delta from is no longer held"))
+                return
+            action = dataclasses.replace(action, anchor_body=body)
         self._start()
         if action.state_start and needs_reveal([action], action.lease.lease_id):
             self._await_reveal(action)

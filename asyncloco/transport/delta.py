@@ -38,7 +38,7 @@ from asyncloco.transport.errors import CodecError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DELTA_CODECS", "relative_error", "error_bound", "Served", "AnchorStore", "apply_delta"]
+__all__ = ["DELTA_CODECS", "relative_error", "error_bound", "Served", "AnchorStore", "apply_delta", "decoded_theta", "theta_digest"]
 
 DELTA_CODECS: tuple[str, ...] = ("fp16", "bf16", "int8", "int4")  # lossy: deltas against an anchor
 _FP32_ADD = 2.0**-23  # relative rounding of the peer's fp32 addition F_a + decode(delta), with margin
@@ -106,6 +106,33 @@ def apply_delta(codec: str, numel: int, anchor_body: Any, delta_body: Any) -> to
     return anchor
 
 
+def theta_digest(theta: torch.Tensor) -> str:
+    """sha256 (hex) of θ's fp32 bytes: what a peer commits to as the θ it decoded and trained from (the submission's
+    ``theta_digest``), and what the verifier checks its reconstruction against (coordinator/rerun.py)."""
+    import hashlib
+
+    return hashlib.sha256(theta.detach().to(torch.float32).contiguous().cpu().numpy()).hexdigest()
+
+
+def decoded_theta(codec: str, theta: torch.Tensor, anchor_body: Optional[bytes]) -> torch.Tensor:
+    """The θ a peer holds after downloading ``theta`` (θ_v, fp32) in ``codec``: exactly θ_v for ``none``; for a lossy
+    codec ``decode(encode(θ_v))`` when it came in full (``anchor_body`` None: from the coordinator or the swarm, whose
+    seed sends the same encoding), else ``F_a + decode(encode(θ_v − F_a))`` with ``F_a`` the anchor's full encoding
+    ``anchor_body`` — the coordinator's and the peer's own operations (:meth:`AnchorStore._delta`, :func:`apply_delta`),
+    bit for bit. The verifier re-runs a lease from it (docs/design.md, "Compressed downloads and verification")."""
+    numel = theta.numel()
+    if codec == "none":
+        if anchor_body is not None:
+            raise CodecError("an fp32 download is never a delta")
+        return theta
+    if codec not in DELTA_CODECS:
+        raise CodecError(f"unknown download codec {codec!r}")
+    if anchor_body is None:
+        return decode(EncodedTensor.from_bytes(codec, numel, encode(codec, theta).to_bytes()), numel)
+    delta = torch.sub(theta, decode(EncodedTensor.from_bytes(codec, numel, anchor_body), numel))
+    return apply_delta(codec, numel, anchor_body, encode(codec, delta).to_bytes())
+
+
 class AnchorStore:
     """The coordinator's side of delta downloads for the lossy codecs (thread-safe; CPU-heavy calls,
     run them off the event loop).
@@ -130,6 +157,12 @@ class AnchorStore:
     def anchors(self) -> list[Tuple[str, int]]:
         with self._lock:
             return list(self._anchors)
+
+    def anchor_body(self, codec: str, version: int) -> Optional[bytes]:
+        """The full encoding of θ at ``version`` in ``codec`` that deltas from it were taken against (None when this
+        store does not keep it); the verifier reconstructs a peer's θ from it (:func:`decoded_theta`)."""
+        with self._lock:
+            return self._anchors.get((codec, version))
 
     def serve(self, version: int, codec: str, theta: torch.Tensor, anchor: Optional[int]) -> Served:
         """The body for a peer that asks for θ at ``version`` (``theta``, never mutated) in ``codec`` and

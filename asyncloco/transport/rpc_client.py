@@ -14,7 +14,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 from asyncloco.transport.codecs import EncodedTensor, decode, encode, wire_bytes
-from asyncloco.transport.delta import DELTA_CODECS, apply_delta
+from asyncloco.transport.delta import DELTA_CODECS, apply_delta, theta_digest
 from asyncloco.transport.errors import CodecError, PeerUnreachable, ProtocolError, RpcTimeout, TransportError
 from asyncloco.transport.framing import CHUNK_BYTES, FrameReader, FrameWriter
 from asyncloco.transport.linkspeed import LinkSpeed
@@ -97,6 +97,9 @@ class CoordinatorClient:
         self.held: Optional[Tuple[int, str, torch.Tensor]] = None  # (version, codec it came in, θ)
         # the last full download in a lossy codec, as received: deltas are taken from it
         self.anchor: Optional[Tuple[int, str, bytearray]] = None  # (version, codec, encoded body)
+        # how each recent version's θ was decoded: version -> (codec, anchor version of a delta or None, sha256 of θ);
+        # a submission names its base version's (SubmitHeader.theta_*), so a re-run starts from the same θ
+        self.decoded: dict[int, Tuple[str, Optional[int], str]] = {}
         # with a LinkSpeed, get_model/submit without an explicit timeout get one derived from the
         # measured throughput of this link (transport/linkspeed.py), and each completed body is a sample
         self.link = link
@@ -234,8 +237,16 @@ class CoordinatorClient:
             theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(codec, self.model_numel, body), self.model_numel)
             if codec in DELTA_CODECS:
                 self.anchor = (header.version, codec, body)
+        await asyncio.to_thread(self.note_decoded, header.version, codec, header.delta_from, theta)
         self.held = (header.version, codec, theta)
         return header.version, theta
+
+    def note_decoded(self, version: int, codec: str, anchor: Optional[int], theta: torch.Tensor) -> None:
+        """Remember how θ at ``version`` was decoded (``anchor``: the version of the full encoding a delta was added to,
+        None: in full) and its digest, for the submissions of leases based on it; the newest 8 versions are kept."""
+        self.decoded[version] = (codec, anchor, theta_digest(theta))
+        while len(self.decoded) > 8:
+            del self.decoded[min(self.decoded)]
 
     async def submit(
         self,
@@ -260,9 +271,10 @@ class CoordinatorClient:
             raise ValueError(f"codec={codec!r} contradicts the EncodedTensor's {pseudo_gradient.codec!r}")
         if pseudo_gradient.numel != self.model_numel:
             raise CodecError(f"pseudo-gradient has {pseudo_gradient.numel} elements, the model {self.model_numel}")
+        source = self.decoded.get(base_version)  # the θ it trained from, as decoded (None: not downloaded here)
         header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
                               None if inner_loss is None else float(inner_loss), state_start, state_end,
-                              device_class)
+                              device_class, *(source if source is not None else (None, None, None)))
         encoded = pseudo_gradient
         if self.link is None:
             return await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), timeout)

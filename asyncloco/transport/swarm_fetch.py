@@ -390,6 +390,7 @@ class SwarmLink:
                 result = await asyncio.wait_for(self.downloader.download(version, chosen), timeout=timeout or self.downloader.timeout)
                 numel = int(self.client.model_numel)
                 theta = await asyncio.to_thread(decode, EncodedTensor.from_bytes(chosen, numel, result.body), numel)
+                await asyncio.to_thread(self.client.note_decoded, result.manifest.version, chosen, None, theta)
                 self.client.held = (result.manifest.version, chosen, theta)
                 if chosen in DELTA_CODECS:
                     self.client.anchor = (result.manifest.version, chosen, result.body)

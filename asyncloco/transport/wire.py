@@ -15,7 +15,7 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`LeaseGrant` map), ``reason``, ``code``? |
 | :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
-| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``?, ``device_class``? |
+| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``?, ``device_class``?, ``theta_codec``?, ``theta_anchor``?, ``theta_digest``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
 | :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``? |
 | :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
@@ -318,6 +318,12 @@ class SubmitHeader(_Message):
     state_start: Optional[str] = None
     state_end: Optional[str] = None
     device_class: Optional[str] = None
+    # the θ the lease trained from, as the peer decoded it: θ at base_version downloaded in theta_codec, as a delta from
+    # the full encoding of theta_anchor (absent: in full), and sha256 (hex) of its fp32 bytes (transport/delta.py
+    # decoded_theta, theta_digest); the verifier re-runs a checked lease from that θ (absent: from θ itself)
+    theta_codec: Optional[str] = None
+    theta_anchor: Optional[int] = None
+    theta_digest: Optional[str] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("lease_id", "base_version", "codec", "numel")
 
     def __post_init__(self) -> None:
@@ -331,6 +337,13 @@ class SubmitHeader(_Message):
             if value is not None and (not isinstance(value, str) or not DIGEST_PATTERN.fullmatch(value)):
                 raise _fail("SubmitHeader", name, f"must be a sha256 digest (64 lowercase hex characters), got {value!r:.80}")
         self._str("device_class", 96, pattern=COMPUTE_CLASS_PATTERN, optional=True)
+        self._str("theta_codec", CODEC_NAME_MAX, choices=CODECS, optional=True)
+        self._int("theta_anchor", 0, MAX_VERSION, optional=True)
+        self._str("theta_digest", 64, pattern=DIGEST_PATTERN, optional=True)
+        if (self.theta_codec is None) != (self.theta_digest is None) or (self.theta_anchor is not None and (
+                self.theta_codec in (None, "none") or self.theta_anchor >= self.base_version)):
+            raise _fail("SubmitHeader", "theta_anchor", "θ's provenance is theta_codec with theta_digest, and an anchor "
+                        "older than base_version only for a lossy codec")
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ class SubmitUpdate:
     # the compute class the peer says the lease ran on (peer/inner.py compute_class): a verifier of the same class
     # compares bitwise, of another within runtime.verify.cross_device_tolerance; None: unknown (another class)
     device_class: str | None = None
+    # the θ the lease trained from, as the peer says it decoded it (transport/wire.py SubmitHeader): θ at base_version
+    # downloaded in theta_codec, a delta from the full encoding of theta_anchor (None: in full), with the sha256 of its
+    # fp32 bytes; a check re-runs from that θ (coordinator/rerun.py start_theta). None: from θ itself
+    theta_codec: str | None = None
+    theta_anchor: int | None = None
+    theta_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -349,6 +355,13 @@ class Verify:
     state_start: str = ""  # the lease's committed inner-state digests ("" without commitments)
     state_end: str = ""
     device_class: str = ""  # the compute class the peer named ("" unknown): decides the comparison's tolerance
+    # the θ the peer says it decoded (SubmitUpdate's theta_*; "" codec: θ itself), and — attached by the daemon when the
+    # check is queued (coordinator/verify.py), not by the logic — the full encoding of theta_anchor that a delta was
+    # added to: the re-run starts from that θ, rebuilt bit for bit (transport/delta.py decoded_theta)
+    theta_codec: str = ""
+    theta_anchor: int | None = None
+    theta_digest: str = ""
+    anchor_body: bytes | None = None
 
 
 @dataclass(frozen=True)

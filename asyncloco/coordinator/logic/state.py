@@ -134,18 +134,24 @@ class HeldUpdate:
     state_start: str = ""
     state_end: str = ""
     device_class: str = ""
+    # the θ the peer says it decoded (SubmitUpdate's theta_*): "" codec for θ itself
+    theta_codec: str = ""
+    theta_anchor: int | None = None
+    theta_digest: str = ""
 
     def state_dict(self) -> dict[str, Any]:
         return {"lease": self.lease.to_dict(), "update": self.update, "base": self.base, "scale": self.scale,
                 "submitted_at": self.submitted_at, "verdict": None if self.verdict is None else dict(self.verdict),
-                "state_start": self.state_start, "state_end": self.state_end, "device_class": self.device_class}
+                "state_start": self.state_start, "state_end": self.state_end, "device_class": self.device_class,
+                "theta_codec": self.theta_codec, "theta_anchor": self.theta_anchor, "theta_digest": self.theta_digest}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "HeldUpdate":
         verdict = state.get("verdict")
         return cls(Lease(**state["lease"]), state["update"], state["base"], float(state["scale"]),
                    float(state["submitted_at"]), None if verdict is None else dict(verdict),
-                   str(state.get("state_start", "")), str(state.get("state_end", "")), str(state.get("device_class", "")))
+                   str(state.get("state_start", "")), str(state.get("state_end", "")), str(state.get("device_class", "")),
+                   str(state.get("theta_codec", "")), state.get("theta_anchor"), str(state.get("theta_digest", "")))
 
 
 @dataclass

@@ -353,12 +353,13 @@ def _hold(
     book = state.verification
     book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
                                            None if verdict is None else dataclasses.asdict(verdict),
-                                           event.state_start or "", event.state_end or "", event.device_class or "")
+                                           event.state_start or "", event.state_end or "", event.device_class or "",
+                                           event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
     book.pending[lease.lease_id] = event.peer
     _drop_unused_base_params(state)
     return [
         Verify(event.peer, lease, base, update, lease.verify, "", event.state_start or "", event.state_end or "",
-               event.device_class or ""),
+               event.device_class or "", event.theta_codec or "", event.theta_anchor, event.theta_digest or ""),
         Held(event.peer, lease.lease_id, state.version, f"held until its check agrees ({lease.verify})", sketch),
     ]
 

@@ -1,0 +1,158 @@
+"""Compressed θ downloads with verification on (docs/design.md, "Compressed downloads and verification").
+
+A peer on a lossy download (``runtime.download_codec: int8``, the default) trains from the θ it decoded — a full
+encoding of θ_v, or its anchor's full encoding plus the encoded delta θ_v − F_a — not from θ_v. Its submission names
+that θ (codec, anchor, sha256 of its fp32 bytes: transport/wire.py SubmitHeader ``theta_*``) and the verifier re-runs
+from it, rebuilt with the coordinator's own encoding (transport/delta.py ``decoded_theta``). Pinned here:
+
+* the rebuild is bit for bit what the peer's client decodes, full and delta (:func:`decoded_theta` vs
+  :class:`AnchorStore` + :func:`apply_delta`), and :func:`start_theta` refuses a digest that is not that θ's;
+* end to end (the real daemon and peer runners over the in-memory transport, every lease checked): honest peers with
+  the default config — int8 deltas, verification on, carried and reset inner state — pass every check bitwise;
+* a peer that names another θ than the one it decoded (a delta claimed as a full download) fails its check on the
+  first delta, naming the digest, and is expelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from asyncloco.clock import FakeClock
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.daemon import JOURNAL_FILE
+from asyncloco.coordinator.logic import Lease, Verify
+from asyncloco.coordinator.rerun import start_theta
+from asyncloco.peer.runner import InnerTrainer, PeerError, PeerOptions, PeerRunner  # (train/inner.py)
+from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.transport.codecs import EncodedTensor, decode
+from asyncloco.transport.delta import AnchorStore, apply_delta, decoded_theta, theta_digest
+from asyncloco.transport.rpc import TrafficCounters
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_decoded_theta_is_what_the_client_decodes_bit_for_bit() -> None:
+    numel = 10_007
+    generator = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(numel, generator=generator)
+    theta1 = theta0 + 0.01 * torch.randn(numel, generator=generator)
+    store = AnchorStore(numel)
+    full = store.serve(0, "int8", theta0, None)
+    assert full.delta_from is None
+    peer0 = decode(EncodedTensor.from_bytes("int8", numel, full.body), numel)
+    assert torch.equal(peer0, decoded_theta("int8", theta0, None)) and not torch.equal(peer0, theta0)
+    delta = store.serve(1, "int8", theta1, 0)
+    assert delta.delta_from == 0
+    peer1 = apply_delta("int8", numel, full.body, delta.body)
+    assert torch.equal(peer1, decoded_theta("int8", theta1, store.anchor_body("int8", 0)))
+    assert store.anchor_body("int8", 1) is None and decoded_theta("none", theta1, None) is theta1
+    # start_theta: the rebuilt θ when the peer's digest is its digest, None naming the mismatch otherwise
+    lease = Lease("l1", "p", 0, 0, 5, 0, 1, 0.0, 0.0, 100.0)
+    empty = torch.empty(0)
+    task = Verify("p", lease, theta1, empty, "probation", theta_codec="int8", theta_anchor=0,
+                  theta_digest=theta_digest(peer1), anchor_body=store.anchor_body("int8", 0))
+    rebuilt, why = start_theta(task)
+    assert rebuilt is not None and torch.equal(rebuilt, peer1) and why == ""
+    claimed_full = Verify("p", lease, theta1, empty, "probation", theta_codec="int8", theta_digest=theta_digest(peer1))
+    rebuilt, why = start_theta(claimed_full)
+    assert rebuilt is None and "is not θ v1 as the coordinator sent it in int8, in full" in why
+    assert start_theta(Verify("p", lease, theta1, empty, "probation"))[0] is theta1  # no claim: θ itself
+
+
+def config(inner_state: str) -> RunConfig:
+    return RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "inner": {"lr": 1e-2},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},
+        "outer": {"buffer_size": 3},
+        "sim": {"workers": 3},
+        "runtime": {  # the default download (int8) and verification on, every lease checked
+            "snapshot_every": 4, "eval_every": 100000, "lease_slack": 30.0, "speed_report_period": 600.0,
+            "gate": {"enabled": False},
+            "verify": {"enabled": True, "inner_state": inner_state, "fraction": 1.0, "probation_updates": 2,
+                       "horizon": 100000, "queue": 256, "sketch_threshold": 1.0},
+        },
+    })
+
+
+class ClaimsFullClient(MemoryClient):
+    """Names every θ it decoded as a full download — a delta included: it points the re-run at another θ."""
+
+    def note_decoded(self, version: int, codec: str, anchor: Optional[int], theta: torch.Tensor) -> None:
+        self.deltas = getattr(self, "deltas", 0) + (anchor is not None)
+        super().note_decoded(version, codec, None, theta)
+
+
+def start_peer(transport: MemoryTransport, name: str, rounds: int, client_cls: Any = MemoryClient) -> tuple[Any, "asyncio.Task[Any]"]:
+    cfg = transport.cfg
+    options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
+                          progress=False, max_rounds=rounds)
+    runner = PeerRunner(options, clock=transport.clock)
+    runner.summary.peer_id = name
+    runner.speed = 1000.0
+    counters = TrafficCounters()
+    client = client_cls(transport, name, counters=counters, download_codec=cfg.runtime.download_codec)
+    trainer = InnerTrainer.from_config(cfg, transport.workload)
+    task = as_actor(name, runner.serve(client, transport.publisher(name, signer=f"key-{name}"), cfg, transport.workload,
+                                       trainer, cfg.runtime.codec, counters))
+    return client, task
+
+
+def run(tmp_path: Path, inner_state: str, liar: bool) -> dict[str, Any]:
+    cfg = config(inner_state)
+    assert cfg.runtime.download_codec == "int8" and cfg.runtime.verify.enabled  # the defaults
+    clock = FakeClock()
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
+        daemon = await transport.start()
+        try:
+            peers = {name: start_peer(transport, name, rounds=6) for name in ("h0", "h1")}
+            if liar:
+                peers["liar"] = start_peer(transport, "liar", rounds=20, client_cls=ClaimsFullClient)
+            await drive(clock, {name: task for name, (_, task) in peers.items()}, real_timeout=150.0)
+            daemon = transport.daemon
+            assert daemon is not None and daemon.verification is not None
+            await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
+            service = daemon.serving.service
+            return {"state": daemon.state, "verification": daemon.verification.status(), "peers": peers,
+                    "deltas_sent": service.downloads.deltas_sent, "full_sent": service.downloads.full_sent,
+                    "journal": (tmp_path / "run" / JOURNAL_FILE).read_text()}
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    return asyncio.run(asyncio.wait_for(scenario(), timeout=200.0))
+
+
+@pytest.mark.parametrize("inner_state", ["carry", "reset"])
+def test_honest_peers_on_the_default_compressed_download_pass_every_check(tmp_path: Path, inner_state: str) -> None:
+    import json
+
+    out = run(tmp_path, inner_state, liar=False)
+    verdicts = [json.loads(line) for line in out["journal"].splitlines() if '"verdict"' in line]
+    verdicts = [v for v in verdicts if v["type"] == "verdict"]
+    assert out["deltas_sent"] > 0  # int8 deltas from the peers' anchors were served and checked
+    assert len(verdicts) == 12 and all(v["ok"] for v in verdicts), verdicts
+    assert all("bitwise" in v["detail"] for v in verdicts)
+    status = out["verification"]
+    assert status["failed"] == 0 and status["unverifiable"] == 0 and status["passed"] == 12
+    for _, task in out["peers"].values():
+        assert task.result().rounds == 6
+
+
+def test_a_peer_naming_another_theta_than_it_decoded_fails_its_check(tmp_path: Path) -> None:
+    out = run(tmp_path, "reset", liar=True)
+    client, task = out["peers"]["liar"]
+    assert client.deltas > 0
+    with pytest.raises(PeerError, match="expelled from this run"):
+        task.result()
+    assert list(out["state"].verification.expelled) == ["liar"]
+    assert "is not θ v" in out["state"].verification.expelled["liar"]
+    assert out["verification"]["failed"] == 1
