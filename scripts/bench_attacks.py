@@ -100,6 +100,8 @@ class Result:
     repairs: list[dict[str, Any]] = field(default_factory=list)
     caught_after: Optional[int] = None  # tampered submissions the coordinator took from an attacker before its expulsion
     honest_suspect: int = 0  # honest leases re-run because the update sketch made their peer a suspect
+    # how far each peer's updates rise against its own history (own_history_rises): honest vs tampered
+    rises: dict[str, Any] = field(default_factory=dict)
     held_staleness: float = math.nan  # mean staleness of the updates that waited for their check (all peers)
     staleness: float = math.nan  # mean staleness of the other applied updates
 
@@ -215,6 +217,65 @@ def tampered_before_caught(summaries: list[Path], events: list[dict[str, Any]]) 
         counts.append(sum(1 for c in summary.get("calls", []) if c.get("call") == "submit" and c.get("accepted")
                           and not c.get("duplicate") and c.get("attack") not in ("honest", None)))
     return max(counts) if counts else None
+
+
+RISE_SKIP = 3  # a peer's first updates (probation, a fresh AdamW state) have no history to rise against
+RISE_WINDOW = 4  # the median of the peer's last 4 updates is its own history
+
+
+def own_history_rises(run: Path, hostile: set[str]) -> dict[str, Any]:
+    """The candidate sleeper signals, measured on a finished run: for each submission in the write-ahead log (past a
+    peer's first ``RISE_SKIP``), the log-ratio of its per-step norm to the median of the peer's last ``RISE_WINDOW``,
+    and the rise of its sketch score (coordinator/sketch.py: its residual against the consensus, cosine with its
+    previous residual) over the median of its last scores. Returns the honest updates' count, maxima and 98th
+    percentiles, and the rises of the attackers' tampered submissions (their ``hostile*.json`` rounds)."""
+    from statistics import median
+
+    from asyncloco.coordinator.logic.events import SubmitUpdate
+    from asyncloco.coordinator.node import EVENT_TYPES
+    from asyncloco.coordinator.repair import log_events
+    from asyncloco.coordinator.sketch import SketchState, Sketcher, observe
+
+    coordinator = run / "coordinator"
+    numel = int(json.loads((coordinator / "events.jsonl").open().readline()).get("numel", 0))
+    steps = {e["lease_id"]: int(e.get("steps", 1)) for e in map(json.loads, (coordinator / "events.jsonl").open())
+             if e.get("type") == "assign" and e.get("lease_id")}
+    tampered = {c.get("lease_id") for p in run.glob("hostile*.json") for c in json.loads(p.read_text()).get("calls", [])
+                if c.get("call") == "submit" and c.get("attack") not in ("honest", None)}
+    sketcher, sketches = Sketcher(b"bench", numel), SketchState()
+    history: dict[str, list[tuple[float, float | None]]] = {}
+    rises: dict[str, list[tuple[float, float]]] = {"honest": [], "tampered": []}
+
+    def events() -> Any:
+        try:
+            yield from log_events(coordinator / "wal", 0, 1 << 62, EVENT_TYPES, numel)
+        except ValueError:  # the end of the log
+            return
+
+    for event, _ in events():
+        if not isinstance(event, SubmitUpdate) or event.lease_id not in steps:
+            continue
+        per_step = float(event.pseudo_gradient.norm()) / max(1, steps[event.lease_id])
+        score = observe(sketches, sketcher(event.pseudo_gradient), event.peer, set(history) | {event.peer}, 1.0, 0)
+        past = history.setdefault(event.peer, [])
+        if len(past) >= RISE_SKIP and per_step > 0:
+            norms = [math.log(n) for n, _ in past[-RISE_WINDOW:] if n > 0]
+            scores = [s for _, s in past[-RISE_WINDOW:] if s is not None]
+            rise = (math.log(per_step) - median(norms), (score - median(scores)) if score is not None and scores else 0.0)
+            who = "tampered" if event.lease_id in tampered else "honest" if event.peer not in hostile else ""
+            if who:
+                rises[who].append(rise)
+        past.append((per_step, score))
+
+    def spread(values: list[float]) -> dict[str, float]:
+        ordered = sorted(values)
+        return {"max": ordered[-1], "p98": ordered[min(len(ordered) - 1, int(0.98 * len(ordered)))]} if ordered else {}
+
+    return {"honest_updates": len(rises["honest"]),
+            "honest_norm_rise": spread([math.exp(n) for n, _ in rises["honest"]]),
+            "honest_score_rise": spread([s for _, s in rises["honest"]]),
+            "tampered_norm_rise": [round(math.exp(n), 3) for n, _ in rises["tampered"][:5]],
+            "tampered_score_rise": [round(s, 3) for _, s in rises["tampered"][:5]]}
 
 
 def holding(events: list[dict[str, Any]], honest: set[str]) -> dict[str, float]:
@@ -368,7 +429,7 @@ def warm_up(base: Path, out: Path, gate: bool, verify: bool, updates: int, threa
 def run_one(
     base: Path, out: Path, attack: str, gate: bool, duration: float, threads: int, updates: Optional[int] = None,
     repeat: int = 0, verify: bool = False, colluders: int = 1, honest_updates: Optional[int] = None,
-    warm: Optional["Warm"] = None,
+    warm: Optional["Warm"] = None, until_caught: bool = False,
 ) -> Result:
     row = attack
     attack, scale, identities = parse_row(row, colluders)
@@ -418,6 +479,9 @@ def run_one(
             def enough() -> bool:
                 if updates is not None and cluster.status().get("version", 0) < updates:
                     return False
+                if until_caught and attack not in ("clean", "honest") and not any(
+                        e.get("type") == "verdict" and not e.get("ok") for e in cluster.events()):
+                    return False
                 if honest_updates is None:
                     return True
                 applied = sum(1 for e in cluster.events() if e.get("type") == "applied" and e.get("peer") in honest_now)
@@ -462,6 +526,7 @@ def run_one(
         repairs=repairs_of(events),
         caught_after=tampered_before_caught(sorted((workdir / "run").glob("hostile*.json")), events),
         honest_suspect=int(held["honest_suspect"]),
+        rises=own_history_rises(workdir / "run", hostile_ids) if verify else {},
         held_staleness=held["held_staleness"],
         staleness=held["staleness"],
     )
@@ -635,6 +700,7 @@ def acceptance16(results: list[Result]) -> list[str]:
 
 
 def main() -> int:
+    global SLOWDOWNS  # --slowdowns: the honest peers of every run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     parser.add_argument("--duration", type=float, default=120.0, help="wall seconds of every run, from when the honest peers have joined")
@@ -663,7 +729,18 @@ def main() -> int:
     parser.add_argument("--signals", nargs="+", metavar="OUT", type=Path,
                         help="only read the finished runs under these --out directories: the cheap signals' marks "
                              "(gate.suspect) on honest and hostile updates, the honest ones being false positives")
+    parser.add_argument("--slowdowns", default=",".join(f"{s:g}" for s in SLOWDOWNS),
+                        help="the honest peers, one per slowdown factor (default the demo's 1,1.5,4)")
+    parser.add_argument("--until-caught", action="store_true", help="with --updates: an attack run also waits for "
+                        "verification's first failed check (--duration caps it)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: clean and hidden:0.05, gate and verification "
+                        "on, one honest peer, 2 applied updates each and the attacker caught (tests; a run directory "
+                        "for scripts/repair_quality.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.attacks, args.gate, args.verify, args.slowdowns, args.updates = ["hidden:0.05"], "on", True, "1", 2
+        args.until_caught, args.duration = True, min(args.duration, 120.0)
+    SLOWDOWNS = tuple(float(s) for s in args.slowdowns.split(",") if s)
     if args.signals:
         missing = [str(d) for d in args.signals if not d.is_dir()]
         if missing:
@@ -706,7 +783,7 @@ def main() -> int:
                 logger.info("run %s, gate %s, repeat %d, %.0f s", attack, "on" if gate else "off", repeat, args.duration)
                 result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates, repeat,
                                  verify=args.verify, colluders=args.colluders, honest_updates=args.honest_updates,
-                                 warm=warm)
+                                 warm=warm, until_caught=args.until_caught)
                 runs.append(result)
                 logger.info("%s gate %s: perplexity %.4g", attack, "on" if gate else "off", result.perplexity)
         # each run against the clean runs' geometric mean (one clean run without --repeats)

@@ -114,7 +114,10 @@ def main() -> None:
     parser.add_argument("--budget-per-worker", type=int, default=40, help="simulated local updates per worker")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--logic-only", action="store_true", help="only the decision function (no training)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: 4 and 8 workers, few events (tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.workers, args.events, args.budget_per_worker = "4,8", 400, 5
     torch.set_num_threads(1)
     rows = []
     for workers in (int(w) for w in args.workers.split(",")):

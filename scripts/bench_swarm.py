@@ -562,7 +562,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--wan", metavar="COORD[:CLIENTS]",
                         help="emulated access links (asyncloco/wan/netns.py profiles, e.g. home:home): the coordinator "
                         "in a network namespace behind the first, each client process behind the second (root)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: the stand-in, 2 clients in one process, "
+                        "one version of 200k values (tests)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.clients, args.processes, args.versions, args.numel, args.chunk_bytes = "2", 1, 1, 200_000, 64 << 10
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
     if args.train:

@@ -290,7 +290,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the peer trains: cpu (default) or cuda")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as a GPU peer trains")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny, 3 steps of 2 × 16 tokens, one "
+                        "repeat, 2 downloaders, no cap (tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.model, args.batch_size, args.seq_len, args.steps, args.warmup, args.repeats = "tiny", 2, 16, 3, 1, 1
+        args.downloaders, args.serve_bandwidth, args.threads = 2, "none", 1
     if args.peer_cores < 1:
         parser.error("--peer-cores must be at least 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -207,9 +207,12 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 2.5e7], help="numbers of floats")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
     parser.add_argument("--json", help="also write the rows as JSON to this path")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: 100k floats, 1 repeat (tests)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sizes, repeats = ([1_000_000, 4_000_000], 2) if args.quick else ([int(size) for size in args.sizes], args.repeats)
+    if args.smoke:
+        sizes, repeats = [100_000], 1
     start = time.perf_counter()
     rows = asyncio.run(run(sizes, repeats))
     print(markdown(rows))

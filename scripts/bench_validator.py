@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     with LocalCluster(config, workdir / "run", threads=1) as cluster:
         cluster.start_coordinator(timeout=300.0)
         cluster.start_validator("validator", key)
-        for index, slowdown in enumerate(SLOWDOWNS):
+        for index, slowdown in enumerate(args.slowdowns):
             cluster.start_peer(f"peer{index}", slowdown)
         cluster.wait_for(lambda: len([e for e in cluster.events() if e.get("type") == "verdict"]) >= args.verdicts,
                          args.timeout, f"{args.verdicts} verdicts", poll=1.0)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "parameters": status.get("parameters"),
         "fraction": args.fraction,
         "probation_updates": args.probation,
-        "peers": len(SLOWDOWNS),
+        "peers": len(args.slowdowns),
         "applied": len(applied),
         "verdicts": len(verdicts),
         "verdicts_failed": sum(not v["ok"] for v in verdicts),
@@ -99,7 +99,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for the verdicts")
     parser.add_argument("--workdir", help="where the run's logs go (default: a temporary directory)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--slowdowns", default=",".join(f"{s:g}" for s in SLOWDOWNS), help="one honest peer per factor")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny, one peer, its first probation "
+                        "verdict (tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.preset, args.verdicts, args.slowdowns, args.timeout = "tiny", 1, "1", 180.0
+    args.slowdowns = [float(s) for s in args.slowdowns.split(",") if s]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = run(args)
     lat = out["verdict_latency_s"] or {"median": float("nan"), "max": float("nan")}

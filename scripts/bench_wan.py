@@ -99,7 +99,11 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true",
                         help="keep the runs already in --out with the same budget and peers (e.g. add the codec runs to a --quick one)")
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from <out>/bench_wan.json")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: the reference run alone (sync DiLoCo, "
+                        "int8), one campus peer, 8 s (tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.peers, args.budget, args.quick = "campus:1", 8.0, True
     if args.plot_only:
         saved = json.loads((Path(args.out) / "bench_wan.json").read_text())
         plot(saved["runs"], saved["budget_s"], saved["peers"], Path(args.out) / "perplexity_vs_time.png")
@@ -114,6 +118,8 @@ def main() -> int:
     variants = [("sync_diloco", "int8"), ("async_diloco", "int8"), ("async_dn_dylu", "int8")]
     if not args.quick:
         variants += [("async_dn_dylu", "none"), ("async_dn_dylu", "int4")]
+    if args.smoke:
+        variants = variants[:1]  # the reference every row is compared with
     results: dict[str, Any] = {}
     for method, codec in variants:
         name = f"{method}-{codec}"

@@ -214,6 +214,44 @@ def devil_documents(package_root: Path) -> list[dict[str, str]]:
     return docs
 
 
+# ----------------------------------------------------------------------------------------- smoke
+def _dictd_code(value: int) -> str:
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    code = ""
+    while True:
+        value, digit = divmod(value, 64)
+        code = alphabet[digit] + code
+        if not value:
+            return code
+
+
+def smoke_packages(work_dir: Path) -> dict[str, Path]:
+    """``--smoke``: the three packages' files as small stand-ins in their layouts (no download): an R lazy-load
+    database holding one novel as an XDR character vector, a gzipped Jargon File, a dictd Devil's Dictionary."""
+    prose = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."
+    roots = {package: work_dir / package for package in PACKAGES}
+    lines = ["PRIDE AND PREJUDICE", "", "Chapter 1", "", *[prose] * 4, "", "Chapter 2", "", *[prose] * 3]
+    body = b"".join(struct.pack(">ii", 9, len(line.encode())) + line.encode() for line in lines)
+    raw = b"X\n" + struct.pack(">iiiii", 2, 0x40000, 0x20300, 16, len(lines)) + body
+    rdb = roots["r-cran-janeaustenr"] / "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
+    rdb.parent.mkdir(parents=True)
+    rdb.write_bytes(struct.pack(">i", len(raw)) + zlib.compress(raw))
+    jargon = roots["jargon-text"] / "usr/share/doc/jargon-text/jargon.txt.gz"
+    jargon.parent.mkdir(parents=True)
+    text = f"The Jargon File\n\nChapter 1. Introduction\n\n   {prose}\n\n   :hack: n.\n\n   {prose} {prose}\n"
+    jargon.write_bytes(gzip.compress(text.encode()))
+    dictd = roots["dict-devil"] / "usr/share/dictd"
+    dictd.mkdir(parents=True)
+    entries = [f"ABSENT, adj. {prose}\n", f"BORE, n. {prose}\n"]
+    data, index = "", []
+    for entry in entries:
+        index.append(f"{entry.split(',')[0].lower()}\t{_dictd_code(len(data))}\t{_dictd_code(len(entry))}")
+        data += entry
+    (dictd / "devil.dict.dz").write_bytes(gzip.compress(data.encode("latin-1")))
+    (dictd / "devil.index").write_text("00databaseinfo\tA\tB\n" + "\n".join(index) + "\n", encoding="utf-8")
+    return roots
+
+
 # ------------------------------------------------------------------------------------------ main
 def extract_packages(debs_dir: Path, work_dir: Path) -> dict[str, Path]:
     roots = {}
@@ -234,12 +272,21 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debs-dir", type=Path, default=None, help="where the .deb files are / go")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None, help=f"default: {DEFAULT_OUT} (the shipped corpus)")
+    parser.add_argument("--json", type=Path, help="also write the counts here")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: small stand-ins of the three packages' "
+                        "files instead of the packages (no download; tests; needs --out)")
     args = parser.parse_args()
+    if args.smoke and args.out is None:
+        parser.error("--smoke needs --out (it must not overwrite the shipped corpus)")
+    args.out = args.out or DEFAULT_OUT
     with tempfile.TemporaryDirectory() as tmp:
-        debs_dir = args.debs_dir or Path(tmp) / "debs"
-        debs_dir.mkdir(parents=True, exist_ok=True)
-        roots = extract_packages(debs_dir, Path(tmp) / "x")
+        if args.smoke:
+            roots = smoke_packages(Path(tmp) / "x")
+        else:
+            debs_dir = args.debs_dir or Path(tmp) / "debs"
+            debs_dir.mkdir(parents=True, exist_ok=True)
+            roots = extract_packages(debs_dir, Path(tmp) / "x")
         docs = (
             austen_documents(roots["r-cran-janeaustenr"])
             + jargon_documents(roots["jargon-text"])
@@ -254,6 +301,11 @@ def main() -> None:
         logger.info("%-7s %5d documents, %9d characters", source, len(part), sum(len(d["text"]) for d in part))
     logger.info("wrote %s: %d documents, %d characters, %d bytes compressed", args.out, len(docs), chars,
                 args.out.stat().st_size)
+    if args.json:
+        args.json.write_text(json.dumps({"out": str(args.out), "documents": len(docs), "characters": chars,
+                                         "bytes": args.out.stat().st_size,
+                                         "by_source": {source: sum(doc["source"] == source for doc in docs)
+                                                       for source in ("austen", "jargon", "devil")}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -140,6 +140,18 @@ def applied_after(cluster: LocalCluster, after: float) -> int:
     return sum(1 for e in cluster.events() if e.get("type") == "applied" and e.get("time", 0) > after)
 
 
+# --smoke: the toy task (process start-up, not training, is what a kill waits for), one kill, one update each side
+SMOKE_CONFIG = """
+name: crash-toy
+task: {kind: toy, dim: 32, hidden: 16, points: 4096, eval_points: 256, batch_size: 16, num_shards: 2}
+outer: {buffer_size: 2}
+schedule: {method: async_dn_dylu, max_local_steps: 10, grace_period: 0.0}
+sim: {workers: 2}
+runtime: {codec: int8, eval_every: 1000, speed_report_period: 2.0, lease_slack: 10.0}
+"""
+SMOKE = {"kills": 1, "slowdowns": (1.0, 1.5), "seed": 1, "snapshot_every": 4, "updates_before": 1, "updates_after": 1}
+
+
 def prepare_config(config: Path, workdir: Path, snapshot_every: int, gate: bool) -> Path:
     raw = yaml.safe_load(config.read_text())
     runtime = raw.setdefault("runtime", {})
@@ -275,21 +287,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("runs/crash-test"))
     parser.add_argument("--gate", action="store_true", help="keep the update gate on (off by default here)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="one kill of a toy run, one update before and after "
+                        "(what tests/test_crash_replay.py runs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.workdir.exists():
         shutil.rmtree(args.workdir)
     t0 = time.time()
+    options: dict[str, Any] = {"kills": args.kills, "slowdowns": tuple(float(s) for s in args.slowdowns.split(",")),
+                               "seed": args.seed, "snapshot_every": args.snapshot_every}
+    if args.smoke:
+        args.workdir.mkdir(parents=True)
+        args.config = args.workdir / "toy.yaml"
+        args.config.write_text(SMOKE_CONFIG)
+        options = dict(SMOKE)
     try:
-        result = run_crash_test(
-            args.config,
-            args.workdir,
-            kills=args.kills,
-            slowdowns=tuple(float(s) for s in args.slowdowns.split(",")),
-            seed=args.seed,
-            snapshot_every=args.snapshot_every,
-            gate=args.gate,
-        )
+        result = run_crash_test(args.config, args.workdir, gate=args.gate, **options)
     except CrashTestFailure as failure:
         print(f"FAILED: {failure} (logs in {args.workdir})", file=sys.stderr)
         return 1

@@ -33,7 +33,7 @@ FEEDBACK_FREE = ("none", "fp16", "bf16", "int8", "int4")  # uploads sent without
 
 
 def run_one(codec: str, duration: float, out: Path, reuse: bool = False, direction: str = "download",
-            decay: float = 0.5) -> Dict[str, Any]:
+            decay: float = 0.5, slowdowns: str = "") -> Dict[str, Any]:
     if reuse and (out / "summary.json").exists():
         return read_run(codec, out)
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
@@ -48,7 +48,8 @@ def run_one(codec: str, duration: float, out: Path, reuse: bool = False, directi
     log = out.with_name(out.name + ".log")
     with open(log, "w") as handle:
         subprocess.run(
-            [sys.executable, "-m", "asyncloco", "demo", "--config", str(path), "--duration", str(duration), "--out", str(out)],
+            [sys.executable, "-m", "asyncloco", "demo", "--config", str(path), "--duration", str(duration), "--out", str(out)]
+            + (["--slowdowns", slowdowns] if slowdowns else []),
             cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, check=True,
         )
     return read_run(codec, out)
@@ -81,7 +82,12 @@ def main() -> None:
                         help="vary runtime.download_codec (default) or runtime.codec, the uploads")
     parser.add_argument("--feedback-decay", type=float, default=0.5, help="--direction upload: error_feedback_decay")
     parser.add_argument("--reuse", action="store_true", help="read runs already in --out instead of running them again")
+    parser.add_argument("--slowdowns", default="", help="the demo's peers (default: the demo's three)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: one repeat of fp32 and int8 downloads, "
+                        "one peer, 6 s each (tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.codecs, args.duration, args.slowdowns = 1, "none,int8", 6.0, "1"
     codecs = args.codecs.split(",")
     runs: List[Dict[str, Any]] = []
     for repeat in range(args.repeats):
@@ -89,7 +95,7 @@ def main() -> None:
             key = "download_codec" if args.direction == "download" else "codec"
             print(f"repeat {repeat + 1}/{args.repeats}: demo with {key}={codec}, {args.duration:g} s ...", flush=True)
             run = run_one(codec, args.duration, REPO / args.out / f"{codec}-{repeat}", args.reuse, args.direction,
-                          args.feedback_decay)
+                          args.feedback_decay, args.slowdowns)
             run["repeat"] = repeat
             runs.append(run)
             print(f"  {run['version']} updates applied; last eval {max(run['evals'].items(), default=None)}", flush=True)

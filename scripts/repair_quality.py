@@ -94,9 +94,20 @@ def measure(run: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", type=Path, help="a bench_attacks.py run directory with a failed verdict")
+    parser.add_argument("run", type=Path, nargs="?", help="a bench_attacks.py run directory with a failed verdict")
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--smoke", action="store_true", help="first `bench_attacks.py --smoke` (its attacker is caught) "
+                        "into a temporary directory, then its attack run (tests run the two in turn)")
     args = parser.parse_args(argv)
+    if args.smoke and args.run is None:
+        import subprocess
+
+        out = Path(tempfile.mkdtemp(prefix="repair-quality-smoke-"))
+        subprocess.run([sys.executable, str(Path(__file__).with_name("bench_attacks.py")), "--smoke", "--out", str(out)],
+                       check=True)
+        args.run = next(p for p in sorted(out.iterdir()) if p.is_dir() and not p.name.startswith("clean"))
+    if args.run is None:
+        parser.error("give a run directory (or --smoke)")
     result = measure(args.run)
     print(f"live θ before the verdict: version {result['live_version']}, perplexity {result['live_perplexity']:.1f}")
     for row in result["discards"]:

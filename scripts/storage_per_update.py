@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slowdowns", default="1,1.5")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "storage-per-update")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--updates", type=int, default=0, help="end once this many updates are applied (--duration caps it)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: one peer of the demo until 4 updates (tests)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.duration, args.slowdowns, args.updates = 120.0, "1", 4
     if args.workdir.exists():
         shutil.rmtree(args.workdir)
     args.workdir.mkdir(parents=True)
@@ -61,7 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         for i, slowdown in enumerate(float(s) for s in args.slowdowns.split(",")):
             cluster.start_peer(f"peer{i}", slowdown=slowdown)
         deadline = time.monotonic() + args.duration
-        cluster.wait_for(lambda: time.monotonic() >= deadline, args.duration + 10, "the end of the run", poll=1.0)
+
+        def ended() -> bool:
+            applied = int(cluster.status().get("version", 0) or 0)
+            return time.monotonic() >= deadline or (args.updates > 0 and applied >= args.updates)
+
+        started = time.monotonic()
+        cluster.wait_for(ended, args.duration + 10, "the end of the run", poll=0.5 if args.updates else 1.0)
+        args.duration = round(time.monotonic() - started, 1)
         for process in cluster.peers.values():
             cluster.stop(process, timeout=60.0)
         before_stop = read_io(pid)

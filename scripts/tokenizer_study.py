@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny, 4 kB of text, 4 validation rows (tests)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.train_bytes, args.seq_len, args.batch_size, args.val_sequences = "tiny", 4_000, 32, 2, 4
     torch.set_num_threads(args.threads)
     results = [run_one(args, name) for name in ("embedded", "embedded-32k")]
     print(f"model {args.model}, {args.train_bytes:,} bytes of training text each, batch {args.batch_size} × {args.seq_len}")

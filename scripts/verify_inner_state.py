@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-warmup", type=int, default=0, help="runtime.verify.lease_warmup of the reset runs")
     parser.add_argument("--modes", nargs="+", default=["carry", "reset"], choices=["carry", "reset"])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: the toy config, one seed, 100 updates (tests)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        toy = Path(__file__).resolve().parents[1] / "configs" / "toy.yaml"
+        args.configs, args.seeds, args.updates = [str(toy)], [0], args.updates or 100
     logging.basicConfig(level=logging.WARNING)
     rows: list[dict[str, Any]] = []
     for path in args.configs:

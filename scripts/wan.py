@@ -60,14 +60,21 @@ def main() -> int:
     c = sub.add_parser("check", help="measure one emulated link")
     c.add_argument("--profile", default="home", choices=sorted(PROFILES))
     r = sub.add_parser("run", help="a coordinator and peers over emulated links")
-    r.add_argument("--config", required=True)
+    r.add_argument("--config", help="run config (required, but for --smoke: the demo's)")
     r.add_argument("--peers", default="home:1,far:4,campus:1.5", help="profile:slowdown per peer")
     r.add_argument("--budget", type=float, default=120.0, help="seconds of training from the first lease")
     r.add_argument("--out", default="runs/wan")
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--seed", type=int, default=0, help="seeds the proxies' loss draws")
+    r.add_argument("--smoke", action="store_true", help="seconds of work: the demo, one campus peer, 8 s (tests)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args()
+    if args.command == "run":
+        if args.smoke:
+            args.config = args.config or str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+            args.peers, args.budget = "campus:1", 8.0
+        if not args.config:
+            parser.error("run: --config is required")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     if args.command == "profiles":

@@ -88,7 +88,10 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--uplink-mbit", type=float, default=10.0, help="uplink for the upload-minutes column")
     parser.add_argument("--measure", action="store_true", help="build the model and measure full-download errors")
+    parser.add_argument("--smoke", action="store_true", help="the tiny preset, measured (tests)")
     args = parser.parse_args()
+    if args.smoke:  # tiny has no default vocabulary: the project's tokenizer's 4096
+        args.preset, args.vocab_size, args.measure = "tiny", args.vocab_size or 4096, True
     numel = count_parameters(args.preset, args.vocab_size)
     rows = table(numel)
     print(f"preset {args.preset}: {numel:,} parameters; fp32 θ = {wire_bytes('none', numel) / 1e6:.1f} MB\n")

@@ -220,28 +220,15 @@ def _p2pd_with_tag(tag: str) -> list[int]:
     return found
 
 
-TOY_RUN = """
-name: crash-toy
-task: {kind: toy, dim: 32, hidden: 16, points: 4096, eval_points: 256, batch_size: 16, num_shards: 2}
-outer: {buffer_size: 2}
-schedule: {method: async_dn_dylu, max_local_steps: 10, grace_period: 0.0}
-sim: {workers: 2}
-runtime: {codec: int8, eval_every: 1000, speed_report_period: 2.0, lease_slack: 10.0}
-"""
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_coordinator_main_process_sigkill_at_random_points(tmp_path: Path) -> None:
     crash = _crash_script()
     tag = uuid.uuid4().hex
     config = tmp_path / "toy.yaml"  # the toy task: process start-up, not training, is what this test waits for
-    config.write_text(TOY_RUN)
-    try:
-        result = crash.run_crash_test(
-            config, tmp_path / "crash", kills=1, slowdowns=(1.0, 1.5), seed=1,
-            snapshot_every=4, env={TAG_VAR: tag}, updates_before=1, updates_after=1,
-        )
+    config.write_text(crash.SMOKE_CONFIG)
+    try:  # the script's --smoke run (one kill), with the cluster's processes tagged
+        result = crash.run_crash_test(config, tmp_path / "crash", env={TAG_VAR: tag}, **crash.SMOKE)
     finally:
         # LocalCluster.close() stopped every process group; p2pd of a cleanly stopped process exits within seconds
         deadline = time.monotonic() + 20.0
