@@ -268,9 +268,12 @@ class VerifyConfig(StrictModel):
     inner_state: Literal["carry", "reset"] = Field(
         "carry", description="reset: fresh inner AdamW state every lease (a re-run needs only θ_base + data); verification needs it"
     )
-    # defaults: re-runs cost ≈ fraction + probation_updates / (leases per peer) of the training compute (≤ 10 % once
-    # each peer has done 100 leases; docs/threat-model.md, "Who verifies", measured with scripts/bench_verify.py)
-    fraction: float = Field(0.08, ge=0, le=1, description="share of a proven peer's leases re-run (HMAC of the lease id)")
+    # a proven peer's leases are drawn independently (a peer that sees which were checked learns nothing about the next
+    # one, and waiting out a decaying rate buys nothing): one that tampers with every lease from some point on is caught
+    # within k of them with probability 1 − (1 − fraction)^k — 0.95 within 5 at 0.45. Re-runs cost ≈ fraction +
+    # probation_updates / (leases per peer) of the training compute (docs/threat-model.md, "Sleepers")
+    fraction: float = Field(0.45, ge=0, le=1, description="share of a proven peer's leases re-run (HMAC of the lease id; "
+                            "caught within k tampered leases with probability 1 − (1 − fraction)^k)")
     probation_updates: int = Field(2, ge=0, description="a peer's first N leases are all re-run (probation)")
     suspect_fraction: float = Field(0.5, ge=0, le=1, description="share re-run for a peer the gate refused recently")
     # a sleeper (honest through probation, then a hidden direction in every update) shows as a persistent residual:
