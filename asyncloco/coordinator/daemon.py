@@ -126,7 +126,8 @@ class CoordinatorDaemon:
         from asyncloco.transport.codecs import wire_bytes
 
         ratio = wire_bytes(cfg.runtime.download_codec, self.numel) / wire_bytes(cfg.runtime.codec, self.numel)
-        policy = dataclasses.replace(policy, download_upload_ratio=ratio)
+        policy = dataclasses.replace(policy, download_upload_ratio=ratio, upload_bytes=wire_bytes(cfg.runtime.codec, self.numel),
+                                     download_bytes=wire_bytes(cfg.runtime.download_codec, self.numel))
         admission_key = load_or_create_key(self.dir).public_key() if cfg.runtime.admission == "token" else None
         # The lease-id secret is part of the state (snapshots, and so --resume) — fresh for a new run.
         state = new_state(
@@ -195,10 +196,6 @@ class CoordinatorDaemon:
     @property
     def state(self) -> CoordinatorState:
         return self.node.state
-
-    @state.setter
-    def state(self, value: CoordinatorState) -> None:  # coordinator/verify.py: a repair's recomputed state
-        self.node.state = value
 
     @property
     def wal(self) -> WriteAheadLog:

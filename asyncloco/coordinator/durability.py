@@ -63,10 +63,10 @@ class Durability:
     def load(self) -> None:
         """--resume: the newest snapshot, then every later record of the write-ahead log replayed through
         ``handle`` and the same bookkeeping (nobody is answered), then a ``Restarted`` event."""
-        state, stats = self.node.state, self.monitoring.stats
+        stats = self.monitoring.stats
         snapshot = load_snapshot(self.dir)
         check_stamp(snapshot.get("stamp"), SOFTWARE_STAMP, f"the snapshot {self.dir / SNAPSHOT_NAME}")
-        state.load_state_dict(snapshot["coordinator"])
+        self.node.load(snapshot["coordinator"])
         known = set(PeerStats.__dataclass_fields__)
         for name, values in snapshot.get("peer_stats", {}).items():
             stats.peers[name] = PeerStats(**{k: v for k, v in values.items() if k in known})
@@ -79,11 +79,7 @@ class Durability:
             self.verification.repair_pending(self.monitoring.journal)
         # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
         # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
-        now = self.node.clock.time()
-        restarted = Restarted(RESUME_GRACE_S)
-        _, actions = node_module.handle(self.node.state, restarted, now)
-        self.node.wal.append_event(restarted, now)
-        self.node.wal.sync()
+        actions = self.node.decide_unanswered(Restarted(RESUME_GRACE_S))
         with self.monitoring.silenced():  # as before the split: its actions are not journaled
             self.monitoring.bookkeep(actions)
         self.changed_since_snapshot = self.replayed > 0
@@ -116,7 +112,7 @@ class Durability:
                             # the live coordinator repaired θ right before this record (verify.py: after an
                             # expulsion, once the re-runs were trained): so does the replay, up to the record before
                             self.verification.repair_pending(self.monitoring.journal, event.remedy)
-                        _, actions = node_module.handle(self.node.state, event, record.now)
+                        actions = self.node.replay(event, record.now)
                         if self.verification is not None:
                             self.verification.replay_seq = record.seq  # a repair replays up to this record
                         self.monitoring.bookkeep(actions)

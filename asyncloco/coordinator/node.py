@@ -5,6 +5,13 @@ the write-ahead log (fsynced before anyone is answered) and only then hands the 
 out (``carry_out``, wired by coordinator/daemon.py to the bookkeeping, snapshots, held requests, evaluation and
 status). Every change of coordinator state — RPCs, the loops, the tick, verification verdicts — goes through it.
 The node owns the lock, the state, the log and the clock; it knows nothing of the network or of monitoring.
+
+Besides :meth:`~CoordinatorNode.decide`, the decide path has three doors, each of them here and nowhere else: the
+``--resume`` path (:meth:`~CoordinatorNode.load` a snapshot's state, :meth:`~CoordinatorNode.replay` the log's
+records, :meth:`~CoordinatorNode.decide_unanswered` the restart) and :meth:`~CoordinatorNode.apply_repair`, which
+installs the state a repair after an expulsion rebuilt (coordinator/verify.py computes it, off the state) with its
+``Repaired`` record logged first. tests/test_one_way.py fails if coordinator state is assigned, or the log appended
+to, anywhere else.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any, Callable, Optional
 from asyncloco import __version__
 from asyncloco.clock import Clock
 from asyncloco.coordinator import logic
-from asyncloco.coordinator.logic import Action, CoordinatorState, Event, RequestWork, SubmitUpdate
+from asyncloco.coordinator.logic import Action, CoordinatorState, Event, Repaired, RequestWork, SubmitUpdate
 from asyncloco.coordinator.wal import WriteAheadLog, software_stamp
 
 __all__ = ["CoordinatorNode", "EVENT_TYPES", "SOFTWARE_STAMP"]
@@ -132,6 +139,43 @@ class CoordinatorNode:
         async with self.lock:
             self.refuse_if_stopping()
             return await self.decide(event)
+
+    def decide_unanswered(self, event: Event) -> list[Action]:
+        """Run ``event`` through the logic and log it, fsynced, answering nobody and carrying nothing out: the
+        caller bookkeeps the actions (``--resume``'s ``Restarted``, coordinator/durability.py)."""
+        now = self.clock.time()
+        _, actions = handle(self.state, event, now)
+        self.wal.append_event(event, now)
+        self.wal.sync()
+        return actions
+
+    def load(self, coordinator: dict[str, Any]) -> None:
+        """``--resume``: the state becomes a snapshot's (``state_dict`` of :class:`CoordinatorState`)."""
+        self.state.load_state_dict(coordinator)
+
+    def replay(self, event: Event, now: float) -> list[Action]:
+        """``--resume``: a logged event, handled again at its logged ``now``; not logged again, nobody answered."""
+        _, actions = handle(self.state, event, now)
+        return actions
+
+    def apply_repair(self, state: CoordinatorState, repaired: Repaired, log: bool) -> None:
+        """Install the state a repair after an expulsion rebuilt (coordinator/verify.py, from coordinator/repair.py's
+        replay of the log; the remedy chosen there by validation loss), live with the lock held.
+
+        ``log`` (live): the ``Repaired`` record — the repair's own decisions, its remedy among them — is appended first,
+        as the record right after the last one the repair replayed, so that a later repair replaying across this point,
+        and a ``--resume``, repeat it (logic.Repaired). A ``--resume`` replay carries out the repair right before it
+        meets that record (``log`` False: the record is in the log, and is then handled again, a no-op). Like
+        :meth:`decide`, a log that cannot be written stops the coordinator: nothing is installed."""
+        if log:
+            try:
+                self.wal.append_event(repaired, self.clock.time())
+            except OSError as error:
+                logger.critical("could not write the write-ahead log in %s (%r); stopping before installing a repair. "
+                                "Fix the disk, then restart with --resume", self.dir, error)
+                self.fail_stop()
+                raise
+        self.state = state
 
     def _log_and_sync(self, event: Event, now: float, attachments: Any) -> None:
         """Append ``event`` to the log and fsync it (a worker thread, for a submission: see ``decide``)."""

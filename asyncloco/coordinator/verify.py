@@ -6,10 +6,10 @@ like an honest one. The one check it cannot shape its way past is doing the work
 deterministic function of θ at its base version, the shard's batches (``start_offset`` .. ``+ steps``), the LR
 offset and the run's config — exactly what the coordinator knows. This module:
 
-* :class:`Rerunner` (asyncloco/coordinator/rerun.py, re-exported here) — trains a lease again with the peers' own inner loop (:class:`~asyncloco.peer.inner.InnerTrainer`,
+* :class:`Rerunner` (asyncloco/coordinator/rerun.py, re-exported here) — trains a lease again with the peers' own inner loop (:class:`~asyncloco.train.inner.InnerTrainer`,
   fresh optimizer state), encodes the result with the run's codec as a peer would, and :func:`compare` judges it
   against the submitted pseudo-gradient: bitwise by default (CPU re-runs of a CPU peer's lease are bit-identical:
-  measured in tests/test_verify.py) for a peer of the verifier's compute class (peer/inner.py ``compute_class``),
+  measured in tests/test_verify.py) for a peer of the verifier's compute class (train/inner.py ``compute_class``),
   within ``runtime.verify.cross_device_tolerance`` (relative L2 error) and ``cross_device_min_cosine`` for a peer of
   another one (a bf16 GPU peer checked on a CPU), whose kernels differ from the verifier's.
 * :class:`Verifier` — the coordinator's background worker: a bounded queue of re-runs (``runtime.verify.queue``;
@@ -201,7 +201,7 @@ def live_base(live: CoordinatorState) -> Callable[[int], Optional[torch.Tensor]]
 def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
     """Does the submission of ``lease_id`` that produced ``actions`` need its inner states revealed (a :class:`Verify`
     of a carried, committed state)? The submit's Ack asks for it. A lease that started fresh too: its end state is
-    revealed with the start (peer/reveal.py ``pack_parts``) and compared with the re-run's (coordinator/rerun.py)."""
+    revealed with the start (train/commitments.py ``pack_parts``) and compared with the re-run's (coordinator/rerun.py)."""
     return any(
         isinstance(a, Verify) and a.lease.lease_id == lease_id and bool(a.state_start) and not a.failed
         for a in actions
@@ -371,7 +371,7 @@ class DaemonVerification:
             raise ValueError(f"no reveal of lease {lease_id[:40]} is awaited from this peer (not chosen, already "
                              "revealed, or past runtime.verify.reveal_timeout)")
         if self._state_size is None:  # Σ (1 + 8 + 8n) over the model's parameters: the layout of a full AdamW state
-            from asyncloco.peer.reveal import revealed_size
+            from asyncloco.train.commitments import revealed_size
 
             params = list(self.daemon.model.parameters())
             inner = sum(9 + 8 * param.numel() for param in params)
@@ -615,14 +615,11 @@ class DaemonVerification:
         chosen = remedy or min(kinds, key=lambda kind: (losses[kind], kinds.index(kind)))
         result, substitutes = results[chosen]
         repaired = dataclasses.replace(result.repaired, remedy=chosen)
-        daemon.state = result.state
-        # The repair's own decisions (leases given back, the version jump, the remedy) go into the log as the record
-        # right after the last one it replayed, so that a later repair replaying across this point repeats them
-        # (logic.Repaired). A --resume replay carries out this repair right before it meets that record
-        # (durability.py), which is then handled again (a no-op); if the coordinator died before writing it, the repair
-        # is carried out after the replay, not replaying, and the record appended here.
-        if self.replay_seq is None:
-            daemon.wal.append_event(repaired, daemon.clock.time())
+        # The node installs it, with the repair's own decisions (leases given back, the version jump, the remedy) logged
+        # first as the record right after the last one it replayed (node.apply_repair). A --resume replay carries out
+        # this repair right before it meets that record (durability.py); if the coordinator died before writing it, the
+        # repair is carried out after the replay, not replaying, and the record appended then.
+        daemon.node.apply_repair(result.state, repaired, log=self.replay_seq is None)
         seconds = time.perf_counter() - started
         summary = {
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
