@@ -841,3 +841,38 @@ def test_a_discard_repair_keeps_the_expelled_peers_commitment_chain() -> None:
     result = repair(state(), log, live.verification.expelled, live.version)
     assert (result.discarded, result.refused, result.held) == (4, 0, 0)
     assert result.state.verification.chain == {"h": "h-end-3"}  # the expelled peer's chain is dropped with it
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checked", [True, False], ids=["checked-applied-in-full", "unchecked-clipped"])
+def test_a_verified_update_is_applied_in_full_where_the_gate_would_clip_it(checked: bool) -> None:
+    """A newcomer's first updates (fresh AdamW state) are ≈ 3 × its warmed-up peers' per-step norm; on probation the
+    gate clips above 2 × the median. A checked update is held until its re-run agrees: the re-run shows the norm is
+    honest work's, so it is applied in full (the clip guards unverified work only). Unchecked, it is clipped as before."""
+    from asyncloco.coordinator import gate as G
+    from asyncloco.coordinator.logic import Applied
+    from tests.test_gate_probe import N, warm_state, with_cosine
+
+    policy = CoordinatorPolicy(max_local_steps=10, dylu=False, grace_period=0.0, lease_timeout_factor=3.0,
+                               lease_slack=100.0, gate=G.GatePolicy(),
+                               verify=VerifyPolicy(fraction=0.0, probation_updates=1 if checked else 0))
+    state = new_state(torch.zeros(N), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+    state.gate = warm_state()  # every recent per-step norm 1; the newcomer "new" is on the gate's probation
+    handle(state, SpeedReport("new", 10.0), 0.0)
+    lease = lease_of(handle(state, RequestWork("new"), 0.0)[1])
+    update = with_cosine(0.4, norm=30.0)  # the consensus' direction, per-step norm 3 (10 steps)
+    actions = handle(state, SubmitUpdate("new", lease.lease_id, 0, update), 1.0)[1]
+    if checked:
+        assert [type(a).__name__ for a in actions] == ["Verify", "Held"] and state.version == 0
+        actions = handle(state, Verified("new", lease.lease_id, True, "bitwise"), 2.0)[1]
+    applied = [a for a in actions if isinstance(a, Applied)]
+    assert len(applied) == 1 and state.version == 1
+    expected = torch.zeros(N)
+    if checked:
+        assert "applied in full" in applied[0].gate and "clipped" not in applied[0].gate
+        OuterNesterov(0.5, 0.9).step(expected, update)
+        assert state.gate.norms[-1] == pytest.approx(3.0)  # the honest norm joins the statistics as it is
+    else:
+        assert "clipped to 2× the recent median" in applied[0].gate
+        OuterNesterov(0.5, 0.9).step(expected, update * (2.0 / 3.0))
+    assert torch.allclose(state.params, expected, rtol=1e-6, atol=1e-7)

@@ -365,9 +365,17 @@ def _hold(
 
 
 def _apply_held(state: CoordinatorState, held: HeldUpdate, now: float) -> list[Action]:
-    """A held update whose check agreed: applied now, its staleness counted from now."""
-    update = held.update if held.scale == 1.0 else held.update.mul(held.scale)
+    """A held update whose check agreed: applied now, its staleness counted from now. A norm clip is lifted (its
+    re-run shows the norm is what honest work from the peer's committed state gives — a newcomer's fresh AdamW state
+    moves θ ≈ 3 × as far per step as its warmed-up peers'); weak agreement stays weak (that is about its direction)."""
     verdict = None if held.verdict is None else GateVerdict(**held.verdict)
+    scale = held.scale
+    if verdict is not None and verdict.action == "clip" and not verdict.weak:
+        scale = 1.0
+        verdict = dataclasses.replace(verdict, action="accept", scale=1.0, reason=(
+            f"passed the gate: its re-run agreed, so its norm {verdict.norm:.4g} is honest work's and is applied in "
+            "full (unverified, it would have been scaled down to the gate's bound)"))
+    update = held.update if scale == 1.0 else held.update.mul(scale)
     base = held.base if held.base.numel() else base_theta(state, held.lease.base_version)
     return _apply(state, held.lease, update, base, verdict, now, checked=True)
 
