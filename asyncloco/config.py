@@ -154,9 +154,26 @@ class ScheduleConfig(StrictModel):
     min_steps: int = Field(1, ge=1, description="DyLU floor for slow peers")
     grace_period: float = Field(0.5, ge=0, description="seconds (fake seconds in the simulator)")
     speed_ema: float = Field(0.5, ge=0, lt=1, description="smoothing of reported throughputs")
+    local_steps: Literal["fixed", "auto"] = Field(
+        "fixed", description="fixed: the method's steps (DyLU's, up to max_local_steps); auto: at least enough that a "
+        "peer's compute covers its transfers, H = min(max_auto_steps, max(H_dylu, ceil(transfer_cover × (t_up + t_down) "
+        "/ t_step))) from its measured link (docs/algorithm.md)"
+    )
+    transfer_cover: float = Field(1.0, gt=0, le=100, description="local_steps auto: k, compute time ≥ k × transfer time")
+    max_auto_steps: int | None = Field(
+        None, ge=1, description="local_steps auto: H_max, the most steps a lease gets (None: 10 × max_local_steps)"
+    )
+
+    @property
+    def auto_steps_cap(self) -> int:
+        """H_max of ``local_steps: auto``."""
+        return self.max_auto_steps if self.max_auto_steps is not None else 10 * self.max_local_steps
 
     @model_validator(mode="after")
     def _check(self) -> "ScheduleConfig":
+        if self.max_auto_steps is not None and self.max_auto_steps < self.max_local_steps:
+            raise ValueError(f"schedule.max_auto_steps ({self.max_auto_steps}) must be >= schedule.max_local_steps "
+                             f"({self.max_local_steps}): auto only lengthens leases")
         if self.min_steps > self.max_local_steps:
             raise ValueError(
                 f"schedule.min_steps ({self.min_steps}) must be <= schedule.max_local_steps ({self.max_local_steps})"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-__all__ = ["dylu_steps", "ema"]
+__all__ = ["dylu_steps", "ema", "link_steps"]
 
 # Guards against float noise turning an exact ratio like 0.5 * 100 = 49.999999 into 49.
 _FLOOR_EPS = 1e-9
@@ -36,6 +36,25 @@ def dylu_steps(speeds: Mapping[str, float], peer: str, max_steps: int, min_steps
     fastest = max(speeds.values())
     steps = math.floor(speeds[peer] / fastest * max_steps + _FLOOR_EPS)
     return max(min_steps, min(max_steps, steps))
+
+
+def link_steps(base_steps: int, transfer_s: float, step_s: float, cover: float, max_steps: int) -> int:
+    """Lease steps sized to a peer's link (``schedule.local_steps: auto``, docs/algorithm.md):
+
+        H = min(H_max, max(H_dylu, ceil(k · (t_up + t_down) / t_step)))
+
+    ``base_steps`` (H_dylu) is what the method gives without links (DyLU's Eq. 6, or H), ``transfer_s`` the peer's
+    time on the wire per round (t_up + t_down, from its measured rates), ``step_s`` its seconds per local step
+    (t_step = units per step / its speed), ``cover`` k (≥ 1: its computing lasts at least k × its transfers) and
+    ``max_steps`` H_max. Where transfers are negligible (k · t_transfer ≤ H_dylu · t_step) it is H_dylu: the paper's
+    rule unchanged; otherwise long enough that the peer's compute covers its transfers, at most H_max, never fewer
+    than H_dylu."""
+    if base_steps < 1 or max_steps < 1:
+        raise ValueError(f"steps must be >= 1, got base {base_steps}, max {max_steps}")
+    if not (math.isfinite(transfer_s) and transfer_s >= 0 and math.isfinite(step_s) and step_s > 0 and cover > 0):
+        return base_steps
+    needed = math.ceil(cover * transfer_s / step_s - _FLOOR_EPS)
+    return max(base_steps, min(max_steps, needed))
 
 
 def ema(previous: float | None, sample: float, decay: float) -> float:

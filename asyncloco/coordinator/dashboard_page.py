@@ -58,7 +58,8 @@ tr.dead td { color: #aaa; }
 </div>
 <table id="peers-table"><thead><tr>
  <th>name</th><th>id</th><th>device</th><th>speed</th><th>DyLU steps</th><th>steps/lease</th><th>leases</th>
- <th>applied</th><th>mean staleness</th><th>last seen</th><th>last inner loss</th></tr></thead>
+ <th>applied</th><th>mean staleness</th><th>last seen</th><th>last inner loss</th>
+ <th title="share of its wall time computing / uploading / downloading / waiting, from its speed report">% comp/up/down/wait</th></tr></thead>
 <tbody id="peers"></tbody></table>
 <table id="swarm-table"><thead><tr>
  <th>θ version</th><th>codec</th><th>serving peers</th><th>dropped (bad chunks)</th><th>chunks sent by the seed</th>
@@ -196,6 +197,9 @@ function render(status) {
     cell(row, "mean_staleness", p.mean_staleness, fixed(p.mean_staleness, 2));
     cell(row, "last_seen", p.last_seen, ago(now, p.last_seen));
     cell(row, "last_inner_loss", p.last_inner_loss, fixed(p.last_inner_loss, 4));
+    const split = p.time_split;
+    cell(row, "time_split", split ? split.computing : null, split ? ["computing", "uploading", "downloading", "waiting"]
+      .map(k => (100 * split[k]).toFixed(0)).join("/") : "-");
     body.appendChild(row);
   }
   // verification of the work and the θ swarm: "off" where the run does not use them

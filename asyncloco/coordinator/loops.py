@@ -99,7 +99,9 @@ async def speed_loop(node: CoordinatorNode, stats: Stats, cfg: RunConfig, record
                 info = node.state.peers.get(report.peer_id)
                 if info is None or info.signer != signer or (info.reported_at or -1.0) >= report.last_seen:
                     continue  # nothing for the logic to take: skip the log record
-                await node.decide(SpeedReport(report.peer_id, report.tokens_per_s, report.last_seen, signer))
+                split = tuple(report.time_split) if report.time_split is not None else None
+                await node.decide(SpeedReport(report.peer_id, report.tokens_per_s, report.last_seen, signer,
+                                              report.link_up, report.link_down, split))  # type: ignore[arg-type]
                 stats.peer(report.peer_id).device = report.device[:32]
         await _pause(stop, max(0.5, period / 2))
 

@@ -245,4 +245,7 @@ def coordinator_policy(
         lease_slack=0.0 if simulated else cfg.runtime.lease_slack,
         max_staleness=None if simulated else cfg.outer.max_staleness,
         max_update_norm=None if simulated else cfg.runtime.max_update_norm,
+        link_steps=cfg.schedule.local_steps == "auto",
+        transfer_cover=cfg.schedule.transfer_cover,
+        max_auto_steps=cfg.schedule.auto_steps_cap,
     )

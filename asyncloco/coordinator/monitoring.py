@@ -347,6 +347,8 @@ class Monitoring:
             row = dict(stats.__dict__)
             if info is not None:
                 row["speed"] = info.speed
+                # its link as measured on its real transfers (bytes/s) and its time split (status.time_split)
+                row["link_up"], row["link_down"], row["time_s"] = info.link_up, info.link_down, info.time_split
             seen = max(stats.last_seen, min(info.last_seen, now)) if info is not None else stats.last_seen
             peers[peer_id] = peer_row(row, alive=info is not None and info.alive, last_seen=seen)
         updates_per_s = self.stats.updates.rate(now)

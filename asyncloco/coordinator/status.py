@@ -139,7 +139,27 @@ def peer_row(stats: dict[str, Any], *, alive: bool, last_seen: float) -> dict[st
     row["last_seen"] = last_seen
     row["steps_per_lease"] = stats.get("steps_assigned", 0) / leases if leases else 0.0
     row["mean_staleness"] = stats.get("staleness_sum", 0) / applied if applied else 0.0
+    row["time_split"] = time_split(stats.get("time_s"))
     return row
+
+
+def time_split(seconds: Any) -> Optional[dict[str, float]]:
+    """A peer's time as shares of its wall time, from its speed report's seconds (computing, uploading, downloading,
+    wall; peer/summary.py ``time_split``): ``computing``, ``uploading``, ``downloading`` and ``waiting`` (the rest:
+    asking for leases, held in a grace window, backing off). With overlapped rounds transfers run while the peer
+    computes, so the first three may sum above 1 and waiting is then 0. None before its first report."""
+    if not seconds or len(seconds) != 4 or not seconds[3] > 0:
+        return None
+    compute, up, down, wall = (float(s) for s in seconds)
+    return {"computing": compute / wall, "uploading": up / wall, "downloading": down / wall,
+            "waiting": max(0.0, 1.0 - (compute + up + down) / wall)}
+
+
+def split_text(split: Optional[dict[str, float]]) -> str:
+    """``93/3/2/2`` — percent computing / uploading / downloading / waiting (``-`` before the first report)."""
+    if not split:
+        return "-"
+    return "/".join(fixed(100 * split[key], 0) for key in ("computing", "uploading", "downloading", "waiting"))
 
 
 def last_metric(status: dict[str, Any], key: str) -> Optional[float]:
@@ -248,7 +268,7 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
     lines += swarm_lines(status.get("swarm"))
     header = (
         f"{'name':12s} {'id':10s} {'device':8s} {'speed ' + unit:>16s} {'DyLU steps':>10s} {'leases':>6s} "
-        f"{'applied':>7s} {'mean stale':>10s} {'last seen':>10s} {'inner loss':>10s}"
+        f"{'applied':>7s} {'mean stale':>10s} {'last seen':>10s} {'inner loss':>10s} {'% comp/up/down/wait':>19s}"
     )
     lines += ["", header, "-" * len(header)]
     rows = sorted(status.get("peers", {}).items(), key=lambda kv: (kv[1].get("name") or "", kv[0]))
@@ -257,7 +277,8 @@ def format_status(status: dict[str, Any], now: Optional[float] = None) -> str:
             f"{(row.get('name') or '-')[:12]:12s} {peer_id[-10:]:10s} {(row.get('device') or '-')[:8]:8s} "
             f"{fixed(row.get('speed', 0.0), 0):>16s} {int(row.get('last_steps', 0)):10d} {int(row.get('leases', 0)):6d} "
             f"{int(row.get('applied', 0)):7d} {fixed(row.get('mean_staleness', 0.0), 2):>10s} "
-            f"{_ago(now, float(row.get('last_seen', 0.0))):>10s} {fixed(row.get('last_inner_loss'), 4):>10s}"
+            f"{_ago(now, float(row.get('last_seen', 0.0))):>10s} {fixed(row.get('last_inner_loss'), 4):>10s} "
+            f"{split_text(row.get('time_split')):>19s}"
         )
     if not rows:
         lines.append("(no peer has joined yet)")

@@ -59,7 +59,7 @@ from asyncloco.peer.distributed import (
 )
 from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
 from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
-from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, update_idle, write_summary
+from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, time_split, update_idle, write_summary
 from asyncloco.peer.reveal import RevealStore, committed_digest
 from asyncloco.peer.upload import error_feedback, submit_with_retry
 from asyncloco.peer.waits import Aborted, pause, race
@@ -298,7 +298,8 @@ class PeerRunner:
             logger.info("joined run %r as %s: %.0f units/s (slowdown ×%g%s)", self.options.run_id, self.summary.peer_id, self.speed,
                         self.options.slowdown, f", {self.group.world_size} ranks" if self.group is not None else "")
             self._write_summary()  # names this peer (its id) before its first lease, for dashboards and tests
-            publishing = asyncio.create_task(self._publish_loop(publisher, cfg.runtime.speed_report_period))
+            publishing = asyncio.create_task(self._publish_loop(publisher, cfg.runtime.speed_report_period,
+                                                                getattr(client, "link", None)))
             self._loop_started = self.clock.monotonic()
             self._idle_wait = 0.0
             while not self._stop.is_set():
@@ -540,12 +541,18 @@ class PeerRunner:
         verify = self._cfg.runtime.verify
         return verify.enabled and verify.inner_state == "carry" and trainer.state_digest() is not None
 
-    async def _publish_loop(self, publisher: Any, period: float) -> None:
-        """Publish this peer's speed every ``period`` seconds (``publisher``: a transport.link.SpeedPublisher)."""
+    async def _publish_loop(self, publisher: Any, period: float, link: Any = None) -> None:
+        """Publish this peer's speed every ``period`` seconds (``publisher``: a transport.link.SpeedPublisher), with its
+        link's measured rates (``link``: the client's transport.linkspeed.LinkSpeed) and its time split."""
+        from asyncloco.transport.link import LinkReport
+
         while not self._closing.is_set():
             if self.speed is not None:
+                measured = getattr(link, "measured", None) or {}
+                wall = self.clock.monotonic() - self._loop_started if self._loop_started is not None else 0.0
+                report = LinkReport(measured.get("up"), measured.get("down"), time_split(self.summary, wall))
                 try:
-                    await publisher.publish_speed(float(self.speed))
+                    await publisher.publish_speed(float(self.speed), report)
                 except Exception as error:  # retried next period
                     logger.warning("could not publish the speed report: %r", error)
             with contextlib.suppress(Aborted):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from asyncloco.clock import Clock
 
-__all__ = ["PeerSummary", "add_timing", "observed_speed", "update_idle", "write_summary"]
+__all__ = ["PeerSummary", "add_timing", "observed_speed", "time_split", "update_idle", "write_summary"]
 
 
 @dataclass
@@ -58,6 +58,15 @@ def write_summary(summary: PeerSummary, path: Optional[Path]) -> None:
 def add_timing(summary: PeerSummary, key: str, seconds: float) -> None:
     """Count ``seconds`` spent on ``key`` (``assign``, ``download``, ``train``, ``upload``)."""
     summary.timing[key] = summary.timing.get(key, 0.0) + seconds
+
+
+def time_split(summary: PeerSummary, wall: float) -> Optional[tuple[float, float, float, float]]:
+    """What the speed report carries of this peer's time (transport/link.py ``LinkReport``): seconds computing
+    (``train``), uploading, downloading, and ``wall`` — the seconds since its first lease request; None before it."""
+    if not wall > 0:
+        return None
+    timing = summary.timing
+    return (timing.get("train", 0.0), timing.get("upload", 0.0), timing.get("download", 0.0), wall)
 
 
 def update_idle(summary: PeerSummary, loop_started: Optional[float], clock: Clock) -> None:

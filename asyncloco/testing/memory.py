@@ -457,7 +457,7 @@ class MemorySpeedPublisher:
     def signer(self) -> Optional[str]:
         return self._signer
 
-    async def publish_speed(self, tokens_per_s: float) -> None:
+    async def publish_speed(self, tokens_per_s: float, link: Any = None) -> None:
         transport = self.transport
         daemon = transport._alive()
         now = transport.clock.time()
@@ -466,7 +466,8 @@ class MemorySpeedPublisher:
                 info = daemon.state.peers.get(self.peer)
                 if info is None or info.signer != self._signer or (info.reported_at or -1.0) >= now or daemon._stopping:
                     return
-                await daemon._decide(SpeedReport(self.peer, float(tokens_per_s), now, self._signer))
+                fields = link.fields() if link is not None else {}
+                await daemon._decide(SpeedReport(self.peer, float(tokens_per_s), now, self._signer, **fields))
         except Killed as killed:
             transport._crash(killed.point)
             raise PeerUnreachable(f"speed report of {self.peer}: the coordinator died ({killed.point})") from None

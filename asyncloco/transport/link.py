@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Tuple, Union
 
 import torch
@@ -66,6 +67,29 @@ class CoordinatorLink(Protocol):
     ) -> Ack: ...
 
 
+@dataclass(frozen=True)
+class LinkReport:
+    """What a speed report carries besides the throughput (transport/records.py ``SpeedRecord``): the link's bytes per
+    second up and down as measured on the peer's real transfers (transport/linkspeed.py; None: not yet), and its time
+    split — seconds computing, uploading, downloading, and its wall seconds since its first lease request
+    (peer/summary.py ``time_split``; None: not yet)."""
+
+    link_up: Optional[float] = None
+    link_down: Optional[float] = None
+    time_split: Optional[Tuple[float, float, float, float]] = None
+
+    def fields(self) -> dict[str, Any]:
+        """The set fields, bounded as the DHT record's schema takes them (rates in (0, 1e15), seconds in [0, 1e12))."""
+        out: dict[str, Any] = {}
+        for name in ("link_up", "link_down"):
+            value = getattr(self, name)
+            if value is not None and 0.0 < value < 1e15:
+                out[name] = float(value)
+        if self.time_split is not None and all(0.0 <= s < 1e12 for s in self.time_split):
+            out["time_split"] = tuple(float(s) for s in self.time_split)
+        return out
+
+
 class SpeedPublisher(Protocol):
     """Publishes a peer's measured throughput (units per second) where its coordinator reads it."""
 
@@ -74,7 +98,7 @@ class SpeedPublisher(Protocol):
         """The fingerprint of the key the reports are signed with (sent with lease requests), or None."""
         ...
 
-    async def publish_speed(self, tokens_per_s: float) -> None: ...
+    async def publish_speed(self, tokens_per_s: float, link: Optional["LinkReport"] = None) -> None: ...
 
 
 class DhtSpeedPublisher:
@@ -92,7 +116,7 @@ class DhtSpeedPublisher:
         signer: Optional[str] = self.records.signer
         return signer
 
-    async def publish_speed(self, tokens_per_s: float) -> None:
+    async def publish_speed(self, tokens_per_s: float, link: Optional["LinkReport"] = None) -> None:
         from hivemind.utils import get_dht_time
 
         from asyncloco.transport.dht import ping_peer
@@ -104,6 +128,7 @@ class DhtSpeedPublisher:
             device=self.device,
             software_version=self.software_version,
             last_seen=get_dht_time(),
+            **(link.fields() if link is not None else {}),
         )
         await asyncio.to_thread(ping_peer, self.records.dht, self.coordinator_id, min(10.0, self.period))
         await asyncio.to_thread(self.records.publish_speed, report, 3 * self.period)

@@ -51,6 +51,11 @@ class _SpeedValue(BaseModel):
     device: _SHORT_TEXT  # type: ignore[valid-type]
     software_version: _SHORT_TEXT  # type: ignore[valid-type]
     last_seen: StrictFloat
+    # the peer's link as measured on its real transfers, bytes per second (absent: not measured yet)
+    link_up: Optional[confloat(strict=True, gt=0.0, lt=1e15)] = None  # type: ignore[valid-type]
+    link_down: Optional[confloat(strict=True, gt=0.0, lt=1e15)] = None  # type: ignore[valid-type]
+    # seconds computing, uploading, downloading, and its wall seconds since its first lease request
+    time_split: Optional[conlist(confloat(strict=True, ge=0.0, lt=1e12), min_items=4, max_items=4)] = None  # type: ignore[valid-type]
 
     class Config:
         extra = Extra.forbid
@@ -76,13 +81,18 @@ class _RunSchema(BaseModel):
 
 @dataclass(frozen=True)
 class SpeedRecord:
-    """One peer's measured throughput. ``last_seen`` is DHT time (``hivemind.utils.get_dht_time()``)."""
+    """One peer's measured throughput. ``last_seen`` is DHT time (``hivemind.utils.get_dht_time()``). ``link_up`` /
+    ``link_down``: its link's bytes per second, measured on its real transfers (transport/linkspeed.py);
+    ``time_split``: its seconds computing, uploading, downloading and its wall seconds (peer/summary.py ``time_split``)."""
 
     peer_id: str
     tokens_per_s: float
     device: str
     software_version: str
     last_seen: float
+    link_up: Optional[float] = None
+    link_down: Optional[float] = None
+    time_split: Optional[tuple[float, float, float, float]] = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ class SpeedReport:
     units_per_second: float
     reported_at: float | None = None
     signer: str | None = None
+    # the peer's link, measured on its real transfers (θ downloads, pseudo-gradient uploads: transport/linkspeed.py),
+    # and its wall seconds since its first lease request split by what it did (peer/summary.py): computing, uploading,
+    # downloading, wall (None: not reported). Link rates size leases (schedule.local_steps: auto); the split is shown
+    link_up: float | None = None  # bytes per second
+    link_down: float | None = None
+    time_split: tuple[float, float, float, float] | None = None
 
 
 @dataclass(frozen=True)

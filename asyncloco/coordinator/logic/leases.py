@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from asyncloco.algo.dylu import dylu_steps
+from asyncloco.algo.dylu import dylu_steps, link_steps
 from asyncloco.algo.grace import hold_decision
 from asyncloco.algo.sampler import sample_shard
 from asyncloco.coordinator import gate as update_gate
@@ -21,7 +21,7 @@ from asyncloco.coordinator.logic.events import (
     Action, Assign, Expired, Fetched, Hello, Hold, Left, Notice, PeerLeft, Rejected, Released, RequestWork,
     Restarted, SpeedReport,
 )
-from asyncloco.coordinator.logic.state import CoordinatorState, Lease, PeerInfo, VerifyPolicy, _LeaseBook
+from asyncloco.coordinator.logic.state import CoordinatorPolicy, CoordinatorState, Lease, PeerInfo, VerifyPolicy, _LeaseBook
 from asyncloco.refusals import RefusalCode
 
 
@@ -45,14 +45,38 @@ def _on_speed(state: CoordinatorState, event: SpeedReport, now: float) -> list[A
     if info is None or not info.alive:
         keep = info if info is not None else PeerInfo(speed, now)
         keep.speed, keep.last_seen, keep.alive, keep.reported_at = speed, now, True, event.reported_at
+        _note_link(keep, event)
         state.peers[event.peer] = keep
         _note_speed(state, event.peer)
         return []
     info.speed, info.last_seen = speed, now
     if event.reported_at is not None:
         info.reported_at = event.reported_at
+    _note_link(info, event)
     _note_speed(state, event.peer)
     return []
+
+
+def _note_link(info: PeerInfo, event: SpeedReport) -> None:
+    """Keep the link rates and time split a speed report carries (finite and positive / non-negative, else kept)."""
+    for name in ("link_up", "link_down"):
+        rate = getattr(event, name)
+        if rate is not None and math.isfinite(rate) and rate > 0:
+            setattr(info, name, float(rate))
+    split = event.time_split
+    if split is not None and len(split) == 4 and all(math.isfinite(s) and s >= 0 for s in split):
+        info.time_split = (float(split[0]), float(split[1]), float(split[2]), float(split[3]))
+
+
+def transfer_seconds(policy: CoordinatorPolicy, info: PeerInfo) -> float | None:
+    """A peer's seconds on the wire per round, t_up + t_down: one upload and one θ download at its reported link rates;
+    without a reported upload rate, its last upload as the coordinator measured it; without a download rate, the
+    upload's time scaled by the bytes' ratio. None until something is known."""
+    up = policy.upload_bytes / info.link_up if info.link_up and policy.upload_bytes else info.transfer_s
+    if up is None:
+        return None
+    down = policy.download_bytes / info.link_down if info.link_down and policy.download_bytes else up * policy.download_upload_ratio
+    return up + down
 
 
 def _on_hello(state: CoordinatorState, event: Hello, now: float) -> list[Action]:
@@ -346,6 +370,13 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     else:
         steps = policy.max_local_steps
         why_steps = f"{steps} steps (fixed H)"
+    if policy.link_steps:  # schedule.local_steps: auto — compute covers the peer's transfers
+        transfer = transfer_seconds(policy, info)
+        if transfer is not None:
+            sized = link_steps(steps, transfer, policy.units_per_step / speed, policy.transfer_cover, policy.max_auto_steps)
+            if sized != steps:
+                why_steps += f"; {sized} to cover {transfer:.3g} s of transfers (k = {policy.transfer_cover:g})"
+                steps = sized
     sizes = [s.size for s in state.shards]
     progress = [s.assigned for s in state.shards]
     if policy.shard_progress == "learned":

@@ -61,6 +61,11 @@ class PeerInfo:
     name: str = ""
     failed: bool = False  # gave a lease back before ever delivering: its claim no longer sets others' steps
     fetched_version: int = -1  # the newest θ version it downloaded (its prefetch included): a lease at it is fetched
+    # its link as it measured it (bytes per second up and down, SpeedReport) and its time split (seconds computing,
+    # uploading, downloading, and its wall seconds): status.json's per-peer "time_split"
+    link_up: float | None = None
+    link_down: float | None = None
+    time_split: tuple[float, float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,12 @@ class CoordinatorPolicy:
     max_lease_s: float = math.inf  # cap on a lease's deadline: a peer claiming to be slow holds nothing for years
     transfer_allowance_s: float = 0.0  # added to a lease's deadline for θ down + Δ up, until measured per peer
     download_upload_ratio: float = 1.0  # bytes of a θ download ÷ bytes of an upload (the two codecs)
+    # schedule.local_steps: auto — leases sized so that a peer's compute covers its transfers (algo/dylu.py link_steps)
+    link_steps: bool = False
+    transfer_cover: float = 1.0  # k
+    max_auto_steps: int = 0  # H_max
+    upload_bytes: int = 0  # bytes of one upload and of one θ download (the codecs' sizes for the model)
+    download_bytes: int = 0
     max_retained_versions: int = 8  # θ copies kept for leases whose θ was not downloaded yet
     buffer_size: int | None = None  # N of the outer optimizer (DN / buffer), to warn when the live peers differ
     # --- admission (coordinator/admission.py): "open" admits everyone (demos, the simulator)

@@ -1,0 +1,115 @@
+"""Leases sized to the link (``schedule.local_steps: auto``, docs/algorithm.md) and the per-peer time split.
+
+The rule, closed form (algo/dylu.py ``link_steps``):
+
+    H = min(H_max, max(H_dylu, ceil(k · (t_up + t_down) / t_step)))
+
+with t_up = upload bytes / the peer's measured upload rate, t_down likewise for a θ download, t_step = units per
+step / its speed. Pinned with exact values: the rule itself; the logic's leases for peers with reported links (and
+DyLU's steps unchanged where transfers are negligible, or where ``local_steps`` is ``fixed``); the fallbacks (the
+coordinator's measured upload time, the bytes' ratio); the status split of a peer's time (coordinator/status.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncloco.algo.dylu import link_steps
+from asyncloco.algo.outer import OuterSGD
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.logic import Assign, CoordinatorPolicy, RequestWork, SpeedReport, handle, new_state
+from asyncloco.coordinator.status import format_status, peer_row, time_split
+from asyncloco.peer.summary import PeerSummary
+from asyncloco.peer.summary import time_split as summary_split
+from asyncloco.transport.link import LinkReport
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_the_rule_in_closed_form() -> None:
+    # 14 s on the wire, 0.1 s a step: ceil(1 × 14 / 0.1) = 140 steps, above DyLU's 20, below H_max 200
+    assert link_steps(20, 14.0, 0.1, 1.0, 200) == 140
+    assert link_steps(20, 14.0, 0.1, 1.5, 200) == 210 - 10  # k = 1.5 wants 210: capped at H_max = 200
+    assert link_steps(20, 14.0, 0.1, 1.5, 500) == 210
+    assert link_steps(20, 1.0, 0.1, 1.0, 200) == 20  # negligible transfers (10 steps' worth): DyLU's H unchanged
+    assert link_steps(20, 2.0, 0.1, 1.0, 200) == 20  # exactly covered: 20 (no float noise makes it 21)
+    assert link_steps(20, 2.01, 0.1, 1.0, 200) == 21
+    assert link_steps(7, 0.0, 0.1, 1.0, 200) == 7
+    assert link_steps(7, float("nan"), 0.1, 1.0, 200) == 7  # nothing usable measured: DyLU's
+
+
+def policy(**overrides: object) -> CoordinatorPolicy:
+    base: dict[str, object] = dict(max_local_steps=20, min_steps=1, grace_period=0.0, units_per_step=100,
+                                   lease_timeout_factor=3.0, lease_slack=5.0, link_steps=True, transfer_cover=1.0,
+                                   max_auto_steps=200, upload_bytes=1_000_000, download_bytes=4_000_000)
+    base.update(overrides)
+    return CoordinatorPolicy(**base)  # type: ignore[arg-type]
+
+
+def steps_for(pol: CoordinatorPolicy, reports: list[SpeedReport], peer: str) -> tuple[int, str]:
+    state = new_state(torch.zeros(4), OuterSGD(0.5), (), pol, (100_000,), 0)
+    for report in reports:
+        handle(state, report, 0.0)
+    _, actions = handle(state, RequestWork(peer), 1.0)
+    assign = next(a for a in actions if isinstance(a, Assign))
+    return assign.lease.steps, assign.reason
+
+
+def test_the_logic_sizes_a_lease_to_its_peers_link() -> None:
+    # "slow": 1000 units/s, 100 units a step: t_step = 0.1 s; uploads 1 MB at 100 kB/s (10 s), downloads 4 MB at
+    # 1 MB/s (4 s): 14 s on the wire → 140 steps. "fast" (2000 units/s) sets DyLU's scale: the slow one's DyLU steps are 10
+    reports = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=100_000.0, link_down=1_000_000.0)]
+    steps, reason = steps_for(policy(), reports, "slow")
+    assert steps == 140 and "140 to cover 14 s of transfers (k = 1)" in reason
+    # k = 2: 280, capped at H_max 200
+    assert steps_for(policy(transfer_cover=2.0), reports, "slow")[0] == 200
+    # local_steps: fixed — DyLU's steps, whatever the link
+    assert steps_for(policy(link_steps=False), reports, "slow")[0] == 10
+    # a fast link: 1 MB at 10 MB/s + 4 MB at 40 MB/s = 0.2 s, 2 steps' worth < DyLU's 10: the paper's rule unchanged
+    quick = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=1e7, link_down=4e7)]
+    assert steps_for(policy(), quick, "slow")[0] == 10
+    # the fastest peer, no link reported and no upload measured yet: H
+    assert steps_for(policy(), reports, "fast")[0] == 20
+    # a reported upload rate without a download rate: the download is the upload's time × the bytes' ratio (4):
+    # 10 s + 40 s = 50 s → 500 steps, capped at 200; with H_max 1000: 500
+    up_only = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=100_000.0)]
+    assert steps_for(policy(download_upload_ratio=4.0, max_auto_steps=1000), up_only, "slow")[0] == 500
+
+
+def test_the_config_key_and_its_bounds() -> None:
+    cfg = RunConfig.model_validate({"schedule": {"local_steps": "auto", "max_local_steps": 30}})
+    assert cfg.schedule.local_steps == "auto" and cfg.schedule.auto_steps_cap == 300 and cfg.schedule.transfer_cover == 1.0
+    assert RunConfig.model_validate({}).schedule.local_steps == "fixed"
+    with pytest.raises(ValueError, match="max_auto_steps"):
+        RunConfig.model_validate({"schedule": {"local_steps": "auto", "max_local_steps": 30, "max_auto_steps": 20}})
+    from asyncloco.coordinator.methods import build_method, coordinator_policy
+
+    spec, _, _ = build_method(cfg.schedule.method, cfg.outer, 4, [torch.nn.Parameter(torch.zeros(2))])
+    pol = coordinator_policy(cfg, spec, 64, simulated=False, numel=2)
+    assert pol.link_steps and pol.max_auto_steps == 300 and pol.transfer_cover == 1.0
+
+
+def test_speed_reports_carry_the_link_and_the_time_split_into_status() -> None:
+    summary = PeerSummary()
+    summary.timing = {"train": 90.0, "upload": 5.0, "download": 3.0, "assign": 1.5}
+    assert summary_split(summary, 100.0) == (90.0, 5.0, 3.0, 100.0) and summary_split(summary, 0.0) is None
+    report = LinkReport(2.5e6, 1.25e7, summary_split(summary, 100.0))
+    assert report.fields() == {"link_up": 2.5e6, "link_down": 1.25e7, "time_split": (90.0, 5.0, 3.0, 100.0)}
+    assert LinkReport(float("inf"), None, (1.0, -1.0, 0.0, 2.0)).fields() == {}  # out of the record's bounds: left out
+    state = new_state(torch.zeros(4), OuterSGD(0.5), (), policy(), (1000,), 0)
+    handle(state, SpeedReport("p", 1000.0, 5.0, None, **report.fields()), 5.0)
+    info = state.peers["p"]
+    assert (info.link_up, info.link_down, info.time_split) == (2.5e6, 1.25e7, (90.0, 5.0, 3.0, 100.0))
+    handle(state, SpeedReport("p", 1000.0, 6.0, None, link_up=-1.0, time_split=(1.0, 2.0, 3.0, float("nan"))), 6.0)
+    assert info.link_up == 2.5e6 and info.time_split == (90.0, 5.0, 3.0, 100.0)  # junk never replaces a measurement
+    # status: shares of the wall time, waiting the rest
+    split = time_split(info.time_split)
+    assert split == {"computing": 0.9, "uploading": 0.05, "downloading": 0.03, "waiting": pytest.approx(0.02)}
+    assert time_split(None) is None and time_split((1.0, 1.0, 1.0, 0.0)) is None
+    assert time_split((80.0, 30.0, 10.0, 100.0))["waiting"] == 0.0  # overlapped: transfers while computing
+    row = peer_row({"leases": 2, "applied": 1, "steps_assigned": 40, "staleness_sum": 1, "time_s": info.time_split},
+                   alive=True, last_seen=6.0)
+    assert row["time_split"] == split
+    text = format_status({"peers": {"peer-0123456789": {**row, "name": "p"}}}, now=7.0)
+    assert "% comp/up/down/wait" in text and text.rstrip().endswith("90/5/3/2")
