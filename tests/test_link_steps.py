@@ -12,6 +12,10 @@ coordinator's measured upload time, the bytes' ratio); the status split of a pee
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -113,3 +117,55 @@ def test_speed_reports_carry_the_link_and_the_time_split_into_status() -> None:
     assert row["time_split"] == split
     text = format_status({"peers": {"peer-0123456789": {**row, "name": "p"}}}, now=7.0)
     assert "% comp/up/down/wait" in text and text.rstrip().endswith("90/5/3/2")
+
+
+def test_a_real_peer_reports_its_link_and_split_into_status_json(tmp_path: Path) -> None:
+    """The real peer runner over the in-memory transport: its client measures the link on its transfers, its speed
+    reports carry the rates and the split, the logic keeps them and the status document shows them."""
+    from asyncloco.clock import FakeClock
+    from asyncloco.peer.runner import InnerTrainer, PeerOptions, PeerRunner
+    from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
+    from asyncloco.transport.linkspeed import LinkSpeed
+    from asyncloco.transport.rpc import TrafficCounters
+
+    cfg = RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0, "local_steps": "auto"},
+        "outer": {"buffer_size": 1}, "sim": {"workers": 1},
+        "runtime": {"eval_every": 100000, "speed_report_period": 2.0, "verify": {"enabled": False}},
+    })
+    clock = FakeClock()
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
+        await transport.start()
+        try:
+            options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
+                                  progress=False, max_rounds=6)
+            runner = PeerRunner(options, clock=clock)
+            runner.summary.peer_id = "p"
+            runner.speed = 1000.0
+            counters = TrafficCounters()
+            client = MemoryClient(transport, "p", counters=counters, download_codec=cfg.runtime.download_codec)
+            client.link = LinkSpeed(min_bytes=0)  # the toy θ is far below a real sample's 256 KiB
+            trainer = InnerTrainer.from_config(cfg, transport.workload)
+            task = as_actor("p", runner.serve(client, transport.publisher("p", signer="key-p"), cfg, transport.workload,
+                                              trainer, cfg.runtime.codec, counters))
+
+            async def pace() -> None:  # fake seconds pass while the peer works, so that its reports repeat
+                while not task.done():
+                    await clock.sleep(1.0)
+
+            await drive(clock, {"p": task, "pace": as_actor("pace", pace())}, real_timeout=100.0)
+            daemon = transport.daemon
+            assert daemon is not None
+            return daemon.monitoring.status_document(clock.time())
+        finally:
+            await transport.close()
+
+    status = asyncio.run(asyncio.wait_for(scenario(), timeout=150.0))
+    row = status["peers"]["p"]
+    assert row["link_up"] > 0 and row["link_down"] > 0  # measured on its real (in-memory) transfers
+    split = row["time_split"]
+    assert split is not None and set(split) == {"computing", "uploading", "downloading", "waiting"}
+    assert all(0.0 <= share for share in split.values()) and split["computing"] > 0
