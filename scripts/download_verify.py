@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="leases per peer")
     parser.add_argument("--steps", type=int, default=5, help="schedule.max_local_steps (H)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: 2 peers × 2 leases of 2 steps (tests)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.peers, args.rounds, args.steps = 2, 2, 2
     started = time.time()
     runs = [run_once(args.config, codec, args.peers, args.rounds, args.steps) for codec in ("none", "int8")]
     for run in runs:
