@@ -43,7 +43,7 @@ class _Verification:
 
     def __init__(self, clock: FakeClock) -> None:
         self.knobs = SimpleNamespace(validators=[V1, V2], validator_timeout=30.0, local=False)
-        self.daemon = SimpleNamespace(clock=clock, state=SimpleNamespace(params=torch.zeros(6)))
+        self.port = SimpleNamespace(node=SimpleNamespace(clock=clock, state=SimpleNamespace(params=torch.zeros(6))))
         self.verifier = Verifier(None, self._never, capacity=4, clock=clock.monotonic)  # type: ignore[arg-type]
         self.decided: list[tuple[str, bool, str]] = []
         self.unverified: list[str] = []

@@ -32,9 +32,11 @@ from asyncloco.config import CROSS_DEVICE_STATE_TOLERANCE, RunConfig
 from asyncloco.coordinator import logic
 from asyncloco.coordinator.logic import Verify
 from asyncloco.coordinator.rerun import Rerunner, implausible_state, state_gap, state_moments
-from asyncloco.peer.inner import FRESH_STATE_DIGEST, InnerTrainer, inner_state_chunks, load_inner_state, revealed_digest
-from asyncloco.peer.reveal import pack_parts, revealed_size, split_parts
 from asyncloco.testing.attacks import forge_moment, hidden_direction
+from asyncloco.train.commitments import (
+    FRESH_STATE_DIGEST, inner_state_chunks, load_inner_state, pack_parts, revealed_digest, revealed_size, split_parts,
+)
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.workloads import build_workload
 
 pytestmark = pytest.mark.timeout(120)
@@ -259,7 +261,7 @@ def test_the_reveal_bound_is_two_states_and_refused_before_reading() -> None:
     desk.awaiting = {"L1": (check, 0.0, None)}
     desk.reveals = {"refused": 0}
     desk._state_size = None
-    desk.daemon = SimpleNamespace(model=honest.peer.model, cfg=cfg)
+    desk.port = SimpleNamespace(model=honest.peer.model, cfg=cfg)
     limit = desk.reveal_limit("L1", "p")
     assert limit == revealed_size(inner, numel, False)
     with pytest.raises(ValueError, match="exceeds"):
@@ -273,8 +275,9 @@ def test_the_reveal_bound_is_two_states_and_refused_before_reading() -> None:
 def test_a_forged_residual_fails_in_a_foreign_class() -> None:
     """With error feedback the end state carries the residual the upload left; a foreign-class peer's is held to the
     upload's own cross-device bound, of the upload's norm."""
-    from asyncloco.peer.feedback import ErrorFeedback
-    from asyncloco.peer.reveal import RevealStore, committed_digest, pack_reveal
+    from asyncloco.train.feedback import ErrorFeedback
+    from asyncloco.peer.reveal import RevealStore
+    from asyncloco.train.commitments import committed_digest, pack_reveal
 
     codec, decay = "sgn15of16", 0.5
     cfg = RunConfig.model_validate({

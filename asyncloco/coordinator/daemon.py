@@ -42,7 +42,7 @@ from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.coordinator.monitoring import JOURNAL_FILE, STATUS_FILE, Monitoring, PeerStats, Stats, Waiter
 from asyncloco.coordinator.node import EVENT_TYPES, SOFTWARE_STAMP, CoordinatorNode
 from asyncloco.coordinator.serving import Serving, lease_to_wire
-from asyncloco.coordinator.verify import DaemonVerification
+from asyncloco.coordinator.verify import DaemonVerification, VerificationPort
 from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, open_log
 from asyncloco.fingerprint import run_fingerprint
 from asyncloco.models.workload import Workload, flatten_params, param_groups
@@ -145,9 +145,13 @@ class CoordinatorDaemon:
         self.counters: Any = None  # transport/rpc.py TrafficCounters while serving
         # --- verification of the work (coordinator/verify.py): re-runs, verdicts, repairs after an expulsion
         self.swarm_seed: Any = None  # transport/swarm.py SwarmSeed while serving (run), if runtime.swarm
-        self.verification: Optional[DaemonVerification] = (
-            DaemonVerification(self, EVENT_TYPES) if cfg.runtime.verify.enabled else None
-        )
+        self.verification: Optional[DaemonVerification] = None
+        if cfg.runtime.verify.enabled:
+            monitoring = self.monitoring
+            port = VerificationPort(cfg, self.dir, self.workload, self.model, self.node, lambda: monitoring.journal,
+                                    monitoring.eval_model, monitoring.bookkeep, monitoring.write_status,
+                                    self.durability.wait_for_snapshot, self._download_anchor)
+            self.verification = DaemonVerification(port, EVENT_TYPES)
         self.monitoring.verification = self.durability.verification = self.verification
         if resume:
             self.durability.load()
@@ -178,6 +182,11 @@ class CoordinatorDaemon:
 
     def _bookkeep(self, actions: list[Action]) -> bool:
         return self.monitoring.bookkeep(actions)
+
+    def _download_anchor(self, codec: str, version: int) -> Optional[bytes]:
+        """The full encoding of θ at ``version`` a delta download was taken from, while the RPC service holds it."""
+        service = getattr(self.serving, "service", None)
+        return None if service is None else service.downloads.anchor_body(codec, version)
 
     def _identity(self) -> dict[str, Any]:
         """The daemon's own fields of the status document (coordinator/monitoring.py)."""

@@ -51,7 +51,7 @@ def fp32_bytes(tensor: torch.Tensor) -> memoryview:
 
 class ValidatorDesk:
     """The checks lent to validator peers, for ``verification`` (coordinator/verify.py ``DaemonVerification``: its
-    ``verifier`` queue, ``knobs``, ``daemon`` clock, ``judged`` and ``unverified`` entry points)."""
+    ``verifier`` queue, ``knobs``, ``port`` (the node's state and clock), ``judged`` and ``unverified`` entry points)."""
 
     def __init__(self, verification: Any) -> None:
         self.verification = verification
@@ -78,7 +78,7 @@ class ValidatorDesk:
 
         self._check_validator(peer)
         verifier = self.verification.verifier
-        numel = int(self.verification.daemon.state.params.numel())
+        numel = int(self.verification.port.node.state.params.numel())
         deadline = verifier.clock() + wait_s
         while True:
             try:
@@ -116,7 +116,7 @@ class ValidatorDesk:
 
     async def _expire(self, loan: _Loan) -> None:
         timeout = float(self.verification.knobs.validator_timeout)
-        await self.verification.daemon.clock.sleep(timeout)
+        await self.verification.port.node.clock.sleep(timeout)
         lease_id = loan.task.lease.lease_id
         if self.lent.get(lease_id) is loan:
             logger.warning("validator %s did not judge lease %s within runtime.verify.validator_timeout (%g s); the "

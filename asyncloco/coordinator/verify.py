@@ -47,13 +47,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import torch
 
 from asyncloco.coordinator.logic import (
     Action,
     CoordinatorState,
+    Event,
     Expelled,
     Expired,
     Unverified,
@@ -67,6 +68,12 @@ from asyncloco.coordinator.repair import ANCHOR_DIR, KEEP_ANCHORS, Anchors, Repa
 from asyncloco.coordinator.substitute import RepairReruns
 from asyncloco.coordinator.validators import ValidatorDesk
 
+if TYPE_CHECKING:
+    from asyncloco.config import RunConfig
+    from asyncloco.coordinator.journal import Journal
+    from asyncloco.coordinator.node import CoordinatorNode
+    from asyncloco.models.workload import Workload
+
 __all__ = [
     "Comparison",
     "compare",
@@ -76,6 +83,7 @@ __all__ = [
     "repair",
     "RepairResult",
     "DaemonVerification",
+    "VerificationPort",
     "Anchors",
     "log_events",
     "needs_reveal",
@@ -211,22 +219,53 @@ def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
 # ------------------------------------------------------------------------------------ the daemon's side
 
 
+@dataclass(frozen=True)
+class VerificationPort:
+    """What verification uses of the coordinator (coordinator/daemon.py builds it), and nothing more.
+
+    State changes go through ``node`` alone — :meth:`decide` (verdicts, checks ended unverified) and
+    :meth:`CoordinatorNode.apply_repair` (a repair's rebuilt state, its ``Repaired`` record logged first) — and the
+    live state is read from it (``node.state``), as are the lock, the clock and the log's last record."""
+
+    cfg: "RunConfig"
+    dir: Path
+    workload: "Workload"
+    model: torch.nn.Module  # the run's model: its shapes (reveal bounds), a fresh state's parameter groups
+    node: "CoordinatorNode"
+    journal: Callable[[], "Journal"]  # the journal now (testing/memory.py gives the monitoring one on its clock)
+    eval_model: Callable[[], torch.nn.Module]  # the evaluations' model (the repair's validation losses use a copy)
+    bookkeep: Callable[[list[Action]], bool]  # the journal, stats and held requests of actions decided off decide
+    write_status: Callable[[], None]
+    wait_for_snapshot: Callable[[], Awaitable[None]]
+    # (codec, version) -> the full encoding of θ a delta download was taken from, while the RPC service holds it
+    download_anchor: Callable[[str, int], Optional[bytes]] = lambda codec, version: None
+
+    async def decide(self, event: Event) -> bool:
+        """``event`` through the node's decide under its lock; False (nothing decided) once the coordinator stops."""
+        async with self.node.lock:
+            if self.node.stopping:
+                return False
+            await self.node.decide(event)
+        return True
+
+
 class DaemonVerification:
     """What the coordinator daemon does for verification, behind four hooks it calls (coordinator/daemon.py):
     :meth:`record` for the actions Verify / Verdict / Expelled (live and in ``--resume`` replay alike, with
     :attr:`replay_seq` set to the record being replayed), :meth:`note_snapshot` after a durable snapshot,
-    :meth:`status` for status.json and :meth:`close` at shutdown. Verdicts go back through the daemon's decision
-    entry point (``_decide`` under its lock) as :class:`~asyncloco.coordinator.logic.Verified` events."""
+    :meth:`status` for status.json and :meth:`close` at shutdown. It holds a :class:`VerificationPort`, not the
+    daemon: verdicts go back through the node's decide (:meth:`VerificationPort.decide`) as
+    :class:`~asyncloco.coordinator.logic.Verified` events, and a repair's state through the node's ``apply_repair``."""
 
-    def __init__(self, daemon: Any, event_types: Mapping[str, type]) -> None:
-        cfg = daemon.cfg
-        self.daemon = daemon
+    def __init__(self, port: VerificationPort, event_types: Mapping[str, type]) -> None:
+        cfg = port.cfg
+        self.port = port
         self.knobs = cfg.runtime.verify
         self.event_types = event_types
-        self.anchors = Anchors(Path(daemon.dir), self.knobs.horizon, keep_archive=cfg.runtime.wal_archive)
+        self.anchors = Anchors(Path(port.dir), self.knobs.horizon, keep_archive=cfg.runtime.wal_archive)
         self.verifier = Verifier(
-            Rerunner(cfg, daemon.workload, device=cfg.runtime.eval_device), self._verdict, self.knobs.queue,
-            moot=lambda task: task.peer in self.daemon.state.verification.expelled,
+            Rerunner(cfg, port.workload, device=cfg.runtime.eval_device), self._verdict, self.knobs.queue,
+            moot=lambda task: task.peer in self.port.node.state.verification.expelled,
             on_skip=self._unverified,
         )
         self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
@@ -243,7 +282,7 @@ class DaemonVerification:
         # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
         self.desk = ValidatorDesk(self)
         # the honest re-runs a repair applies in an expelled peer's place (runtime.verify.repair: rerun)
-        self.reruns = RepairReruns(cfg, daemon.workload, Path(daemon.dir), self.anchors, self._fresh_state, event_types) \
+        self.reruns = RepairReruns(cfg, port.workload, Path(port.dir), self.anchors, self._fresh_state, event_types) \
             if self.knobs.repair == "rerun" else None
         self.pending_repairs: list[Expelled] = []  # expulsions whose repair has not been carried out yet
         self._loss_model: Optional[torch.nn.Module] = None  # the repair's validation losses are computed on it
@@ -295,14 +334,14 @@ class DaemonVerification:
         verdict — a re-run from θ and the data is queued like a new one; a check that awaited the peer's reveal
         cannot be asked for again (the ack that asked for it is gone) and ends unverified, so it no longer counts
         toward the peer's probation as one on its way."""
-        pending = self.daemon.state.verification.pending
+        pending = self.port.node.state.verification.pending
         checks = [check for lease_id, check in sorted(self.resumed_checks.items()) if pending.get(lease_id) == check.peer]
         self.resumed_checks.clear()
         queued = 0
         # a check held before the snapshot the resume started from: the replay did not meet it, but its held update
         # (with θ at its base version and the commitments) is in the snapshot — rebuilt from it
         found = {check.lease.lease_id for check in checks}
-        held = self.daemon.state.verification.held
+        held = self.port.node.state.verification.held
         for lease_id, peer in sorted(pending.items()):
             record = held.get(lease_id)
             if lease_id not in found and record is not None and record.lease.peer == peer:
@@ -334,8 +373,8 @@ class DaemonVerification:
             logger.info("repair anchor at log record %d (version %d)", wal_seq, version)
 
     def status(self) -> dict[str, Any]:
-        book = self.daemon.state.verification
-        local_updates = max(1, int(self.daemon.state.local_updates))
+        book = self.port.node.state.verification
+        local_updates = max(1, int(self.port.node.state.local_updates))
         return {
             "fraction": self.knobs.fraction,
             "probation_updates": self.knobs.probation_updates,
@@ -373,12 +412,12 @@ class DaemonVerification:
         if self._state_size is None:  # Σ (1 + 8 + 8n) over the model's parameters: the layout of a full AdamW state
             from asyncloco.train.commitments import revealed_size
 
-            params = list(self.daemon.model.parameters())
+            params = list(self.port.model.parameters())
             inner = sum(9 + 8 * param.numel() for param in params)
             # with error feedback the residual comes with each state (peer/reveal.py pack_reveal), both states with
             # their length field (pack_parts)
             self._state_size = revealed_size(inner, sum(param.numel() for param in params),
-                                             self.daemon.cfg.runtime.uses_error_feedback)
+                                             self.port.cfg.runtime.uses_error_feedback)
         return self._state_size
 
     def reveal(self, lease_id: str, state: bytes, peer: str) -> Any:
@@ -431,8 +470,7 @@ class DaemonVerification:
             return
         if action.theta_anchor is not None and action.anchor_body is None:
             # a delta download: the re-run starts from the anchor's full encoding plus the delta (rerun.start_theta)
-            service = getattr(self.daemon.serving, "service", None)
-            body = None if service is None else service.downloads.anchor_body(action.theta_codec, action.theta_anchor)
+            body = self.port.download_anchor(action.theta_codec, action.theta_anchor)
             if body is None:  # never served, or evicted (runtime download_anchors), or gone with a restart
                 self._decide_later(self._unverified(action, f"the download anchor v{action.theta_anchor} "
                                                     f"({action.theta_codec}) the peer's θ was a delta from is no longer held"))
@@ -462,18 +500,15 @@ class DaemonVerification:
     async def _unverified_id(self, peer: str, lease_id: str, reason: str, apply: bool = False) -> None:
         """End a check without a verdict: an :class:`~asyncloco.coordinator.logic.Unverified` event through the
         daemon's decision entry point, journaled."""
-        daemon = self.daemon
-        async with daemon.lock:
-            if daemon._stopping:
-                return
-            await daemon._decide(Unverified(peer, lease_id, reason, apply))
-        daemon.journal.write("unverified", peer=peer, lease_id=lease_id, reason=reason)
+        if not await self.port.decide(Unverified(peer, lease_id, reason, apply)):
+            return
+        self.port.journal().write("unverified", peer=peer, lease_id=lease_id, reason=reason)
         logger.warning("lease %s of %s is not verified: %s", lease_id, peer[-8:], reason)
 
     def _await_reveal(self, action: Verify) -> None:
         """Wait for the peer to reveal ``action``'s start state; a failed check at ``reveal_timeout`` without it."""
         lease_id = action.lease.lease_id
-        clock = self.daemon.clock
+        clock = self.port.node.clock
         timeout = float(self.knobs.reveal_timeout)
         self.reveals["asked"] += 1
 
@@ -504,13 +539,9 @@ class DaemonVerification:
         self._decide_later(self._unverified(task, reason))
 
     async def _verdict(self, task: Verify, comparison: Comparison) -> None:
-        daemon = self.daemon
         anchor = self.anchors.pin_oldest()  # a failed check's repair replays from it
         try:
-            async with daemon.lock:  # the node's decision entry point (decide(event) takes the same lock)
-                if daemon._stopping:
-                    return
-                await daemon._decide(Verified(task.peer, task.lease.lease_id, comparison.ok, comparison.detail[:300], anchor))
+            await self.port.decide(Verified(task.peer, task.lease.lease_id, comparison.ok, comparison.detail[:300], anchor))
         finally:
             self.anchors.unpin(anchor)
 
@@ -519,32 +550,32 @@ class DaemonVerification:
         from asyncloco.coordinator.methods import build_method
         from asyncloco.models.workload import param_groups
 
-        daemon = self.daemon
-        cfg = daemon.cfg
+        cfg = self.port.cfg
         _, optimizer, transforms = build_method(
-            cfg.schedule.method, cfg.outer, cfg.outer.buffer_size or cfg.sim.workers, param_groups(daemon.model)
+            cfg.schedule.method, cfg.outer, cfg.outer.buffer_size or cfg.sim.workers, param_groups(self.port.model)
         )
-        live = daemon.state
+        live = self.port.node.state
         return new_state(torch.empty_like(live.params), optimizer, transforms, live.policy, [s.size for s in live.shards], cfg.seed)
 
     def _repair_later(self, action: Expelled) -> None:
         async def run() -> None:
             async with self._repair_turn:  # one repair at a time, in the order of the expulsions
-                expelled = self.daemon.state.verification.expelled
+                node = self.port.node
+                expelled = node.state.verification.expelled
                 trained: Optional[set[str]] = None
                 # a snapshot begun before the expulsion moves log segments to the archive when it is written (none
                 # begins while a repair is pending): let it finish, so the log stays put while the re-runs read it
-                await self.daemon._wait_for_snapshot()
+                await self.port.wait_for_snapshot()
                 while self.reruns is not None and trained != set(expelled):
                     # trained outside the daemon's lock, the repair reads them back; again if another peer was
                     # expelled meanwhile (the replay's θs, and so the re-runs, change with the set left out)
                     trained = set(expelled)
-                    await asyncio.to_thread(self.reruns.prepare, action.anchor, self.daemon.wal.last_seq, trained)
-                async with self.daemon.lock:
-                    if self.daemon._stopping or action not in self.pending_repairs:
+                    await asyncio.to_thread(self.reruns.prepare, action.anchor, node.wal.last_seq, trained)
+                async with node.lock:
+                    if node.stopping or action not in self.pending_repairs:
                         return  # a --resume repairs it (the log has its Verified record and no Repaired)
-                    self.repair_pending(self.daemon.journal)
-                    self.daemon._write_status()
+                    self.repair_pending(self.port.journal())
+                    self.port.write_status()
 
         task = asyncio.ensure_future(run())
         self._repairing.add(task)
@@ -567,10 +598,10 @@ class DaemonVerification:
         from asyncloco.models.workload import load_flat_params
 
         if self._loss_model is None:  # its own copy: an evaluation may be running on the monitoring's in a thread
-            self._loss_model = copy.deepcopy(self.daemon.monitoring.eval_model())
+            self._loss_model = copy.deepcopy(self.port.eval_model())
         model = self._loss_model
         load_flat_params(model, theta.to(next(model.parameters()).device))
-        loss = float(self.daemon.workload.evaluate(model)["loss"])
+        loss = float(self.port.workload.evaluate(model)["loss"])
         return loss if math.isfinite(loss) else math.inf
 
     def _repair(self, action: Expelled, journal: Any, remedy: str = "") -> None:
@@ -581,8 +612,8 @@ class DaemonVerification:
         could diverge). The choice goes into the ``Repaired`` record; a ``--resume`` replay repeats it (``remedy``)."""
         from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
 
-        daemon = self.daemon
-        upto = self.replay_seq if self.replay_seq is not None else daemon.wal.last_seq
+        node = self.port.node
+        upto = self.replay_seq if self.replay_seq is not None else node.wal.last_seq
         anchor_dir = self.anchors.path(action.anchor)
         if action.anchor < 0 or not (anchor_dir / "state.pt").is_file():
             logger.critical(
@@ -592,7 +623,7 @@ class DaemonVerification:
             journal.write("repair_failed", peer=action.peer, anchor=action.anchor, reason="no repair anchor")
             return
         started = time.perf_counter()
-        live = daemon.state
+        live = node.state
         before_version = live.version
         kinds = [remedy] if remedy else (["rerun", "discard"] if self.reruns is not None else ["discard"])
         results: dict[str, tuple[RepairResult, Any]] = {}
@@ -602,7 +633,7 @@ class DaemonVerification:
             for kind in kinds:
                 state = self._fresh_state()
                 state.load_state_dict(snapshot["coordinator"])
-                records = log_events(Path(daemon.dir) / "wal", after, upto, self.event_types, live.params.numel())
+                records = log_events(Path(self.port.dir) / "wal", after, upto, self.event_types, live.params.numel())
                 substitutes = self.reruns.substitutes(action.anchor) if kind == "rerun" and self.reruns is not None else None
                 with self.reruns.lock if substitutes is not None and self.reruns is not None else contextlib.nullcontext():
                     result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
@@ -619,7 +650,7 @@ class DaemonVerification:
         # first as the record right after the last one it replayed (node.apply_repair). A --resume replay carries out
         # this repair right before it meets that record (durability.py); if the coordinator died before writing it, the
         # repair is carried out after the replay, not replaying, and the record appended then.
-        daemon.node.apply_repair(result.state, repaired, log=self.replay_seq is None)
+        node.apply_repair(result.state, repaired, log=self.replay_seq is None)
         seconds = time.perf_counter() - started
         summary = {
             "peer": action.peer, "anchor": after, "upto": upto, "replayed": result.replayed, "discarded": result.discarded,
@@ -642,4 +673,4 @@ class DaemonVerification:
             result.substituted, result.discarded, seconds,
             sum(1 for a in result.voided if isinstance(a, Expired)),
         )
-        daemon._bookkeep(result.voided)
+        self.port.bookkeep(result.voided)
