@@ -23,7 +23,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.config_base import StrictModel
-from asyncloco.models.config import LMTaskConfig  # pydantic only: no torch/transformers
+from asyncloco.models.config import LMTaskConfig, ToyTaskConfig  # pydantic only: no torch/transformers
 
 # The schedule.method / sim.methods names a config may use. The methods themselves (coordinator/methods.py) live a
 # layer above the config and assert at import that their registry is exactly this set, so the two cannot drift and
@@ -32,10 +32,11 @@ METHOD_NAMES: tuple[str, ...] = (
     "sync_diloco", "async_diloco", "async_dn", "async_dn_dylu", "async_diloco_dylu", "async_buffer", "poly",
     "poly_thres", "delay_comp", "elasticdl_lr", "asynclm", "async_sgd", "async_sgd_momentum", "async_adam",
 )  # fmt: skip
+BARRIER_METHODS: frozenset[str] = frozenset({"sync_diloco"})  # the methods that hold every lease to a round's end
 
 __all__ = [
     "METHOD_NAMES",
-    "ToyTaskConfig",
+    "BARRIER_METHODS",
     "InnerConfig",
     "OuterConfig",
     "ScheduleConfig",
@@ -71,23 +72,6 @@ def worker_seconds_per_step(profile: str | list[float], workers: int) -> list[fl
         return [base[0]]
     lo, hi = base[0], base[-1]
     return [lo * (hi / lo) ** (i / (workers - 1)) for i in range(workers)]
-
-
-class ToyTaskConfig(StrictModel):
-    """Paper §6 toy: classify a mixture of mixtures of Gaussians with a one-hidden-layer MLP."""
-
-    kind: Literal["toy"] = "toy"
-    dim: int = Field(512, ge=1)
-    classes: int = Field(4, ge=2)
-    clusters_per_class: int = Field(8, ge=1)
-    noise: float = Field(0.5, gt=0)
-    points: int = Field(128_000, ge=64)
-    eval_points: int = Field(4_096, ge=32)
-    hidden: int = Field(256, ge=1, description="MLP hidden units (the notebook used 65,000)")
-    batch_size: int = Field(32, ge=1)
-    num_shards: int = Field(4, ge=1)
-    iid: bool = True
-    seed: int = 0
 
 
 TaskConfig = Annotated[Union[ToyTaskConfig, LMTaskConfig], Field(discriminator="kind")]
@@ -307,7 +291,7 @@ class VerifyConfig(StrictModel):
         "class (0: bitwise, which the same class reproduces; other classes: cross_device_tolerance)"
     )
     min_cosine: float = Field(-1.0, ge=-1, le=1, description="also require this cosine with the re-run (with a tolerance > 0)")
-    # a peer that names another compute class than the verifier's (peer/inner.py compute_class: device, GPU model or
+    # a peer that names another compute class than the verifier's (train/inner.py compute_class: device, GPU model or
     # CPU instruction set, torch version) cannot be re-run bitwise. Measured (docs/threat-model.md, "Which
     # tolerance"): a bf16 GPU lease re-run in fp32 on a CPU is 0.05-0.06 away, an honest different lease 1.4
     # (docs/gpu.md); fp32 leases on other CPU kernels: scripts/verify_tolerance.py --cross-cpu
@@ -385,7 +369,7 @@ class RuntimeConfig(StrictModel):
         "none", description="codec of pseudo-gradient uploads: none, fp16, bf16, int8, int4, int2, topk{k}b{bits}, grp{G}b{bits}, sgn{p}of{q}"
     )
     error_feedback: bool | None = Field(
-        None, description="carry what the codec dropped into the next upload (peer/feedback.py); None: off (docs/compression.md)"
+        None, description="carry what the codec dropped into the next upload (train/feedback.py); None: off (docs/compression.md)"
     )
     error_feedback_decay: float = Field(
         1.0, gt=0, le=1, description="the share of the residual carried into the next upload (1: classic error feedback; "

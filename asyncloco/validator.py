@@ -118,7 +118,7 @@ class Validator:
             if rerunner.trainer.numel != hello.model_numel:
                 raise PeerError(f"this validator builds a {rerunner.trainer.numel}-parameter model but the coordinator "
                                 f"serves {hello.model_numel}; run the coordinator's asyncloco version ({hello.software_version})")
-            from asyncloco.peer.reveal import revealed_size
+            from asyncloco.train.commitments import revealed_size
 
             # a full AdamW state's layout, with error feedback plus the residual (peer/reveal.py)
             max_revealed = revealed_size(sum(9 + 8 * param.numel() for param in model.parameters()),

@@ -10,7 +10,7 @@ __all__ = ["build_workload"]
 
 def build_workload(cfg: RunConfig) -> Workload:
     if cfg.task.kind == "toy":
-        from asyncloco.sim.toy import ToyWorkload
+        from asyncloco.models.toy import ToyWorkload
 
         return ToyWorkload(cfg.task)
     from asyncloco.models.lm import build_lm_workload  # transformers/datasets load only when asked for

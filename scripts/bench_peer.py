@@ -2,7 +2,7 @@
 
 Both train the same Llama preset (same initial weights, same random token batches, same AdamW
 hyper-parameters and gradient clipping) on the same device. "peer" is
-:class:`asyncloco.peer.inner.InnerTrainer` exactly as a peer runs a lease (θ load, per-step LR
+:class:`asyncloco.train.inner.InnerTrainer` exactly as a peer runs a lease (θ load, per-step LR
 schedule, batches from a workload, on-step timing callback, pseudo-gradient at the end); "plain" is the
 loop anyone would write: ``model(input_ids=..., labels=...)``, ``backward``, clip, ``step``. The two are
 timed alternately, ``--repeats`` times each, and the median tokens/s of each is compared, so a busy
@@ -32,7 +32,7 @@ from asyncloco.models.lm import causal_lm_loss
 from asyncloco.models.presets import PRESETS, build_causal_lm
 from asyncloco.models.workload import Workload, flatten_params
 from asyncloco.peer.distributed import validate_device
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.train.inner import InnerTrainer
 
 VOCAB = 4096  # the 4,096-entry embedded tokenizer's size (tiny, small)
 
@@ -79,7 +79,7 @@ def _sync(device: torch.device) -> None:
 def time_peer(trainer: InnerTrainer, theta: torch.Tensor, steps: int, offset: int, timed: bool = True) -> tuple[float, float]:
     """(wall, CPU) seconds for one lease of ``steps`` steps, as a peer runs it (θ in, pseudo-gradient out);
     ``timed``: with the per-step callback a peer always passes (on a GPU: a wait on the previous step's CUDA event
-    per step, peer/device_io.py; a stream synchronisation per step before that)."""
+    per step, train/device_io.py; a stream synchronisation per step before that)."""
     seconds: list[float] = []
     _sync(trainer.device)
     started, cpu = time.perf_counter(), time.process_time()

@@ -33,7 +33,7 @@ import torch
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.logic import Lease
 from asyncloco.coordinator.verify import Rerunner, compare
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.workloads import build_workload
 
 logger = logging.getLogger("bench_verify")
@@ -79,8 +79,7 @@ def bench_carried(preset: str, steps: int, batch: int, seq_len: int, codec: str,
     """``inner_state: carry``: the peer's lease from a carried state, and the verifier's re-run from the revealed
     start and end states (digest checks, load, re-run, end digest: Rerunner.check_revealed) — its seconds and verdict."""
     from asyncloco.coordinator.logic import Verify
-    from asyncloco.peer.inner import inner_state_chunks
-    from asyncloco.peer.reveal import pack_parts
+    from asyncloco.train.commitments import inner_state_chunks, pack_parts
 
     cfg = lm_config(preset, batch, seq_len, codec, "carry")
     peer = InnerTrainer.from_config(cfg, workload)

@@ -3,7 +3,7 @@
 For each task (``configs/toy.yaml``, ``configs/lm-tiny.yaml``) and seed, one θ0 is pretrained and shared by
 every run. Sync DiLoCo with fp32 uploads sets the target (its final loss) and the time limit (its simulated
 time); then Async DN + DyLU runs once per upload codec (``runtime.codec``, error feedback on for lossy codecs:
-asyncloco/peer/feedback.py, applied by asyncloco/sim/engine.py exactly as a peer applies it). Each run stops
+asyncloco/train/feedback.py, applied by asyncloco/sim/engine.py exactly as a peer applies it). Each run stops
 at ``sim.total_local_updates`` local updates for its final loss (the same count for every codec) and goes on
 until it reaches sync's final loss or sync's simulated time, for the time-to-target column.
 

@@ -30,7 +30,7 @@ from asyncloco.config import load_config  # noqa: E402
 from asyncloco.coordinator.gate import GatePolicy, probe_margin  # noqa: E402
 from asyncloco.coordinator.probe import Probe  # noqa: E402
 from asyncloco.models.workload import flatten_params  # noqa: E402
-from asyncloco.peer.inner import InnerTrainer  # noqa: E402
+from asyncloco.train.inner import InnerTrainer  # noqa: E402
 from asyncloco.workloads import build_workload  # noqa: E402
 
 RULES: dict[str, Callable[[float, int, int], float]] = {

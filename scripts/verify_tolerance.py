@@ -15,7 +15,7 @@ model on one device, what an honest re-run gives, side by side with what an hone
   ``end_state_fresh`` below);
 * ``cross_cpu`` (``--cross-cpu``) — the same lease on this CPU in fresh processes with torch's kernels dispatched
   to other instruction sets (``ATEN_CPU_CAPABILITY`` default / avx2 / avx512, i.e. other *compute classes*,
-  peer/inner.py ``compute_class``) and with 1 or several threads, each against the first: what a CPU verifier
+  train/inner.py ``compute_class``) and with 1 or several threads, each against the first: what a CPU verifier
   sees of a CPU peer on another machine (sets ``runtime.verify.cross_device_tolerance`` for fp32 runs). Each row also
   has the lease's *end inner state* against the first's (``end_state_fresh``: the lease from a fresh AdamW state;
   ``end_state_carried``: the next lease, from a carried state the parent process trained, the same bytes for every
@@ -56,7 +56,8 @@ from asyncloco.coordinator.rerun import state_gap, state_moments  # noqa: E402
 from asyncloco.coordinator.verify import compare  # noqa: E402
 from asyncloco.models.workload import flatten_params  # noqa: E402
 from asyncloco.peer.distributed import validate_device  # noqa: E402
-from asyncloco.peer.inner import InnerTrainer, compute_class, inner_state_chunks, load_inner_state  # noqa: E402
+from asyncloco.train.commitments import inner_state_chunks, load_inner_state  # noqa: E402
+from asyncloco.train.inner import InnerTrainer, compute_class  # noqa: E402
 
 CROSS_CPU = (("avx2", 1), ("avx2", 2), ("default", 2), ("avx512", 2))  # (ATEN_CPU_CAPABILITY, threads)
 

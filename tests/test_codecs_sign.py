@@ -1,6 +1,6 @@
 """The sign codecs sgn{p}of{q} (asyncloco/transport/codecs_sign.py, issue 18): exact values against a reference
 written here from the format's definition, hand-built bodies, every malformed body refused, and the decayed error
-feedback (asyncloco/peer/feedback.py) they are used with."""
+feedback (asyncloco/train/feedback.py) they are used with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncloco.peer.feedback import ErrorFeedback
+from asyncloco.train.feedback import ErrorFeedback
 from asyncloco.transport import native
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, sign_params, wire_bytes
 from asyncloco.transport.codecs_sign import rotation_of

@@ -1,4 +1,4 @@
-"""Error feedback (asyncloco/peer/feedback.py) and the runtime.codec / runtime.error_feedback keys (issue 18)."""
+"""Error feedback (asyncloco/train/feedback.py) and the runtime.codec / runtime.error_feedback keys (issue 18)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncloco.config import UPLOAD_CODEC_PATTERN, RunConfig, load_config
-from asyncloco.peer.feedback import ErrorFeedback
+from asyncloco.train.feedback import ErrorFeedback
 from asyncloco.transport.codecs import CODECS, decode, encode
 
 

@@ -367,7 +367,7 @@ def test_fresh_adamw_newcomer_accepted_and_sign_flip_rejected_by_the_probe() -> 
 
 def run_newcomer_and_attacker() -> None:
     from asyncloco.models.workload import flatten_params
-    from asyncloco.peer.inner import InnerTrainer
+    from asyncloco.train.inner import InnerTrainer
     from asyncloco.workloads import build_workload
 
     torch.manual_seed(0)

@@ -45,7 +45,8 @@ from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.models.lm import causal_lm_loss
 from asyncloco.models.presets import build_causal_lm
 from asyncloco.models.workload import Workload, flatten_params
-from asyncloco.peer.inner import InnerTrainer, StepClock, released
+from asyncloco.train.device_io import StepClock, released
+from asyncloco.train.inner import InnerTrainer
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA GPU: none is visible to torch here (scripts/gpu_check.py runs these on a GPU machine)"
@@ -262,7 +263,7 @@ def test_evaluation_on_cuda_matches_the_cpu() -> None:
 def _one_rank_group(backend: str, tmp_path: Path) -> Iterator[Any]:
     import torch.distributed as dist
 
-    from asyncloco.peer.distributed import GroupContext
+    from asyncloco.train.group import GroupContext
 
     if dist.is_initialized():
         pytest.skip("a torch.distributed group is already initialised in this process")

@@ -37,7 +37,7 @@ from asyncloco.clock import FakeClock
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.checkpoint import load_snapshot
 from asyncloco.coordinator.daemon import JOURNAL_FILE
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.peer.runner import PeerOptions, PeerRunner
 from asyncloco.transport.codecs import wire_bytes
 from asyncloco.transport.errors import PeerUnreachable

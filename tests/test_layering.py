@@ -42,7 +42,7 @@ def test_algo_is_pure(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "subpackage", ["algo", "sim", "models", "peer/inner.py", "coordinator/logic/", "coordinator/methods.py"]
+    "subpackage", ["algo", "sim", "models", "train/inner.py", "train/commitments.py", "coordinator/logic/", "coordinator/methods.py"]
 )
 def test_only_transport_and_runtimes_import_hivemind(subpackage: str) -> None:
     target = PACKAGE / subpackage
@@ -153,7 +153,7 @@ def test_import_circle_finder_finds_a_planted_circle() -> None:
 
 
 # Known circles still to remove (issue 20): both are lazy imports inside functions. Nothing may be added here.
-KNOWN_CIRCLES: list[set[str]] = []  # config <-> methods (config.METHOD_NAMES) and inner <-> distributed (peer/group.py) removed
+KNOWN_CIRCLES: list[set[str]] = []  # config <-> methods (config.METHOD_NAMES) and inner <-> distributed (train/group.py) removed
 
 
 def test_no_new_import_circles() -> None:

@@ -25,15 +25,13 @@ from asyncloco.peer.distributed import (
     OP_STOP,
     OP_TRAIN,
     Command,
-    GroupContext,
-    GroupFailed,
     broadcast_command,
     broadcast_json,
-    split_batch,
     torchrun_command,
     validate_device,
 )
-from asyncloco.peer.inner import InnerTrainer, LeaseAborted
+from asyncloco.train.group import GroupContext, GroupFailed, split_batch
+from asyncloco.train.inner import InnerTrainer, LeaseAborted
 
 ROUNDS = [(0, 0, 4, 0), (1, 3, 3, 4)]  # (shard, start_offset, steps, lr_offset): two leases, optimizer state kept
 
@@ -89,7 +87,7 @@ def _rank_trains(rank: int, world: int, port: int, cache_dir: str, out: str) -> 
 def _lead(group: GroupContext, cache_dir: str, out: str, parallel: str) -> None:
     from asyncloco.fingerprint import run_fingerprint
     from asyncloco.peer.distributed import OP_MEASURE
-    from asyncloco.peer.inner import probe_speed
+    from asyncloco.train.inner import probe_speed
     from asyncloco.workloads import build_workload
 
     cfg = _config(cache_dir, parallel=parallel)
@@ -281,7 +279,7 @@ def test_peer_join_refuses_a_missing_gpu_before_anything_slow(tmp_path: Path) ->
 
 
 def test_adamw8bit_and_bf16_need_what_they_need() -> None:
-    from asyncloco.peer.inner import build_inner_optimizer
+    from asyncloco.train.inner import build_inner_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="'adamw8bit' \\(bitsandbytes\\) needs a CUDA device; use 'adamw' on CPU"):
@@ -497,7 +495,7 @@ def test_an_fsdp_group_refuses_to_join_a_run_that_verifies_the_carried_inner_sta
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_ddp_group_commits_to_its_leaders_state_and_passes_its_checks(tmp_path: Path) -> None:
-    """Under DDP every rank holds the same whole inner state, so a group commits to its leader's (peer/inner.py
+    """Under DDP every rank holds the same whole inner state, so a group commits to its leader's (train/inner.py
     ``state_digest``; a reset goes to every rank). It names a compute class of its own (``ddp2/...``: its ranks
     sum the gradients in another order than one process), so its probation leases — every one re-run by the
     coordinator from the revealed state — are judged within the cross-device bound, and pass."""

@@ -16,7 +16,7 @@ from asyncloco.coordinator.logic import Lease, SubmitUpdate
 from asyncloco.coordinator.rerun import Rerunner
 from asyncloco.coordinator.substitute import Substitutes
 from asyncloco.coordinator.verify import repair
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.workloads import build_workload
 
 from tests.test_verify import DIM, lease_record, scripted_run, toy_config, verify_state

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncloco.models.workload import flatten_params
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.sim.engine import Simulation, build_workload
 from asyncloco.sim.fast_toy import FastToyTrainer
 from tests.test_sim import toy_config

@@ -47,7 +47,7 @@ from asyncloco.coordinator.logic import (
     verify_draw,
 )
 from asyncloco.coordinator.verify import Rerunner, compare, repair
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.transport.codecs import decode, encode
 from asyncloco.workloads import build_workload
 

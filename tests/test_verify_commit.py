@@ -1,6 +1,6 @@
 """Commitments to the carried inner state (issue 16, stage 1; docs/threat-model.md, "Commitments").
 
-* peer/inner.py: the digest of a fresh trainer is the fresh-state constant (the logic's copy agrees); it covers every
+* train/commitments.py: the digest of a fresh trainer is the fresh-state constant (the logic's copy agrees); it covers every
   byte of the AdamW state in its canonical layout (1 + 8 + 2 × 4 × n bytes per parameter of n elements); two
   trainers that ran the same leases have equal digests, and one that ran a different lease does not;
 * transport/wire.py: the submit header carries both digests (64 lowercase hex characters), optional for old peers,
@@ -46,7 +46,8 @@ from asyncloco.coordinator.logic import (
     new_state,
 )
 from asyncloco.config import RunConfig
-from asyncloco.peer.inner import FRESH_STATE_DIGEST, InnerTrainer, inner_state_chunks
+from asyncloco.train.commitments import FRESH_STATE_DIGEST, inner_state_chunks
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.transport.errors import MessageError
 from asyncloco.transport.wire import SubmitHeader
 from asyncloco.workloads import build_workload
@@ -103,9 +104,9 @@ def test_submit_header_digests() -> None:
     for bad in ("A" * 64, "a" * 63, "a" * 65, "g" * 64, 7):
         with pytest.raises(MessageError, match="SubmitHeader.state_start"):
             SubmitHeader.from_wire({**old.to_wire(), "state_start": bad})
-    # the compute class the lease ran on (peer/inner.py compute_class): what this machine names passes the wire's
+    # the compute class the lease ran on (train/inner.py compute_class): what this machine names passes the wire's
     # bound; anything else is refused naming the field
-    from asyncloco.peer.inner import compute_class
+    from asyncloco.train.inner import compute_class
 
     named = SubmitHeader("L1", 3, "int8", 10, device_class=compute_class("cpu"))
     assert SubmitHeader.from_wire(named.to_wire()) == named and named.device_class.startswith("cpu/")
@@ -116,7 +117,7 @@ def test_submit_header_digests() -> None:
 def test_a_compute_class_with_odd_characters_is_made_wire_safe(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a device reports (a GPU name, a CPU capability) is out of our hands: anything outside the wire's characters
     becomes "_", and the class is cut at 96 characters, so every peer's class passes SubmitHeader."""
-    from asyncloco.peer.inner import compute_class
+    from asyncloco.train.inner import compute_class
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2;é\n" + "x" * 200)
     named = compute_class("cpu")
@@ -195,8 +196,7 @@ def carried_config(**verify: Any) -> RunConfig:
 
 def test_rerun_from_a_revealed_carried_state() -> None:
     from asyncloco.coordinator.verify import Rerunner
-    from asyncloco.peer.inner import inner_state_size, load_inner_state, revealed_digest
-    from asyncloco.peer.reveal import pack_parts
+    from asyncloco.train.commitments import inner_state_size, load_inner_state, pack_parts, revealed_digest
 
     cfg = carried_config()
     workload = build_workload(cfg)

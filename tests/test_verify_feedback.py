@@ -21,9 +21,12 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator import logic
 from asyncloco.coordinator.logic import Verify
 from asyncloco.coordinator.rerun import Rerunner, compare
-from asyncloco.peer.feedback import ErrorFeedback
-from asyncloco.peer.inner import FRESH_STATE_DIGEST, InnerTrainer, inner_state_chunks
-from asyncloco.peer.reveal import RevealStore, committed_digest, pack_parts, pack_reveal, split_parts, unpack_reveal
+from asyncloco.peer.reveal import RevealStore
+from asyncloco.train.commitments import (
+    FRESH_STATE_DIGEST, committed_digest, inner_state_chunks, pack_parts, pack_reveal, split_parts, unpack_reveal,
+)
+from asyncloco.train.feedback import ErrorFeedback
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.workloads import build_workload
 
 pytestmark = pytest.mark.timeout(120)

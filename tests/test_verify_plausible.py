@@ -14,8 +14,8 @@ import torch
 from asyncloco.coordinator import logic
 from asyncloco.coordinator.logic import Verify
 from asyncloco.coordinator.rerun import Rerunner, implausible_state, moment_bound
-from asyncloco.peer.inner import InnerTrainer, inner_state_chunks, load_inner_state, revealed_digest
-from asyncloco.peer.reveal import pack_parts
+from asyncloco.train.commitments import inner_state_chunks, load_inner_state, pack_parts, revealed_digest
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.workloads import build_workload
 
 from tests.test_verify_commit import carried_config

@@ -36,11 +36,12 @@ from asyncloco.coordinator.logic import Repaired, Verified, handle
 from asyncloco.coordinator.rerun import Rerunner
 from asyncloco.coordinator.substitute import Substitutes
 from asyncloco.coordinator.verify import ANCHOR_DIR, live_base, log_events, repair
-from asyncloco.peer.inner import InnerTrainer, inner_state_size
-from asyncloco.peer.reveal import RevealStore, send_reveal, split_parts
+from asyncloco.peer.reveal import RevealStore, send_reveal
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
-from asyncloco.transport.errors import MessageError, RemoteError
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.train.commitments import inner_state_size, split_parts
+from asyncloco.train.inner import InnerTrainer
+from asyncloco.transport.errors import MessageError, RemoteError
 from asyncloco.transport.rpc import TrafficCounters
 from asyncloco.transport.wire import Ack, RevealHeader, RevealReply
 from asyncloco.workloads import build_workload

@@ -39,7 +39,7 @@ from asyncloco.coordinator.logic import Repaired, SubmitUpdate, Verified, handle
 from asyncloco.coordinator.substitute import Substitutes
 from asyncloco.coordinator.verify import ANCHOR_DIR, Rerunner, live_base, log_events, repair
 from asyncloco.workloads import build_workload
-from asyncloco.peer.inner import InnerTrainer
+from asyncloco.train.inner import InnerTrainer
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
 from asyncloco.transport.rpc import TrafficCounters

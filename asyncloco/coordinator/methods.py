@@ -33,12 +33,13 @@ from asyncloco.algo.staleness import (
 from asyncloco.coordinator.gate import GatePolicy, adamw_norm_bound
 from asyncloco.coordinator.logic import CoordinatorPolicy, VerifyPolicy
 
-from asyncloco.config import METHOD_NAMES
+from asyncloco.config import BARRIER_METHODS, METHOD_NAMES
+from asyncloco.timings import hold_timings
 
 if TYPE_CHECKING:
     from asyncloco.config import OuterConfig, RunConfig
 
-__all__ = ["MethodSpec", "METHODS", "HoldTimings", "build_method", "coordinator_policy", "hold_timings"]
+__all__ = ["MethodSpec", "METHODS", "build_method", "coordinator_policy"]
 
 Groups = Sequence[tuple[int, int]]
 
@@ -147,6 +148,8 @@ _SPECS = [
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _SPECS}
 if set(METHODS) != set(METHOD_NAMES) or len(METHODS) != len(_SPECS):  # config.py lists the names a config may use
     raise ImportError(f"coordinator/methods.py and config.METHOD_NAMES disagree: {sorted(set(METHODS) ^ set(METHOD_NAMES))}")
+if {name for name, spec in METHODS.items() if spec.barrier} != BARRIER_METHODS:  # timings.py holds these to a round
+    raise ImportError("coordinator/methods.py's barrier methods and config.BARRIER_METHODS disagree")
 
 
 def build_method(
@@ -157,27 +160,6 @@ def build_method(
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
     spec = METHODS[name]
     return spec, spec.outer(cfg, workers), spec.transforms(cfg, groups)
-
-
-@dataclass(frozen=True)
-class HoldTimings:
-    """How long a lease request may be held, at each of the three places that wait on it (one derivation, so they
-    stay in order): ``logic`` — the coordinator's logic answers a request held this long "ask again"
-    (``CoordinatorPolicy.hold_limit``); ``service`` — the RPC handler waits a little longer for that answer;
-    ``client`` — the peer's ``assign`` timeout, longer still, so a held request is answered, never timed out."""
-
-    logic: float
-    service: float
-    client: float
-
-
-def hold_timings(cfg: "RunConfig") -> HoldTimings:
-    """The hold timings of ``cfg``'s method: a barrier (sync DiLoCo) holds a request until its round closes (at most
-    600 s), the asynchronous methods for their grace period plus 30 s."""
-    if cfg.schedule.method not in METHODS:
-        raise ValueError(f"unknown method {cfg.schedule.method!r}; choose one of {sorted(METHODS)}")
-    logic = 600.0 if METHODS[cfg.schedule.method].barrier else cfg.schedule.grace_period + 30.0
-    return HoldTimings(logic=logic, service=logic + 5.0, client=logic + 30.0)
 
 
 def coordinator_policy(

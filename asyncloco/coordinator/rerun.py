@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from asyncloco.config import RunConfig
     from asyncloco.coordinator.logic import Lease, Verify
     from asyncloco.models.workload import Workload
-    from asyncloco.peer.inner import InnerTrainer
+    from asyncloco.train.inner import InnerTrainer
     from asyncloco.transport.codec_format import EncodedTensor
 
 __all__ = ["Comparison", "compare", "implausible_state", "moment_bound", "Rerunner", "start_theta", "state_moments", "state_gap"]
@@ -199,7 +199,7 @@ class Rerunner:
     lease (its optimizer state is cleared before each: ``inner_state: reset``)."""
 
     def __init__(self, cfg: "RunConfig", workload: "Workload", device: str = "cpu") -> None:
-        from asyncloco.peer.inner import compute_class
+        from asyncloco.train.inner import compute_class
 
         self.cfg = cfg
         self.workload = workload
@@ -230,7 +230,7 @@ class Rerunner:
     @property
     def trainer(self) -> "InnerTrainer":
         if self._trainer is None:
-            from asyncloco.peer.inner import InnerTrainer
+            from asyncloco.train.inner import InnerTrainer
 
             self._trainer = InnerTrainer.from_config(self.cfg, self.workload, device=self.device)
             self._trainer.reset_state = True
@@ -261,14 +261,14 @@ class Rerunner:
     def _rerun_encoded(self, lease: Lease, base: torch.Tensor, residual: Optional[torch.Tensor],
                        sign_rotation: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional["EncodedTensor"]]:
         """:meth:`_rerun`, and the upload's encoding (None without a codec)."""
-        from asyncloco.peer.feedback import ErrorFeedback
+        from asyncloco.train.feedback import ErrorFeedback
         from asyncloco.transport.codecs import decode
 
         result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
         runtime = self.cfg.runtime
         if runtime.codec == "none":
             return result.pseudo_gradient, None, None
-        # the peer's own arithmetic (peer/feedback.py), so that an honest upload reproduces bit for bit
+        # the peer's own arithmetic (train/feedback.py), so that an honest upload reproduces bit for bit
         feedback = ErrorFeedback(runtime.codec, runtime.uses_error_feedback, runtime.error_feedback_decay)
         feedback.residual = residual
         feedback.sign_rotation = sign_rotation
@@ -278,11 +278,11 @@ class Rerunner:
 
     def rerun_carried(self, lease: Lease, base: torch.Tensor, state: bytes, residual: Optional[torch.Tensor]
                       ) -> tuple[torch.Tensor, bytes, Optional[torch.Tensor], Optional["EncodedTensor"]]:
-        """An honest run of ``lease`` from θ = ``base`` and the inner state ``state`` (peer/inner.py's canonical
+        """An honest run of ``lease`` from θ = ``base`` and the inner state ``state`` (train/commitments.py's canonical
         layout; b"": fresh) with the error-feedback ``residual``: the update as the coordinator decodes it, the inner
         state at its end (same layout), the residual it leaves and its encoding (None without a codec). What a
         repair applies in place of an expelled peer's update (coordinator/substitute.py)."""
-        from asyncloco.peer.inner import inner_state_chunks, load_inner_state
+        from asyncloco.train.commitments import inner_state_chunks, load_inner_state
 
         trainer = self.trainer
         load_inner_state(trainer.optimizer, state)
@@ -312,10 +312,9 @@ class Rerunner:
 
     def _parts(self, task: Verify, revealed: bytes) -> tuple[Optional[tuple[bytes, Optional[torch.Tensor], bytes,
                                                                              Optional[torch.Tensor]]], str]:
-        """The revealed start and end states (peer/reveal.py ``pack_parts``), each an inner layout and a residual, once
+        """The revealed start and end states (train/commitments.py ``pack_parts``), each an inner layout and a residual, once
         each hashes to its commitment; else None and why."""
-        from asyncloco.peer.inner import revealed_digest
-        from asyncloco.peer.reveal import committed_digest, split_parts, unpack_reveal
+        from asyncloco.train.commitments import committed_digest, revealed_digest, split_parts, unpack_reveal
 
         try:
             start, end = split_parts(revealed)
@@ -333,13 +332,12 @@ class Rerunner:
 
     def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
         """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start and at its
-        end (peer/reveal.py ``pack_parts``; each in the canonical layout of peer/inner.py ``inner_state_chunks``, with
+        end (train/commitments.py ``pack_parts``; each in the canonical layout of train/commitments.py ``inner_state_chunks``, with
         error feedback followed by the residual, ``pack_reveal``). Each must hash to its commitment (``state_start``,
         ``state_end``); the lease re-run from the start must give the submitted pseudo-gradient, and end at the committed
         end: bitwise (the digest) for a peer of the verifier's compute class, within :meth:`state_tolerance` of the
         revealed end (:func:`state_gap`) for another class."""
-        from asyncloco.peer.inner import inner_state_digest, load_inner_state
-        from asyncloco.peer.reveal import committed_digest
+        from asyncloco.train.commitments import committed_digest, inner_state_digest, load_inner_state
 
         parts, why = self._parts(task, revealed)
         base, why_base = start_theta(task) if parts is not None else (None, "")
@@ -387,7 +385,7 @@ class Rerunner:
     def _end_state_failure(self, ours: StateMoments, end_inner: bytes, left: Optional[torch.Tensor],
                            end_residual: Optional[torch.Tensor], scale: Optional[float]) -> str:
         """Why a foreign-class peer's revealed end state is not the re-run's within :meth:`state_tolerance` ("": it is)."""
-        from asyncloco.peer.inner import load_inner_state
+        from asyncloco.train.commitments import load_inner_state
 
         trainer = self.trainer
         try:

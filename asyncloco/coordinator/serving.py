@@ -37,7 +37,7 @@ from asyncloco.coordinator.logic import (
     base_theta,
     is_admitted,
 )
-from asyncloco.coordinator.methods import hold_timings
+from asyncloco.timings import hold_timings
 from asyncloco.coordinator.monitoring import Monitoring, Waiter
 from asyncloco.coordinator.node import CoordinatorNode
 from asyncloco.coordinator.probe import Probe

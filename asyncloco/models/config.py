@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 from asyncloco.config_base import StrictModel
 from asyncloco.models.presets import PRESETS
 
-__all__ = ["LMTaskConfig"]
+__all__ = ["LMTaskConfig", "ToyTaskConfig"]
 
 
 class LMTaskConfig(StrictModel):
@@ -102,3 +102,20 @@ class LMTaskConfig(StrictModel):
     def units_per_step(self) -> int:
         """Tokens consumed by one inner step (the unit of DyLU throughput reports)."""
         return self.batch_size * self.seq_len
+
+
+class ToyTaskConfig(StrictModel):
+    """Paper §6 toy: classify a mixture of mixtures of Gaussians with a one-hidden-layer MLP."""
+
+    kind: Literal["toy"] = "toy"
+    dim: int = Field(512, ge=1)
+    classes: int = Field(4, ge=2)
+    clusters_per_class: int = Field(8, ge=1)
+    noise: float = Field(0.5, gt=0)
+    points: int = Field(128_000, ge=64)
+    eval_points: int = Field(4_096, ge=32)
+    hidden: int = Field(256, ge=1, description="MLP hidden units (the notebook used 65,000)")
+    batch_size: int = Field(32, ge=1)
+    num_shards: int = Field(4, ge=1)
+    iid: bool = True
+    seed: int = 0

@@ -5,7 +5,7 @@ which launches torchrun) starts N ranks. Only rank 0, the *leader*, joins the DH
 coordinator: one peer id, one lease at a time, one speed report for the whole group. The other ranks,
 *followers*, run :func:`follow`: they receive the run config, then loop on commands from the leader.
 
-One lease on the group (:meth:`asyncloco.peer.inner.InnerTrainer.run` with a group):
+One lease on the group (:meth:`asyncloco.train.inner.InnerTrainer.run` with a group):
 
 1. the leader broadcasts the lease (:class:`Command`, a small int64 tensor — nothing is pickled) and θ;
 2. every rank trains the lease's steps under DDP (``inner.parallel: ddp``, the default) or FSDP2
@@ -36,12 +36,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from asyncloco.peer.group import GroupContext, GroupFailed, split_batch  # re-exported: their home is peer/group.py
+from asyncloco.train.group import GroupContext, GroupFailed
 
 __all__ = [
     "leave_group",
-    "GroupContext",
-    "GroupFailed",
     "Command",
     "OP_RESET",
     "OP_STOP",
@@ -49,7 +47,6 @@ __all__ = [
     "OP_MEASURE",
     "init_group",
     "validate_device",
-    "split_batch",
     "broadcast_json",
     "broadcast_command",
     "follow",
@@ -191,7 +188,7 @@ def follow(group: GroupContext, device: str, release: bool = True) -> int:
 
 def _follow(group: GroupContext) -> int:
     from asyncloco.config import RunConfig
-    from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
+    from asyncloco.train.inner import InnerTrainer, LeaseAborted, probe_speed
     from asyncloco.workloads import build_workload
 
     raw = broadcast_json(group, None)

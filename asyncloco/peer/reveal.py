@@ -1,7 +1,7 @@
 """The peer's side of the inner-state commitments (docs/threat-model.md, "Commitments").
 
 With ``runtime.verify.enabled`` and ``inner_state: carry`` a peer commits, in each submission, to the digests of its
-inner AdamW state at the lease's start and end (peer/inner.py ``inner_state_digest``). When the coordinator picks
+inner AdamW state at the lease's start and end (train/commitments.py ``inner_state_digest``). When the coordinator picks
 that lease for verification — after the submission, by an HMAC the peer cannot compute — its :class:`~asyncloco.
 transport.wire.Ack` asks for ``reveal``: the peer sends the lease's start *and* end states with the ``reveal`` RPC
 (:func:`pack_parts`: the start part's length as uint64 LE, the start part, the end part; each part in the canonical
@@ -28,94 +28,15 @@ import time
 from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Optional
 
-import hashlib
-import struct
-
-import numpy as np
 import torch
 
-from asyncloco.peer.inner import FRESH_STATE_DIGEST, inner_state_chunks, revealed_digest, inner_state_digest
+from asyncloco.train.commitments import (
+    FRESH_STATE_DIGEST, committed_digest, inner_state_chunks, inner_state_digest, pack_parts, pack_reveal, revealed_digest,
+)
 
-__all__ = ["RevealStore", "send_reveal", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts",
-           "split_parts"]
+__all__ = ["RevealStore", "send_reveal"]
 
 logger = logging.getLogger(__name__)
-
-# ----------------------------------------------------------------- the error-feedback residual, committed too
-#
-# With error feedback (runtime.error_feedback, peer/feedback.py) the upload is encode(Δ + β·e_prev): the residual
-# e_prev is part of what a lease's submission depends on, so it is committed with the inner state and revealed with
-# it. The commitment is the inner state's digest when there is no residual (a fresh peer, or one whose last upload
-# was not applied: both drop it), else sha256 over the inner digest and the residual's little-endian float32 bytes.
-# The revealed bytes, with feedback on: the inner state's length (uint64 LE), its canonical layout, then the residual
-# (4 bytes per parameter, or nothing when there is none).
-
-_RESIDUAL_DOMAIN = b"asyncloco inner state + residual v1:"
-
-
-def _residual_bytes(residual: torch.Tensor) -> bytes:
-    return residual.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes()
-
-
-def committed_digest(inner_digest: str, residual: Optional[torch.Tensor]) -> str:
-    """The commitment to an inner state (its digest, peer/inner.py) together with the error-feedback residual."""
-    if residual is None:
-        return inner_digest
-    hasher = hashlib.sha256(_RESIDUAL_DOMAIN + inner_digest.encode())
-    hasher.update(_residual_bytes(residual))
-    return hasher.hexdigest()
-
-
-def pack_reveal(inner: bytes, residual: Optional[torch.Tensor]) -> bytes:
-    """The revealed bytes with error feedback on: the inner state's length and layout, then the residual."""
-    return struct.pack("<Q", len(inner)) + inner + (b"" if residual is None else _residual_bytes(residual))
-
-
-def revealed_size(inner_size: int, numel: int, feedback: bool, ends: bool = True) -> int:
-    """The most bytes a reveal may carry: per part the full inner state (``inner_size``), with feedback plus
-    8 + 4·numel; with ``ends`` (the lease's end state revealed too: :func:`pack_parts`) two parts and their 8-byte
-    length field."""
-    part = inner_size + (8 + 4 * numel if feedback else 0)
-    return 8 + 2 * part if ends else part
-
-
-def pack_parts(start: bytes, end: bytes) -> bytes:
-    """A reveal of a lease's start and end states: the start part's length (uint64 LE), the start part (b"": the
-    fresh state), the end part — each part in the single-state layout (the canonical inner layout, with error feedback
-    :func:`pack_reveal`'s)."""
-    return struct.pack("<Q", len(start)) + start + end
-
-
-def split_parts(data: bytes) -> tuple[bytes, bytes]:
-    """(start part, end part) of :func:`pack_parts`; raises ValueError naming what is malformed."""
-    if len(data) < 8:
-        raise ValueError(f"the reveal has {len(data)} bytes, fewer than its 8-byte length field")
-    (start_length,) = struct.unpack_from("<Q", data, 0)
-    if start_length > len(data) - 8:
-        raise ValueError(f"the reveal's start part of {start_length} bytes runs past its {len(data) - 8} bytes")
-    return bytes(data[8 : 8 + start_length]), bytes(data[8 + start_length :])
-
-
-def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor]]:
-    """Split revealed bytes (feedback on) into the inner state's layout and the residual (None when absent); b""
-    is the fresh state without a residual. Raises ValueError naming what is malformed."""
-    if not data:
-        return b"", None
-    if len(data) < 8:
-        raise ValueError(f"the revealed state has {len(data)} bytes, fewer than its 8-byte length field")
-    (inner_length,) = struct.unpack_from("<Q", data, 0)
-    rest = len(data) - 8 - inner_length
-    if inner_length > len(data) - 8 or rest not in (0, 4 * numel):
-        raise ValueError(f"the revealed state's inner part of {inner_length} bytes leaves {len(data) - 8 - inner_length} "
-                         f"bytes for the residual, which needs 0 or {4 * numel}")
-    inner = bytes(data[8 : 8 + inner_length])
-    if rest == 0:
-        return inner, None
-    residual = torch.from_numpy(np.frombuffer(data, dtype="<f4", offset=8 + inner_length, count=numel).astype(np.float32))
-    if not bool(torch.isfinite(residual).all()):
-        raise ValueError("the revealed residual has a NaN or Inf")
-    return inner, residual
-
 
 class RevealStore:
     """Start and end states of the peer's most recent leases, by lease id, at most ``keep`` of each (oldest dropped
@@ -152,7 +73,7 @@ class RevealStore:
         self._put(self._states, lease_id, state, self.keep)
 
     def hold_end(self, lease_id: str, optimizer: Any) -> Optional[str]:
-        """Keep ``optimizer``'s state as lease ``lease_id`` ends (with ``ends``); returns its inner digest (peer/inner.py
+        """Keep ``optimizer``'s state as lease ``lease_id`` ends (with ``ends``); returns its inner digest (train/inner.py
         ``inner_state_digest``, None when it cannot be committed to). With error feedback call :meth:`end_residual`
         once the upload's residual is known."""
         if not self.ends:

@@ -23,7 +23,7 @@ This module holds :class:`PeerRunner` (the hivemind wiring in :meth:`PeerRunner.
 :meth:`PeerRunner.serve`, one method per step) and :class:`PeerOptions`. Beside it: peer/joining.py (the DHT start,
 run id, config and compatibility check before the first lease; :class:`PeerError`), peer/summary.py (the summary
 file, time bookkeeping, the observed speed), peer/upload.py (error feedback, the submit resent until acknowledged),
-peer/waits.py (the waits a second Ctrl+C cuts short); peer/inner.py trains, peer/reveal.py holds the commitments.
+peer/waits.py (the waits a second Ctrl+C cuts short); train/inner.py trains, peer/reveal.py holds the commitments.
 """
 
 from __future__ import annotations
@@ -51,16 +51,16 @@ from asyncloco.peer.distributed import (
     OP_STOP,
     OP_TRAIN,
     Command,
-    GroupContext,
-    GroupFailed,
     broadcast_command,
     broadcast_json,
     leave_group,
 )
-from asyncloco.peer.inner import InnerTrainer, LeaseAborted, probe_speed
+from asyncloco.train.group import GroupContext, GroupFailed
+from asyncloco.train.inner import InnerTrainer, LeaseAborted, probe_speed
 from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
 from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, time_split, update_idle, write_summary
-from asyncloco.peer.reveal import RevealStore, committed_digest
+from asyncloco.peer.reveal import RevealStore
+from asyncloco.train.commitments import committed_digest
 from asyncloco.peer.upload import error_feedback, submit_with_retry
 from asyncloco.peer.waits import Aborted, pause, race
 from asyncloco.refusals import RefusalCode
@@ -149,7 +149,7 @@ class PeerRunner:
         self._loop_started: Optional[float] = None
         self.clock = clock  # --- transport seam: deadlines, pauses and the summary's wall times on this clock
         self.crash_hook = crash_hook
-        self.feedback: Any = None  # peer/feedback.py ErrorFeedback: this peer's residual, kept across leases and rejoins
+        self.feedback: Any = None  # train/feedback.py ErrorFeedback: this peer's residual, kept across leases and rejoins
         self._prefetch: Optional[asyncio.Task[Any]] = None  # --prefetch: the newest θ, fetched after an ack
         self._idle_wait = 0.0  # the pause after a "no lease" answer (doubles while quarantined)
         # peer/joining.py: DHT, run id, config, fingerprint (its waits on the same clock)
@@ -209,7 +209,7 @@ class PeerRunner:
             await self.joiner.check_fingerprint(p2p, cfg, workload, trainer.fingerprint_model)  # FSDP: unsharded class
             codec = hello.codec
             counters = TrafficCounters()
-            from asyncloco.coordinator.methods import hold_timings
+            from asyncloco.timings import hold_timings
 
             client: Any = CoordinatorClient(  # a held lease request is answered before this times out
                 p2p, self.coordinator_id, numel, namespace=namespace, assign_timeout=hold_timings(cfg).client, counters=counters,

@@ -1,6 +1,6 @@
 """Sending a trained round to the coordinator (peer/runner.py's upload step).
 
-:func:`error_feedback` keeps the peer's one :class:`~asyncloco.peer.feedback.ErrorFeedback` (its residual lives across
+:func:`error_feedback` keeps the peer's one :class:`~asyncloco.train.feedback.ErrorFeedback` (its residual lives across
 leases), made anew only when the run's codec changes. :func:`submit_with_retry` sends the *same encoded bytes* until the
 coordinator acknowledges them, with exponential backoff (0.5 s doubling up to 10 s), until the lease's deadline: a
 coordinator restart loses nothing, since it acknowledges a resend of an applied lease as a duplicate. The inner-state
@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 def error_feedback(current: Any, cfg: RunConfig, codec: str) -> Any:
-    """This peer's error feedback (peer/feedback.py): ``current`` unless the run's codec (or whether it uses
+    """This peer's error feedback (train/feedback.py): ``current`` unless the run's codec (or whether it uses
     error feedback) changed, then a fresh one."""
-    from asyncloco.peer.feedback import ErrorFeedback
+    from asyncloco.train.feedback import ErrorFeedback
 
     enabled, decay = cfg.runtime.uses_error_feedback, cfg.runtime.error_feedback_decay
     if (current is None or current.codec != codec or current.enabled != (enabled and codec != "none")
@@ -53,7 +53,7 @@ async def submit_with_retry(
     """Send the same encoded bytes until acknowledged or the lease's deadline (the coordinator's wall time, compared
     with ``clock.time()``) passes; each resend is counted in ``summary.resends``. A first Ctrl+C does not stop this (the
     lease is being finished); a second one (``abort``) does (None). ``digests``: the inner-state commitments (start,
-    end) of the lease; ``device_class`` the compute class it ran on (peer/inner.py ``compute_class``)."""
+    end) of the lease; ``device_class`` the compute class it ran on (train/inner.py ``compute_class``)."""
     from asyncloco.transport.errors import TransportError
 
     delay = 0.5

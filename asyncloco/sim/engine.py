@@ -1,6 +1,6 @@
 """Deterministic fake-time simulation of asynchronous Local-SGD (paper Algorithm 2).
 
-Workers are in-process :class:`~asyncloco.peer.inner.InnerTrainer` replicas that really train;
+Workers are in-process :class:`~asyncloco.train.inner.InnerTrainer` replicas that really train;
 only *time* is fake: a worker with ``s`` seconds per step finishes a lease of H_w steps
 ``H_w · s`` seconds after it started. The coordinator is the same pure
 :func:`~asyncloco.coordinator.logic.handle` the networked daemon drives, with exact speed reports,
@@ -51,10 +51,10 @@ from asyncloco.coordinator.logic import (
 )
 from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
-from asyncloco.peer.inner import InnerTrainer, RoundResult
+from asyncloco.train.inner import InnerTrainer, RoundResult
 from asyncloco.algo.staleness import OuterWarmup
 from asyncloco.sim.fast_toy import FastToyTrainer, FlatAdamState
-from asyncloco.sim.toy import ToyWorkload
+from asyncloco.models.toy import ToyWorkload
 from asyncloco.workloads import build_workload
 
 __all__ = ["SimResult", "Simulation", "build_workload", "pretrain"]
@@ -134,7 +134,7 @@ class _Worker:
     base_version: int = 0
     steps: int = 0
     result: RoundResult | None = None
-    feedback: Any = None  # peer/feedback.py ErrorFeedback: runtime.codec + error feedback, exactly as a peer applies them
+    feedback: Any = None  # train/feedback.py ErrorFeedback: runtime.codec + error feedback, exactly as a peer applies them
 
 
 class Simulation:
@@ -185,13 +185,13 @@ class Simulation:
                 self.workload, cfg.inner.schedule(), cfg.inner.betas, cfg.inner.weight_decay, cfg.inner.grad_clip
             )
         self.workers = {f"w{i}": _Worker(f"w{i}", s) for i, s in enumerate(speeds)}
-        # runtime.codec: every upload goes through the peer's own encode → decode (peer/feedback.py), with the
+        # runtime.codec: every upload goes through the peer's own encode → decode (train/feedback.py), with the
         # residual when runtime.error_feedback is on; "none" is fp32 and skips the round trip (bit-identical)
         self.upload_bytes = 4 * theta.numel()
         if cfg.runtime.codec != "none":
             # imported only here: the codecs live in transport/ (whose package imports hivemind), which the
             # simulator does not need for fp32 uploads
-            from asyncloco.peer.feedback import ErrorFeedback, upload_bytes
+            from asyncloco.train.feedback import ErrorFeedback, upload_bytes
 
             self.upload_bytes = upload_bytes(cfg.runtime.codec, theta.numel())
             for worker in self.workers.values():

@@ -1,7 +1,7 @@
 """The toy task's inner loop without autograd or ``torch.optim``: same maths, a fraction of the overhead.
 
-The toy model is a one-hidden-layer MLP (``Linear → ReLU → Linear``, asyncloco/sim/toy.py) trained with
-AdamW. :class:`~asyncloco.peer.inner.InnerTrainer` runs it through autograd and ``torch.optim.AdamW``;
+The toy model is a one-hidden-layer MLP (``Linear → ReLU → Linear``, asyncloco/models/toy.py) trained with
+AdamW. :class:`~asyncloco.train.inner.InnerTrainer` runs it through autograd and ``torch.optim.AdamW``;
 at batch 32 most of a step's time is Python and dispatch overhead around two small matrix products.
 This trainer keeps θ, its gradient and both AdamW moments as *one flat vector each* (in
 ``model.parameters()`` order, so θ is the coordinator's flat vector as is), writes the backward pass
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from asyncloco.algo.schedule import ShardSchedule
-from asyncloco.peer.inner import RoundResult
-from asyncloco.sim.toy import ToyWorkload
+from asyncloco.train.inner import RoundResult
+from asyncloco.models.toy import ToyWorkload
 
 __all__ = ["FlatAdamState", "FastToyTrainer"]
 

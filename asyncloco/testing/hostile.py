@@ -296,7 +296,7 @@ class Hostile:
     async def _prepare(self, p2p: Any) -> Optional[_Run]:
         """The run's config from its hello; the workload (poisoned for ``poison``), the trainer and the client."""
         from asyncloco.config import RunConfig
-        from asyncloco.peer.inner import InnerTrainer
+        from asyncloco.train.inner import InnerTrainer
         from asyncloco.peer.reveal import RevealStore
         from asyncloco.workloads import build_workload
 

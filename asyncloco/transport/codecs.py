@@ -30,7 +30,7 @@ before it allocates the output. See docs/transport.md for why bitsandbytes and w
 
 The sparse family ``topk{k}b{b}`` (k in :data:`TOPK_KS`, b in :data:`TOPK_BITS`; density k/256, e.g.
 ``topk8b2``: 8 of every 256 values, 2 bits each, ≈ 73× fewer bytes than fp32) and ``int2`` are meant
-for pseudo-gradients with error feedback (asyncloco/peer/feedback.py, docs/compression.md): on their
+for pseudo-gradients with error feedback (asyncloco/train/feedback.py, docs/compression.md): on their
 own they drop most of the update. A sparse body's local indices must be strictly increasing within each
 chunk and inside the chunk (the last chunk may be short); decoding refuses anything else. ``grp{G}b{b}``
 (G in :data:`GROUP_SIZES`, b in :data:`GROUP_BITS`) keeps one value per group of G: ``grp4b1`` is 36.6×.

@@ -11,7 +11,7 @@ block of 512 values (whole groups: ``q`` divides 512) has one bfloat16 scale
 so the decoded block ``x̂`` (``± s`` at the kept positions, 0 elsewhere) has the same projection on ``x`` as
 ``x`` itself (``⟨x̂, x⟩ = ‖x‖²``): the update is not shrunk, only noisier. The cap keeps a block whose mass sits
 entirely in its dropped positions from producing a huge value. Meant to be used with error feedback
-(asyncloco/peer/feedback.py, ``runtime.error_feedback_decay`` 0.5: measured in docs/compression.md).
+(asyncloco/train/feedback.py, ``runtime.error_feedback_decay`` 0.5: measured in docs/compression.md).
 
 Body: meta = ``r`` (uint32 LE) then the bf16 LE scales (round to nearest from fp32; 1/16 bit per value); payload = the sign bits (1 = negative) of the kept
 positions, group by group and ascending inside a group, packed first bit in the lowest bit of a byte. Kept

@@ -285,7 +285,7 @@ class CoordinatorClient:
         return ack
 
     async def reveal(self, lease_id: str, state: bytes, *, timeout: Optional[float] = None) -> RevealReply:
-        """Send the inner state this peer started lease ``lease_id`` from (its canonical layout, peer/inner.py), as an
+        """Send the inner state this peer started lease ``lease_id`` from (its canonical layout, train/commitments.py), as an
         :class:`Ack` with ``reveal`` asked (commitments)."""
         header = RevealHeader(lease_id, len(state))
 

@@ -68,7 +68,7 @@ __all__ = [
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
-# a peer's compute class (peer/inner.py compute_class: device, model, ISA, torch version) — decides whether a
+# a peer's compute class (train/inner.py compute_class: device, model, ISA, torch version) — decides whether a
 # verifier compares its lease bitwise or within runtime.verify.cross_device_tolerance
 COMPUTE_CLASS_PATTERN = re.compile(r"[A-Za-z0-9 ._+/:()@-]{1,96}")
 MAX_ID_CHARS = 128
@@ -307,8 +307,8 @@ class SubmitHeader(_Message):
     """``submit`` header, followed (after :class:`Ready`) by exactly ``wire_bytes(codec, numel)`` bytes.
     ``inner_loss``: the peer's mean inner training loss over the lease (optional, finite, in [0, 1e6]).
     ``state_start`` / ``state_end``: sha256 (hex) of the peer's inner optimizer state before and after the lease
-    (peer/inner.py ``inner_state_digest``; optional: peers that do not commit leave them out). ``device_class``: the
-    compute class the lease ran on (peer/inner.py ``compute_class``; absent: unknown, never compared bitwise)."""
+    (train/commitments.py ``inner_state_digest``; optional: peers that do not commit leave them out). ``device_class``: the
+    compute class the lease ran on (train/inner.py ``compute_class``; absent: unknown, never compared bitwise)."""
 
     lease_id: str
     base_version: int
@@ -385,7 +385,7 @@ class Ack(_Message):
 @dataclass(frozen=True)
 class RevealHeader(_Message):
     """``reveal`` header (commitments; docs/threat-model.md): the peer's inner optimizer state at the start
-    of lease ``lease_id``, in the canonical layout of peer/inner.py ``inner_state_chunks`` (raw little-endian bytes,
+    of lease ``lease_id``, in the canonical layout of train/commitments.py ``inner_state_chunks`` (raw little-endian bytes,
     never unpickled), follows as ``size`` body bytes (0: the fresh state, no body). The service refuses a ``size``
     above the model's inner-state size before reading or allocating anything."""
 

@@ -69,10 +69,10 @@ class SubmitUpdate:
     probe_before: float | None = None
     probe_after: float | None = None
     # --- commitments (runtime.verify with inner_state "carry"): sha256 hex of the peer's inner optimizer state at the
-    # lease's start and end (peer/inner.py inner_state_digest); None from peers that do not commit
+    # lease's start and end (train/commitments.py inner_state_digest); None from peers that do not commit
     state_start: str | None = None
     state_end: str | None = None
-    # the compute class the peer says the lease ran on (peer/inner.py compute_class): a verifier of the same class
+    # the compute class the peer says the lease ran on (train/inner.py compute_class): a verifier of the same class
     # compares bitwise, of another within runtime.verify.cross_device_tolerance; None: unknown (another class)
     device_class: str | None = None
     # the θ the lease trained from, as the peer says it decoded it (transport/wire.py SubmitHeader): θ at base_version

@@ -124,7 +124,7 @@ class VerifyPolicy:
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
-"""The commitment to a fresh inner optimizer state; the same value as peer/inner.py's (which computes the digests)."""
+"""The commitment to a fresh inner optimizer state; the same value as train/commitments.py's (which computes the digests)."""
 
 
 @dataclass(eq=False)

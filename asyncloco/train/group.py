@@ -1,6 +1,6 @@
 """What a peer's torch.distributed group is, without running one: the rank's context, the group's failure, and how
 a global batch splits over the ranks. The group's collectives live in peer/distributed.py; the inner trainer
-(peer/inner.py) needs only these, so both import this module and not each other."""
+(train/inner.py) needs only these, so both import this module and not each other."""
 
 from __future__ import annotations
 

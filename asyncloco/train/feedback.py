@@ -90,7 +90,7 @@ class ErrorFeedback:
     @property
     def pending(self) -> torch.Tensor | None:
         """The residual the upload in flight leaves if it is applied (committed as the lease's end state when a
-        verified run uses feedback: peer/reveal.py ``committed_digest``)."""
+        verified run uses feedback: train/commitments.py ``committed_digest``)."""
         return self._pending
 
     def residual_norm(self) -> float:

@@ -10,8 +10,8 @@ deterministic function of θ_base, the shard's batches and the LR offset, which 
 On a GPU: ``precision="bf16"`` runs forward and loss under ``torch.autocast`` (bf16; weights, gradients
 and the optimizer stay fp32), θ goes host → device and the pseudo-gradient device → host through
 pinned buffers, the per-step loss stays on the device, and the per-step timing waits on the previous
-step's CUDA event (asyncloco/peer/device_io.py: the queue never drains). With a
-:class:`~asyncloco.peer.distributed.GroupContext` the trainer is one rank of a peer's torch.distributed
+step's CUDA event (asyncloco/train/device_io.py: the queue never drains). With a
+:class:`~asyncloco.train.group.GroupContext` the trainer is one rank of a peer's torch.distributed
 group: the model is wrapped in DDP (``parallel="ddp"``, every rank holds the whole model) or sharded with
 FSDP2 (``parallel="fsdp"``, :func:`torch.distributed.fsdp.fully_shard`: each rank holds 1/N of the
 parameters, gradients and AdamW state, for models that do not fit one device), θ comes from rank 0, each
@@ -22,11 +22,9 @@ step trains this rank's block of the global batch and the pseudo-gradient is red
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import logging
 import re
-import struct
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
@@ -36,16 +34,16 @@ import torch.distributed as dist
 
 from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params
-from asyncloco.peer.device_io import StepClock, released
+from asyncloco.train.commitments import inner_state_digest
+from asyncloco.train.device_io import StepClock, released
 
 if TYPE_CHECKING:
     from asyncloco.config import RunConfig
-    from asyncloco.peer.group import GroupContext
+    from asyncloco.train.group import GroupContext
 
 __all__ = [
-    "InnerTrainer", "RoundResult", "FRESH_STATE_DIGEST", "inner_state_chunks", "inner_state_digest",
-    "inner_state_size", "load_inner_state", "revealed_digest", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS", "PARALLELS",
-    "StepClock", "released", "compute_class",
+    "InnerTrainer", "RoundResult", "LeaseAborted", "build_inner_optimizer", "probe_speed", "PRECISIONS", "PARALLELS",
+    "compute_class",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -107,109 +105,6 @@ def build_inner_optimizer(
 
         return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"unknown inner optimizer {kind!r}; use 'adamw' or 'adamw8bit'")
-
-
-FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
-"""The commitment to a fresh inner optimizer state (step 0, no moments): what a peer's first lease, and every lease
-after a reset (:meth:`InnerTrainer.reset_inner_state`), starts from (docs/threat-model.md, "Commitments")."""
-
-
-def inner_state_chunks(optimizer: torch.optim.Optimizer) -> Optional[list[bytes]]:
-    """The inner AdamW state in its canonical byte layout (None: this optimizer's state cannot be committed to —
-    8-bit or sharded states, AMSGrad): for each parameter in ``param_groups`` order, ``b"\\x00"`` if it has no state
-    yet, else ``b"\\x01"``, the step count as a little-endian float64, then ``exp_avg`` and ``exp_avg_sq`` as
-    little-endian float32. An entirely empty state is the fresh state (:data:`FRESH_STATE_DIGEST`): ``[]``."""
-    if type(optimizer) is not torch.optim.AdamW:
-        return None
-    chunks: list[bytes] = []
-    for group in optimizer.param_groups:
-        if group.get("amsgrad"):
-            return None
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if not state:
-                chunks.append(b"\x00")
-                continue
-            if set(state) != {"step", "exp_avg", "exp_avg_sq"}:
-                return None
-            step = state["step"]
-            chunks.append(b"\x01" + struct.pack("<d", float(step)))
-            for key in ("exp_avg", "exp_avg_sq"):
-                tensor = state[key]
-                if tensor.dtype != torch.float32 or type(tensor) is not torch.Tensor:
-                    return None
-                chunks.append(tensor.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes())
-    if all(chunk == b"\x00" for chunk in chunks):
-        return []
-    return chunks
-
-
-def inner_state_size(optimizer: torch.optim.Optimizer, fresh: bool = False) -> int:
-    """The exact byte length of :func:`inner_state_chunks` when every parameter has state (``fresh``: 0) — what a
-    revealed state must be, checked before anything is allocated for it."""
-    if fresh:
-        return 0
-    return sum(1 + 8 + 8 * param.numel() for group in optimizer.param_groups for param in group["params"])
-
-
-def load_inner_state(optimizer: torch.optim.Optimizer, data: bytes) -> None:
-    """Load a state in the layout of :func:`inner_state_chunks` (b"": the fresh state) into a plain AdamW; refuses
-    any other length or a bad marker with a ValueError, leaving the optimizer's state as it was."""
-    if type(optimizer) is not torch.optim.AdamW:
-        raise ValueError("only a plain torch AdamW state can be loaded from its canonical layout")
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    if not data:
-        optimizer.state.clear()
-        return
-    view = memoryview(data)
-    loaded: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-    offset = 0
-    for index, param in enumerate(params):
-        if offset >= len(view):
-            raise ValueError(f"inner state ends before parameter {index} of {len(params)}")
-        marker = view[offset]
-        offset += 1
-        if marker == 0:
-            continue
-        if marker != 1:
-            raise ValueError(f"inner state: parameter {index} has marker {marker}, expected 0 or 1")
-        need = 8 + 8 * param.numel()
-        if offset + need > len(view):
-            raise ValueError(f"inner state: parameter {index} needs {need} bytes, {len(view) - offset} are left")
-        (step,) = struct.unpack_from("<d", view, offset)
-        offset += 8
-        moments = []
-        for _ in range(2):
-            raw = torch.frombuffer(bytearray(view[offset : offset + 4 * param.numel()]), dtype=torch.float32)
-            moments.append(raw.view_as(param.detach().cpu()).to(param.device))
-            offset += 4 * param.numel()
-        loaded[param] = {"step": torch.tensor(step, dtype=torch.float32), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
-    if offset != len(view):
-        raise ValueError(f"inner state has {len(view) - offset} bytes past its last parameter")
-    optimizer.state.clear()
-    for param, state in loaded.items():
-        optimizer.state[param] = state
-
-
-def revealed_digest(data: bytes) -> str:
-    """The digest of a state given in its canonical layout (b"": the fresh state); equals :func:`inner_state_digest`
-    of the optimizer it came from."""
-    if not data:
-        return FRESH_STATE_DIGEST
-    return hashlib.sha256(b"asyncloco inner state v1:" + bytes(data)).hexdigest()
-
-
-def inner_state_digest(optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """sha256 (hex) of :func:`inner_state_chunks`; :data:`FRESH_STATE_DIGEST` for a fresh state."""
-    chunks = inner_state_chunks(optimizer)
-    if chunks is None:
-        return None
-    if not chunks:
-        return FRESH_STATE_DIGEST
-    hasher = hashlib.sha256(b"asyncloco inner state v1:")
-    for chunk in chunks:
-        hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 class InnerTrainer:
@@ -426,7 +321,7 @@ class InnerTrainer:
         except (RuntimeError, dist.DistBackendError) as error:  # in a group: a collective failed, a rank is gone
             if self.group is None:
                 raise
-            from asyncloco.peer.group import GroupFailed
+            from asyncloco.train.group import GroupFailed
 
             raise GroupFailed(f"training on the peer's group failed: {error}") from error
 
@@ -519,7 +414,7 @@ class InnerTrainer:
                 param_group["lr"] = lr
             batch = self.workload.batch(shard, start_offset + j)
             if group is not None:
-                from asyncloco.peer.group import split_batch
+                from asyncloco.train.group import split_batch
 
                 batch = split_batch(batch, group.rank, group.world_size)
             batch = self._to_device(batch)

@@ -1,4 +1,4 @@
-"""What the inner trainer (asyncloco/peer/inner.py) needs around a CUDA device: each step's seconds without
+"""What the inner trainer (asyncloco/train/inner.py) needs around a CUDA device: each step's seconds without
 draining the device's queue (:class:`StepClock`), and when a pinned host buffer may be reused (:func:`released`).
 Both also run on the CPU: the clock without a fence times each step as it returns."""
 

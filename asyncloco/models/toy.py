@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncloco.config import ToyTaskConfig
+from asyncloco.models.config import ToyTaskConfig
 from asyncloco.models.workload import Workload
 
 __all__ = ["ToyWorkload"]

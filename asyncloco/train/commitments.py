@@ -1,0 +1,198 @@
+"""Commitments to a lease's inner state (docs/threat-model.md, "Commitments"): the inner AdamW state's canonical
+byte layout and its digest, the commitment to that state together with the error-feedback residual, and the byte
+layout of a reveal (a lease's start and end states). The peer commits and reveals with these (peer/reveal.py); the
+verifier re-computes them (coordinator/rerun.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FRESH_STATE_DIGEST", "inner_state_chunks", "inner_state_digest", "inner_state_size", "load_inner_state",
+    "revealed_digest", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts", "split_parts",
+]
+
+
+FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
+"""The commitment to a fresh inner optimizer state (step 0, no moments): what a peer's first lease, and every lease
+after a reset (:meth:`InnerTrainer.reset_inner_state`), starts from (docs/threat-model.md, "Commitments")."""
+
+
+def inner_state_chunks(optimizer: torch.optim.Optimizer) -> Optional[list[bytes]]:
+    """The inner AdamW state in its canonical byte layout (None: this optimizer's state cannot be committed to —
+    8-bit or sharded states, AMSGrad): for each parameter in ``param_groups`` order, ``b"\\x00"`` if it has no state
+    yet, else ``b"\\x01"``, the step count as a little-endian float64, then ``exp_avg`` and ``exp_avg_sq`` as
+    little-endian float32. An entirely empty state is the fresh state (:data:`FRESH_STATE_DIGEST`): ``[]``."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return None
+    chunks: list[bytes] = []
+    for group in optimizer.param_groups:
+        if group.get("amsgrad"):
+            return None
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                chunks.append(b"\x00")
+                continue
+            if set(state) != {"step", "exp_avg", "exp_avg_sq"}:
+                return None
+            step = state["step"]
+            chunks.append(b"\x01" + struct.pack("<d", float(step)))
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensor = state[key]
+                if tensor.dtype != torch.float32 or type(tensor) is not torch.Tensor:
+                    return None
+                chunks.append(tensor.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes())
+    if all(chunk == b"\x00" for chunk in chunks):
+        return []
+    return chunks
+
+
+def inner_state_size(optimizer: torch.optim.Optimizer, fresh: bool = False) -> int:
+    """The exact byte length of :func:`inner_state_chunks` when every parameter has state (``fresh``: 0) — what a
+    revealed state must be, checked before anything is allocated for it."""
+    if fresh:
+        return 0
+    return sum(1 + 8 + 8 * param.numel() for group in optimizer.param_groups for param in group["params"])
+
+
+def load_inner_state(optimizer: torch.optim.Optimizer, data: bytes) -> None:
+    """Load a state in the layout of :func:`inner_state_chunks` (b"": the fresh state) into a plain AdamW; refuses
+    any other length or a bad marker with a ValueError, leaving the optimizer's state as it was."""
+    if type(optimizer) is not torch.optim.AdamW:
+        raise ValueError("only a plain torch AdamW state can be loaded from its canonical layout")
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if not data:
+        optimizer.state.clear()
+        return
+    view = memoryview(data)
+    loaded: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for index, param in enumerate(params):
+        if offset >= len(view):
+            raise ValueError(f"inner state ends before parameter {index} of {len(params)}")
+        marker = view[offset]
+        offset += 1
+        if marker == 0:
+            continue
+        if marker != 1:
+            raise ValueError(f"inner state: parameter {index} has marker {marker}, expected 0 or 1")
+        need = 8 + 8 * param.numel()
+        if offset + need > len(view):
+            raise ValueError(f"inner state: parameter {index} needs {need} bytes, {len(view) - offset} are left")
+        (step,) = struct.unpack_from("<d", view, offset)
+        offset += 8
+        moments = []
+        for _ in range(2):
+            raw = torch.frombuffer(bytearray(view[offset : offset + 4 * param.numel()]), dtype=torch.float32)
+            moments.append(raw.view_as(param.detach().cpu()).to(param.device))
+            offset += 4 * param.numel()
+        loaded[param] = {"step": torch.tensor(step, dtype=torch.float32), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
+    if offset != len(view):
+        raise ValueError(f"inner state has {len(view) - offset} bytes past its last parameter")
+    optimizer.state.clear()
+    for param, state in loaded.items():
+        optimizer.state[param] = state
+
+
+def revealed_digest(data: bytes) -> str:
+    """The digest of a state given in its canonical layout (b"": the fresh state); equals :func:`inner_state_digest`
+    of the optimizer it came from."""
+    if not data:
+        return FRESH_STATE_DIGEST
+    return hashlib.sha256(b"asyncloco inner state v1:" + bytes(data)).hexdigest()
+
+
+def inner_state_digest(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """sha256 (hex) of :func:`inner_state_chunks`; :data:`FRESH_STATE_DIGEST` for a fresh state."""
+    chunks = inner_state_chunks(optimizer)
+    if chunks is None:
+        return None
+    if not chunks:
+        return FRESH_STATE_DIGEST
+    hasher = hashlib.sha256(b"asyncloco inner state v1:")
+    for chunk in chunks:
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+# ----------------------------------------------------------------- the error-feedback residual, committed too
+#
+# With error feedback (runtime.error_feedback, train/feedback.py) the upload is encode(Δ + β·e_prev): the residual
+# e_prev is part of what a lease's submission depends on, so it is committed with the inner state and revealed with
+# it. The commitment is the inner state's digest when there is no residual (a fresh peer, or one whose last upload
+# was not applied: both drop it), else sha256 over the inner digest and the residual's little-endian float32 bytes.
+# The revealed bytes, with feedback on: the inner state's length (uint64 LE), its canonical layout, then the residual
+# (4 bytes per parameter, or nothing when there is none).
+
+_RESIDUAL_DOMAIN = b"asyncloco inner state + residual v1:"
+
+
+def _residual_bytes(residual: torch.Tensor) -> bytes:
+    return residual.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+
+def committed_digest(inner_digest: str, residual: Optional[torch.Tensor]) -> str:
+    """The commitment to an inner state (its digest, :func:`inner_state_digest`) together with the error-feedback residual."""
+    if residual is None:
+        return inner_digest
+    hasher = hashlib.sha256(_RESIDUAL_DOMAIN + inner_digest.encode())
+    hasher.update(_residual_bytes(residual))
+    return hasher.hexdigest()
+
+
+def pack_reveal(inner: bytes, residual: Optional[torch.Tensor]) -> bytes:
+    """The revealed bytes with error feedback on: the inner state's length and layout, then the residual."""
+    return struct.pack("<Q", len(inner)) + inner + (b"" if residual is None else _residual_bytes(residual))
+
+
+def revealed_size(inner_size: int, numel: int, feedback: bool, ends: bool = True) -> int:
+    """The most bytes a reveal may carry: per part the full inner state (``inner_size``), with feedback plus
+    8 + 4·numel; with ``ends`` (the lease's end state revealed too: :func:`pack_parts`) two parts and their 8-byte
+    length field."""
+    part = inner_size + (8 + 4 * numel if feedback else 0)
+    return 8 + 2 * part if ends else part
+
+
+def pack_parts(start: bytes, end: bytes) -> bytes:
+    """A reveal of a lease's start and end states: the start part's length (uint64 LE), the start part (b"": the
+    fresh state), the end part — each part in the single-state layout (the canonical inner layout, with error feedback
+    :func:`pack_reveal`'s)."""
+    return struct.pack("<Q", len(start)) + start + end
+
+
+def split_parts(data: bytes) -> tuple[bytes, bytes]:
+    """(start part, end part) of :func:`pack_parts`; raises ValueError naming what is malformed."""
+    if len(data) < 8:
+        raise ValueError(f"the reveal has {len(data)} bytes, fewer than its 8-byte length field")
+    (start_length,) = struct.unpack_from("<Q", data, 0)
+    if start_length > len(data) - 8:
+        raise ValueError(f"the reveal's start part of {start_length} bytes runs past its {len(data) - 8} bytes")
+    return bytes(data[8 : 8 + start_length]), bytes(data[8 + start_length :])
+
+
+def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor]]:
+    """Split revealed bytes (feedback on) into the inner state's layout and the residual (None when absent); b""
+    is the fresh state without a residual. Raises ValueError naming what is malformed."""
+    if not data:
+        return b"", None
+    if len(data) < 8:
+        raise ValueError(f"the revealed state has {len(data)} bytes, fewer than its 8-byte length field")
+    (inner_length,) = struct.unpack_from("<Q", data, 0)
+    rest = len(data) - 8 - inner_length
+    if inner_length > len(data) - 8 or rest not in (0, 4 * numel):
+        raise ValueError(f"the revealed state's inner part of {inner_length} bytes leaves {len(data) - 8 - inner_length} "
+                         f"bytes for the residual, which needs 0 or {4 * numel}")
+    inner = bytes(data[8 : 8 + inner_length])
+    if rest == 0:
+        return inner, None
+    residual = torch.from_numpy(np.frombuffer(data, dtype="<f4", offset=8 + inner_length, count=numel).astype(np.float32))
+    if not bool(torch.isfinite(residual).all()):
+        raise ValueError("the revealed residual has a NaN or Inf")
+    return inner, residual
