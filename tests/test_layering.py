@@ -1,4 +1,4 @@
-"""The layering of docs/algorithm.md §9, enforced mechanically on the source (no imports executed)."""
+"""The layering of docs/design.md ("Layers"), enforced mechanically on the source (no imports executed)."""
 
 from __future__ import annotations
 
@@ -162,3 +162,107 @@ def test_no_new_import_circles() -> None:
     assert not new, f"import circles {new}: move the shared definitions down a layer"
     gone = [sorted(c) for c in KNOWN_CIRCLES if c not in circles]
     assert not gone, f"{gone} no longer a circle: drop it from KNOWN_CIRCLES"
+
+
+# The layers, lowest first. A module may import its own component (a subpackage, or a module of the top level) and
+# the components of lower layers; the components of one layer are siblings and import none of each other; nothing
+# imports upwards. Code two siblings (or a layer and one above it) both need moves down to a layer below both —
+# the inner trainer, error feedback and commitments to train/, the timing policy beside the config (timings.py),
+# the toy workload to models/ — it is never reached for upwards. The root package (asyncloco/__init__.py: the
+# version) is the root module only; a new module that is in no component fails the test until it is placed here.
+LAYERS: list[tuple[str, ...]] = [
+    ("asyncloco", "asyncloco.algo", "asyncloco.clock", "asyncloco.config_base", "asyncloco.refusals", "asyncloco.shipped"),
+    ("asyncloco.models", "asyncloco.transport"),  # the model zoo and the wire know nothing of each other
+    ("asyncloco.config",),
+    ("asyncloco.timings", "asyncloco.overrides", "asyncloco.workloads", "asyncloco.fingerprint"),  # read the config
+    ("asyncloco.train",),  # shared by peer/ and coordinator/ (and the simulator): inner loop, feedback, commitments
+    ("asyncloco.peer", "asyncloco.coordinator"),  # never import each other
+    ("asyncloco.sim", "asyncloco.testing", "asyncloco.validator"),  # drive the peer's and the coordinator's code
+    ("asyncloco.local_cluster",),
+    ("asyncloco.demo", "asyncloco.wan"),
+    ("asyncloco.runtime_cli",),
+    ("asyncloco.cli",),
+    ("asyncloco.__main__",),
+]
+
+
+def component_of(module: str, layers: list[tuple[str, ...]]) -> tuple[int, str] | None:
+    """(layer index, component) of ``module``: the longest component it is or lies inside (the root package only
+    as itself); None when it is in none."""
+    best: tuple[int, str] | None = None
+    for index, components in enumerate(layers):
+        for component in components:
+            inside = module == component or ("." in component and module.startswith(component + "."))
+            if inside and (best is None or len(component) > len(best[1])):
+                best = (index, component)
+    return best
+
+
+def layering_violations(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[str]:
+    """Every edge of ``graph`` that points up a layer or across to a sibling, and every module in no layer, each
+    named with what to do about it."""
+    problems: list[str] = []
+    for module in sorted(graph):
+        if component_of(module, layers) is None:
+            problems.append(f"{module} is in no layer: place it in LAYERS (tests/test_layering.py)")
+    for module in sorted(graph):
+        here = component_of(module, layers)
+        for dep in sorted(graph[module]):
+            there = component_of(dep, layers)
+            if here is None or there is None or here[1] == there[1]:
+                continue
+            if there[0] > here[0]:
+                problems.append(f"{module} imports {dep}, a higher layer ({there[1]} is above {here[1]}): move what "
+                                f"{module} needs from it down to a layer below {here[1]} (or {module} up)")
+            elif there[0] == here[0]:
+                problems.append(f"{module} imports {dep}, a sibling ({here[1]} and {there[1]} share a layer and import "
+                                f"none of each other): move what both need down to a layer below both")
+    return problems
+
+
+def test_layering_checker_catches_planted_edges() -> None:
+    layers = [("asyncloco", "asyncloco.algo"), ("asyncloco.models",), ("asyncloco.peer", "asyncloco.coordinator")]
+    graph = {
+        "asyncloco": set(),
+        "asyncloco.algo.outer": set(),
+        "asyncloco.models.lm": {"asyncloco.algo.outer", "asyncloco.peer.runner"},  # up
+        "asyncloco.peer.runner": {"asyncloco.coordinator.methods", "asyncloco", "asyncloco.models.lm"},  # a sibling
+        "asyncloco.coordinator.methods": {"asyncloco.coordinator.logic"},  # its own component: fine
+        "asyncloco.coordinator.logic": set(),
+        "asyncloco.stray": set(),  # in no layer: the root package covers only itself
+    }
+    problems = layering_violations(graph, layers)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("asyncloco.stray is in no layer")
+    assert "asyncloco.models.lm imports asyncloco.peer.runner, a higher layer" in problems[1]
+    assert "asyncloco.peer.runner imports asyncloco.coordinator.methods, a sibling" in problems[2]
+
+
+def test_imports_only_point_down() -> None:
+    """The import graph (every import statement, lazy and TYPE_CHECKING ones too) has no edge from a lower layer to a
+    higher one and none between siblings (peer/ and coordinator/ above all)."""
+    problems = layering_violations(module_graph(), LAYERS)
+    assert not problems, "imports against the layering:\n" + "\n".join(problems)
+
+
+def test_each_module_logs_under_its_own_name() -> None:
+    """A module that logs has its own ``logger = logging.getLogger(__name__)`` (a log line names the module that wrote
+    it): no logger bound to another name, none imported from another module."""
+    wrong: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        where = str(path.relative_to(PACKAGE))
+        own = False
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute) \
+                    and node.value.func.attr == "getLogger":
+                if [ast.unparse(arg) for arg in node.value.args] != ["__name__"]:
+                    wrong.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+                own = own or any(isinstance(target, ast.Name) and target.id == "logger" for target in node.targets)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and any((alias.asname or alias.name) == "logger" for alias in node.names):
+                wrong.append(f"{where}:{node.lineno} imports another module's logger")
+        uses = any(isinstance(node, ast.Name) and node.id == "logger" for node in ast.walk(tree))
+        if uses and not own:
+            wrong.append(f"{where} uses a logger it does not define as logging.getLogger(__name__)")
+    assert not wrong, "log under the module's own name: " + "; ".join(wrong)

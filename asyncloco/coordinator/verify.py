@@ -414,7 +414,7 @@ class DaemonVerification:
 
             params = list(self.port.model.parameters())
             inner = sum(9 + 8 * param.numel() for param in params)
-            # with error feedback the residual comes with each state (peer/reveal.py pack_reveal), both states with
+            # with error feedback the residual comes with each state (train/commitments.py pack_reveal), both states with
             # their length field (pack_parts)
             self._state_size = revealed_size(inner, sum(param.numel() for param in params),
                                              self.port.cfg.runtime.uses_error_feedback)
