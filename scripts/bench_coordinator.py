@@ -1,11 +1,17 @@
-"""What one coordinator costs per decision, per model size, in-process (no network) — issue 8, item 3.
+"""What one coordinator costs per decision, per model size, in-process (no network), with the defaults.
 
 For each size the coordinator daemon is built around a θ of exactly the preset's parameter count (the
 paper's 32k vocabulary; the parameter tensors have the preset's shapes, values are random) and driven
-through its real durable path (``CoordinatorDaemon._decide``: ``handle`` → write-ahead log → fsync →
-actions), with int8 pseudo-gradients as peers send them. Each size runs in its own process (peak RSS per
-size). Every figure is a median over repeats, in seconds, measured side by side in the same process with
-the two yardsticks the targets are stated in:
+through its real durable path (the daemon's ``submit`` handler and its node's ``decide``: ``handle`` →
+write-ahead log → fsync → actions) with verification on, as by default: a peer in the same process
+(:class:`BenchPeer`) trains every lease with the real inner loop on a cheap synthetic loss (:class:`SizedWorkload`:
+the gate takes its updates as independent honest work, not echoes), commits to its inner state before and after
+(the chain a real peer's digests form), submits the int8 pseudo-gradient and reveals its states when the ack asks;
+the coordinator holds each checked update, re-runs the lease from the revealed state in its verification worker
+and applies it once the re-run agrees, bitwise. The peer's own seconds (training, encoding, packing a reveal) are
+left out of every figure; the re-runs, the coordinator's work, are in. Each size runs in its own process (peak RSS
+per size: the coordinator, its re-run trainer and the benchmark's peer together). Every figure is a median over
+repeats, in seconds, measured side by side in the same process with the two yardsticks the targets are stated in:
 
 * ``memcpy_s``: copy of θ (fp32) into a preallocated tensor;
 * ``fsync_update_s``: write + fsync of one int8-encoded update's bytes to a new file in the checkpoint dir
@@ -15,9 +21,9 @@ the two yardsticks the targets are stated in:
   gate is configured), ``apply_s`` (the outer optimizer's step), ``wal_append_s`` (append + fsync of a
   submission record with its encoded bytes);
 * ``ack_latency_s``: the daemon's ``submit`` RPC handler on the received bytes — decode, ``_decide(SubmitUpdate)``
-  (validate, apply, log, fsync, bookkeeping) — what a peer waits for after its bytes arrived. As a real peer
-  does, each lease's θ is fetched (a ``Fetched`` event) before its update is submitted, so no θ copy is
-  retained for it. The daemon decodes into a reused buffer and writes the submission's log record (checksum,
+  (validate, apply or hold for its check, log, fsync, bookkeeping) — what a peer waits for after its bytes
+  arrived. As a real peer does, each lease's θ is fetched with the daemon's ``get_model`` (a ``Fetched`` event)
+  before its update is submitted, so no θ copy is retained for it. The daemon decodes into a reused buffer and writes the submission's log record (checksum,
   write, fsync) in a worker thread while ``handle`` validates and applies it; ``ack_during_snapshot_s``: the same
   while a background snapshot is being written;
 * ``lease_latency_s``: ``_decide(RequestWork)`` incl. its fsync; ``lease_bytes_written``: bytes the lease
@@ -25,8 +31,9 @@ the two yardsticks the targets are stated in:
 * ``snapshot_copy_s`` (the consistent copy taken under the lock, into the buffers kept from the previous
   snapshot; ``snapshot_copy_first_s``: the first one, which allocates them) and ``snapshot_s`` (writing it in the
   background: temp file, fsync, rename);
-* ``updates_per_s``: sustained lease + submit cycles for ``--sustain`` seconds with background snapshots
-  every ``snapshot_every`` updates; ``storage_per_update_theta``: bytes written (log + snapshots) per applied
+* ``updates_per_s``: sustained lease + train + submit cycles for ``--sustain`` seconds of the coordinator's time
+  (the peer's left out) with background snapshots every ``snapshot_every`` updates, the checked leases revealed
+  and re-run, until every held update is applied; ``verification``: checks, passes, re-run steps and seconds; ``storage_per_update_theta``: bytes written (log + snapshots) per applied
   update, in units of θ's fp32 size; ``peers_at_60s_round``: peers one coordinator serves when each
   submits once per 60 s round (updates_per_s × 60);
 * ``peak_rss_mb`` of the process.
@@ -36,14 +43,16 @@ Targets (issue 8, at 150m): ack ≤ 1.5 × fsync_update + 4 × memcpy; lease ≤
 ``--codecs int8,topk16b2`` measures only decode + apply per upload codec, interleaved, with the ratio to
 int8 (issue 18; docs/compression.md).
 
-Usage: ``python scripts/bench_coordinator.py --sizes tiny,150m --json out.json`` (≈ 4 min on 2 cores;
-20m and 60m add ≈ 1 min each). Prints a table and the ratios; the capacity figures of docs/guide/organiser.md come from it.
+Usage: ``python scripts/bench_coordinator.py --sizes 20m,60m --json out.json`` (≈ 5 min per size on a loaded 2-core
+machine; ``--smoke``: tiny, seconds). Prints a table and the ratios; the capacity figures of docs/guide/organiser.md
+come from it. Peak RSS was 6.3 GB at 20m and 13.6 GB at 60m: 150m needs about 34 GB.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import logging
 import math
@@ -68,10 +77,11 @@ from asyncloco.coordinator.daemon import CoordinatorDaemon
 from asyncloco.coordinator.logic import Assign, Fetched, Lease, RequestWork, SpeedReport, SubmitUpdate, validate_update
 from asyncloco.models.workload import Workload
 from asyncloco.transport.codecs import decode, encode, wire_bytes
-from asyncloco.transport.wire import SubmitHeader
+from asyncloco.transport.wire import RevealHeader, SubmitHeader
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("tiny", "20m", "60m", "150m")
+COMMON_SHARE = 0.2  # the shared part of the synthetic gradients (SizedWorkload)
 KEYS = (
     "numel", "memcpy_s", "fsync_update_s", "decode_s", "decode_fresh_s", "validate_s", "apply_s", "wal_append_s", "ack_latency_s",
     "ack_during_snapshot_s", "lease_latency_s", "lease_bytes_written", "snapshot_copy_s", "snapshot_copy_first_s", "snapshot_s",
@@ -86,13 +96,17 @@ class _Params(nn.Module):
     def __init__(self, shapes: list[torch.Size], seed: int) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
-        self.tensors = nn.ParameterList(
-            nn.Parameter(torch.randn(shape, generator=generator) * 0.02, requires_grad=False) for shape in shapes
-        )
+        self.tensors = nn.ParameterList(nn.Parameter(torch.randn(shape, generator=generator) * 0.02) for shape in shapes)
 
 
 class SizedWorkload(Workload):
-    """The coordinator side of a model preset: only θ's layout matters to it (no data, no evaluation)."""
+    """θ of a model preset's layout (its parameter shapes) with a loss that costs about one pass over θ per step,
+    so that the benchmark's peer trains its leases with the real inner loop (train/inner.py ``InnerTrainer``: AdamW,
+    clipping, the inner state the commitments hash) and the coordinator re-runs the ones it checks, exactly as
+    verification does in a run. The "data": the gradient of step (shard, index) is a copy of a fixed random direction
+    rolled by an offset drawn from (shard, index), plus ``COMMON_SHARE`` × that direction — every lease's update
+    shares part of its direction with the others' (like honest work on one task, below the gate's echo bar once the
+    inner momentum has carried it over several leases) and is its own for the rest; a re-run reproduces it bitwise."""
 
     units_per_step = 8 * 64
 
@@ -105,6 +119,7 @@ class SizedWorkload(Workload):
         with torch.device("meta"):
             model = LlamaForCausalLM(causal_lm_config(preset, vocab))
         self.shapes = [p.shape for p in model.parameters()]
+        self._directions: list[torch.Tensor] | None = None
 
     def build_model(self, seed: int) -> nn.Module:
         return _Params(self.shapes, seed)
@@ -113,10 +128,22 @@ class SizedWorkload(Workload):
         return [10**6] * 4
 
     def batch(self, shard: int, index: int) -> Any:
-        raise NotImplementedError("the coordinator benchmark trains nothing")
+        return (int(shard), int(index))
+
+    def _common(self) -> list[torch.Tensor]:
+        if self._directions is None:
+            generator = torch.Generator().manual_seed(12345)
+            self._directions = [torch.randn(shape, generator=generator).view(-1) for shape in self.shapes]
+        return self._directions
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        raise NotImplementedError("the coordinator benchmark trains nothing")
+        shard, index = batch
+        total = torch.zeros(())
+        for i, (param, common) in enumerate(zip(model.parameters(), self._common())):
+            shift = (shard * 1_000_003 + index * 7_919 + i * 104_729) % max(1, common.numel())
+            gradient = torch.roll(common, shift).add_(common, alpha=COMMON_SHARE)
+            total = total + torch.dot(param.view(-1), gradient)
+        return total
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return {}
@@ -150,6 +177,75 @@ def fsync_bytes(directory: Path, parts: list[Any]) -> None:
     path.unlink()
 
 
+class BenchPeer:
+    """A peer as the coordinator meets it with the defaults (verification on, carried inner state): it trains each
+    lease with the real inner loop from θ fetched at the lease's base version, commits to its inner state before and
+    after (train/commitments.py, as peer/runner.py does: only an applied lease advances the chain, otherwise it
+    starts again from the fresh state), submits the int8 pseudo-gradient through the daemon's ``submit`` handler and
+    reveals both states when the ack asks. Its own work (training, encoding, packing a reveal) is what a peer's
+    machine does: timed apart (``peer_s``) and left out of the coordinator's figures."""
+
+    def __init__(self, daemon: Any, cfg: Any, name: str) -> None:
+        from asyncloco.peer.reveal import RevealStore
+        from asyncloco.train.inner import InnerTrainer
+
+        self.daemon, self.name = daemon, name
+        self.trainer = InnerTrainer.from_config(cfg, daemon.workload)
+        self.reveals = RevealStore(1)  # it reveals right after its ack: one lease's states kept
+        self.peer_s = 0.0
+        self.revealed = 0
+        self.submitted: list[tuple[Any, Any]] = []  # (lease, ack)
+
+    async def lease(self) -> Lease:
+        actions = await self.daemon.node.decide_locked(RequestWork(self.name))
+        (assign,) = [a for a in actions if isinstance(a, Assign)]
+        return assign.lease
+
+    async def train(self, lease_: Lease) -> tuple[Any, str, str]:
+        """θ at the lease's base version (the daemon's ``get_model``, a Fetched event), then the lease trained:
+        (encoded update, start digest, end digest)."""
+        from asyncloco.train.commitments import committed_digest
+
+        _, theta = await self.daemon.serving.get_model(lease_.base_version, self.name)
+        started = time.perf_counter()
+        start = committed_digest(self.trainer.state_digest(), None)
+        self.reveals.hold(lease_.lease_id, self.trainer.optimizer, None, feedback=False)
+        result = self.trainer.run(theta, lease_.shard, lease_.start_offset, lease_.steps, lease_.lr_offset)
+        end = self.reveals.hold_end(lease_.lease_id, self.trainer.optimizer)
+        encoded = encode("int8", result.pseudo_gradient)
+        self.peer_s += time.perf_counter() - started
+        return encoded, start, end
+
+    async def submit(self, lease_: Lease, encoded: Any, start: str, end: str) -> tuple[Any, float]:
+        """The daemon's submit RPC handler on the received bytes, as the transport calls it: (ack, its seconds)."""
+        header = SubmitHeader(lease_.lease_id, lease_.base_version, "int8", self.daemon.numel, state_start=start,
+                              state_end=end, device_class=self.trainer.compute_class)
+        begin = time.perf_counter()
+        ack = await self.daemon.serving.submit(header, encoded, self.name)
+        seconds = time.perf_counter() - begin
+        self.submitted.append((lease_, ack))
+        if not ack.accepted or ack.duplicate:
+            raise RuntimeError(f"the benchmark's update was not accepted: {ack}")
+        if ack.reveal:
+            begin = time.perf_counter()
+            state = self.reveals.reveal(lease_.lease_id)
+            self.peer_s += time.perf_counter() - begin
+            reply = await self.daemon.serving.reveal(RevealHeader(lease_.lease_id, len(state or b"")), state or b"", self.name)
+            if not reply.accepted:
+                raise RuntimeError(f"the benchmark's reveal was refused: {reply}")
+            self.revealed += 1
+        return ack, seconds
+
+    async def round(self) -> tuple[float, float]:
+        """One lease trained and submitted: (lease seconds, ack seconds)."""
+        begin = time.perf_counter()
+        current = await self.lease()
+        lease_s = time.perf_counter() - begin
+        encoded, start, end = await self.train(current)
+        _, ack_s = await self.submit(current, encoded, start, end)
+        return lease_s, ack_s
+
+
 def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict[str, Any]:
     overrides = {
         "schedule.grace_period": 0.0,
@@ -161,173 +257,177 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         # the gate's probe is two forward passes on held-out data (coordinator/probe.py), which this θ-only workload
         # has not; above 50M parameters it runs on a peer's first (probation) updates only, off the steady path
         "runtime.gate.probe": False,
+        # the benchmark's leases train from the first one at the peak LR (no warm-up ramp): every update has the
+        # size of a steady run's, so the gate's norm check compares like with like from the start
+        "inner.warmup_steps": 0,
+        # short leases: the benchmark's peer trains every lease in this process (left out of the figures); a lease's
+        # length changes none of the coordinator's per-submission costs, only the re-runs' compute (scripts/bench_verify.py)
+        "schedule.max_local_steps": 4,
     }
     cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
+    assert cfg.runtime.verify.enabled and cfg.runtime.verify.inner_state == "carry", "the defaults verify carried state"
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=workdir, workload=SizedWorkload(size))
     numel = daemon.numel
     theta_bytes = 4 * numel
-    state = daemon.state
-    lr = cfg.inner.lr
-    generator = torch.Generator().manual_seed(1)
-    out: dict[str, Any] = {"numel": numel}
+    state = daemon.node.state
+    out: dict[str, Any] = {"numel": numel, "verify": {"enabled": True, "fraction": cfg.runtime.verify.fraction,
+                                                      "probation_updates": cfg.runtime.verify.probation_updates}}
+    peer = BenchPeer(daemon, cfg, "bench-peer")
 
-    common = torch.randn(numel, generator=generator)
-
-    def fresh_update(steps: int) -> torch.Tensor:
-        # a well-formed pseudo-gradient: what `steps` inner AdamW steps could move each value (|Δ| ≲ lr·steps),
-        # sharing a direction with the other updates (cosine ≈ 0.2) as honest peers' updates do — the update gate
-        # (on by default) rejects updates that disagree with the recent consensus
-        return torch.randn(numel, generator=generator).add_(common, alpha=0.5).mul_(0.05 * lr * steps)
-
-    peer = "bench-peer"
     scratch = torch.empty_like(state.params)
     out["memcpy_s"] = median_time(lambda: scratch.copy_(state.params), repeats)
     del scratch
-    update = fresh_update(10)
-    wire = encode("int8", update)
-    assert wire.nbytes == wire_bytes("int8", numel)
     fsync_samples: list[float] = []
 
-    def probe_fsync() -> None:
-        # the yardstick, measured interleaved with what it is compared to (disk speed drifts on a shared machine)
-        start = time.perf_counter()
-        fsync_bytes(workdir, [wire.meta, wire.payload])
-        fsync_samples.append(time.perf_counter() - start)
-
-    probe_fsync()
-    decoded = torch.empty(numel)
-    out["decode_s"] = median_time(lambda: decode(wire, numel, decoded), repeats)
-    del decoded
-    out["decode_fresh_s"] = median_time(lambda: decode(wire, numel), repeats)
-
     async def scenario() -> None:
-        daemon._stop_event = asyncio.Event()
-        await daemon._save()
+        daemon.node.stop_event = asyncio.Event()
+        await daemon.durability.save()
+        # the slowest speed: the shortest lease (min_steps), so the benchmark's peer trains little per update
+        await daemon.node.decide_locked(SpeedReport(peer.name, 1.0))
 
-        async def lease() -> Lease:
-            async with daemon.lock:
-                actions = await daemon._decide(RequestWork(peer))
-            (assign,) = [a for a in actions if isinstance(a, Assign)]
-            return assign.lease
+        # one lease trained and submitted: its bytes are the yardsticks' and the micro-benchmarks' update
+        current = await peer.lease()
+        wire, start, end = await peer.train(current)
+        assert wire.nbytes == wire_bytes("int8", numel)
 
-        async def fetched(lease_: Lease) -> None:
-            # the peer downloaded θ at its lease's version (what get_model reports; the bytes are not timed here)
-            async with daemon.lock:
-                await daemon._decide(Fetched(peer, lease_.base_version))
+        def probe_fsync() -> None:
+            # the yardstick, measured interleaved with what it is compared to (disk speed drifts on a shared machine)
+            begin = time.perf_counter()
+            fsync_bytes(workdir, [wire.meta, wire.payload])
+            fsync_samples.append(time.perf_counter() - begin)
 
-        async def submit(lease_: Lease, encoded: Any) -> Any:
-            # the daemon's submit RPC handler, exactly as the transport calls it once the bytes have arrived
-            header = SubmitHeader(lease_.lease_id, lease_.base_version, "int8", numel)
-            ack = await daemon.submit(header, encoded, peer)
-            if not ack.accepted or ack.duplicate:
-                raise RuntimeError(f"the benchmark's update was not applied: {ack}")
-            return ack
-
-        async with daemon.lock:
-            await daemon._decide(SpeedReport(peer, 10_000.0))
-        # validation and apply, on a live lease
-        current = await lease()
+        probe_fsync()
+        decoded = torch.empty(numel)
+        out["decode_s"] = median_time(lambda: decode(wire, numel, decoded), repeats)
+        del decoded
+        out["decode_fresh_s"] = median_time(lambda: decode(wire, numel), repeats)
         tensor = decode(wire, numel)
-        event = SubmitUpdate(peer, current.lease_id, current.base_version, tensor)
+        event = SubmitUpdate(peer.name, current.lease_id, current.base_version, tensor, state_start=start, state_end=end)
 
         def validate() -> None:
             problem = validate_update(state, event, current)
             assert problem is None, problem
             if state.policy.gate is not None:
-                update_gate.score(state.policy.gate, state.gate, tensor, current.steps, peer, state.policy.norm_bound_per_step)
+                update_gate.score(state.policy.gate, state.gate, tensor, current.steps, peer.name, state.policy.norm_bound_per_step)
 
         out["validate_s"] = median_time(validate, repeats)
-        out["apply_s"] = median_time(lambda: state.optimizer.step(state.params, tensor, 1.0), repeats)
+        # the outer step on a copy of the optimizer's state: θ and its momentum stay the daemon's own
+        shadow_params = state.params.clone()
+        shadow = copy.deepcopy(state.optimizer)
+        out["apply_s"] = median_time(lambda: shadow.step(shadow_params, tensor, 1.0), repeats)
+        del shadow, shadow_params
+
         def wal_append() -> None:
-            daemon.wal.append_event(event, time.time(), {"pseudo_gradient": ("int8", numel, [wire.meta, wire.payload])})
-            daemon.wal.sync()
+            daemon.node.wal.append_event(event, time.time(), {"pseudo_gradient": ("int8", numel, [wire.meta, wire.payload])})
+            daemon.node.wal.sync()
 
-        out["wal_append_s"] = median_time(
-            wal_append,
-            repeats,
-            setup=probe_fsync,
-        )
-        await fetched(current)
-        await submit(current, wire)
+        out["wal_append_s"] = median_time(wal_append, repeats, setup=probe_fsync)
+        await peer.submit(current, wire, start, end)
 
-        # ack and lease latency, through the daemon's durable path
+        # ack and lease latency, through the daemon's durable path (the first leases are the peer's probation:
+        # checked, held until their re-run agrees, as every newcomer's are)
         acks, leases, lease_bytes = [], [], []
         for _ in range(repeats):
             probe_fsync()
-            before = daemon.wal.bytes_written + daemon.snapshot_bytes
-            start = time.perf_counter()
-            current = await lease()
-            leases.append(time.perf_counter() - start)
-            lease_bytes.append(daemon.wal.bytes_written + daemon.snapshot_bytes - before)
-            await fetched(current)
-            encoded = encode("int8", fresh_update(current.steps))
-            start = time.perf_counter()
-            await submit(current, encoded)
-            acks.append(time.perf_counter() - start)
+            before = daemon.node.wal.bytes_written + daemon.durability.snapshot_bytes
+            begin = time.perf_counter()
+            current = await peer.lease()
+            leases.append(time.perf_counter() - begin)
+            lease_bytes.append(daemon.node.wal.bytes_written + daemon.durability.snapshot_bytes - before)
+            encoded, start, end = await peer.train(current)
+            _, ack_s = await peer.submit(current, encoded, start, end)
+            acks.append(ack_s)
         out["ack_latency_s"] = statistics.median(acks)
         out["fsync_update_s"] = statistics.median(fsync_samples)
         out["lease_latency_s"] = statistics.median(leases)
         out["lease_bytes_written"] = max(lease_bytes)
+        await daemon.verification.drain()  # the probation checks' verdicts: the peer is proven from here on
 
         # a background snapshot: the copy under the lock, the write in a thread; acks go on meanwhile
-        async with daemon.lock:
-            start = time.perf_counter()
-            payload = daemon._snapshot_payload(copy=True, reuse=True)  # as _maybe_snapshot takes it (first: allocates)
-            daemon.wal.rotate()
-            daemon._reset_snapshot_counters()
-            out["snapshot_copy_first_s"] = time.perf_counter() - start
+        async with daemon.node.lock:
+            begin = time.perf_counter()
+            payload = daemon.durability.snapshot_payload(copy=True, reuse=True)  # as _maybe_snapshot takes it (first: allocates)
+            daemon.node.wal.rotate()
+            daemon.durability.reset_counters()
+            out["snapshot_copy_first_s"] = time.perf_counter() - begin
+        # the next lease's update, trained before the snapshot starts (a peer trains while the coordinator writes)
+        lease_ = await peer.lease()
+        ready = [(lease_, *(await peer.train(lease_)))]
         done = threading.Event()
         written: dict[str, float] = {}
 
         def write() -> None:
-            begin = time.perf_counter()
-            daemon._write_snapshot(payload)
-            written["s"] = time.perf_counter() - begin
+            begin_ = time.perf_counter()
+            daemon.durability.write_snapshot(payload)
+            written["s"] = time.perf_counter() - begin_
             done.set()
 
         thread = threading.Thread(target=write)
         thread.start()
         during: list[float] = []
         while not done.is_set() and len(during) < 3:
-            current = await lease()
-            await fetched(current)
-            encoded = encode("int8", fresh_update(current.steps))
-            start = time.perf_counter()
-            await submit(current, encoded)
-            during.append(time.perf_counter() - start)
+            if not ready:  # a peer's next lease (a large θ's snapshot outlasts one round)
+                lease_ = await peer.lease()
+                ready.append((lease_, *(await peer.train(lease_))))
+            lease_, encoded, start, end = ready.pop()
+            _, ack_s = await peer.submit(lease_, encoded, start, end)
+            during.append(ack_s)
+        if ready:  # the snapshot was written before the trained update was sent: it goes in now
+            await peer.submit(*ready.pop())
         await asyncio.to_thread(thread.join)
         del payload
         out["snapshot_s"] = written["s"]
         # the next snapshots copy into the buffers the first one allocated
-        async with daemon.lock:
-            out["snapshot_copy_s"] = median_time(lambda: daemon._snapshot_payload(copy=True, reuse=True), repeats)
+        async with daemon.node.lock:
+            out["snapshot_copy_s"] = median_time(lambda: daemon.durability.snapshot_payload(copy=True, reuse=True), repeats)
         out["ack_during_snapshot_s"] = statistics.median(during) if during else None
+        await daemon.verification.drain()
 
-        # sustained: lease + submit cycles, background snapshots every `snapshot_every` updates
+        # sustained: lease + train + submit cycles, background snapshots every `snapshot_every` updates, the checked
+        # leases revealed and re-run by the coordinator; the peer's own seconds are left out of the elapsed time
         snapshot_every = max(5, int(sustain_s * 0.5 / max(out["ack_latency_s"] + out["lease_latency_s"], 1e-3)))
         daemon.cfg = daemon.cfg.model_copy(update={"runtime": daemon.cfg.runtime.model_copy(update={"snapshot_every": snapshot_every})})
         updates_before = state.version
-        written_before = daemon.wal.bytes_written + daemon.snapshot_bytes
-        prepared = encode("int8", fresh_update(10))
-        start = time.perf_counter()
-        while time.perf_counter() - start < sustain_s or state.version - updates_before < 3:
-            current = await lease()
-            await fetched(current)
-            await submit(current, prepared)
-        await daemon._wait_for_snapshot()
-        elapsed = time.perf_counter() - start
+        written_before = daemon.node.wal.bytes_written + daemon.durability.snapshot_bytes
+        checked_before = state.verification.checked
+        peer_before = peer.peer_s
+        rounds = 0
+        begin = time.perf_counter()
+        while time.perf_counter() - begin - (peer.peer_s - peer_before) < sustain_s or rounds < 3:
+            await peer.round()
+            rounds += 1
+        await daemon.verification.drain()  # held updates are applied once their re-run agrees
+        await daemon.durability.wait_for_snapshot()
+        elapsed = time.perf_counter() - begin - (peer.peer_s - peer_before)
         updates = state.version - updates_before
         out["updates_per_s"] = updates / elapsed
+        out["sustained_rounds"] = rounds
         out["sustained_updates"] = updates
+        out["sustained_checked"] = state.verification.checked - checked_before
         out["sustained_snapshot_every"] = snapshot_every
-        out["storage_per_update_theta"] = (daemon.wal.bytes_written + daemon.snapshot_bytes - written_before) / updates / theta_bytes
+        out["storage_per_update_theta"] = (daemon.node.wal.bytes_written + daemon.durability.snapshot_bytes - written_before) / max(1, updates) / theta_bytes
         out["peers_at_60s_round"] = int(out["updates_per_s"] * 60)
+        status = daemon.verification.status()
+        out["verification"] = {k: status[k] for k in ("checked", "failed", "passed", "dropped", "unverifiable", "rerun_steps",
+                                                      "busy_s", "latency_median_s", "compute_fraction")}
+        out["verification"]["reveals"] = peer.revealed
+        out["verification"]["expelled"] = len(status["expelled"])
+        refused = [ack for _, ack in peer.submitted if not ack.accepted]
+        out["submitted"], out["refused"] = len(peer.submitted), len(refused)
+        out["lease_steps"] = sorted({lease_.steps for lease_, _ in peer.submitted})
+        out["peer_s"] = peer.peer_s
+        cosines = sorted(state.gate.cosines)  # the applied updates' cosines with the consensus (the echo bar: 0.95)
+        out["gate_cosine_median"] = cosines[len(cosines) // 2] if cosines else None
+        out["gate_cosine_max"] = cosines[-1] if cosines else None
+        await daemon.verification.close()
 
     asyncio.run(scenario())
-    daemon.journal.close()
-    daemon.wal.close()
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["ack_target_s"] = 1.5 * out["fsync_update_s"] + 4 * out["memcpy_s"]
+    if out["verification"]["failed"] or out["verification"]["expelled"] or out["refused"]:
+        raise RuntimeError(f"honest work was refused or failed its check: {out['verification']}, refused {out['refused']}")
     return out
 
 
@@ -344,7 +444,7 @@ def bench_codecs(size: str, codecs: list[str], repeats: int, workdir: Path) -> d
                  "runtime.snapshot_every": 10**9, "runtime.snapshot_every_s": 1e9, "runtime.gate.probe": False}
     cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=workdir, workload=SizedWorkload(size))
-    numel, state = daemon.numel, daemon.state
+    numel, state = daemon.numel, daemon.node.state
     generator = torch.Generator().manual_seed(1)
     update = torch.randn(numel, generator=generator).mul_(0.05 * cfg.inner.lr * 10)
     wires = {codec: encode(codec, update) for codec in codecs}
@@ -462,7 +562,7 @@ def readme_table(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,150m", help=f"comma-separated, from {','.join(SIZES)}")
+    parser.add_argument("--sizes", default="tiny,20m", help=f"comma-separated, from {','.join(SIZES)} (150m: about 34 GB)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per figure (default: 7 tiny, 3 otherwise)")
     parser.add_argument("--sustain", type=float, default=0.0, help="seconds of sustained updates (default: 5 tiny, 25 otherwise)")
     parser.add_argument("--json", type=Path)
@@ -471,7 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--codecs", help="only decode + apply per upload codec, side by side (e.g. int8,topk16b2; issue 18)")
     parser.add_argument("--dir", type=Path, help="where checkpoints are written (default: a temporary dir on the same disk as runs/)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny only, 2 repeats, 1 s sustained (tests)")
     args = parser.parse_args(argv)
+    if args.smoke and not args.one:
+        args.sizes, args.repeats, args.sustain = "tiny", 2, 1.0
     logging.basicConfig(level=logging.WARNING)
 
     if args.one:

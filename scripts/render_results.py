@@ -144,7 +144,10 @@ def bench_swarm(data: dict[str, Any]) -> str:
 
 
 def bench_coordinator(data: dict[str, Any]) -> str:
-    """scripts/bench_coordinator.py --json: per size and codec, the coordinator's per-submission costs."""
+    """scripts/bench_coordinator.py --json: per size, the coordinator's per-submission and per-lease costs and its
+    sustained updates (the capacity table of docs/guide/organiser.md); with ``--codecs``, per size and codec."""
+    if not any("codecs" in entry for entry in data.values()):
+        return _capacity(data)
     rows = []
     for size, entry in data.items():
         for codec, figures in (entry.get("codecs") or {}).items():
@@ -154,6 +157,25 @@ def bench_coordinator(data: dict[str, Any]) -> str:
                 cells = _fmt(figures)
             rows.append([size, _fmt(entry.get("numel")), _fmt(entry.get("memcpy_s")), codec, cells])
     return _table(["size", "θ values", "memcpy θ, s", "codec", "seconds"], rows)
+
+
+def _capacity(data: dict[str, Any]) -> str:
+    def ms(seconds: Any) -> str:
+        return "—" if seconds is None else f"{1000 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+    rows = []
+    for size, r in data.items():
+        v = r.get("verification") or {}
+        checks = f"{v['passed']}/{v['checked']}, {v['failed']} failed" if v else "off"
+        rows.append([size, f"{r['numel'] / 1e6:.1f} M", ms(r["memcpy_s"]), ms(r["fsync_update_s"]), ms(r["decode_s"]),
+                     ms(r["validate_s"]), ms(r["apply_s"]), ms(r["wal_append_s"]), ms(r["ack_latency_s"]),
+                     ms(r.get("ack_during_snapshot_s")), ms(r["lease_latency_s"]), ms(r["snapshot_copy_s"]),
+                     ms(r["snapshot_s"]), _fmt(r["updates_per_s"]), _fmt(r["peers_at_60s_round"]),
+                     f"{r['peak_rss_mb'] / 1024:.1f} GB", _fmt((r.get("verify") or {}).get("fraction")), checks])
+    return _table(["size", "θ", "memcpy θ", "fsync of the int8 update", "decode", "validate", "apply (DN)",
+                   "log append + fsync", "ack", "ack during a snapshot", "lease", "snapshot copy (under the lock)",
+                   "background snapshot", "updates/s sustained", "peers at a 60 s round", "peak RSS",
+                   "verify.fraction", "checks passed/re-run"], rows)
 
 
 def compression(data: dict[str, Any]) -> str:
