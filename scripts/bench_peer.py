@@ -192,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--untimed", action="store_true",
                         help="also time the peer's loop without the per-step callback (what per-step timing costs it)")
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny, 2 timed leases of 2 steps of 4 × 16 "
+                        "tokens, 1 thread (tests/test_bench_peer.py)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.steps, args.repeats, args.warmup, args.batch_size, args.seq_len, args.threads = "tiny", 2, 2, 1, 4, 16, 1
     for name in ("batch_size", "seq_len", "steps", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
