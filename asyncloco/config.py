@@ -286,6 +286,11 @@ class VerifyConfig(StrictModel):
         "becomes a suspect: its next sketch_checks leases are all re-run (1: never, the default)"
     )
     sketch_checks: int = Field(2, ge=0, description="leases re-run after a peer's sketch score passed sketch_threshold")
+    hold_backlog: int = Field(
+        2, ge=0, description="a drawn check holds its update until its verdict only while fewer checks than this await "
+        "theirs; beyond, the update is applied at once and checked later (a failed check repairs θ), so a verifier "
+        "that falls behind never makes held work stale (probation and suspects' checks are always held)"
+    )
     tolerance: float = Field(
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ for a peer of the verifier's own compute "
         "class (0: bitwise, which the same class reproduces; other classes: cross_device_tolerance)"

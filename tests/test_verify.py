@@ -876,3 +876,37 @@ def test_a_verified_update_is_applied_in_full_where_the_gate_would_clip_it(check
         assert "clipped to 2× the recent median" in applied[0].gate
         OuterNesterov(0.5, 0.9).step(expected, update * (2.0 / 3.0))
     assert torch.allclose(state.params, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(60)
+def test_a_drawn_check_behind_a_busy_verifier_is_applied_first_and_checked_later() -> None:
+    """A drawn check holds its update only while fewer than ``hold_backlog`` checks await their verdicts; beyond, the
+    update is applied at once (held work would grow ever staler behind a verifier that fell behind) and still checked
+    on copies taken before θ moved — a failed verdict expels its peer and asks for a repair. Probation is always held."""
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=1.0, probation=1)
+    state.policy = dataclasses.replace(state.policy, verify=dataclasses.replace(state.policy.verify, hold_backlog=1))
+    for peer in ("a", "b"):
+        handle(state, SpeedReport(peer, 10.0), 0.0)
+    first = {peer: lease_of(handle(state, RequestWork(peer), 0.0)[1]) for peer in ("a", "b")}
+    assert [first[p].verify.split(" (")[0] for p in ("a", "b")] == ["probation", "probation"]
+    for peer in ("a", "b"):  # probation: held, although the first check already awaits its verdict
+        actions = handle(state, SubmitUpdate(peer, first[peer].lease_id, 0, torch.full((DIM,), 0.1)), 1.0)[1]
+        assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+    for peer in ("a", "b"):
+        handle(state, Verified(peer, first[peer].lease_id, True, "bitwise"), 2.0)
+    assert state.version == 2 and not state.verification.pending
+    drawn = {peer: lease_of(handle(state, RequestWork(peer), 3.0)[1]) for peer in ("a", "b")}
+    assert all(lease.verify.startswith("sampled at 1") for lease in drawn.values())
+    actions = handle(state, SubmitUpdate("a", drawn["a"].lease_id, 2, torch.full((DIM,), 0.1)), 4.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"] and state.version == 2  # the backlog was empty
+    theta_before = state.params.clone()
+    honest = torch.full((DIM,), 0.2)
+    actions = handle(state, SubmitUpdate("b", drawn["b"].lease_id, 2, honest), 5.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Applied", "Verify"] and state.version == 3  # one check awaited
+    check = actions[1]
+    assert torch.equal(check.base, theta_before) and torch.equal(check.update, honest)
+    assert "applied first: verifier behind" in check.reason and state.verification.pending[drawn["b"].lease_id] == "b"
+    actions = handle(state, Verified("b", drawn["b"].lease_id, False, "relative error 1"), 6.0)[1]
+    expelled = [a for a in actions if isinstance(a, Expelled)]
+    assert len(expelled) == 1 and expelled[0].repair is True  # its update is in θ: the repair takes it out
+    assert state.verification.pending == {drawn["a"].lease_id: "a"}

@@ -19,7 +19,7 @@ from asyncloco.coordinator.logic.events import (
     Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
-    _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta, return_range,
+    _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta, must_check, return_range,
 )
 from asyncloco.coordinator.gate import GatePolicy, GateVerdict
 from asyncloco.coordinator.sketch import Sketcher, observe
@@ -256,8 +256,10 @@ def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list
     if check is not None and not _dropped(state, lease):
         # (θ at its base version no longer held — only in a replay that crosses an earlier repair, which cannot hand
         # on the live θ: held all the same, and the log's Unverified or verdict settles it as it did live)
-        return _hold(state, event, lease, check[0] if check[0] is not None else torch.empty(0), check[1], scale,
-                     verdict, now, score)
+        if _holds_check(state, lease):
+            return _hold(state, event, lease, check[0] if check[0] is not None else torch.empty(0), check[1], scale,
+                         verdict, now, score)
+        return _apply_then_check(state, event, lease, check, scale, verdict, now, score)
     if scale != 1.0:  # not in place: handle never changes its event (a replay may feed it again)
         update = update.mul(scale)
     base = base_theta(state, lease.base_version) if state.needs_base_params else None
@@ -296,7 +298,7 @@ def holds(state: CoordinatorState, event: SubmitUpdate) -> bool:
         return False
     gate = state.policy.gate
     forced = gate is not None and gate_verdict(state, event, lease, gate).action == "reject"  # held instead (_checked_instead)
-    return (bool(lease.verify) or forced) and not _dropped(state, lease)
+    return (forced or (bool(lease.verify) and _holds_check(state, lease))) and not _dropped(state, lease)
 
 
 def _dropped(state: CoordinatorState, lease: Lease) -> bool:
@@ -341,6 +343,32 @@ def _apply(
             sketch,
         )
     ]
+
+
+def _holds_check(state: CoordinatorState, lease: Lease) -> bool:
+    """Does this checked lease's update wait for its verdict? Always for probation and a suspect (:func:`must_check`:
+    a peer caught there never touches θ); a drawn check only while fewer than ``hold_backlog`` checks await theirs —
+    behind a verifier that has fallen behind, held work would be applied ever staler (Delayed Nesterov diverged with
+    held updates 15-23 versions old on an overloaded machine), so the update is applied now and checked later."""
+    policy = state.policy.verify
+    return must_check(lease) or (policy is not None and len(state.verification.pending) < policy.hold_backlog)
+
+
+def _apply_then_check(
+    state: CoordinatorState, event: SubmitUpdate, lease: Lease, check: tuple[torch.Tensor | None, torch.Tensor],
+    scale: float, verdict: GateVerdict | None, now: float, score: float | None,
+) -> list[Action]:
+    """A drawn check while the verifier is behind: the update is applied now, unchecked (a failed verdict expels the
+    peer and repairs θ), and its check still runs on the copies taken before θ moved."""
+    base, copy = check
+    update = event.pseudo_gradient if scale == 1.0 else event.pseudo_gradient.mul(scale)
+    before = base_theta(state, lease.base_version) if state.needs_base_params else None
+    actions = _apply(state, lease, update, before, verdict, now, checked=False, sketch=score)
+    if base is None or not any(isinstance(a, Applied) for a in actions):
+        return actions  # not applied (dropped by the staleness policy) or no θ to re-run from: nothing to check
+    state.verification.pending[lease.lease_id] = event.peer
+    return actions + [Verify(event.peer, lease, base, copy, f"{lease.verify} (applied first: verifier behind)", "",
+                             event.state_start or "", event.state_end or "", event.device_class or "")]
 
 
 def _hold(
