@@ -731,6 +731,8 @@ def main() -> int:
                              "(gate.suspect) on honest and hostile updates, the honest ones being false positives")
     parser.add_argument("--slowdowns", default=",".join(f"{s:g}" for s in SLOWDOWNS),
                         help="the honest peers, one per slowdown factor (default the demo's 1,1.5,4)")
+    parser.add_argument("--skip-clean", action="store_true", help="no clean runs (no ratios): for what needs no clean "
+                        "baseline, e.g. how many tampered leases a sleeper gets in before it is caught, over many repeats")
     parser.add_argument("--until-caught", action="store_true", help="with --updates: an attack run also waits for "
                         "verification's first failed check (--duration caps it)")
     parser.add_argument("--smoke", action="store_true", help="seconds of work: clean and hidden:0.05, gate and verification "
@@ -779,7 +781,7 @@ def main() -> int:
                            args.warm_updates, args.threads)
         # rounds interleave the rows (clean, attack, ..., clean, attack, ...) so that every row sees the same load
         for repeat in range(args.repeats):
-            for attack in ["clean", *args.attacks]:
+            for attack in ([] if args.skip_clean else ["clean"]) + list(args.attacks):
                 logger.info("run %s, gate %s, repeat %d, %.0f s", attack, "on" if gate else "off", repeat, args.duration)
                 result = run_one(Path(args.config), out, attack, gate, args.duration, args.threads, args.updates, repeat,
                                  verify=args.verify, colluders=args.colluders, honest_updates=args.honest_updates,
