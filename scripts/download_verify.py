@@ -45,7 +45,7 @@ def run_once(config: Path, codec: str, peers: int, rounds: int, steps: int) -> d
 
     async def scenario(run_dir: Path) -> dict[str, Any]:
         transport = MemoryTransport(cfg, run_dir, clock=clock)
-        daemon = await transport.start()
+        await transport.start()
         counters: dict[str, Any] = {}
         try:
             tasks = {}

@@ -89,7 +89,7 @@ def test_the_config_key_and_its_bounds() -> None:
         RunConfig.model_validate({"schedule": {"local_steps": "auto", "max_local_steps": 30, "max_auto_steps": 20}})
     from asyncloco.coordinator.methods import build_method, coordinator_policy
 
-    spec, _, _ = build_method(cfg.schedule.method, cfg.outer, 4, [torch.nn.Parameter(torch.zeros(2))])
+    spec, _, _ = build_method(cfg.schedule.method, cfg.outer, 4, [(0, 2)])
     pol = coordinator_policy(cfg, spec, 64, simulated=False, numel=2)
     assert pol.link_steps and pol.max_auto_steps == 300 and pol.transfer_cover == 1.0
 
@@ -111,7 +111,8 @@ def test_speed_reports_carry_the_link_and_the_time_split_into_status() -> None:
     split = time_split(info.time_split)
     assert split == {"computing": 0.9, "uploading": 0.05, "downloading": 0.03, "waiting": pytest.approx(0.02)}
     assert time_split(None) is None and time_split((1.0, 1.0, 1.0, 0.0)) is None
-    assert time_split((80.0, 30.0, 10.0, 100.0))["waiting"] == 0.0  # overlapped: transfers while computing
+    assert time_split((80.0, 30.0, 10.0, 100.0)) == {"computing": 0.8, "uploading": 0.3, "downloading": 0.1,
+                                                      "waiting": 0.0}  # overlapped: transfers while computing
     row = peer_row({"leases": 2, "applied": 1, "steps_assigned": 40, "staleness_sum": 1, "time_s": info.time_split},
                    alive=True, last_seen=6.0)
     assert row["time_split"] == split

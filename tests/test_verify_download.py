@@ -110,7 +110,7 @@ def run(tmp_path: Path, inner_state: str, liar: bool) -> dict[str, Any]:
 
     async def scenario() -> dict[str, Any]:
         transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
-        daemon = await transport.start()
+        await transport.start()
         try:
             peers = {name: start_peer(transport, name, rounds=6) for name in ("h0", "h1")}
             if liar:

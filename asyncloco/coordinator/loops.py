@@ -101,7 +101,7 @@ async def speed_loop(node: CoordinatorNode, stats: Stats, cfg: RunConfig, record
                     continue  # nothing for the logic to take: skip the log record
                 split = tuple(report.time_split) if report.time_split is not None else None
                 await node.decide(SpeedReport(report.peer_id, report.tokens_per_s, report.last_seen, signer,
-                                              report.link_up, report.link_down, split))  # type: ignore[arg-type]
+                                              report.link_up, report.link_down, split))
                 stats.peer(report.peer_id).device = report.device[:32]
         await _pause(stop, max(0.5, period / 2))
 

@@ -111,7 +111,7 @@ def theta_digest(theta: torch.Tensor) -> str:
     ``theta_digest``), and what the verifier checks its reconstruction against (coordinator/rerun.py)."""
     import hashlib
 
-    return hashlib.sha256(theta.detach().to(torch.float32).contiguous().cpu().numpy()).hexdigest()
+    return hashlib.sha256(theta.detach().to(torch.float32).contiguous().cpu().numpy().view("u1").data).hexdigest()
 
 
 def decoded_theta(codec: str, theta: torch.Tensor, anchor_body: Optional[bytes]) -> torch.Tensor:

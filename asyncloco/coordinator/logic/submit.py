@@ -368,7 +368,8 @@ def _apply_then_check(
         return actions  # not applied (dropped by the staleness policy) or no θ to re-run from: nothing to check
     state.verification.pending[lease.lease_id] = event.peer
     return actions + [Verify(event.peer, lease, base, copy, f"{lease.verify} (applied first: verifier behind)", "",
-                             event.state_start or "", event.state_end or "", event.device_class or "")]
+                             event.state_start or "", event.state_end or "", event.device_class or "",
+                             event.theta_codec or "", event.theta_anchor, event.theta_digest or "")]
 
 
 def _hold(
