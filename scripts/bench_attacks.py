@@ -99,6 +99,7 @@ class Result:
     # the run's repairs: the remedy installed and the validation loss of the θ it replaced and of the θ it installed
     repairs: list[dict[str, Any]] = field(default_factory=list)
     caught_after: Optional[int] = None  # tampered submissions the coordinator took from an attacker before its expulsion
+    caught_on: Optional[int] = None  # which of its tampered leases (1 = the first) the failed check was drawn on
     honest_suspect: int = 0  # honest leases re-run because the update sketch made their peer a suspect
     # how far each peer's updates rise against its own history (own_history_rises): honest vs tampered
     rises: dict[str, Any] = field(default_factory=dict)
@@ -276,6 +277,22 @@ def own_history_rises(run: Path, hostile: set[str]) -> dict[str, Any]:
             "honest_score_rise": spread([s for _, s in rises["honest"]]),
             "tampered_norm_rise": [round(math.exp(n), 3) for n, _ in rises["tampered"][:5]],
             "tampered_score_rise": [round(s, 3) for _, s in rises["tampered"][:5]]}
+
+
+def tampered_caught_on(summaries: list[Path], events: list[dict[str, Any]]) -> Optional[int]:
+    """For attackers that were expelled: the position, among its accepted tampered submissions (1 = the first), of the
+    lease whose failed check expelled it — the sampling's catch, apart from the tampered leases the attacker got in
+    while that check was still running (``tampered_before_caught`` counts those too); the latest over attackers."""
+    failed = {e.get("lease_id") for e in events if e.get("type") == "verdict" and e.get("ok") is False}
+    positions = []
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        tampered = [c.get("lease_id") for c in summary.get("calls", []) if c.get("call") == "submit" and c.get("accepted")
+                    and not c.get("duplicate") and c.get("attack") not in ("honest", None)]
+        caught = [i + 1 for i, lease_id in enumerate(tampered) if lease_id in failed]
+        if caught:
+            positions.append(caught[0])
+    return max(positions) if positions else None
 
 
 def holding(events: list[dict[str, Any]], honest: set[str]) -> dict[str, float]:
@@ -525,6 +542,7 @@ def run_one(
         honest_steps=applied_steps(events, honest_ids),
         repairs=repairs_of(events),
         caught_after=tampered_before_caught(sorted((workdir / "run").glob("hostile*.json")), events),
+        caught_on=tampered_caught_on(sorted((workdir / "run").glob("hostile*.json")), events),
         honest_suspect=int(held["honest_suspect"]),
         rises=own_history_rises(workdir / "run", hostile_ids) if verify else {},
         held_staleness=held["held_staleness"],
@@ -688,11 +706,12 @@ def acceptance16(results: list[Result]) -> list[str]:
     lines.append(f"honest updates clipped: {clipped} of {applied} ({100 * clipped / max(1, applied):.2f} %, ≤ 2 %: "
                  f"{'yes' if clipped <= 0.02 * applied else 'NO'}); honest leases re-run as sketch suspects: {suspect} "
                  f"({100 * suspect / max(1, applied):.2f} %, ≤ 2 %: {'yes' if suspect <= 0.02 * applied else 'NO'})")
-    sleepers = [r.caught_after for r in on if parse_row(r.attack, 1)[0] == "sleeper"]
+    sleepers = [r for r in on if parse_row(r.attack, 1)[0] == "sleeper"]
     if sleepers:
-        within = sum(1 for c in sleepers if c is not None and c <= 5)
-        lines.append(f"sleeper caught within 5 of its hostile leases: {within} of {len(sleepers)} runs "
-                     f"(tampered submissions taken: {sleepers})")
+        within = sum(1 for r in sleepers if r.caught_on is not None and r.caught_on <= 5)
+        lines.append(f"sleeper caught within 5 of its hostile leases: {within} of {len(sleepers)} runs (the failed "
+                     f"check was on tampered lease {[r.caught_on for r in sleepers]}; tampered submissions taken before "
+                     f"the expulsion, those sent while that check ran included: {[r.caught_after for r in sleepers]})")
     worse = [x for r in on for x in r.repairs if x.get("losses") and x.get("loss_after") is not None
              and x["loss_after"] > x["losses"].get("discard", math.inf)]
     lines.append(f"repairs: {sum(len(r.repairs) for r in on)}, installed a θ worse than leaving the attacker out: {len(worse)}")
