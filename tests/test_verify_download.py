@@ -156,3 +156,20 @@ def test_a_peer_naming_another_theta_than_it_decoded_fails_its_check(tmp_path: P
     assert list(out["state"].verification.expelled) == ["liar"]
     assert "is not θ v" in out["state"].verification.expelled["liar"]
     assert out["verification"]["failed"] == 1
+
+def test_the_submit_header_carries_the_decoded_theta_bounded() -> None:
+    from asyncloco.transport.errors import MessageError
+    from asyncloco.transport.wire import SubmitHeader
+
+    digest = "a" * 64
+    # a delta's anchor may be newer than the lease's base (a prefetched newest θ, then the lease's older one)
+    for anchor in (None, 3, 7):
+        header = SubmitHeader("l", 5, "int8", 10, theta_codec="int8", theta_anchor=anchor, theta_digest=digest)
+        assert SubmitHeader.from_wire(header.to_wire()) == header
+    assert SubmitHeader("l", 5, "int8", 10).theta_codec is None  # a peer that names nothing: re-run from θ itself
+    for bad in ({"theta_codec": "int8", "theta_anchor": 5, "theta_digest": digest},  # its own version is no anchor
+                {"theta_codec": "none", "theta_anchor": 3, "theta_digest": digest},  # fp32 is never a delta
+                {"theta_codec": "int8"}, {"theta_digest": digest},  # codec and digest together
+                {"theta_codec": "int8", "theta_digest": "A" * 64}, {"theta_codec": "zip", "theta_digest": digest}):
+        with pytest.raises(MessageError):
+            SubmitHeader("l", 5, "int8", 10, **bad)  # type: ignore[arg-type]

@@ -341,9 +341,9 @@ class SubmitHeader(_Message):
         self._int("theta_anchor", 0, MAX_VERSION, optional=True)
         self._str("theta_digest", 64, pattern=DIGEST_PATTERN, optional=True)
         if (self.theta_codec is None) != (self.theta_digest is None) or (self.theta_anchor is not None and (
-                self.theta_codec in (None, "none") or self.theta_anchor >= self.base_version)):
+                self.theta_codec in (None, "none") or self.theta_anchor == self.base_version)):
             raise _fail("SubmitHeader", "theta_anchor", "θ's provenance is theta_codec with theta_digest, and an anchor "
-                        "older than base_version only for a lossy codec")
+                        "other than base_version only for a lossy codec")
 
 
 @dataclass(frozen=True)
