@@ -156,7 +156,7 @@ async def _runtime(cfg: RunConfig, peers: int, rounds: int, directory: Path) -> 
         peer_steps = sum(r.summary.steps for r in runners.values())
         return {"peers": peers, "rounds": rounds, "fraction": cfg.runtime.verify.fraction, "inner_state": cfg.runtime.verify.inner_state,
                 "probation": cfg.runtime.verify.probation_updates, "leases": sum(r.summary.rounds for r in runners.values()),
-                "applied_steps": daemon.state.local_updates, "peer_steps": peer_steps, "peer_train_s": train_s,
+                "applied_steps": daemon.node.state.local_updates, "peer_steps": peer_steps, "peer_train_s": train_s,
                 "verification": status, "compute_fraction_seconds": status["busy_s"] / train_s if train_s else None}
     finally:
         if transport.daemon is not None and transport.daemon.verification is not None:
@@ -179,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-state", choices=("carry", "reset"), default="carry",
                         help="part 2: carry (the default: leases re-run from revealed start states) or reset")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny, 2 steps of 16 tokens, and the runtime "
+                        "with 2 peers × 6 leases (tests)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.steps, args.batch, args.seq_len = ["tiny"], 2, 1, 16
+        args.runtime, args.peers, args.rounds = True, 2, 6
     logging.basicConfig(level=logging.ERROR)
     torch.manual_seed(0)
     out: dict[str, Any] = {"sizes": [], "runtime": None, "threads": torch.get_num_threads()}

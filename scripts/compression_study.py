@@ -204,7 +204,10 @@ def main() -> None:
     parser.add_argument("--from-json", type=Path, nargs="+", default=None,
                         help="only tabulate/plot earlier results (several files: merged, a run repeated in two files "
                              "counted once: the first file wins)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: the toy task, one seed, fp32 and int8 (tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.tasks, args.seeds, args.codecs, args.toy_updates = "toy", 1, "none,int8", args.toy_updates or 300
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
     tasks = [t for t in args.tasks.split(",") if t]

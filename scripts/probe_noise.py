@@ -113,7 +113,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: one lease of 1 and of 30 steps per mode "
+                        "after 8 warm steps, 1 thread (tests/test_gate_probe.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.samples, args.steps, args.warm_steps, args.threads = 1, [1, 30], 8, 1
     result = measure(args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "storage-per-update")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--updates", type=int, default=0, help="end once this many updates are applied (--duration caps it)")
-    parser.add_argument("--smoke", action="store_true", help="seconds of work: one peer of the demo until 4 updates (tests)")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: one peer of the demo until 2 updates (tests)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.duration, args.slowdowns, args.updates = 120.0, "1", 4
+        args.duration, args.slowdowns, args.updates = 120.0, "1", 2
     if args.workdir.exists():
         shutil.rmtree(args.workdir)
     args.workdir.mkdir(parents=True)

@@ -215,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emit", help=argparse.SUPPRESS)  # internal: one CPU lease into this file (--cross-cpu)
     parser.add_argument("--start", help=argparse.SUPPRESS)  # internal: the carried start state (--cross-cpu)
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny, 2 steps of 2 × 16 tokens, 1 thread (tests)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.steps, args.batch_size, args.seq_len, args.threads = "tiny", 2, 2, 16, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.emit:

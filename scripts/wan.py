@@ -59,6 +59,7 @@ def main() -> int:
     sub.add_parser("profiles", help="list the link profiles")
     c = sub.add_parser("check", help="measure one emulated link")
     c.add_argument("--profile", default="home", choices=sorted(PROFILES))
+    c.add_argument("--json", type=Path, help="also write the measurement here")
     r = sub.add_parser("run", help="a coordinator and peers over emulated links")
     r.add_argument("--config", help="run config (required, but for --smoke: the demo's)")
     r.add_argument("--peers", default="home:1,far:4,campus:1.5", help="profile:slowdown per peer")
@@ -92,6 +93,10 @@ def main() -> int:
             rtt = min(result["rtt_s"])  # type: ignore[call-overload]
             print(f"{profile.describe()}: measured up {result['up_mbit']:.1f} Mbit/s, down {result['down_mbit']:.1f} Mbit/s, "
                   f"RTT {rtt * 1000:.0f} ms (configured {2 * profile.latency_ms:.0f} ms)")  # fmt: skip
+            if args.json:
+                args.json.write_text(json.dumps({"profile": args.profile, "up_mbit_configured": profile.up_mbit,
+                                                 "down_mbit_configured": profile.down_mbit,
+                                                 "latency_ms_configured": profile.latency_ms, **result}, indent=1))
             return 0
         peers = parse_peers(args.peers)
         result = run_wan(Path(args.config), peers, args.budget, Path(args.out), threads=args.threads, seed=args.seed)
