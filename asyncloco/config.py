@@ -385,6 +385,10 @@ class RuntimeConfig(StrictModel):
     download_codec: Literal["none", "bf16", "int8"] = Field(
         "int8", description="codec of θ downloads (none = fp32; int8: 0.25 × fp32, a check re-runs from the θ the peer decoded)"
     )
+    overlap: bool = Field(
+        True, description="overlapped rounds: a peer trains its next lease while its last update uploads (with its reveal, "
+        "if asked) and the next θ downloads (peer/pipeline.py); false: ask, download, train, upload in turn"
+    )
     lease_timeout_factor: float = Field(3.0, gt=1, description="lease deadline = expected duration × this + slack")
     lease_slack: float = Field(30.0, ge=0, description="seconds added to every lease deadline")
     checkpoint_dir: str = "runs/coordinator"

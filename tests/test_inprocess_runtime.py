@@ -200,7 +200,9 @@ def test_a_submission_delayed_past_its_deadline_is_refused_and_its_steps_were_gi
 
 @pytest.mark.timeout(120)
 def test_a_peer_dying_after_training_gives_its_lease_back_and_its_range_is_issued_again(tmp_path: Path) -> None:
-    cfg = config()
+    # serial rounds: the next draw (Eq. 2) lands on the given-back range; overlapped rounds draw the second lease with
+    # the first in flight, and a peer dying with a lease in flight is tests/test_overlap_runtime.py's
+    cfg = config(runtime={"overlap": False})
     clock = FakeClock()
     switch = KillSwitch()
     switch.arm("trained", nth=2)  # the peer dies after training its second lease, before submitting it

@@ -53,11 +53,14 @@ class JoinOptions(Protocol):
 
 
 async def ask_for_lease(
-    client: Any, tokens_per_s: float, token: Optional[str] = None, name: Optional[str] = None, signer: Optional[str] = None
+    client: Any, tokens_per_s: float, token: Optional[str] = None, name: Optional[str] = None, signer: Optional[str] = None,
+    keep: Optional[str] = None,
 ) -> LeaseReply:
     """``assign`` with this peer's speed, its admission token and ``--name`` (if it has them), and the
     fingerprint of its DHT signing key: the coordinator binds it to this peer id, so only this peer's own
-    speed records count for it."""
+    speed records count for it. ``keep``: the lease whose update is still uploading (overlapped rounds)."""
+    if keep is not None:
+        return await client.assign(tokens_per_s, token=token, name=name, signer=signer, keep=keep)
     return await client.assign(tokens_per_s, token=token, name=name, signer=signer)
 
 

@@ -62,7 +62,7 @@ from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, time
 from asyncloco.peer.reveal import RevealStore
 from asyncloco.train.commitments import committed_digest
 from asyncloco.peer.upload import error_feedback, submit_with_retry
-from asyncloco.peer.waits import Aborted, pause, race
+from asyncloco.peer.waits import Aborted, Leave, pause, race
 from asyncloco.refusals import RefusalCode
 
 if TYPE_CHECKING:  # the transport package imports hivemind: run() imports it when the peer joins
@@ -76,8 +76,7 @@ PEER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the wire's AssignRequest.name
 _refused_admission = refused_admission  # its name here before the split (tests/test_refusal_codes.py imports it)
 
 
-class _Leave(Exception):
-    """The rounds end: the volunteer asked to leave at once (a step of :meth:`PeerRunner.serve` logged what is dropped)."""
+_Leave = Leave  # the rounds end: the volunteer asked to leave at once (a step of serve() logged what is dropped)
 
 
 @dataclass
@@ -95,6 +94,7 @@ class PeerOptions:
     connect_timeout: float = 30.0  # --join-timeout: how long to wait for an unreachable coordinator, with backoff
     token: Optional[str] = None  # admission token from the organiser (runtime.admission: token)
     prefetch: bool = False  # download the newest θ while asking for the next lease (--prefetch)
+    overlap: Optional[bool] = None  # train the next lease while the last update uploads (None: the run's runtime.overlap)
     # --- reach (README "Behind a NAT"): outbound connections only unless asked; a name for the status table
     dht_server: bool = False  # serve the DHT (needs inbound connections); default: a DHT client
     name: Optional[str] = None  # shown in `asyncloco status`; 1-64 of [A-Za-z0-9_.-]
@@ -302,6 +302,11 @@ class PeerRunner:
                                                                 getattr(client, "link", None)))
             self._loop_started = self.clock.monotonic()
             self._idle_wait = 0.0
+            if cfg.runtime.overlap if self.options.overlap is None else self.options.overlap:
+                from asyncloco.peer.pipeline import OverlappedRounds  # the rounds overlapped (peer/pipeline.py)
+
+                await OverlappedRounds(self, client, publisher, cfg, workload, trainer, codec, counters).run()
+                self._stop.set()  # its rounds are over: the serial loop below does not start
             while not self._stop.is_set():
                 if self.options.max_rounds is not None and self.summary.rounds >= self.options.max_rounds:
                     break
@@ -332,9 +337,9 @@ class PeerRunner:
             self.summary.traffic = counters.as_dict()
             self._write_summary()
 
-    async def _ask(self, client: Any, publisher: Any) -> Optional[LeaseGrant]:
+    async def _ask(self, client: Any, publisher: Any, keep: Optional[str] = None) -> Optional[LeaseGrant]:
         """A lease, or None after a failed request or a "no lease" answer (paused: 2 s after a failure; 1 s
-        after "no lease", doubling up to 30 s while quarantined)."""
+        after "no lease", doubling up to 30 s while quarantined). ``keep``: the lease whose update is uploading."""
         from asyncloco.transport.errors import TransportError
 
         asked = self.clock.monotonic()
@@ -342,7 +347,7 @@ class PeerRunner:
             # a first Ctrl+C lets this request finish: a lease handed out meanwhile is trained and
             # submitted like any other (cancelling would leave it to expire at the coordinator)
             reply = await self._unless_aborted(
-                ask_for_lease(client, float(self.speed or 0.0), self.options.token, self.options.name, publisher.signer)
+                ask_for_lease(client, float(self.speed or 0.0), self.options.token, self.options.name, publisher.signer, keep)
             )
         except Aborted:
             logger.warning("leaving at once while asking for a lease; a lease handed out right now is given "
@@ -440,9 +445,24 @@ class PeerRunner:
     ) -> Optional[Ack]:
         """Encode (with error feedback) and submit the pseudo-gradient, and count the round; returns the ack, or
         None when nothing was sent or nothing acknowledged."""
+        uploading = self.clock.monotonic()
+        encoded = await self._encode(trainer, lease, pseudo_gradient, cfg, codec)
+        if encoded is None:
+            return None
+        ack = await self._submit(client, trainer, lease, encoded, self._digests, self._inner_loss, uploading)
+        applied = ack is not None and ack.accepted
+        self.feedback.settle(applied)  # not applied: the residual is dropped
+        if self._commits(trainer) and not applied:
+            self._reset_inner_state(trainer)  # only applied leases advance the commitment chain (logic._broken_chain)
+        return ack
+
+    async def _encode(
+        self, trainer: InnerTrainer, lease: LeaseGrant, pseudo_gradient: torch.Tensor, cfg: RunConfig, codec: str
+    ) -> Any:
+        """The pseudo-gradient encoded with error feedback (the end commitment takes the residual it leaves), or None
+        for a diverged round (nothing to send; the inner state and the residual start afresh)."""
         from asyncloco.transport.errors import CodecError
 
-        uploading = self.clock.monotonic()
         try:
             self.feedback = error_feedback(self.feedback, cfg, codec)
             encoded = await asyncio.to_thread(self.feedback.encode, pseudo_gradient)
@@ -454,27 +474,34 @@ class PeerRunner:
         if self._commits(trainer) and self.feedback.enabled and self._inner_end is not None:
             # with error feedback the lease's end state includes the residual this upload leaves (peer/reveal.py)
             self._digests = (self._digests[0], self.reveals.end_residual(lease.lease_id, self._inner_end, self.feedback.pending))
+        return encoded
+
+    async def _submit(
+        self, client: Any, trainer: InnerTrainer, lease: LeaseGrant, encoded: Any,
+        digests: tuple[Optional[str], Optional[str]], inner_loss: Optional[float], uploading: float,
+    ) -> Optional[Ack]:
+        """Send ``encoded`` until acknowledged (peer/upload.py) and count the round (``uploading``: when it began)."""
         if self._stop.is_set():
             logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
-        ack = await submit_with_retry(client, lease, encoded, inner_loss=self._inner_loss, digests=self._digests,
+        ack = await submit_with_retry(client, lease, encoded, inner_loss=inner_loss, digests=digests,
                                       clock=self.clock, abort=self._abort, summary=self.summary,
                                       device_class=trainer.compute_class)
         add_timing(self.summary, "upload", self.clock.monotonic() - uploading)
         self.summary.rounds += 1
         self.summary.steps += lease.steps
-        applied = ack is not None and ack.accepted
-        self.feedback.settle(applied)  # not applied: the residual is dropped
-        if self._commits(trainer) and not applied:
-            self._reset_inner_state(trainer)  # only applied leases advance the commitment chain (logic._broken_chain)
         return ack
 
-    async def _settle(self, client: Any, lease: LeaseGrant, ack: Ack, counters: Any) -> None:
-        """After an ack: prefetch the newest θ (--prefetch), reveal if asked, count the verdict, write the summary."""
-        if self.options.prefetch and not self._stop.is_set():
+    async def _settle(
+        self, client: Any, lease: LeaseGrant, ack: Ack, counters: Any,
+        digests: Optional[tuple[Optional[str], Optional[str]]] = None, prefetch: bool = True,
+    ) -> None:
+        """After an ack: prefetch the newest θ (--prefetch), reveal if asked, count the verdict, write the summary.
+        ``digests``: the lease's commitments (default: the latest round's)."""
+        if prefetch and self.options.prefetch and not self._stop.is_set():
             # the next lease most likely starts from the newest θ: fetch it while asking for the lease
             self._prefetch = asyncio.ensure_future(client.get_model(None))
         if ack.reveal:  # chosen for verification after the submission: send the lease's start and end states
-            await self._reveal(client, lease.lease_id, self._digests[0])
+            await self._reveal(client, lease.lease_id, (digests or self._digests)[0])
         if ack.accepted:
             self.summary.accepted += 1
             self.summary.duplicates += int(ack.duplicate)

@@ -43,6 +43,7 @@ class PeerSummary:
     swarm_chunks_served: int = 0  # --swarm --serve: θ chunks this peer served to others (transport/swarm_serve.py)
     swarm_bytes_served: int = 0  # their payload bytes
     prefetch_misses: int = 0
+    discarded: int = 0  # overlapped rounds: leases trained from an update then not applied, so not submitted
 
 
 def write_summary(summary: PeerSummary, path: Optional[Path]) -> None:

@@ -13,13 +13,17 @@ from typing import Awaitable, TypeVar
 
 from asyncloco.clock import Clock
 
-__all__ = ["Aborted", "pause", "race"]
+__all__ = ["Aborted", "Leave", "pause", "race"]
 
 T = TypeVar("T")
 
 
 class Aborted(Exception):
     """A wait ended because the volunteer asked to leave."""
+
+
+class Leave(Exception):
+    """The rounds end: the volunteer asked to leave at once (the step that raised it logged what is dropped)."""
 
 
 async def race(call: Awaitable[T], event: asyncio.Event) -> T:

@@ -49,6 +49,7 @@ class CoordinatorLink(Protocol):
         token: Optional[str] = None,
         signer: Optional[str] = None,
         timeout: Optional[float] = None,
+        keep: Optional[str] = None,
     ) -> LeaseReply: ...
 
     async def get_model(

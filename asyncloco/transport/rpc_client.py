@@ -174,11 +174,13 @@ class CoordinatorClient:
         token: Optional[str] = None,
         signer: Optional[str] = None,
         timeout: Optional[float] = None,
+        keep: Optional[str] = None,
     ) -> LeaseReply:
-        """Ask for a lease (the coordinator may hold the answer for a grace period)."""
+        """Ask for a lease (the coordinator may hold the answer for a grace period); ``keep``: the lease whose update
+        this peer is still uploading (overlapped rounds: it stays active)."""
         request = AssignRequest(
             "lease", tokens_per_s=None if tokens_per_s is None else float(tokens_per_s), name=name, token=token,
-            signer=signer,
+            signer=signer, keep=keep,
         )
         reply = await self._request("assign", request, LeaseReply, timeout, hold=True)
         assert isinstance(reply, LeaseReply)

@@ -177,6 +177,7 @@ class AssignRequest(_Message):
     name: Optional[str] = None
     token: Optional[str] = None  # admission token (runtime.admission: token; see coordinator/admission.py)
     signer: Optional[str] = None  # the peer's DHT signing key id, bound to its peer id by the coordinator
+    keep: Optional[str] = None  # overlapped rounds: the lease whose update this peer is still uploading (kept active)
     REQUIRED: ClassVar[tuple[str, ...]] = ("kind",)
 
     def __post_init__(self) -> None:
@@ -185,6 +186,7 @@ class AssignRequest(_Message):
         self._str("name", 64, pattern=NAME_PATTERN, optional=True)
         self._str("token", MAX_TOKEN_CHARS, optional=True)  # admission: format and signature checked by the coordinator
         self._str("signer", MAX_TOKEN_CHARS, optional=True)
+        self._str("keep", MAX_ID_CHARS, optional=True)
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,10 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
     if update_gate.is_quarantined(state.gate, peer, now):
         until = state.gate.quarantined_until[peer]
         return [Rejected(peer, "", f"quarantined until {until:.0f} after repeated rejected updates", RefusalCode.QUARANTINED)]
-    for lease in _peer_leases(state, peer)[:1]:
-        # A peer holds one lease at a time: asking again means it abandoned the old one.
+    kept = event.keep if event.keep in state.leases and state.leases[event.keep].peer == peer else ""
+    for lease in [lease for lease in _peer_leases(state, peer) if lease.lease_id != kept][:1]:
+        # A peer holds one lease at a time, and one more whose update it is uploading (``keep``: overlapped rounds):
+        # asking again means it abandoned any other.
         return _give_back(state, lease, "peer asked for new work before submitting") + _on_request(state, event, now)
     if peer in state.held:
         return []
@@ -154,12 +156,12 @@ def _on_request(state: CoordinatorState, event: RequestWork, now: float) -> list
         # is settled and a peer that finished inside it (B in Fig. 3) starts at once from the same θ
         # the group was released with — it never opens a window of its own that would chain to a
         # completion outside this one (C in Fig. 3).
-        waiting = _expected_in_window(state, state.window_end)
+        waiting = tuple(lid for lid in _expected_in_window(state, state.window_end) if lid != kept)
         if not waiting:
             return [_issue(state, peer, now, "finished inside a settled grace window: starts from its newest θ")]
         state.held[peer] = now
         return [Hold(peer, state.window_end, waiting, "joined the open grace window")]
-    soon = _expected_in_window(state, now + policy.grace_period)  # only these can matter: O(k + log n)
+    soon = [lid for lid in _expected_in_window(state, now + policy.grace_period) if lid != kept]  # O(k + log n)
     decision = hold_decision(now, ((lid, state.leases[lid].expected_finish) for lid in soon), policy.grace_period)
     if decision.hold_until is None:
         return [_issue(state, peer, now, decision.reason)]

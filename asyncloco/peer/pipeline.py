@@ -1,0 +1,189 @@
+"""Overlapped rounds (``runtime.overlap``, the default): a peer trains its next lease while its last update uploads
+(with its reveal, when the coordinator asks for one) and while the next θ downloads.
+
+Round N+1 of a peer, with round N's upload in flight::
+
+    train N ─ encode N ─┬─ upload N (resent until acknowledged) ─ reveal N, if asked ─┐
+                        └─ ask N+1 (keep N) ─ download θ ─ train N+1 ─────────────── wait for N's ack ─ encode N+1 ─ …
+
+What holds with a lease in flight (docs/design.md, "Overlapped rounds"):
+
+* **one upload at a time, in order.** N+1 is encoded only once N's ack is in: with error feedback its encoding starts
+  from the residual N's encoding left, which is kept only if N was applied (train/feedback.py);
+* **two leases at most.** The request for N+1 names N (``keep``): the coordinator keeps N active, gives back any other
+  lease of the peer, and never holds the request for the peer's own update (coordinator/logic/leases.py). N+1's base
+  version is θ before N is applied: that staleness is counted like any other (the version the lease was based on);
+* **the commitment chain.** N+1 starts from N's end state — and, with error feedback, from the residual N leaves, taken
+  as current the moment N is encoded. If N is not applied (refused, expired, lost), the peer resets its inner state
+  and drops the residual, as serial rounds do: before training N+1 when N's verdict is in by then; otherwise N+1 was
+  trained from a state the chain refuses, and it is not submitted (``summary.discarded``): the coordinator gives its
+  steps back when the peer next asks. Without commitments N+1 is submitted, encoded without the dropped residual;
+* **reveals.** N's reveal goes out from N's upload task while N+1 trains; the reveal store keeps at least two leases;
+* **Ctrl+C.** The first lets the lease in training finish, waits for N's ack, submits the last lease and leaves; the
+  second leaves at once: the training stops after its step and N's upload is given up (both logged);
+* **a coordinator restart** while N uploads: N's same bytes are resent until acknowledged (a duplicate if the old
+  coordinator had applied N); the request for N+1 is asked again like any failed request.
+
+The summary's ``train`` seconds over its wall time is the peer's compute fraction; ``upload_wait`` counts the seconds a
+trained lease waited for the previous ack (the upload not hidden behind training).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from asyncloco.config import RunConfig
+from asyncloco.peer.summary import add_timing
+from asyncloco.peer.waits import Leave
+
+if TYPE_CHECKING:  # the transport package imports hivemind
+    from asyncloco.transport.wire import Ack, LeaseGrant
+
+__all__ = ["OverlappedRounds"]
+
+logger = logging.getLogger(__name__)
+
+
+class _InFlight:
+    """A round whose update is uploading: its lease and the task that sends it (and reveals it, if asked)."""
+
+    def __init__(self, lease: LeaseGrant, task: "asyncio.Task[Optional[Ack]]") -> None:
+        self.lease = lease
+        self.task = task
+
+
+class OverlappedRounds:
+    """The rounds of ``runner`` (a peer/runner.py PeerRunner: its steps ``_ask``, ``_fetch``, ``_train_round``,
+    ``_encode``, ``_submit``, ``_settle``), overlapped: ``await OverlappedRounds(...).run()`` until the peer stops,
+    reaches ``max_rounds`` or leaves at once."""
+
+    def __init__(
+        self, runner: Any, client: Any, publisher: Any, cfg: RunConfig, workload: Any, trainer: Any, codec: str,
+        counters: Any,
+    ) -> None:
+        self.runner = runner
+        self.client = client
+        self.publisher = publisher
+        self.cfg = cfg
+        self.workload = workload
+        self.trainer = trainer
+        self.codec = codec
+        self.counters = counters
+        self.inflight: Optional[_InFlight] = None
+        self.sent = runner.summary.rounds  # rounds whose upload started (max_rounds counts them)
+
+    async def run(self) -> None:
+        self._keep_two_reveals()
+        failed = True
+        try:
+            while True:
+                if self._finishing():
+                    if self.inflight is None:
+                        break
+                    await self._collect()  # stopping: the upload in flight finishes first
+                    continue
+                await self._round()
+            failed = False
+        except Leave:
+            failed = False  # leaving at once: the upload in flight sees the abort and gives up
+        finally:
+            await self._drain(cancel=failed)
+
+    def _finishing(self) -> bool:
+        runner = self.runner
+        rounds = runner.options.max_rounds
+        return runner._stop.is_set() or (rounds is not None and self.sent >= rounds)
+
+    def _keep_two_reveals(self) -> None:
+        """The reveal store (peer/reveal.py) keeps the lease in flight and the one in training."""
+        verify = self.cfg.runtime.verify
+        if self.runner.reveals is None and verify.enabled and verify.inner_state == "carry":
+            from asyncloco.peer.reveal import RevealStore
+
+            self.runner.reveals = RevealStore(max(2, verify.reveal_keep))
+
+    async def _round(self) -> None:
+        """Ask, download and train the next lease while the last update uploads; then send it."""
+        runner = self.runner
+        keep = self.inflight.lease.lease_id if self.inflight is not None else None
+        lease = await runner._ask(self.client, self.publisher, keep)
+        if lease is None:
+            await self._collect_if_done()
+            return
+        theta = await runner._fetch(self.client, lease)
+        await self._collect_if_done()  # a verdict that is in resets the state before training, not after
+        if theta is None:
+            return
+        on_unsettled = self.inflight is not None  # trains from the end state of an update not yet acknowledged
+        pseudo_gradient = await runner._train_round(self.trainer, theta, lease, self.cfg, self.workload)
+        if self.inflight is not None:
+            waiting = runner.clock.monotonic()
+            applied = await self._collect()
+            add_timing(runner.summary, "upload_wait", runner.clock.monotonic() - waiting)
+            if not applied and on_unsettled and runner._commits(self.trainer):
+                runner.summary.discarded += 1
+                logger.warning("lease %s not submitted: it was trained from the end state of an update the coordinator "
+                               "did not apply (the coordinator gives its %d steps back)", lease.lease_id, lease.steps)
+                return
+        self._send(lease, await self._encode(lease, pseudo_gradient))
+
+    async def _encode(self, lease: LeaseGrant, pseudo_gradient: Any) -> Any:
+        runner = self.runner
+        started = runner.clock.monotonic()
+        encoded = await runner._encode(self.trainer, lease, pseudo_gradient, self.cfg, self.codec)
+        add_timing(runner.summary, "upload", runner.clock.monotonic() - started)
+        return encoded
+
+    def _send(self, lease: LeaseGrant, encoded: Any) -> None:
+        """Start the upload of ``encoded`` (None: nothing to send). The next lease starts from the state and the
+        residual this update leaves, as if it were applied (:meth:`_collect` undoes that if it is not)."""
+        if encoded is None:
+            return
+        runner = self.runner
+        digests, inner_loss = runner._digests, runner._inner_loss  # this round's: the next training replaces them
+        runner.feedback.settle(True)
+        self.sent += 1
+        self.inflight = _InFlight(lease, asyncio.ensure_future(self._upload(lease, encoded, digests, inner_loss)))
+
+    async def _upload(
+        self, lease: LeaseGrant, encoded: Any, digests: tuple[Optional[str], Optional[str]], inner_loss: Optional[float]
+    ) -> Optional[Ack]:
+        runner = self.runner
+        ack: Optional[Ack] = await runner._submit(
+            self.client, self.trainer, lease, encoded, digests, inner_loss, runner.clock.monotonic()
+        )
+        if ack is not None:
+            await runner._settle(self.client, lease, ack, self.counters, digests=digests, prefetch=False)
+        return ack
+
+    async def _collect_if_done(self) -> None:
+        if self.inflight is not None and self.inflight.task.done():
+            await self._collect()
+
+    async def _collect(self) -> bool:
+        """Wait for the upload in flight; if its update was not applied, drop the residual and (with commitments)
+        reset the inner state, as serial rounds do. Never called while a lease trains. True when applied."""
+        assert self.inflight is not None
+        task, self.inflight = self.inflight.task, None
+        ack = await task
+        applied = ack is not None and ack.accepted
+        runner = self.runner
+        if not applied:
+            runner.feedback.settle(False)  # the residual taken as current when it was sent is dropped
+            if runner._commits(self.trainer):
+                runner._reset_inner_state(self.trainer)  # only applied leases advance the commitment chain
+        return applied
+
+    async def _drain(self, cancel: bool) -> None:
+        """The upload in flight as the rounds end: awaited (it ends at once after a second Ctrl+C), or cancelled when
+        the rounds end on an error."""
+        if self.inflight is None:
+            return
+        task, self.inflight = self.inflight.task, None
+        if cancel:
+            task.cancel()
+        results = await asyncio.gather(task, return_exceptions=True)
+        if not cancel and isinstance(results[0], BaseException) and not isinstance(results[0], asyncio.CancelledError):
+            logger.warning("the last upload failed as the peer left: %r", results[0])

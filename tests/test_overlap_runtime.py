@@ -1,0 +1,430 @@
+"""Overlapped rounds (runtime.overlap; asyncloco/peer/pipeline.py): a peer trains its next lease while its last update
+uploads, and nothing is lost or applied twice with a lease in flight.
+
+The logic (coordinator/logic/leases.py): a request naming the lease still uploading (``keep``) keeps it active, gives
+back any other, and is never held for the peer's own update. The runtime — the real daemon and the real runner over the
+in-memory transport (asyncloco/testing/memory.py), with the carried inner state committed and verified — through the
+moments that matter, each made to happen while the next lease trains (the trainer is gated in its thread, the client
+holds the upload until then): a coordinator restart (the upload is resent and answered as a duplicate), a refused
+update (the lease trained from its end state is not submitted, the chain goes on from a fresh state, nobody is
+expelled), a reveal request (sent during the training and checked bitwise), and both Ctrl+Cs. Each asserts exact counts
+from the journal and the summaries: every update applied once, every lease either applied or given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from asyncloco.algo.outer import OuterSGD
+from asyncloco.clock import FakeClock
+from asyncloco.config import RunConfig
+from asyncloco.coordinator.daemon import JOURNAL_FILE
+from asyncloco.coordinator.logic import (
+    Applied, Assign, CoordinatorPolicy, Expired, Hold, RequestWork, SpeedReport, SubmitUpdate, handle, new_state,
+)
+from asyncloco.peer.runner import PeerOptions, PeerRunner
+from asyncloco.testing.memory import KillSwitch, MemoryClient, MemoryTransport, as_actor, drive
+from asyncloco.train.inner import InnerTrainer
+from asyncloco.transport.rpc import TrafficCounters
+from asyncloco.transport.wire import Ack, AssignRequest
+
+SPEED = 1000.0
+
+
+# ------------------------------------------------------------------------------------------------ the logic
+
+
+def _state(grace: float = 0.0) -> Any:
+    policy = CoordinatorPolicy(max_local_steps=10, min_steps=1, grace_period=grace, units_per_step=1,
+                               lease_timeout_factor=3.0, lease_slack=5.0)
+    state = new_state(torch.zeros(4), OuterSGD(0.5), (), policy, (1000,), 0)
+    for peer in ("a", "b"):
+        handle(state, SpeedReport(peer, 1.0), 0.0)
+    return state
+
+
+def _lease(actions: list[Any]) -> Any:
+    assert len(actions) == 1 and isinstance(actions[0], Assign), actions
+    return actions[0].lease
+
+
+def test_a_request_keeping_the_lease_in_flight_gets_a_second_lease_and_gives_back_any_other() -> None:
+    state = _state()
+    first = _lease(handle(state, RequestWork("a"), 0.0)[1])
+    second = _lease(handle(state, RequestWork("a", keep=first.lease_id), 10.0)[1])  # trained: asks before uploading
+    assert sorted(state.leases) == sorted([first.lease_id, second.lease_id]) and second.base_version == 0
+    # asking again keeping the first: the second (abandoned) goes back, the first stays
+    expired, third = handle(state, RequestWork("a", keep=first.lease_id), 11.0)[1]
+    assert isinstance(expired, Expired) and expired.lease_id == second.lease_id and "before submitting" in expired.reason
+    third_lease = _lease([third])
+    assert sorted(state.leases) == sorted([first.lease_id, third_lease.lease_id])
+    # the kept update arrives and is applied; its staleness is the version the next lease was based on
+    (applied,) = handle(state, SubmitUpdate("a", first.lease_id, 0, torch.ones(4)), 12.0)[1]
+    assert isinstance(applied, Applied) and applied.version == 1
+    (applied,) = handle(state, SubmitUpdate("a", third_lease.lease_id, 0, torch.ones(4)), 20.0)[1]
+    assert isinstance(applied, Applied) and applied.version == 2 and applied.staleness == 1
+    # without keep, a peer holds one lease: asking again abandons it (serial rounds, unchanged)
+    fourth = _lease(handle(state, RequestWork("a"), 21.0)[1])
+    expired, fifth = handle(state, RequestWork("a"), 22.0)[1]
+    assert isinstance(expired, Expired) and expired.lease_id == fourth.lease_id and list(state.leases) == [_lease([fifth]).lease_id]
+
+
+def test_a_peer_is_never_held_for_its_own_update_in_flight() -> None:
+    state = _state(grace=5.0)
+    first = _lease(handle(state, RequestWork("a"), 0.0)[1])  # expected at 10.0
+    # at 9.0 the peer's own lease is due within the grace period: with keep it is not waited for
+    second = _lease(handle(state, RequestWork("a", keep=first.lease_id), 9.0)[1])
+    assert second.issued_at == 9.0 and first.lease_id in state.leases
+    # another peer is held for it, as before
+    (hold,) = handle(state, RequestWork("b"), 9.0)[1]
+    assert isinstance(hold, Hold) and hold.waiting_for == (first.lease_id,)
+
+
+def test_keep_names_only_the_peers_own_lease() -> None:
+    state = _state(grace=5.0)
+    theirs = _lease(handle(state, RequestWork("b"), 0.0)[1])  # b's, expected at 10.0
+    mine = _lease(handle(state, RequestWork("a"), 0.0)[1])  # b's lease is due at 10.0, beyond 0 + 5
+    # naming another peer's lease keeps nothing: a's own lease is given back, and a is held for b's lease as anyone
+    expired, hold = handle(state, RequestWork("a", keep=theirs.lease_id), 9.0)[1]
+    assert isinstance(expired, Expired) and expired.lease_id == mine.lease_id
+    assert isinstance(hold, Hold) and hold.waiting_for == (theirs.lease_id,)
+
+
+def test_the_wire_carries_keep() -> None:
+    request = AssignRequest("lease", tokens_per_s=1.0, keep="L1234")
+    assert AssignRequest.from_wire(request.to_wire()).keep == "L1234"
+    assert AssignRequest.from_wire(AssignRequest("lease").to_wire()).keep is None
+
+
+# ---------------------------------------------------------------------------------------------- the runtime
+
+
+def config(**runtime: Any) -> RunConfig:
+    return RunConfig.model_validate({
+        "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
+        "inner": {"lr": 1e-2},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": 5, "grace_period": 0.0},
+        "outer": {"buffer_size": 1},
+        "sim": {"workers": 1},
+        "runtime": {
+            "snapshot_every": 3, "wal_archive": True, "eval_every": 100000, "lease_slack": 30.0,
+            "speed_report_period": 600.0, "gate": {"enabled": False},
+            "verify": {"enabled": True, "inner_state": "carry", "fraction": 1.0, "probation_updates": 0,
+                       "horizon": 100000, "queue": 256},
+            **runtime,
+        },
+    })
+
+
+class Gates:
+    """Orders a peer's overlap deterministically: the upload of its k-th lease (in the order they were granted) waits
+    until lease k+1 trains (``trains[k+1]``; not for the last submission, nor once the peer stops: ``no_more``), and
+    the training of lease k+1 waits (in its thread) until ``release[k+1]`` — set once lease k's ack (and its reveal,
+    when asked) is in, so that they happen while lease k+1 trains."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.trains: dict[int, asyncio.Event] = {}
+        self.no_more = asyncio.Event()
+        self.release = {k: threading.Event() for k in range(1, 2 * rounds + 2)}
+        self.release[1].set()
+        self.order: list[str] = []  # what happened, in order
+
+    async def until_trains(self, k: int) -> None:
+        waits = {asyncio.ensure_future(self.trains_event(k).wait()), asyncio.ensure_future(self.no_more.wait())}
+        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+
+    def trains_event(self, k: int) -> asyncio.Event:
+        return self.trains.setdefault(k, asyncio.Event())
+
+    def gate_trainer(self, trainer: InnerTrainer, on_start: Any = None) -> None:
+        run, count = trainer.run, [0]
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            k = count[0]
+            assert self.loop is not None
+            self.order.append(f"train {k} starts")
+            self.loop.call_soon_threadsafe(self.trains_event(k).set)
+            if on_start is not None:
+                on_start(k)
+            assert self.release[k].wait(timeout=30.0), f"lease {k}'s training was never released"
+            result = run(*args, **kwargs)
+            self.order.append(f"train {k} ends")
+            return result
+
+        trainer.run = gated  # type: ignore[method-assign]
+
+
+class GatedClient(MemoryClient):
+    """The upload of lease k is sent once lease k+1 trains; its ack (and reveal) release that training. ``refuse``: the
+    k-th submission goes out with a wrong base version, which the coordinator refuses (INVALID_UPDATE)."""
+
+    def __init__(self, *args: Any, gates: Gates, refuse: int = 0, stall: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gates = gates
+        self.refuse = refuse
+        self.stall = stall  # the stall-th submission never gets through (a link that hangs)
+        self.granted: list[str] = []  # leases granted, in order (the k-th is the k-th trained)
+        self.leases: list[str] = []  # leases submitted, in order
+        self.acks: list[tuple[str, Ack]] = []
+        self.keeps: list[Optional[str]] = []
+        self.reveals: list[str] = []
+
+    async def assign(self, *args: Any, keep: Optional[str] = None, **kwargs: Any) -> Any:
+        self.keeps.append(keep)
+        reply = await super().assign(*args, keep=keep, **kwargs)
+        if reply.lease is not None:
+            self.granted.append(reply.lease.lease_id)
+        return reply
+
+    async def submit(self, lease_id: str, base_version: int, pseudo_gradient: Any, **kwargs: Any) -> Ack:
+        if lease_id not in self.leases:
+            self.leases.append(lease_id)
+        k = self.granted.index(lease_id) + 1
+        if len(self.leases) < self.gates.rounds:
+            await self.gates.until_trains(k + 1)
+        self.gates.order.append(f"submit {k}")
+        if len(self.leases) == self.stall:
+            await asyncio.Event().wait()
+        refused = len(self.leases) == self.refuse
+        ack = await super().submit(lease_id, base_version + (1000 if refused else 0), pseudo_gradient, **kwargs)
+        self.acks.append((lease_id, ack))
+        if not ack.reveal:
+            self.gates.release[k + 1].set()
+        if refused:  # lease k+1 will not be submitted: lease k+2 trains with nothing in flight
+            self.gates.release[k + 2].set()
+        return ack
+
+    async def reveal(self, lease_id: str, state: bytes, **kwargs: Any) -> Any:
+        k = self.granted.index(lease_id) + 1
+        try:
+            reply = await super().reveal(lease_id, state, **kwargs)
+            self.reveals.append(lease_id)
+            self.gates.order.append(f"reveal {k}")
+            return reply
+        finally:
+            self.gates.release[k + 1].set()
+
+
+class GatedPeer:
+    def __init__(self, transport: MemoryTransport, name: str, rounds: int, gates: Gates, *, refuse: int = 0,
+                 stall: int = 0, on_start: Any = None, crash_hook: Any = None) -> None:
+        cfg = transport.cfg
+        options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
+                              progress=False, max_rounds=rounds)
+        self.runner = PeerRunner(options, clock=transport.clock, crash_hook=crash_hook)
+        self.runner.summary.peer_id = name
+        self.runner.speed = SPEED
+        self.counters = TrafficCounters()
+        self.client = GatedClient(transport, name, gates=gates, refuse=refuse, stall=stall, counters=self.counters,
+                                  download_codec=cfg.runtime.download_codec)
+        self.trainer = InnerTrainer.from_config(cfg, transport.workload)
+        gates.loop = asyncio.get_running_loop()
+        gates.gate_trainer(self.trainer, on_start)
+        self.task = as_actor(name, self.runner.serve(
+            self.client, transport.publisher(name, signer=f"key-{name}"), cfg, transport.workload, self.trainer,
+            cfg.runtime.codec, self.counters,
+        ))
+
+
+def journal(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    path = run_dir / JOURNAL_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [r for r in records if r["type"] == kind]
+
+
+async def _finish(transport: MemoryTransport) -> None:
+    daemon = transport.daemon
+    if daemon is not None and daemon.verification is not None:
+        await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
+
+
+async def _close(transport: MemoryTransport) -> None:
+    if transport.daemon is not None and transport.daemon.verification is not None:
+        await transport.daemon.verification.close()
+    await transport.close()
+
+
+def _every_lease_applied_once_or_given_back(run_dir: Path) -> tuple[list[str], list[str]]:
+    """(applied lease ids, given-back lease ids) from the journal; each assigned lease is exactly one of them."""
+    assigned = [a["lease_id"] for a in journal(run_dir, "assign")]
+    applied = [a["lease_id"] for a in journal(run_dir, "applied")]
+    back = [e["lease_id"] for e in journal(run_dir, "expired")]
+    assert len(applied) == len(set(applied)), "an update applied twice"
+    assert sorted(applied + back) == sorted(assigned), (assigned, applied, back)
+    versions = [a["version"] for a in journal(run_dir, "applied")]
+    assert versions == list(range(1, len(applied) + 1))
+    return applied, back
+
+
+def _verdicts_ok(run_dir: Path) -> list[dict[str, Any]]:
+    verdicts = journal(run_dir, "verdict")
+    assert verdicts and all(v["ok"] for v in verdicts), verdicts
+    return verdicts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("feedback", [False, True], ids=["int8", "sgn15of16-feedback"])
+def test_reveals_go_out_while_the_next_lease_trains_and_every_check_passes(tmp_path: Path, feedback: bool) -> None:
+    upload = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5} if feedback else {"codec": "int8"}
+    cfg, clock, gates, rounds = config(**upload), FakeClock(), Gates(4), 4
+
+    async def scenario() -> GatedPeer:
+        transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
+        await transport.start()
+        try:
+            peer = GatedPeer(transport, "a", rounds, gates)
+            await drive(clock, {"a": peer.task}, real_timeout=60.0)
+            peer.task.result()
+            await _finish(transport)
+            return peer
+        finally:
+            await _close(transport)
+
+    peer = asyncio.run(asyncio.wait_for(scenario(), timeout=100.0))
+    summary, run_dir = peer.runner.summary, tmp_path / "run"
+    applied, back = _every_lease_applied_once_or_given_back(run_dir)
+    assert len(applied) == rounds and back == [] and summary.accepted == rounds and summary.discarded == 0
+    # each lease after the first was asked for with the previous one still uploading, and trained while it uploaded
+    assert peer.client.keeps[0] is None and peer.client.keeps[1:] == applied[:-1]
+    for k in range(1, rounds):
+        order = gates.order
+        assert order.index(f"train {k + 1} starts") < order.index(f"submit {k}") < order.index(f"reveal {k}") \
+            < order.index(f"train {k + 1} ends"), order
+    # every lease was checked, each from the state its predecessor left (revealed while the next one trained)
+    assert peer.client.reveals == applied
+    verdicts = _verdicts_ok(run_dir)
+    assert sorted(v["lease_id"] for v in verdicts) == sorted(applied)
+    assert all(v["detail"] == "bitwise equal to the re-run" for v in verdicts)
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_update_while_the_next_lease_trains_loses_nothing_and_breaks_no_chain(tmp_path: Path) -> None:
+    cfg, clock, gates, rounds = config(codec="int8"), FakeClock(), Gates(5), 5
+
+    async def scenario() -> GatedPeer:
+        transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
+        await transport.start()
+        try:
+            peer = GatedPeer(transport, "a", rounds, gates, refuse=2)  # lease 2's submission is refused
+            await drive(clock, {"a": peer.task}, real_timeout=60.0)
+            peer.task.result()
+            await _finish(transport)
+            return peer
+        finally:
+            await _close(transport)
+
+    peer = asyncio.run(asyncio.wait_for(scenario(), timeout=100.0))
+    summary, run_dir = peer.runner.summary, tmp_path / "run"
+    refused = peer.client.leases[1]
+    acks = dict(peer.client.acks)
+    assert not acks[refused].accepted and "base_version" in acks[refused].reason
+    # lease 3 trained from lease 2's end state: not submitted; given back when the peer next asked
+    applied, back = _every_lease_applied_once_or_given_back(run_dir)
+    assert summary.discarded == 1 and len(back) == 2 and refused not in applied
+    discarded = next(lid for lid in back if lid != refused)
+    assert discarded not in peer.client.leases  # never sent
+    assert summary.rejected == 1 and summary.accepted == len(applied) == rounds - 1
+    # the chain went on from a fresh state: no broken chain, nobody expelled, every check bitwise
+    assert not journal(run_dir, "expelled") and not [r for r in journal(run_dir, "rejected") if "chain" in r.get("reason", "")]
+    _verdicts_ok(run_dir)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "every-lease-checked"])
+def test_a_coordinator_restart_while_an_upload_is_in_flight_applies_it_once(tmp_path: Path, checked: bool) -> None:
+    """Lease 2 is applied (or held for its check) and the coordinator dies before answering, while lease 3 trains: the
+    resend is answered as a duplicate — asking for the reveal the restarted coordinator still awaits — and applied once."""
+    # θ downloaded whole: a check of a lease whose θ was an int8 delta from an anchor the restarted coordinator no
+    # longer holds ends unverified, its update dropped (the download service's anchors do not survive a restart)
+    cfg, clock, gates, rounds = config(codec="int8", download_codec="none", verify={
+        "enabled": True, "inner_state": "carry", "fraction": 1.0 if checked else 0.0, "probation_updates": 0,
+        "horizon": 100000, "queue": 256}), FakeClock(), Gates(4), 4
+
+    async def scenario() -> GatedPeer:
+        transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
+        await transport.start()
+        try:
+            transport.kill.arm("before_reply", nth=2, rpc="submit")  # lease 2 applied, the ack never sent
+            peer = GatedPeer(transport, "a", rounds, gates)
+            await drive(clock, {"a": peer.task}, until=lambda: transport.down or peer.task.done(), real_timeout=60.0)
+            assert transport.down and not peer.task.done()
+            await transport.restart()  # --resume while lease 3 trains and lease 2's upload is being resent
+            await drive(clock, {"a": peer.task}, real_timeout=60.0)
+            peer.task.result()
+            await _finish(transport)
+            return peer
+        finally:
+            await _close(transport)
+
+    peer = asyncio.run(asyncio.wait_for(scenario(), timeout=100.0))
+    summary, run_dir = peer.runner.summary, tmp_path / "run"
+    applied, back = _every_lease_applied_once_or_given_back(run_dir)
+    assert back == [] and len(applied) == rounds == summary.accepted
+    assert summary.duplicates == 1 and summary.resends >= 1 and summary.discarded == 0
+    second = peer.client.leases[1]
+    assert [lid for lid, ack in peer.client.acks if ack.duplicate] == [second]
+    assert peer.client.keeps.count(second) >= 1  # lease 3 was asked for (and trained) with lease 2 in flight
+    assert not journal(run_dir, "expelled")  # the commitment chain held across the restart
+    if checked:  # lease 2's check awaited its reveal at the restart: it ends unverified; every other one passes
+        unverified = journal(run_dir, "unverified")
+        assert [u["lease_id"] for u in unverified] == [second] and "restarted" in unverified[0]["reason"]
+        others = sorted(lid for lid in applied if lid != second)
+        assert sorted(peer.client.reveals) == others == sorted(v["lease_id"] for v in _verdicts_ok(run_dir))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_with_a_lease_in_flight(tmp_path: Path, presses: int) -> None:
+    """One Ctrl+C as lease 2 starts training (lease 1 uploading): both are finished and submitted, then the peer leaves.
+    Two, with lease 1's upload hanging on the link: the peer leaves at once (lease 2's training stops, lease 1's upload
+    is given up); the coordinator gives both back at their deadlines, nothing is applied."""
+    cfg, clock, gates, rounds = config(codec="int8"), FakeClock(), Gates(10), 10
+    peers: list[GatedPeer] = []
+
+    def on_start(k: int) -> None:
+        if k == 2:
+            runner = peers[0].runner
+            assert gates.loop is not None
+            gates.loop.call_soon_threadsafe(runner.stop if presses == 1 else runner.abort)
+            gates.loop.call_soon_threadsafe(gates.no_more.set)
+
+    async def scenario() -> None:
+        transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
+        await transport.start()
+        try:
+            peers.append(GatedPeer(transport, "a", rounds, gates, on_start=on_start, stall=1 if presses == 2 else 0))
+            if presses == 2:
+                gates.release[2].set()  # lease 2 trains at once, with lease 1's upload hanging
+            task = peers[0].task
+            await drive(clock, {"a": task}, real_timeout=60.0)
+            task.result()
+            await _finish(transport)
+            if presses == 2:  # the dropped leases go back at their deadlines
+                await drive(clock, {}, until=lambda: len(journal(tmp_path / "run", "expired")) == 2, real_timeout=30.0,
+                            idle_step=5.0)
+        finally:
+            await _close(transport)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=100.0))
+    summary, run_dir = peers[0].runner.summary, tmp_path / "run"
+    applied, back = _every_lease_applied_once_or_given_back(run_dir)
+    assert len(journal(run_dir, "assign")) == 2  # no third lease asked for
+    if presses == 1:
+        assert len(applied) == 2 and back == [] and summary.accepted == summary.rounds == 2
+        _verdicts_ok(run_dir)
+    else:
+        assert applied == [] and len(back) == 2 and summary.accepted == 0 and summary.rounds == 1  # sent, not acked
+        assert all("deadline" in e["reason"] for e in journal(run_dir, "expired"))
+        assert not journal(run_dir, "expelled")
