@@ -90,8 +90,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             print(f"Join it from another terminal with:\n  asyncloco peer join --initial-peers {address} --run-id {cfg.runtime.run_id}", flush=True)
             if daemon.reach_problem:
                 print(f"WARNING: {daemon.reach_problem}", flush=True)
-            if daemon.stats.dashboard_url:
-                print(f"Dashboard: {daemon.stats.dashboard_url}  (or: asyncloco status --url {daemon.stats.dashboard_url})", flush=True)
+            if daemon.monitoring.stats.dashboard_url:
+                print(f"Dashboard: {daemon.monitoring.stats.dashboard_url}  (or: asyncloco status --url {daemon.monitoring.stats.dashboard_url})", flush=True)
         else:
             ready_wait.cancel()
         await task

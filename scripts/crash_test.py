@@ -73,8 +73,8 @@ def replay_whole_log(cfg: RunConfig, checkpoint_dir: Path, out: Path) -> Coordin
     for segment in sorted(archive.glob("*.wal")) + sorted((checkpoint_dir / WAL_DIR).glob("*.wal")):
         shutil.copyfile(segment, wal / segment.name)
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=out, resume=True)
-    daemon.journal.close()
-    daemon.wal.close()
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
     return daemon
 
 
@@ -257,7 +257,7 @@ def run_crash_test(
              if (applied.get(lid, -1) <= v if lid in held else applied.get(lid) != v)]
     check(not wrong, f"acknowledged updates missing or at another version: {wrong[:5]}")
     replayed = replay_whole_log(cfg, checkpoint_dir, workdir / "replay")
-    differences = state_differences(replayed.state.state_dict(), final)
+    differences = state_differences(replayed.node.state.state_dict(), final)
     check(not differences, f"final state differs from a replay of the log: {differences[:5]}")
     return {
         "kills": kills,
@@ -273,7 +273,7 @@ def run_crash_test(
         "duplicate_acks": sum(dup for _, _, dup in every_ack),
         "resends": sum(int(s.get("resends", 0)) for s in summaries.values()),
         "rejected": sum(int(s.get("rejected", 0)) for s in summaries.values()),
-        "replayed_records": replayed.replayed,
+        "replayed_records": replayed.durability.replayed,
     }
 
 

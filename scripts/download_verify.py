@@ -81,7 +81,7 @@ def run_once(config: Path, codec: str, peers: int, rounds: int, steps: int) -> d
                 "full_sent": downloads.full_sent if codec != "none" else None,
                 "deltas_sent": downloads.deltas_sent if codec != "none" else None,
                 "checks_passed": status["passed"], "checks_failed": status["failed"], "unverifiable": status["unverifiable"],
-                "version": daemon.state.version,
+                "version": daemon.node.state.version,
             }
         finally:
             if transport.daemon is not None and transport.daemon.verification is not None:

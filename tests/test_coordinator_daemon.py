@@ -33,9 +33,9 @@ def durable_state(checkpoint_dir: Path, tmp_path: Path) -> Any:
     copy = tmp_path / f"resume-copy-{len(list(tmp_path.glob('resume-copy-*')))}"
     shutil.copytree(checkpoint_dir, copy)
     resumed = CoordinatorDaemon(small_config(), checkpoint_dir=copy, resume=True)
-    resumed.journal.close()
-    resumed.wal.close()
-    return resumed.state
+    resumed.monitoring.journal.close()
+    resumed.node.wal.close()
+    return resumed.node.state
 
 
 @pytest.mark.timeout(60)
@@ -46,29 +46,29 @@ def test_failed_log_write_is_never_acknowledged_and_stops_the_daemon(
     daemon = CoordinatorDaemon(small_config(), checkpoint_dir=run_dir)
 
     async def scenario() -> None:
-        daemon._stop_event = asyncio.Event()
-        await daemon._save()  # what run() writes at start
-        reply = await daemon.assign(AssignRequest("lease", tokens_per_s=100.0), "peer-a")
+        daemon.node.stop_event = asyncio.Event()
+        await daemon.durability.save()  # what run() writes at start
+        reply = await daemon.serving.assign(AssignRequest("lease", tokens_per_s=100.0), "peer-a")
         lease = reply.to_wire().get("lease")
         assert lease is not None and durable_state(run_dir, tmp_path).leases.keys() == {lease["lease_id"]}
-        theta_before = daemon.state.params.clone()
+        theta_before = daemon.node.state.params.clone()
 
         def broken_disk(*args: Any, **kwargs: Any) -> None:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(daemon.wal, "append", broken_disk)
+        monkeypatch.setattr(daemon.node.wal, "append", broken_disk)
         update = encode("none", torch.full_like(theta_before, 1e-4))
         with pytest.raises(OSError):
-            await daemon.submit(SubmitHeader(lease["lease_id"], lease["base_version"], "none", update.numel), update, "peer-a")
+            await daemon.serving.submit(SubmitHeader(lease["lease_id"], lease["base_version"], "none", update.numel), update, "peer-a")
         # not acknowledged, not durable, and the daemon stops taking work
-        assert daemon._stop_event.is_set()
+        assert daemon.node.stop_event.is_set()
         durable = durable_state(run_dir, tmp_path)
         assert durable.version == 0 and torch.equal(durable.params, theta_before)
         with pytest.raises(ConnectionAbortedError):
-            await daemon.submit(SubmitHeader(lease["lease_id"], lease["base_version"], "none", update.numel), update, "peer-a")
+            await daemon.serving.submit(SubmitHeader(lease["lease_id"], lease["base_version"], "none", update.numel), update, "peer-a")
 
     asyncio.run(scenario())
-    daemon.journal.close()
+    daemon.monitoring.journal.close()
 
 
 def test_partial_snapshots_from_an_interrupted_save_are_removed(tmp_path: Path) -> None:

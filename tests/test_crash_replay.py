@@ -51,8 +51,8 @@ def replay_whole_log(cfg: RunConfig, checkpoint_dir: Path, out: Path) -> Coordin
     for segment in sorted(archive.glob("*.wal")) + sorted((checkpoint_dir / WAL_DIR).glob("*.wal")):
         shutil.copyfile(segment, wal / segment.name)
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=out, resume=True)
-    daemon.journal.close()
-    daemon.wal.close()
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
     return daemon
 
 
@@ -104,17 +104,17 @@ def small_config(**runtime: Any) -> RunConfig:
 
 
 async def lease_for(daemon: CoordinatorDaemon, peer: str, speed: float) -> Lease:
-    async with daemon.lock:
-        await daemon._decide(SpeedReport(peer, speed))
-        actions = await daemon._decide(RequestWork(peer))
+    async with daemon.node.lock:
+        await daemon.node.decide(SpeedReport(peer, speed))
+        actions = await daemon.node.decide(RequestWork(peer))
     (assign,) = [a for a in actions if isinstance(a, Assign) and a.peer == peer]
     return assign.lease
 
 
 async def submit(daemon: CoordinatorDaemon, peer: str, lease: Lease, update: torch.Tensor) -> Action:
     wire = encode("int8", update)
-    async with daemon.lock:
-        actions = await daemon._decide(SubmitUpdate(peer, lease.lease_id, lease.base_version, decode(wire, daemon.numel)), wire=wire)
+    async with daemon.node.lock:
+        actions = await daemon.node.decide(SubmitUpdate(peer, lease.lease_id, lease.base_version, decode(wire, daemon.numel)), wire=wire)
     # the verdict (a gate rejection also gives the lease's steps back: an Expired for the same lease follows)
     (verdict,) = [a for a in actions if isinstance(a, (Applied, Rejected, Duplicate)) and a.lease_id == lease.lease_id]
     return verdict
@@ -130,9 +130,9 @@ def test_replay_after_crashes_equals_the_replay_of_the_whole_log(tmp_path: Path)
     acked: dict[str, int] = {}
 
     async def life(daemon: CoordinatorDaemon, rounds: int, first: bool) -> None:
-        daemon._stop_event = asyncio.Event()
+        daemon.node.stop_event = asyncio.Event()
         if first:
-            await daemon._save()  # what run() writes at start
+            await daemon.durability.save()  # what run() writes at start
         for i in range(rounds):
             peer = f"peer-{i % 2}"
             lease = await lease_for(daemon, peer, 100.0 + i)
@@ -141,32 +141,32 @@ def test_replay_after_crashes_equals_the_replay_of_the_whole_log(tmp_path: Path)
             acked[lease.lease_id] = verdict.version
         # the last lease is handed out and never submitted: it must survive the crash as well
         await lease_for(daemon, "peer-0", 99.0)
-        await daemon._wait_for_snapshot()
+        await daemon.durability.wait_for_snapshot()
 
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=run_dir)
     asyncio.run(life(daemon, 7, first=True))
-    snapshots = [daemon.snapshots_written]
+    snapshots = [daemon.durability.snapshots_written]
     for crash in range(3):
-        before = daemon._snapshot_payload(copy=True)["coordinator"]
-        daemon.journal.close()  # a crash: no snapshot, no log close — only what was fsync-ed counts
-        os.close(daemon.wal._fd) if daemon.wal._fd is not None else None
+        before = daemon.durability.snapshot_payload(copy=True)["coordinator"]
+        daemon.monitoring.journal.close()  # a crash: no snapshot, no log close — only what was fsync-ed counts
+        os.close(daemon.node.wal._fd) if daemon.node.wal._fd is not None else None
         daemon = CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)
-        assert daemon.replayed >= 1
-        assert_same_state(daemon.state.state_dict(), before)
-        assert {k: v for k, v in daemon.state.applied.items() if k in acked} == acked
-        assert not daemon.state.held and daemon.state.window_end is None
+        assert daemon.durability.replayed >= 1
+        assert_same_state(daemon.node.state.state_dict(), before)
+        assert {k: v for k, v in daemon.node.state.applied.items() if k in acked} == acked
+        assert not daemon.node.state.held and daemon.node.state.window_end is None
         asyncio.run(life(daemon, 5, first=False))
-        snapshots.append(daemon.snapshots_written)
-    final = daemon._snapshot_payload(copy=True)["coordinator"]
-    daemon.journal.close()
-    daemon.wal.close()
-    assert daemon.state.version == len(acked) == 7 + 3 * 5
+        snapshots.append(daemon.durability.snapshots_written)
+    final = daemon.durability.snapshot_payload(copy=True)["coordinator"]
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
+    assert daemon.node.state.version == len(acked) == 7 + 3 * 5
     # background snapshots every 3 updates; the segments they covered left the live log
     assert all(n >= 1 for n in snapshots[1:]), snapshots
     assert sorted((run_dir / WAL_DIR / ARCHIVE_DIR).glob("*.wal"))
     reference = replay_whole_log(cfg, run_dir, tmp_path / "replay")
-    assert_same_state(reference.state.state_dict(), final)
-    assert reference.replayed > len(acked)
+    assert_same_state(reference.node.state.state_dict(), final)
+    assert reference.durability.replayed > len(acked)
 
 
 @pytest.mark.timeout(60)
@@ -176,18 +176,18 @@ def test_a_snapshot_older_than_the_log_is_refused_at_resume(tmp_path: Path) -> N
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=run_dir)
 
     async def run() -> None:
-        daemon._stop_event = asyncio.Event()
-        await daemon._save()
+        daemon.node.stop_event = asyncio.Event()
+        await daemon.durability.save()
         shutil.copyfile(run_dir / "state.pt", tmp_path / "old-state.pt")
         for i in range(4):
             lease = await lease_for(daemon, "peer-a", 100.0)
             assert isinstance(await submit(daemon, "peer-a", lease, torch.full((daemon.numel,), 1e-5)), Applied)
-        async with daemon.lock:
-            await daemon._save()  # covers every record: the segments before it are deleted
+        async with daemon.node.lock:
+            await daemon.durability.save()  # covers every record: the segments before it are deleted
 
     asyncio.run(run())
-    daemon.journal.close()
-    daemon.wal.close()
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
     assert [p.stat().st_size for p in (run_dir / WAL_DIR).glob("*.wal")] == [0]  # only the marker of where it goes on
     shutil.copyfile(tmp_path / "old-state.pt", run_dir / "state.pt")  # someone restores an old snapshot
     with pytest.raises(WalError, match=r"covers the log up to record 0 but the log .* starts at record 13: records 1..12 were deleted.*older than the log"):

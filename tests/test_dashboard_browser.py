@@ -182,7 +182,7 @@ def test_browser_shows_the_numbers_of_an_in_process_coordinator(tmp_path: Path) 
     daemon, _ = drive_daemon(tmp_path / "run")
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["peers"]["peer-a"]["last_inner_loss"] == 2.5  # the fixture's values are in play
-    with DashboardServer(lambda: daemon.stats.document_json) as server:
+    with DashboardServer(lambda: daemon.monitoring.stats.document_json) as server:
         dom = render(server.url, tmp_path)
     assert_page_matches(dom, status)
     assert dom.rows["peer-a"]["name"]["text"] == "alice" and dom.rows["peer-b"]["last_inner_loss"]["text"] == "-"

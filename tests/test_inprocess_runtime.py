@@ -134,7 +134,7 @@ def test_a_lost_ack_or_a_reset_upload_is_resent_and_applied_once(tmp_path: Path,
             await drive(clock, {"a": peer.task}, real_timeout=60.0)
             peer.task.result()
             assert transport.daemon is not None
-            state = transport.daemon.state.state_dict()
+            state = transport.daemon.node.state.state_dict()
             served[:] = [transport.daemon.counters.submit.calls, transport.daemon.counters.submit.payload_bytes_received]
             return peer, transport, state
         finally:
@@ -278,7 +278,7 @@ def test_a_request_inside_the_grace_period_is_held_until_the_update_or_the_windo
             first, second = transport.client("first"), transport.client("second")
             lease = (await first.assign(SPEED)).lease
             assert lease is not None and transport.daemon is not None
-            expected_finish = transport.daemon.state.leases[lease.lease_id].expected_finish
+            expected_finish = transport.daemon.node.state.leases[lease.lease_id].expected_finish
             asked = clock.time()
             held = asyncio.ensure_future(second.assign(SPEED))
             await drive(clock, {}, until=lambda: bool(journal(transport, "hold")), real_timeout=10.0)
@@ -379,8 +379,8 @@ def test_a_coordinator_crash_at_each_point_then_resume_loses_no_acknowledged_upd
     # the final state equals a replay of the whole log from the initial snapshot (θ bitwise, optimizer, leases, ...)
     crash = _crash_script()
     replayed = crash.replay_whole_log(cfg, transport.dir, tmp_path / "replay")
-    assert crash.state_differences(replayed.state.state_dict(), final) == []
-    assert replayed.replayed > len(applied)
+    assert crash.state_differences(replayed.node.state.state_dict(), final) == []
+    assert replayed.durability.replayed > len(applied)
 
 
 @pytest.mark.timeout(60)

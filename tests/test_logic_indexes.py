@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncloco.algo.outer import OuterSGD
-from asyncloco.coordinator import logic
+from asyncloco.coordinator.logic import queries
 from asyncloco.coordinator.logic import Assign, CoordinatorPolicy, PeerLeft, RequestWork, SpeedReport, SubmitUpdate, Tick, handle, new_state
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,8 +21,8 @@ def _scan(state, key: str, bound: float, strict: bool) -> list[str]:
 
 def _check(state, now: float) -> None:
     for bound in (now, now + 0.5, now + 3.0, now + 50.0):
-        assert list(logic._expected_in_window(state, bound)) == _scan(state, "expected_finish", bound, False)
-        assert sorted(logic._leases_due(state, "deadline", bound, strict=True)) == _scan(state, "deadline", bound, True)
+        assert list(queries.expected_in_window(state, bound)) == _scan(state, "expected_finish", bound, False)
+        assert sorted(queries.leases_due(state, "deadline", bound, strict=True)) == _scan(state, "deadline", bound, True)
 
 
 def test_indexes_match_a_full_scan_on_a_random_run() -> None:

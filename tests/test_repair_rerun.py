@@ -139,8 +139,8 @@ def test_no_snapshot_falls_between_an_expulsion_and_its_repair(tmp_path: Path) -
         asyncio.run(daemon.durability.save())
         assert (tmp_path / "state.pt").is_file()
     finally:
-        daemon.journal.close()
-        daemon.wal.close()
+        daemon.monitoring.journal.close()
+        daemon.node.wal.close()
 
 
 def gated_state(optimizer: Any) -> Any:

@@ -12,7 +12,7 @@ import torch
 
 from asyncloco.algo.outer import DelayedNesterov
 from asyncloco.algo.staleness import DelayCompensation
-from asyncloco.coordinator import logic
+from asyncloco.coordinator.logic import queries
 from asyncloco.coordinator.logic import (
     Assign,
     CoordinatorPolicy,
@@ -43,21 +43,21 @@ def _state(needs_base: bool) -> CoordinatorState:
 def _check_indexes(state: CoordinatorState) -> None:
     for peer in PEERS:
         expected = [lease for lease in state.leases.values() if lease.peer == peer]
-        assert logic._peer_leases(state, peer) == expected
+        assert queries.peer_leases(state, peer) == expected
     versions = {lease.base_version for lease in state.leases.values()} | set(state.base_params) | {state.version}
     for version in versions:
         expected_needed = any(
             lease.base_version == version and (state.needs_base_params or not lease.fetched)
             for lease in state.leases.values()
         )
-        assert logic._version_needed(state, version) == expected_needed
+        assert queries.version_needed(state, version) == expected_needed
     in_flight = [0] * len(state.shards)
     for lease in state.leases.values():
         in_flight[lease.shard] += lease.steps
-    assert logic._book(state).in_flight == in_flight
+    assert queries.in_flight(state) == in_flight
     alive = [info.speed for info in state.peers.values() if info.alive]
     if alive:
-        assert logic._fastest_alive(state) == max(alive)
+        assert queries.fastest_alive(state) == max(alive)
 
 
 def _random_events(seed: int, count: int) -> list[tuple[float, object]]:

@@ -182,23 +182,23 @@ def drive_daemon(tmp_path: Path, **runtime: Any) -> Any:
     daemon = CoordinatorDaemon(small_config(**runtime), checkpoint_dir=tmp_path)
 
     async def scenario() -> dict[str, Any]:
-        daemon._stop_event = asyncio.Event()
-        lease_a = (await daemon.assign(AssignRequest("lease", tokens_per_s=300.0), "peer-a")).to_wire().get("lease")
-        lease_b = (await daemon.assign(AssignRequest("lease", tokens_per_s=100.0), "peer-b")).to_wire().get("lease")
+        daemon.node.stop_event = asyncio.Event()
+        lease_a = (await daemon.serving.assign(AssignRequest("lease", tokens_per_s=300.0), "peer-a")).to_wire().get("lease")
+        lease_b = (await daemon.serving.assign(AssignRequest("lease", tokens_per_s=100.0), "peer-b")).to_wire().get("lease")
         assert lease_a is not None and lease_b is not None
         # what the peer's join and submission carry (wired in by the peer protocol)
-        daemon.stats.peer("peer-a").name = "alice"
-        daemon.stats.peer("peer-a").device = "cpu"
-        daemon.stats.peer("peer-a").last_inner_loss = 2.5
-        update = encode("none", torch.full_like(daemon.state.params, 1e-4))  # within the update gate's norm bound
+        daemon.monitoring.stats.peer("peer-a").name = "alice"
+        daemon.monitoring.stats.peer("peer-a").device = "cpu"
+        daemon.monitoring.stats.peer("peer-a").last_inner_loss = 2.5
+        update = encode("none", torch.full_like(daemon.node.state.params, 1e-4))  # within the update gate's norm bound
         header = SubmitHeader(lease_a["lease_id"], lease_a["base_version"], "none", update.numel)
-        verdict = await daemon.submit(header, update, "peer-a")
+        verdict = await daemon.serving.submit(header, update, "peer-a")
         assert verdict.accepted and verdict.version == 1
-        await daemon._evaluate(daemon.state.version, daemon.state.local_updates, daemon.state.params.clone())
+        await daemon.monitoring.evaluate(daemon.node.state.version, daemon.node.state.local_updates, daemon.node.state.params.clone())
         return {"a": lease_a, "b": lease_b}
 
     leases = asyncio.run(scenario())
-    daemon.journal.close()
+    daemon.monitoring.journal.close()
     return daemon, leases
 
 
@@ -209,7 +209,7 @@ def test_status_json_carries_everything_the_table_shows(tmp_path: Path, caplog: 
     # a lease or an applied update is a DEBUG line now, not INFO
     assert not [r for r in caplog.records if r.levelno >= logging.INFO and r.getMessage().startswith(("lease ", "applied "))]
     status = json.loads((tmp_path / "status.json").read_text())
-    assert status == daemon.stats.document and (tmp_path / "status.json").read_bytes() == daemon.stats.document_json
+    assert status == daemon.monitoring.stats.document and (tmp_path / "status.json").read_bytes() == daemon.monitoring.stats.document_json
     assert status["version"] == 1 and status["local_updates"] == leases["a"]["steps"]
     assert status["active_leases"] == 1 and status["rejections"] == 0
     assert status["software_version"] and status["speed_unit"] == "samples/s"
@@ -219,7 +219,7 @@ def test_status_json_carries_everything_the_table_shows(tmp_path: Path, caplog: 
     a, b = status["peers"]["peer-a"], status["peers"]["peer-b"]
     assert (a["name"], a["device"], a["last_inner_loss"], a["alive"]) == ("alice", "cpu", 2.5, True)
     assert (a["leases"], a["applied"], a["last_steps"], a["steps_per_lease"]) == (1, 1, leases["a"]["steps"], leases["a"]["steps"])
-    assert a["mean_staleness"] == 0.0 and a["speed"] == daemon.state.peers["peer-a"].speed
+    assert a["mean_staleness"] == 0.0 and a["speed"] == daemon.node.state.peers["peer-a"].speed
     assert status["started"] <= a["last_seen"] <= status["updated"]
     assert (b["name"], b["last_inner_loss"], b["leases"], b["applied"]) == ("", None, 1, 0)
     assert b["last_steps"] == leases["b"]["steps"] and leases["a"]["steps"] > leases["b"]["steps"]  # DyLU: 3× faster
@@ -242,7 +242,7 @@ def test_status_command_reads_a_checkpoint_dir_and_a_live_dashboard(tmp_path: Pa
         ["alice", "peer-a", "cpu", f"{document['peers']['peer-a']['speed']:.0f}"],
     ]
 
-    with DashboardServer(lambda: daemon.stats.document_json) as server:
+    with DashboardServer(lambda: daemon.monitoring.stats.document_json) as server:
         assert read_status(url=server.url) == document
         assert main(["status", "--url", server.url.rstrip("/"), "--json"]) == 0
         assert json.loads(capsys.readouterr().out) == document
@@ -392,12 +392,12 @@ def test_monitor_loop_logs_a_summary_line_and_feeds_the_sinks(tmp_path: Path, ca
     daemon, _ = drive_daemon(tmp_path, summary_every=0.5)
     writer = FakeWriter(str(tmp_path))
     sink = TensorBoardSink(tmp_path, writer_factory=lambda _: writer)
-    daemon.stats.sinks = [sink]
-    daemon.stats.evals_logged = 0  # the sink has seen no evaluation yet
+    daemon.monitoring.stats.sinks = [sink]
+    daemon.monitoring.stats.evals_logged = 0  # the sink has seen no evaluation yet
 
     async def scenario() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(daemon._monitor_loop(stop))
+        task = asyncio.create_task(daemon.monitoring.loop(stop))
         deadline = asyncio.get_running_loop().time() + 60
         while not any(r.getMessage().startswith("version 1, ") for r in caplog.records):
             assert asyncio.get_running_loop().time() < deadline, "no summary line within 60 s"

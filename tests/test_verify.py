@@ -398,11 +398,10 @@ def test_repair_keeps_unchecked_honest_work_in_flight() -> None:
     assert kept[leases["p3"].lease_id].base_version == base["p3"] + 1  # the live one
     assert kept[leases["p1"].lease_id].base_version == base["p1"]
     # the derived lease book follows the renumbering: p3's lease is indexed under its live base version
-    from asyncloco.coordinator.logic.leases import _book
+    from asyncloco.coordinator.logic.queries import leases_at_version
 
-    book = _book(result.state)
-    assert leases["p3"].lease_id in book.by_version[base["p3"] + 1]
-    assert leases["p3"].lease_id not in book.by_version.get(base["p3"], {})
+    assert leases["p3"].lease_id in leases_at_version(result.state, base["p3"] + 1)
+    assert leases["p3"].lease_id not in leases_at_version(result.state, base["p3"])
 
 
 def test_a_live_lease_the_replay_never_issued_is_adopted_with_its_work() -> None:

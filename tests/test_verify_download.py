@@ -120,7 +120,7 @@ def run(tmp_path: Path, inner_state: str, liar: bool) -> dict[str, Any]:
             assert daemon is not None and daemon.verification is not None
             await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
             service = daemon.serving.service
-            return {"state": daemon.state, "verification": daemon.verification.status(), "peers": peers,
+            return {"state": daemon.node.state, "verification": daemon.verification.status(), "peers": peers,
                     "deltas_sent": service.downloads.deltas_sent, "full_sent": service.downloads.full_sent,
                     "journal": (tmp_path / "run" / JOURNAL_FILE).read_text()}
         finally:
@@ -156,6 +156,7 @@ def test_a_peer_naming_another_theta_than_it_decoded_fails_its_check(tmp_path: P
     assert list(out["state"].verification.expelled) == ["liar"]
     assert "is not θ v" in out["state"].verification.expelled["liar"]
     assert out["verification"]["failed"] == 1
+
 
 def test_the_submit_header_carries_the_decoded_theta_bounded() -> None:
     from asyncloco.transport.errors import MessageError

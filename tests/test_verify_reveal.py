@@ -163,7 +163,7 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
             intruder = MemoryClient(transport, HONEST[0])
             with pytest.raises(RemoteError, match="no reveal of lease L-nope is awaited"):
                 await intruder.reveal("L-nope", b"\x00" * 10)
-            daemon._write_status()
+            daemon.monitoring.write_status()
             for name in (LIAR, SILENT):  # out for good: a call now is refused naming the expulsion
                 error = tasks[name].exception()
                 assert error is None or (isinstance(error, PeerError) and "expelled from this run" in str(error))
@@ -172,7 +172,7 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
             for name in HONEST:
                 tasks[name].result()
             return {
-                "state": daemon.state, "last_seq": daemon.wal.last_seq, "numel": daemon.numel,
+                "state": daemon.node.state, "last_seq": daemon.node.wal.last_seq, "numel": daemon.numel,
                 "status": json.loads((run_dir / STATUS_FILE).read_text()), "fresh": verification._fresh_state,
                 "reveals": dict(verification.reveals), "stores": {n: r.reveals for n, (r, _) in peers.items()},
                 "state_size": verification._state_size,

@@ -132,7 +132,7 @@ def test_a_peer_caught_on_probation_never_touches_theta(tmp_path: Path) -> None:
             await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
             with pytest.raises(PeerError, match="expelled from this run"):
                 hostile_task.result()
-            return daemon.state, daemon.wal.last_seq, daemon.numel, daemon.verification._fresh_state
+            return daemon.node.state, daemon.node.wal.last_seq, daemon.numel, daemon.verification._fresh_state
         finally:
             if transport.daemon is not None and transport.daemon.verification is not None:
                 await transport.daemon.verification.close()
@@ -196,7 +196,7 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
             await asyncio.wait_for(verification.drain(), timeout=60.0)
             daemon = transport.daemon
             assert daemon is not None
-            daemon._write_status()
+            daemon.monitoring.write_status()
             with pytest.raises(PeerError, match="expelled from this run"):
                 hostile_task.result()
             for name, (runner, task) in peers.items():
@@ -204,8 +204,8 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
             return {
                 "hostile": hostile,
                 "honest": {name: runner.summary for name, (runner, _) in peers.items()},
-                "state": daemon.state,
-                "last_seq": daemon.wal.last_seq,
+                "state": daemon.node.state,
+                "last_seq": daemon.node.wal.last_seq,
                 "numel": daemon.numel,
                 "status": json.loads((run_dir / STATUS_FILE).read_text()),
                 "fresh": daemon.verification._fresh_state if daemon.verification is not None else None,
@@ -305,13 +305,13 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     # re-runs trained again, the stored ones are not copied) and then meets the logged Repaired: the resumed
     # coordinator equals the live one
     resumed = resume_from_anchor(cfg, run_dir, tmp_path / "resumed")
-    assert torch.equal(resumed.state.params, live.params) and resumed.state.version == live.version
-    assert resumed.state.lease_counter == live.lease_counter and resumed.state.local_updates == live.local_updates
+    assert torch.equal(resumed.node.state.params, live.params) and resumed.node.state.version == live.version
+    assert resumed.node.state.lease_counter == live.lease_counter and resumed.node.state.local_updates == live.local_updates
     # a coordinator that died between the Verified record and its Repaired: the replay re-derives the repair and
     # writes the missing record, which a later repair's replay will meet
     cut_seq = next(record.seq for record in read_records(run_dir / WAL_DIR / ARCHIVE_DIR, 0) if record.type == "Repaired")
     died = resume_from_anchor(cfg, run_dir, tmp_path / "died", upto=cut_seq - 1)
-    assert torch.equal(died.state.params, repaired_params) and died.state.version == repaired_version
+    assert torch.equal(died.node.state.params, repaired_params) and died.node.state.version == repaired_version
     written = list(read_records(tmp_path / "died" / WAL_DIR, cut_seq - 1))
     assert [r.type for r in written] == ["Repaired", "Restarted"] and written[0].seq == cut_seq
     assert decode_event(written[0], EVENT_TYPES, lambda *_: None) == dataclasses.replace(result.repaired, remedy=remedy)
@@ -339,8 +339,8 @@ def resume_from_anchor(cfg: RunConfig, run_dir: Path, out: Path, upto: Optional[
                 fh.truncate(cut[0])
             break
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=out, resume=True)
-    daemon.journal.close()
-    daemon.wal.close()
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
     return daemon
 
 
@@ -367,11 +367,11 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
             peers = {name: start_peer(transport, name, rounds=4) for name in HONEST}
             await drive(clock, {name: task for name, (_, task) in peers.items()}, real_timeout=150.0)
             first = transport.daemon
-            assert first is not None and first.state.verification.checked == 0
-            chosen = dict(first.state.verification.pending)
+            assert first is not None and first.node.state.verification.checked == 0
+            chosen = dict(first.node.state.verification.pending)
             if snapshot:
-                async with first.lock:
-                    await first._save()
+                async with first.node.lock:
+                    await first.durability.save()
             monkeypatch.setattr(DaemonVerification, "_start", original_start)
             failing = sorted(chosen)[0]
             check = Rerunner.check
@@ -385,7 +385,7 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
             daemon = await transport.restart()
             assert daemon.verification is not None
             await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
-            return {"chosen": chosen, "failing": failing, "book": daemon.state.verification}
+            return {"chosen": chosen, "failing": failing, "book": daemon.node.state.verification}
         finally:
             if transport.daemon is not None and transport.daemon.verification is not None:
                 await transport.daemon.verification.close()

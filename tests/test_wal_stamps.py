@@ -76,19 +76,19 @@ def _first_life(run_dir: Path, cfg: Any, stamp_after_snapshot: str | None = None
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=run_dir)
 
     async def life() -> None:
-        daemon._stop_event = asyncio.Event()
-        await daemon._save()
+        daemon.node.stop_event = asyncio.Event()
+        await daemon.durability.save()
         if stamp_after_snapshot is not None:
-            daemon.wal.stamp = stamp_after_snapshot  # what another asyncloco would have appended
+            daemon.node.wal.stamp = stamp_after_snapshot  # what another asyncloco would have appended
         for _ in range(2):
             lease = await lease_for(daemon, "peer-a", 100.0)
             assert isinstance(await submit_update(daemon, "peer-a", lease, torch.full((daemon.numel,), 1e-5)), Applied)
         await lease_for(daemon, "peer-a", 100.0)
 
     asyncio.run(life())
-    daemon.journal.close()
-    if daemon.wal._fd is not None:
-        os.close(daemon.wal._fd)
+    daemon.monitoring.journal.close()
+    if daemon.node.wal._fd is not None:
+        os.close(daemon.node.wal._fd)
     return daemon
 
 
@@ -109,10 +109,10 @@ def test_resume_refuses_a_snapshot_of_another_version_and_accepts_its_own(tmp_pa
     assert isinstance(refused.value, ValueError)  # the CLI prints it as an error, not a traceback
     monkeypatch.undo()
     resumed = CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)  # the same software: replayed
-    assert resumed.replayed >= 5 and resumed.state.version == first.state.version == 2
-    assert torch.equal(resumed.state.params, first.state.params)
-    resumed.journal.close()
-    resumed.wal.close()
+    assert resumed.durability.replayed >= 5 and resumed.node.state.version == first.node.state.version == 2
+    assert torch.equal(resumed.node.state.params, first.node.state.params)
+    resumed.monitoring.journal.close()
+    resumed.node.wal.close()
 
 
 @pytest.mark.timeout(120)
@@ -164,22 +164,22 @@ def test_the_daemon_logs_a_dropped_hold_and_replay_feeds_it_to_handle(tmp_path: 
     handled: list[Any] = []
 
     async def life() -> None:
-        daemon._stop_event = asyncio.Event()
-        await daemon._save()
+        daemon.node.stop_event = asyncio.Event()
+        await daemon.durability.save()
         # a is slow (its lease is due far beyond the grace period), b fast (due at once): b is answered at once,
         # and a, asking again after its update, is held in the grace window for b's update
         lease_a = await lease_for(daemon, "peer-a", 1e-3)
         await lease_for(daemon, "peer-b", 1e9)
         assert isinstance(await submit_update(daemon, "peer-a", lease_a, torch.full((daemon.numel,), 1e-5)), Applied)
-        async with daemon.lock:
-            (hold,) = await daemon._decide(RequestWork("peer-a"))  # b is still due: a waits in the grace window
-            assert isinstance(hold, Hold) and "peer-a" in daemon.state.held
-            assert await daemon._decide(HoldDropped("peer-a")) == []  # what assign() does when its wait times out
-        assert "peer-a" not in daemon.state.held
+        async with daemon.node.lock:
+            (hold,) = await daemon.node.decide(RequestWork("peer-a"))  # b is still due: a waits in the grace window
+            assert isinstance(hold, Hold) and "peer-a" in daemon.node.state.held
+            assert await daemon.node.decide(HoldDropped("peer-a")) == []  # what assign() does when its wait times out
+        assert "peer-a" not in daemon.node.state.held
 
     asyncio.run(life())
-    daemon.journal.close()
-    daemon.wal.close()
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
     records = list(read_records(run_dir / WAL_DIR, 0))
     assert [(r.kind, r.type, r.fields) for r in records if r.type == "HoldDropped"] == [("event", "HoldDropped", {"peer": "peer-a"})]
     assert all(r.kind == "event" for r in records)  # no daemon-side marks any more
@@ -191,10 +191,10 @@ def test_the_daemon_logs_a_dropped_hold_and_replay_feeds_it_to_handle(tmp_path: 
 
     monkeypatch.setattr(logic_module, "handle", spy)  # the node and the replay call it through the module
     resumed = CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)
-    assert HoldDropped("peer-a") in handled and resumed.replayed == len(records)
-    assert torch.equal(resumed.state.params, daemon.state.params)
-    resumed.journal.close()
-    resumed.wal.close()
+    assert HoldDropped("peer-a") in handled and resumed.durability.replayed == len(records)
+    assert torch.equal(resumed.node.state.params, daemon.node.state.params)
+    resumed.monitoring.journal.close()
+    resumed.node.wal.close()
 
 
 # ---------------------------------------------------------------------------------- snapshot copies
@@ -206,23 +206,23 @@ def test_background_snapshot_copies_reuse_their_buffers_and_equal_the_state(tmp_
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=tmp_path / "run")
 
     async def life() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        daemon._stop_event = asyncio.Event()
-        await daemon._save()
+        daemon.node.stop_event = asyncio.Event()
+        await daemon.durability.save()
         for _ in range(2):  # the DN buffer and momentum exist after an update
             lease = await lease_for(daemon, "peer-a", 100.0)
             assert isinstance(await submit_update(daemon, "peer-a", lease, torch.full((daemon.numel,), 1e-5)), Applied)
-        first = daemon._snapshot_payload(copy=True, reuse=True)["coordinator"]
+        first = daemon.durability.snapshot_payload(copy=True, reuse=True)["coordinator"]
         first_params = first["params"].clone()
         lease = await lease_for(daemon, "peer-a", 100.0)
         assert isinstance(await submit_update(daemon, "peer-a", lease, torch.full((daemon.numel,), 2e-5)), Applied)
-        second = daemon._snapshot_payload(copy=True, reuse=True)["coordinator"]
-        live = daemon._snapshot_payload(copy=False)["coordinator"]
+        second = daemon.durability.snapshot_payload(copy=True, reuse=True)["coordinator"]
+        live = daemon.durability.snapshot_payload(copy=False)["coordinator"]
         assert not torch.equal(first_params, live["params"])  # θ moved between the two snapshots
         return first, second, live
 
     first, second, live = asyncio.run(life())
-    daemon.journal.close()
-    daemon.wal.close()
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
     assert second["params"].data_ptr() == first["params"].data_ptr() != live["params"].data_ptr()
     assert torch.equal(second["params"], live["params"])
     momentum, live_momentum = second["optimizer"]["momentum_buffer"], live["optimizer"]["momentum_buffer"]

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import os
-import typing
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -35,15 +34,14 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator.admission import load_or_create_key
 from asyncloco.coordinator.checkpoint import child_pids, reap_stale_children, record_children, remove_partial_snapshots
 from asyncloco.coordinator.durability import INITIAL_SNAPSHOT, RESUME_GRACE_S, Durability
-from asyncloco.coordinator.journal import Journal
-from asyncloco.coordinator.logic import Action, Applied, CoordinatorState, Event, new_state
+from asyncloco.coordinator.logic import Action, Applied, new_state
 from asyncloco.coordinator.loops import announce_loop, revocation_loop, speed_loop, tick_loop
 from asyncloco.coordinator.methods import build_method, coordinator_policy
-from asyncloco.coordinator.monitoring import JOURNAL_FILE, STATUS_FILE, Monitoring, PeerStats, Stats, Waiter
+from asyncloco.coordinator.monitoring import JOURNAL_FILE, STATUS_FILE, Monitoring, PeerStats
 from asyncloco.coordinator.node import EVENT_TYPES, SOFTWARE_STAMP, CoordinatorNode
 from asyncloco.coordinator.serving import Serving, lease_to_wire
 from asyncloco.coordinator.verify import DaemonVerification, VerificationPort
-from asyncloco.coordinator.wal import WAL_DIR, WalRecord, WriteAheadLog, open_log
+from asyncloco.coordinator.wal import WAL_DIR, open_log
 from asyncloco.fingerprint import run_fingerprint
 from asyncloco.models.workload import Workload, flatten_params, param_groups
 from asyncloco.workloads import build_workload
@@ -80,9 +78,11 @@ class CoordinatorDaemon:
     """``await CoordinatorDaemon(cfg, checkpoint_dir=..., resume=...).run(stop_event)``.
 
     Put together from a node (decisions: :attr:`node`), durability (snapshots, resume: :attr:`durability`),
-    monitoring (journal, stats, status, evaluation: :attr:`monitoring`) and the RPC handlers (:attr:`serving`);
-    the attributes below that forward to them are the surface tests, coordinator/verify.py and
-    testing/memory.py use."""
+    monitoring (journal, stats, status, evaluation: :attr:`monitoring`) and the RPC handlers (:attr:`serving`, the
+    handler of the RPC service). Those parts are its public surface: ``daemon.node.state`` is the live state,
+    ``daemon.node.decide_locked(event)`` decides an event, ``daemon.serving.assign(...)`` serves a call,
+    ``daemon.durability.save()`` writes a snapshot, ``daemon.monitoring.journal`` is the journal; the daemon
+    forwards nothing to them."""
 
     def __init__(
         self,
@@ -152,7 +152,7 @@ class CoordinatorDaemon:
                                     monitoring.eval_model, monitoring.bookkeep, monitoring.write_status,
                                     self.durability.wait_for_snapshot, self._download_anchor)
             self.verification = DaemonVerification(port, EVENT_TYPES)
-        self.monitoring.verification = self.durability.verification = self.verification
+        self.monitoring.verification = self.durability.verification = self.serving.verification = self.verification
         if resume:
             self.durability.load()
         else:
@@ -172,17 +172,6 @@ class CoordinatorDaemon:
         if changed:
             self.monitoring.write_status()
 
-    async def decide(self, event: Event) -> list[Action]:
-        """Run ``event`` through the logic under the node's lock (coordinator/node.py)."""
-        return await self.node.decide_locked(event)
-
-    async def _decide(self, event: Event, wire: Any = None) -> list[Action]:
-        """:meth:`CoordinatorNode.decide`; call with :attr:`lock` held."""
-        return await self.node.decide(event, wire)
-
-    def _bookkeep(self, actions: list[Action]) -> bool:
-        return self.monitoring.bookkeep(actions)
-
     def _download_anchor(self, codec: str, version: int) -> Optional[bytes]:
         """The full encoding of θ at ``version`` a delta download was taken from, while the RPC service holds it."""
         service = getattr(self.serving, "service", None)
@@ -199,158 +188,6 @@ class CoordinatorDaemon:
             "traffic": self.counters.as_dict() if self.counters is not None else {},
             "swarm": self.swarm_seed.status() if self.swarm_seed is not None else None,
         }
-
-    # ------------------------------------------------- the parts' state, as tests and tools use it
-
-    @property
-    def state(self) -> CoordinatorState:
-        return self.node.state
-
-    @property
-    def wal(self) -> WriteAheadLog:
-        return self.node.wal
-
-    @wal.setter
-    def wal(self, value: WriteAheadLog) -> None:
-        self.node.wal = value
-
-    @property
-    def lock(self) -> asyncio.Lock:
-        return self.node.lock
-
-    @property
-    def crash_hook(self) -> Optional[Callable[[str], None]]:
-        return self.node.crash_hook
-
-    @crash_hook.setter
-    def crash_hook(self, value: Optional[Callable[[str], None]]) -> None:
-        self.node.crash_hook = value
-
-    @property
-    def _stopping(self) -> bool:
-        return self.node.stopping
-
-    @_stopping.setter
-    def _stopping(self, value: bool) -> None:
-        self.node.stopping = value
-
-    @property
-    def _stop_event(self) -> Optional[asyncio.Event]:
-        return self.node.stop_event
-
-    @_stop_event.setter
-    def _stop_event(self, value: Optional[asyncio.Event]) -> None:
-        self.node.stop_event = value
-
-    @property
-    def journal(self) -> Journal:
-        return self.monitoring.journal
-
-    @journal.setter
-    def journal(self, value: Journal) -> None:  # testing/memory.py: a journal on the fake clock
-        self.monitoring.journal = value
-
-    @property
-    def stats(self) -> Stats:
-        return self.monitoring.stats
-
-    @property
-    def waiters(self) -> dict[str, Waiter]:
-        return self.monitoring.waiters
-
-    @property
-    def _eval_tasks(self) -> set[asyncio.Task[None]]:
-        return self.monitoring.eval_tasks
-
-    @property
-    def replayed(self) -> int:
-        return self.durability.replayed
-
-    @property
-    def snapshots_written(self) -> int:
-        return self.durability.snapshots_written
-
-    @property
-    def snapshot_bytes(self) -> int:
-        return self.durability.snapshot_bytes
-
-    @property
-    def fingerprint(self) -> dict[str, str]:
-        return self.serving.fingerprint
-
-    @property
-    def _service(self) -> Any:
-        return self.serving.service
-
-    def replay(self, records: typing.Iterable[WalRecord]) -> int:
-        return self.durability.replay(records)
-
-    def _snapshot_payload(self, copy: bool, reuse: bool = False) -> dict[str, Any]:
-        return self.durability.snapshot_payload(copy, reuse)
-
-    def _write_snapshot(self, payload: dict[str, Any]) -> None:  # scripts/bench_coordinator.py
-        self.durability.write_snapshot(payload)
-
-    def _reset_snapshot_counters(self) -> None:  # scripts/bench_coordinator.py
-        self.durability.reset_counters()
-
-    async def _save(self) -> None:
-        await self.durability.save()
-
-    async def _wait_for_snapshot(self) -> None:
-        await self.durability.wait_for_snapshot()
-
-    def _write_status(self) -> None:
-        self.monitoring.write_status()
-
-    async def _evaluate(self, version: int, local_updates: int, theta: torch.Tensor) -> None:
-        await self.monitoring.evaluate(version, local_updates, theta)
-
-    async def _monitor_loop(self, stop: asyncio.Event) -> None:
-        await self.monitoring.loop(stop)
-
-    # --------------------------------------------------------------------------- RPC handlers
-
-    async def check_admitted(self, peer_id: str, token: Any = None) -> None:
-        await self.serving.check_admitted(peer_id, token)
-
-    async def assign(self, request: Any, peer_id: str) -> Any:
-        return await self.serving.assign(request, peer_id)
-
-    async def get_model(self, version: Optional[int], peer_id: Optional[str] = None) -> tuple[int, torch.Tensor]:
-        return await self.serving.get_model(version, peer_id)
-
-    async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
-        return await self.serving.submit(header, pseudo_gradient, peer_id, upload_seconds)
-
-    async def reveal_limit(self, header: Any, peer_id: str) -> int:
-        """The ``reveal`` RPC's size bound (commitments; coordinator/verify.py), before its body is read."""
-        await self.serving.check_admitted(peer_id)
-        if self.verification is None:
-            raise ValueError("this run does not verify work (runtime.verify.enabled is false): nothing to reveal")
-        return self.verification.reveal_limit(header.lease_id, peer_id)
-
-    async def reveal(self, header: Any, state: bytes, peer_id: str) -> Any:
-        if self.verification is None:
-            raise ValueError("this run does not verify work (runtime.verify.enabled is false): nothing to reveal")
-        return self.verification.reveal(header.lease_id, state, peer_id)
-
-    # validator peers (asyncloco/validator.py; coordinator/verify.py DaemonVerification.lend)
-
-    def _verification_on(self) -> Any:
-        if self.verification is None:
-            raise ValueError("this run does not verify work (runtime.verify.enabled is false): no checks for validators")
-        return self.verification
-
-    async def verify_task(self, request: Any, peer_id: str) -> Any:
-        return await self._verification_on().desk.lend(min(float(request.wait_s), 60.0), peer_id)
-
-    async def verdict(self, header: Any, peer_id: str) -> Any:
-        return await self._verification_on().desk.take_verdict(header, peer_id)
-
-    def return_check(self, lease_id: Optional[str], peer_id: str) -> None:
-        if self.verification is not None:
-            self.verification.desk.give_back(lease_id, peer_id)
 
     # -------------------------------------------------------------------------------- main loop
 
@@ -383,7 +220,7 @@ class CoordinatorDaemon:
                 logger.warning("%s", self.reach_problem)
             return
         self.reach_problem = await reachability_problem(announce, port, self.peer_id, host)
-        self.journal.write("reachability", address=announce, port=port, reachable=self.reach_problem is None, problem=self.reach_problem or "")
+        self.monitoring.journal.write("reachability", address=announce, port=port, reachable=self.reach_problem is None, problem=self.reach_problem or "")
         if self.reach_problem is None:
             logger.info("reachable at %s:%d (checked with a libp2p dial from this machine)", announce, port)
         else:
@@ -400,17 +237,17 @@ class CoordinatorDaemon:
         from asyncloco.transport.swarm import start_seed
 
         async def serve_model(version: Optional[int]) -> tuple[int, torch.Tensor]:
-            return await self.get_model(version)  # no peer id: the fetch is recorded when the peer asks (SwarmLink)
+            return await self.serving.get_model(version)  # no peer id: the fetch is recorded when the peer asks (SwarmLink)
 
         async def admit(peer_id: str) -> None:
-            await self.check_admitted(peer_id)
+            await self.serving.check_admitted(peer_id)
 
         def on_report(reporter: str, source: str, version: int, reason: str) -> None:
-            self.journal.write("swarm_report", peer=reporter, source=source, version=version, reason=reason)
+            self.monitoring.journal.write("swarm_report", peer=reporter, source=source, version=version, reason=reason)
 
         return await start_seed(
             p2p, self.cfg.runtime.run_id, self.numel, load_or_create_key(self.dir), serve_model,
-            current=lambda: self.state.version, admit=admit, on_report=on_report,
+            current=lambda: self.node.state.version, admit=admit, on_report=on_report,
         )
 
     def new_service(self, handler: Any = None) -> Any:
@@ -421,14 +258,14 @@ class CoordinatorDaemon:
 
         self.counters = TrafficCounters()
         service = self.serving.service = CoordinatorService(
-            self if handler is None else handler,
+            self.serving if handler is None else handler,
             self.numel,
             submit_codecs=(self.cfg.runtime.codec,),
             model_codecs=tuple(dict.fromkeys(("none", self.cfg.runtime.download_codec))),
             counters=self.counters,
             # transport-level rejections (malformed or oversized frames, timeouts, over the call limits),
             # at the transport's bounded rate (ServiceLimits.error_log_*)
-            on_protocol_error=lambda peer, reason: self.journal.write("protocol_error", peer=peer, reason=reason),
+            on_protocol_error=lambda peer, reason: self.monitoring.journal.write("protocol_error", peer=peer, reason=reason),
         )
         if self.verification is not None:
             self.verification.start()  # checks a --resume found unjudged are queued again once the daemon serves
@@ -440,7 +277,7 @@ class CoordinatorDaemon:
         (:meth:`_check_reach`), announce the start (:meth:`_announce_start`), run the timed loops
         (:meth:`_start_loops`) until ``stop``, write the final snapshot (:meth:`_wind_down`) and undo whatever was
         started (:meth:`_shut_down`, also after a failure)."""
-        self._stop_event = stop
+        self.node.stop_event = stop
         dht, port = await self._start_dht()
         started = _Started()
         try:
@@ -512,14 +349,14 @@ class CoordinatorDaemon:
         version this lifetime starts from. Called before the RPC handlers serve: peers that kept running through
         a restart resend at once, and their updates must follow the record (and its version) in the journal."""
         if not self.resume:
-            await self._save()
-        elif self.replayed:
+            await self.durability.save()
+        elif self.durability.replayed:
             self.durability.updates_since_snapshot = self.cfg.runtime.snapshot_every  # snapshot the replayed state soon
-        self.journal.write(
+        self.monitoring.journal.write(
             "start",
             peer_id=self.peer_id,
             multiaddrs=self.multiaddrs,
-            version=self.state.version,
+            version=self.node.state.version,
             method=self.spec.name,
             resumed=self.resume,
             numel=self.numel,
@@ -528,7 +365,7 @@ class CoordinatorDaemon:
     async def _announce_start(self, ready: Optional[asyncio.Event]) -> None:
         """Once serving: the monitoring started, ``status.json``, a first evaluation, the log lines, then ``ready``."""
         self.monitoring.start()  # sinks + dashboard (status.py); stopped in _shut_down
-        self._write_status()
+        self.monitoring.write_status()
         self.monitoring.maybe_evaluate(force=True)
         logger.info("coordinator of run %r (%s) serving a %.1f M-parameter model (%d)", self.cfg.runtime.run_id, self.spec.label,
                     self.numel / 1e6, self.numel)
@@ -542,7 +379,7 @@ class CoordinatorDaemon:
         the monitoring's loop, each until ``stop``."""
         return [
             asyncio.create_task(tick_loop(self.node, stop)),
-            asyncio.create_task(speed_loop(self.node, self.stats, self.cfg, records, stop, dht)),
+            asyncio.create_task(speed_loop(self.node, self.monitoring.stats, self.cfg, records, stop, dht)),
             asyncio.create_task(announce_loop(records, stop, self.cfg, self.peer_id, self.multiaddrs, self.numel,
                                               lambda: self.node.state.version)),
             asyncio.create_task(revocation_loop(self.node, stop)),  # admission
@@ -552,23 +389,23 @@ class CoordinatorDaemon:
     async def _wind_down(self, tasks: list[asyncio.Task[Any]]) -> None:
         """After ``stop``: refuse new events, end the loops, cancel the held requests, let running evaluations
         finish, write the final snapshot and ``status.json``, then the ``stop`` record."""
-        async with self.lock:
-            self._stopping = True
+        async with self.node.lock:
+            self.node.stopping = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for waiter in self.waiters.values():
+        for waiter in self.monitoring.waiters.values():
             waiter.future.cancel()
-        if self._eval_tasks:
-            await asyncio.gather(*self._eval_tasks, return_exceptions=True)
-        async with self.lock:
+        if self.monitoring.eval_tasks:
+            await asyncio.gather(*self.monitoring.eval_tasks, return_exceptions=True)
+        async with self.node.lock:
             try:
-                await self._save()
-                self._write_status()
-                logger.info("checkpoint written at version %d; shutting down", self.state.version)
+                await self.durability.save()
+                self.monitoring.write_status()
+                logger.info("checkpoint written at version %d; shutting down", self.node.state.version)
             except OSError as error:  # the last durable snapshot stands; nothing unsaved was acknowledged
                 logger.critical("final checkpoint failed (%r); --resume continues from the last good one", error)
-        self.journal.write("stop", version=self.state.version, local_updates=self.state.local_updates)
+        self.monitoring.journal.write("stop", version=self.node.state.version, local_updates=self.node.state.local_updates)
 
     async def _shut_down(self, dht: Any, started: _Started) -> None:
         """Undo what :meth:`run` started, whether it ended or failed: the monitoring, the handlers, p2p, the DHT
@@ -588,5 +425,5 @@ class CoordinatorDaemon:
         stop_dht(dht)
         if self.verification is not None:
             await self.verification.close()
-        self.wal.close()
-        self.journal.close()
+        self.node.wal.close()
+        self.monitoring.journal.close()

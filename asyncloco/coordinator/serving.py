@@ -65,7 +65,9 @@ def lease_to_wire(lease: Lease, batch_size: int) -> dict[str, Any]:
 
 
 class Serving:
-    """``check_admitted``, ``assign``, ``get_model``, ``submit`` and the compatibility check."""
+    """The RPC handler of :class:`~asyncloco.transport.rpc.CoordinatorService`: ``check_admitted``, ``assign``,
+    ``get_model``, ``submit``, the compatibility check, and verification's calls (``reveal_limit``, ``reveal``,
+    ``verify_task``, ``verdict``, ``return_check``: coordinator/verify.py, coordinator/validators.py)."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class Serving:
         self.admission_key = admission_key  # the coordinator's public key (runtime.admission: token), else None
         self.service: Any = None  # the transport service, once serving
         self.fingerprint: dict[str, str] = {}  # this run's (asyncloco/fingerprint.py), computed at start-up
+        self.verification: Any = None  # coordinator/verify.py DaemonVerification, set by the daemon when the run verifies
         self._decode_buffers: list[torch.Tensor] = []  # at most one idle θ-sized int8 decode buffer (submit)
         self._probe: Optional[Probe] = None  # the update gate's probe, built on first use
 
@@ -295,3 +298,29 @@ class Serving:
             node.refuse_if_stopping()
             await node.decide(Fingerprint(peer_id, reason or "", differing if reason else (), software_version[:64] if reason else ""))
         return reason
+
+    # --- verification (coordinator/verify.py): reveals of committed inner states, validator peers
+
+    def _verification_on(self, what: str) -> Any:
+        if self.verification is None:
+            raise ValueError(f"this run does not verify work (runtime.verify.enabled is false): {what}")
+        return self.verification
+
+    async def reveal_limit(self, header: Any, peer_id: str) -> int:
+        """The ``reveal`` RPC's size bound (commitments), before its body is read."""
+        await self.check_admitted(peer_id)
+        return int(self._verification_on("nothing to reveal").reveal_limit(header.lease_id, peer_id))
+
+    async def reveal(self, header: Any, state: bytes, peer_id: str) -> Any:
+        return self._verification_on("nothing to reveal").reveal(header.lease_id, state, peer_id)
+
+    async def verify_task(self, request: Any, peer_id: str) -> Any:
+        """A validator peer (asyncloco/validator.py) asks for a check (coordinator/validators.py ``lend``)."""
+        return await self._verification_on("no checks for validators").desk.lend(min(float(request.wait_s), 60.0), peer_id)
+
+    async def verdict(self, header: Any, peer_id: str) -> Any:
+        return await self._verification_on("no checks for validators").desk.take_verdict(header, peer_id)
+
+    def return_check(self, lease_id: Optional[str], peer_id: str) -> None:
+        if self.verification is not None:
+            self.verification.desk.give_back(lease_id, peer_id)

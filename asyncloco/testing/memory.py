@@ -220,23 +220,23 @@ class _FaultyHandler:
         return result
 
     async def assign(self, request: AssignRequest, peer_id: str) -> Union[HelloReply, LeaseReply]:
-        return await self._decided("assign", peer_id, self.daemon.assign(request, peer_id))
+        return await self._decided("assign", peer_id, self.daemon.serving.assign(request, peer_id))
 
     async def get_model(self, version: Optional[int], peer_id: str) -> Tuple[int, torch.Tensor]:
-        return await self._decided("get_model", peer_id, self.daemon.get_model(version, peer_id))
+        return await self._decided("get_model", peer_id, self.daemon.serving.get_model(version, peer_id))
 
     async def check_admitted(self, peer_id: str) -> None:
-        await self.daemon.check_admitted(peer_id)
+        await self.daemon.serving.check_admitted(peer_id)
 
     async def submit(self, header: SubmitHeader, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Ack:
-        return await self._decided("submit", peer_id, self.daemon.submit(header, pseudo_gradient, peer_id, upload_seconds))
+        return await self._decided("submit", peer_id, self.daemon.serving.submit(header, pseudo_gradient, peer_id, upload_seconds))
 
     async def reveal_limit(self, header: RevealHeader, peer_id: str) -> int:
-        limit: int = await self.daemon.reveal_limit(header, peer_id)
+        limit: int = await self.daemon.serving.reveal_limit(header, peer_id)
         return limit
 
     async def reveal(self, header: RevealHeader, state: bytes, peer_id: str) -> RevealReply:
-        return await self._decided("reveal", peer_id, self.daemon.reveal(header, state, peer_id))
+        return await self._decided("reveal", peer_id, self.daemon.serving.reveal(header, state, peer_id))
 
 
 class MemoryTransport:
@@ -283,9 +283,9 @@ class MemoryTransport:
         )
         if self.workload is None:
             self.workload = daemon.workload
-        daemon._stop_event = asyncio.Event()
+        daemon.node.stop_event = asyncio.Event()
         if not resume:
-            await daemon._save()  # what CoordinatorDaemon.run writes at start
+            await daemon.durability.save()  # what CoordinatorDaemon.run writes at start
         service = daemon.new_service(_FaultyHandler(self, daemon))
         await service.add_p2p_handlers(self.node, namespace=self.cfg.runtime.run_id)
         self.daemon, self.service, self.numel, self.down = daemon, service, daemon.numel, False
@@ -315,15 +315,15 @@ class MemoryTransport:
             self._ticker = None
         daemon = self.daemon
         if daemon is not None and not self.down:
-            async with daemon.lock:
-                daemon._stopping = True
-                await daemon._save()
+            async with daemon.node.lock:
+                daemon.node.stopping = True
+                await daemon.durability.save()
             self.down = True
             self.node.go_down()
             await self._unserve()
             await self._drain(daemon)
-            daemon.journal.close()
-            daemon.wal.close()
+            daemon.monitoring.journal.close()
+            daemon.node.wal.close()
             self.daemon = None
         else:
             await self._bury()
@@ -354,17 +354,17 @@ class MemoryTransport:
         if daemon is None:
             return
         await self._drain(daemon)
-        daemon.journal.close()
-        if daemon.wal._fd is not None:
-            os.close(daemon.wal._fd)
-            daemon.wal._fd = None
+        daemon.monitoring.journal.close()
+        if daemon.node.wal._fd is not None:
+            os.close(daemon.node.wal._fd)
+            daemon.node.wal._fd = None
 
     @staticmethod
     async def _drain(daemon: CoordinatorDaemon) -> None:
-        await daemon._wait_for_snapshot()
-        for task in list(daemon._eval_tasks):
+        await daemon.durability.wait_for_snapshot()
+        for task in list(daemon.monitoring.eval_tasks):
             await asyncio.gather(task, return_exceptions=True)
-        for waiter in daemon.waiters.values():
+        for waiter in daemon.monitoring.waiters.values():
             waiter.future.cancel()
 
     async def _tick_loop(self) -> None:
@@ -375,9 +375,9 @@ class MemoryTransport:
             if daemon is None or self.down:
                 continue
             try:
-                async with daemon.lock:
-                    if not daemon._stopping:
-                        await daemon._decide(Tick())
+                async with daemon.node.lock:
+                    if not daemon.node.stopping:
+                        await daemon.node.decide(Tick())
             except Killed as killed:
                 self._crash(killed.point)
 
@@ -385,8 +385,8 @@ class MemoryTransport:
         """One tick now (expiries, grace windows, silent peers), outside the periodic ones."""
         daemon = self._alive()
         try:
-            async with daemon.lock:
-                await daemon._decide(Tick())
+            async with daemon.node.lock:
+                await daemon.node.decide(Tick())
         except Killed as killed:
             self._crash(killed.point)
 
@@ -462,12 +462,12 @@ class MemorySpeedPublisher:
         daemon = transport._alive()
         now = transport.clock.time()
         try:
-            async with daemon.lock:
-                info = daemon.state.peers.get(self.peer)
-                if info is None or info.signer != self._signer or (info.reported_at or -1.0) >= now or daemon._stopping:
+            async with daemon.node.lock:
+                info = daemon.node.state.peers.get(self.peer)
+                if info is None or info.signer != self._signer or (info.reported_at or -1.0) >= now or daemon.node.stopping:
                     return
                 fields = link.fields() if link is not None else {}
-                await daemon._decide(SpeedReport(self.peer, float(tokens_per_s), now, self._signer, **fields))
+                await daemon.node.decide(SpeedReport(self.peer, float(tokens_per_s), now, self._signer, **fields))
         except Killed as killed:
             transport._crash(killed.point)
             raise PeerUnreachable(f"speed report of {self.peer}: the coordinator died ({killed.point})") from None
