@@ -173,4 +173,4 @@ def test_the_submit_header_carries_the_decoded_theta_bounded() -> None:
                 {"theta_codec": "int8"}, {"theta_digest": digest},  # codec and digest together
                 {"theta_codec": "int8", "theta_digest": "A" * 64}, {"theta_codec": "zip", "theta_digest": digest}):
         with pytest.raises(MessageError):
-            SubmitHeader("l", 5, "int8", 10, **bad)  # type: ignore[arg-type]
+            SubmitHeader("l", 5, "int8", 10, **bad)
