@@ -63,7 +63,7 @@ def measure(run: Path) -> dict[str, Any]:
         return float(workload.evaluate(model)["perplexity"])
 
     def fresh() -> Any:
-        state = verification._fresh_state()
+        state = verification.fresh_state()
         state.load_state_dict(anchor["coordinator"])
         return state
 

@@ -173,9 +173,9 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
                 tasks[name].result()
             return {
                 "state": daemon.node.state, "last_seq": daemon.node.wal.last_seq, "numel": daemon.numel,
-                "status": json.loads((run_dir / STATUS_FILE).read_text()), "fresh": verification._fresh_state,
+                "status": json.loads((run_dir / STATUS_FILE).read_text()), "fresh": verification.fresh_state,
                 "reveals": dict(verification.reveals), "stores": {n: r.reveals for n, (r, _) in peers.items()},
-                "state_size": verification._state_size,
+                "state_size": verification.reveal_bound(),
                 "layout_size": inner_state_size(InnerTrainer.from_config(cfg, transport.workload).optimizer),
             }
         finally:

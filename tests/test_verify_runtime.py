@@ -132,7 +132,7 @@ def test_a_peer_caught_on_probation_never_touches_theta(tmp_path: Path) -> None:
             await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
             with pytest.raises(PeerError, match="expelled from this run"):
                 hostile_task.result()
-            return daemon.node.state, daemon.node.wal.last_seq, daemon.numel, daemon.verification._fresh_state
+            return daemon.node.state, daemon.node.wal.last_seq, daemon.numel, daemon.verification.fresh_state
         finally:
             if transport.daemon is not None and transport.daemon.verification is not None:
                 await transport.daemon.verification.close()
@@ -208,7 +208,7 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
                 "last_seq": daemon.node.wal.last_seq,
                 "numel": daemon.numel,
                 "status": json.loads((run_dir / STATUS_FILE).read_text()),
-                "fresh": daemon.verification._fresh_state if daemon.verification is not None else None,
+                "fresh": daemon.verification.fresh_state if daemon.verification is not None else None,
             }
         finally:
             if transport.daemon is not None and transport.daemon.verification is not None:

@@ -14,7 +14,7 @@ offset and the run's config — exactly what the coordinator knows. This module:
   another one (a bf16 GPU peer checked on a CPU), whose kernels differ from the verifier's.
 * :class:`Verifier` — the coordinator's background worker: a bounded queue of re-runs (``runtime.verify.queue``;
   a full queue skips a check and counts it), one re-run at a time in a worker thread, so submissions and acks never
-  wait for it. Each verdict goes back through the daemon's single decision entry point as a
+  wait for it. Each verdict goes back through the node's decide (coordinator/node.py) as a
   :class:`~asyncloco.coordinator.logic.Verified` event (write-ahead log, journal, status.json). Validator peers
   (asyncloco/coordinator/validators.py, asyncloco/validator.py) take checks off the same queue.
 * :func:`repair` (asyncloco/coordinator/repair.py, re-exported here) — the exact remedy after a failed check: the logic expels the peer, and θ (with the outer
@@ -119,7 +119,7 @@ class VerifyStats:
 class Verifier:
     """The coordinator's background verification worker. :meth:`offer` never blocks (a full queue skips the
     check); :meth:`run` re-runs one lease at a time in a worker thread and hands each verdict to ``on_verdict``
-    (the daemon: a :class:`~asyncloco.coordinator.logic.Verified` event through its decision entry point)."""
+    (:class:`DaemonVerification`: a :class:`~asyncloco.coordinator.logic.Verified` event through the node's decide)."""
 
     def __init__(
         self,
@@ -282,7 +282,7 @@ class DaemonVerification:
         # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
         self.desk = ValidatorDesk(self)
         # the honest re-runs a repair applies in an expelled peer's place (runtime.verify.repair: rerun)
-        self.reruns = RepairReruns(cfg, port.workload, Path(port.dir), self.anchors, self._fresh_state, event_types) \
+        self.reruns = RepairReruns(cfg, port.workload, Path(port.dir), self.anchors, self.fresh_state, event_types) \
             if self.knobs.repair == "rerun" else None
         self.pending_repairs: list[Expelled] = []  # expulsions whose repair has not been carried out yet
         self._loss_model: Optional[torch.nn.Module] = None  # the repair's validation losses are computed on it
@@ -409,6 +409,10 @@ class DaemonVerification:
             self.reveals["refused"] += 1
             raise ValueError(f"no reveal of lease {lease_id[:40]} is awaited from this peer (not chosen, already "
                              "revealed, or past runtime.verify.reveal_timeout)")
+        return self.reveal_bound()
+
+    def reveal_bound(self) -> int:
+        """The most bytes any reveal of this run may carry (:meth:`reveal_limit` without the check of who reveals)."""
         if self._state_size is None:  # Σ (1 + 8 + 8n) over the model's parameters: the layout of a full AdamW state
             from asyncloco.train.commitments import revealed_size
 
@@ -442,7 +446,7 @@ class DaemonVerification:
             deadline.cancel()
         self.awaiting.clear()
         for task in list(self._decided) + list(self._repairing):
-            task.cancel()  # they wait for the daemon's lock; a stopping daemon decides nothing more
+            task.cancel()  # they wait for the node's lock; a stopping coordinator decides nothing more
         if self._stop is not None:
             self._stop.set()
         if self._task is not None:
@@ -499,7 +503,7 @@ class DaemonVerification:
 
     async def _unverified_id(self, peer: str, lease_id: str, reason: str, apply: bool = False) -> None:
         """End a check without a verdict: an :class:`~asyncloco.coordinator.logic.Unverified` event through the
-        daemon's decision entry point, journaled."""
+        node's decide (:meth:`VerificationPort.decide`), journaled."""
         if not await self.port.decide(Unverified(peer, lease_id, reason, apply)):
             return
         self.port.journal().write("unverified", peer=peer, lease_id=lease_id, reason=reason)
@@ -545,7 +549,10 @@ class DaemonVerification:
         finally:
             self.anchors.unpin(anchor)
 
-    def _fresh_state(self) -> CoordinatorState:
+    def fresh_state(self) -> CoordinatorState:
+        """A new coordinator state of this run's shape — θ's size, the run's outer optimizer, staleness transforms,
+        policy, shards and seed, nothing decided yet: what a repair loads its anchor snapshot into and replays the log
+        onto (tests rebuild a run's states the same way)."""
         from asyncloco.coordinator.logic import new_state
         from asyncloco.coordinator.methods import build_method
         from asyncloco.models.workload import param_groups
@@ -567,7 +574,7 @@ class DaemonVerification:
                 # begins while a repair is pending): let it finish, so the log stays put while the re-runs read it
                 await self.port.wait_for_snapshot()
                 while self.reruns is not None and trained != set(expelled):
-                    # trained outside the daemon's lock, the repair reads them back; again if another peer was
+                    # trained outside the node's lock, the repair reads them back; again if another peer was
                     # expelled meanwhile (the replay's θs, and so the re-runs, change with the set left out)
                     trained = set(expelled)
                     await asyncio.to_thread(self.reruns.prepare, action.anchor, node.wal.last_seq, trained)
@@ -582,7 +589,7 @@ class DaemonVerification:
         task.add_done_callback(self._repairing.discard)
 
     def repair_pending(self, journal: Any, remedy: str = "") -> None:
-        """Carry out the oldest expulsion's repair (live: its deferred turn, with the daemon's lock held; a
+        """Carry out the oldest expulsion's repair (live: its deferred turn, with the node's lock held; a
         ``--resume`` replay: when it meets that repair's ``Repaired`` record, with the remedy the record names, or
         after its last record)."""
         if not self.pending_repairs:
@@ -631,7 +638,7 @@ class DaemonVerification:
             snapshot = load_snapshot(anchor_dir)
             after = snapshot_wal_seq(snapshot)
             for kind in kinds:
-                state = self._fresh_state()
+                state = self.fresh_state()
                 state.load_state_dict(snapshot["coordinator"])
                 records = log_events(Path(self.port.dir) / "wal", after, upto, self.event_types, live.params.numel())
                 substitutes = self.reruns.substitutes(action.anchor) if kind == "rerun" and self.reruns is not None else None
