@@ -276,3 +276,40 @@ def test_the_scan_reads_the_node_itself_and_finds_its_writes() -> None:
     found = scan_source((PACKAGE / "coordinator" / "node.py").read_text(), "node.py")
     assert any("appends to the write-ahead log" in line for line in found)
     assert any("writes coordinator state" in line for line in found)
+
+
+def test_the_node_logs_a_repair_before_it_installs_it(tmp_path: Path) -> None:
+    """node.apply_repair: live, the Repaired record is appended while the old state is still in place, then the
+    rebuilt state installed; replaying (``log`` False) only installs; a log that cannot be written installs nothing
+    and stops the coordinator, as decide does."""
+    from typing import Any
+
+    from asyncloco.clock import SYSTEM_CLOCK
+    from asyncloco.coordinator.logic import Repaired
+    from asyncloco.coordinator.node import CoordinatorNode
+
+    old: Any = object()
+    rebuilt: Any = object()
+    repaired = Repaired(("mal",), 7, 12, (), (), (), (), remedy="rerun")
+    seen: list[tuple[object, object]] = []
+
+    class Log:
+        broken = False
+
+        def append_event(self, event: object, now: float, attachments: object = None) -> None:
+            if self.broken:
+                raise OSError("disk full")
+            seen.append((event, node.state))
+
+    node = CoordinatorNode(old, tmp_path, SYSTEM_CLOCK)
+    node.wal = Log()  # type: ignore[assignment]
+    node.apply_repair(rebuilt, repaired, log=True)
+    assert seen == [(repaired, old)] and node.state is rebuilt
+
+    node.apply_repair(old, repaired, log=False)  # a --resume replay: the record is in the log already
+    assert len(seen) == 1 and node.state is old
+
+    node.wal.broken = True  # type: ignore[attr-defined]
+    with pytest.raises(OSError):
+        node.apply_repair(rebuilt, repaired, log=True)
+    assert node.state is old and node.stopping

@@ -94,7 +94,7 @@ def scan_source(source: str, path: str = "<planted>", privates: frozenset[str] =
         elif receiver_name in logic_names or dotted(receiver) == LOGIC or dotted(receiver).startswith(LOGIC + "."):
             whose = "the logic's"
         if whose is not None:
-            found.append(f"{path}:{node.lineno}: touches {whose} private {name}: {ast.unparse(node)[:80]}")
+            found.append(f"{path}:{getattr(node, 'lineno', 0)}: touches {whose} private {name}: {ast.unparse(node)[:80]}")
     return found
 
 
