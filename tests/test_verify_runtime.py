@@ -239,16 +239,22 @@ def test_a_hostile_peer_is_caught_expelled_and_its_updates_are_gone(tmp_path: Pa
     assert len(repairs) == 1 and repairs[0]["peer"] == HOSTILE and repairs[0]["anchor"] == 0
     expelled_at = next(r for r in read_journal(run_dir) if r["type"] == "expelled")["time"]
     hostile_applied = [a for a in read_journal(run_dir, "applied") if a["peer"] == HOSTILE and a["time"] <= expelled_at]
-    # its checked leases were held until their (passed) checks: the repair's replay keeps them as the live run applied
-    # them; only what was applied unchecked is taken out
-    unchecked = [a for a in hostile_applied if not assigned[a["lease_id"]]["verify"]]
+    # its held leases (probation always; a drawn one while the verifier's backlog was short) waited for their (passed)
+    # checks: the repair's replay keeps them as the live run applied them; what was applied before any verdict — not
+    # drawn, or drawn behind a busy verifier (runtime.verify.hold_backlog) — is taken out
     held = [h for h in read_journal(run_dir, "held") if h["peer"] == HOSTILE and h["time"] <= expelled_at]
+    held_ids = {h["lease_id"] for h in held}
+    unchecked = [a for a in hostile_applied if a["lease_id"] not in held_ids]
+    assert all(not assigned[a["lease_id"]]["verify"] or not assigned[a["lease_id"]]["verify"].startswith("probation")
+               for a in unchecked)  # probation is never applied before its verdict
     assert len(hostile_applied) - len(unchecked) >= 2  # its probation leases, applied once their checks agreed
-    # held: applied once its check agreed, or dropped (the one that failed, and any still pending then)
+    # held: applied once its check agreed, or dropped (the one that failed if it was held, and any still pending then)
     dropped = {r["lease_id"] for r in read_journal(run_dir, "rejected")
                if r["peer"] == HOSTILE and "held update not applied" in r["reason"]}
     checked_applied = {a["lease_id"] for a in hostile_applied} - {a["lease_id"] for a in unchecked}
-    assert failed[0]["lease_id"] in dropped and not dropped & checked_applied
+    applied_first = {a["lease_id"] for a in unchecked if assigned[a["lease_id"]]["verify"]}
+    assert (failed[0]["lease_id"] in dropped) != (failed[0]["lease_id"] in applied_first)
+    assert not dropped & checked_applied
     assert repairs[0]["held"] == len(held) and {h["lease_id"] for h in held} == checked_applied | dropped
     # the remedy: both candidates' θ evaluated, the lower validation loss installed (never worse than leaving it out)
     remedy, losses = repairs[0]["remedy"], repairs[0]["losses"]
@@ -354,7 +360,13 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     journaled), its held update dropped."""
     from asyncloco.coordinator.verify import DaemonVerification, Rerunner
 
-    cfg = config(snapshot_every=100_000)  # the log holds every check since the start (unless ``snapshot``)
+    # the first life runs no verifier at all: every drawn check is held (not applied first behind the backlog, whose
+    # checks a restart from a snapshot cannot rebuild: they end Unverified, their updates being in θ already)
+    verify = {"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2, "horizon": 100000,
+              "queue": 256, "hold_backlog": 1_000}
+    # (fp32 downloads: with a delta download a check re-runs from the anchor the peer decoded against, and the served
+    # anchors do not survive a restart — such a check ends Unverified, a limitation this test is not about)
+    cfg = config(snapshot_every=100_000, verify=verify, download_codec="none")  # the log holds every check (unless ``snapshot``)
     clock = FakeClock()
     run_dir = tmp_path / "run"
     original_start = DaemonVerification._start
