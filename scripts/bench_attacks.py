@@ -279,6 +279,15 @@ def own_history_rises(run: Path, hostile: set[str]) -> dict[str, Any]:
             "tampered_score_rise": [round(s, 3) for _, s in rises["tampered"][:5]]}
 
 
+def caught_and_repaired(events: list[dict[str, Any]]) -> bool:
+    """A failed check, and the repair its expulsion asked for (if any) done: the run may end there (ending it between
+    the two leaves the attacker's unchecked updates in θ, which the repair would have taken out)."""
+    if not any(e.get("type") == "verdict" and e.get("ok") is False for e in events):
+        return False
+    asked = {e.get("peer") for e in events if e.get("type") == "expelled" and str(e.get("repair")) == "True"}
+    return asked <= {e.get("peer") for e in events if e.get("type") == "repaired"}
+
+
 def tampered_caught_on(summaries: list[Path], events: list[dict[str, Any]]) -> Optional[int]:
     """For attackers that were expelled: the position, among its accepted tampered submissions (1 = the first), of the
     lease whose failed check expelled it — the sampling's catch, apart from the tampered leases the attacker got in
@@ -496,8 +505,7 @@ def run_one(
             def enough() -> bool:
                 if updates is not None and cluster.status().get("version", 0) < updates:
                     return False
-                if until_caught and attack not in ("clean", "honest") and not any(
-                        e.get("type") == "verdict" and not e.get("ok") for e in cluster.events()):
+                if until_caught and attack not in ("clean", "honest") and not caught_and_repaired(cluster.events()):
                     return False
                 if honest_updates is None:
                     return True
