@@ -909,3 +909,42 @@ def test_a_drawn_check_behind_a_busy_verifier_is_applied_first_and_checked_later
     expelled = [a for a in actions if isinstance(a, Expelled)]
     assert len(expelled) == 1 and expelled[0].repair is True  # its update is in θ: the repair takes it out
     assert state.verification.pending == {drawn["a"].lease_id: "a"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("verdict", [True, False], ids=["probation-passes", "probation-fails"])
+def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(verdict: bool) -> None:
+    """A fast newcomer takes a third lease before its two probation checks have verdicts: that lease is not re-run,
+    but its update waits for them — applied (unverified: a later failed check would repair it) once the peer has
+    passed probation; dropped, never applied, if the peer is caught. So a peer that cheats from its first lease never
+    gets a later lease into θ before its first verdict."""
+    from asyncloco.coordinator.logic import Rejected
+
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=2)
+    handle(state, SpeedReport("n", 10.0), 0.0)
+    probation = []
+    for i in range(2):
+        lease = lease_of(handle(state, RequestWork("n"), 1.0 + i)[1])
+        assert lease.verify.startswith("probation (")
+        actions = handle(state, SubmitUpdate("n", lease.lease_id, 0, torch.full((DIM,), 0.1)), 1.5 + i)[1]
+        assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+        probation.append(lease)
+    third = lease_of(handle(state, RequestWork("n"), 3.0)[1])
+    assert third.verify.startswith("probation: held until the peer's probation checks agree, not re-run (0 of 2")
+    update = torch.arange(DIM, dtype=torch.float32)
+    actions = handle(state, SubmitUpdate("n", third.lease_id, 0, update), 3.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Held"] and state.version == 0  # no re-run asked for
+    assert set(state.verification.pending) == {lease.lease_id for lease in probation}
+    actions = handle(state, Verified("n", probation[0].lease_id, True, "bitwise"), 4.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Verdict", "Applied"] and state.version == 1  # one of two passed
+    actions = handle(state, Verified("n", probation[1].lease_id, verdict, "bitwise" if verdict else "relative error 1"), 5.0)[1]
+    names = [type(a).__name__ for a in actions]
+    if verdict:
+        assert names == ["Verdict", "Applied", "Applied"] and state.version == 3 and actions[2].lease_id == third.lease_id
+        assert state.verification.unchecked == {"n": 1} and not state.verification.held  # in θ unverified: repairable
+    else:
+        assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 1 and not state.verification.held
+        assert any(isinstance(a, Rejected) and a.lease_id == third.lease_id and "held update not applied" in a.reason
+                   for a in actions)
+        expelled = [a for a in actions if isinstance(a, Expelled)]
+        assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked

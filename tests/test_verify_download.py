@@ -139,10 +139,12 @@ def test_honest_peers_on_the_default_compressed_download_pass_every_check(tmp_pa
     verdicts = [json.loads(line) for line in out["journal"].splitlines() if '"verdict"' in line]
     verdicts = [v for v in verdicts if v["type"] == "verdict"]
     assert out["deltas_sent"] > 0  # int8 deltas from the peers' anchors were served and checked
-    assert len(verdicts) == 12 and all(v["ok"] for v in verdicts), verdicts
+    # every lease re-run but those a peer took while its probation checks were on their way (held until they agreed)
+    waited = [line for line in out["journal"].splitlines() if '"assign"' in line and "not re-run" in line]
+    assert len(verdicts) == 12 - len(waited) >= 4 and all(v["ok"] for v in verdicts), verdicts  # (≥ 2 × probation)
     assert all("bitwise" in v["detail"] for v in verdicts)
     status = out["verification"]
-    assert status["failed"] == 0 and status["unverifiable"] == 0 and status["passed"] == 12
+    assert status["failed"] == 0 and status["unverifiable"] == 0 and status["passed"] == len(verdicts)
     for _, task in out["peers"].values():
         assert task.result().rounds == 6
 

@@ -39,6 +39,7 @@ from asyncloco.coordinator.verify import ANCHOR_DIR, live_base, log_events, repa
 from asyncloco.peer.reveal import RevealStore, send_reveal
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
+from tests.test_verify_runtime import re_run
 from asyncloco.train.commitments import inner_state_size, split_parts
 from asyncloco.train.inner import InnerTrainer
 from asyncloco.transport.errors import MessageError, RemoteError
@@ -196,7 +197,7 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     honest = [v for v in verdicts if v["peer"] in HONEST]
     assert honest and all(v["ok"] and v["detail"] == "bitwise equal to the re-run" for v in honest)
     assigned = {a["lease_id"]: a for a in journal(run_dir, "assign")}
-    chosen = {a["lease_id"] for a in journal(run_dir, "applied") if a["peer"] in HONEST and assigned[a["lease_id"]]["verify"]}
+    chosen = {a["lease_id"] for a in journal(run_dir, "applied") if a["peer"] in HONEST and re_run(assigned[a["lease_id"]]["verify"])}
     assert {v["lease_id"] for v in honest} == chosen and not book.pending
     reveals = out["reveals"]
     # every reveal asked for was received, or late (only the silent peer's), or moot (its peer expelled meanwhile)

@@ -199,6 +199,10 @@ class Rerunner:
     lease (its optimizer state is cleared before each: ``inner_state: reset``)."""
 
     def __init__(self, cfg: "RunConfig", workload: "Workload", device: str = "cpu") -> None:
+        import torch._dynamo  # noqa: F401  (the optimizers import it lazily on their first step; two threads doing
+        # that at once — the re-run's worker and the event loop's first step — left it half-initialised and every
+        # later re-run failed with "partially initialized module 'torch._dynamo'": imported here, on the caller's thread)
+
         from asyncloco.train.inner import compute_class
 
         self.cfg = cfg

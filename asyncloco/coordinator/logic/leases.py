@@ -610,6 +610,9 @@ def _on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[
 # ---------------------------------------------------------------------------------- verification
 
 
+PROBATION_WAIT = "probation: held until the peer's probation checks agree, not re-run"
+
+
 def must_check(lease: Lease) -> bool:
     """A check that is never dropped, even when the θ it would re-run from costs memory: probation and a suspect's
     draw. A peer that holds such a lease until its base θ is no longer retained gets it given back instead —
@@ -637,6 +640,9 @@ def verify_reason(state: CoordinatorState, policy: VerifyPolicy, peer: str, leas
         on_the_way += sum(1 for lease in state.leases.values() if lease.peer == peer and lease.verify)
         if passed + on_the_way < policy.probation_updates:
             return f"probation ({passed} of {policy.probation_updates} verified" + (f", {on_the_way} on the way)" if on_the_way else ")")
+        # its probation checks are all on their way: this lease is not re-run, but its update waits for them (a peer
+        # that cheats from its first lease must not get a later one into θ before its first verdict)
+        return f"{PROBATION_WAIT} ({passed} of {policy.probation_updates} verified, {on_the_way} on the way)"
     sketches = state.verification.sketch
     if sketches.flagged.get(peer, 0) > 0:  # its updates keep a direction the others' do not (coordinator/sketch.py)
         sketches.flagged[peer] -= 1

@@ -19,7 +19,8 @@ from asyncloco.coordinator.logic.events import (
     Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
-    _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta, must_check, return_range,
+    PROBATION_WAIT, _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta, must_check,
+    return_range,
 )
 from asyncloco.coordinator.gate import GatePolicy, GateVerdict
 from asyncloco.coordinator.sketch import Sketcher, observe
@@ -46,7 +47,8 @@ def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[A
         return actions + ([] if held is None else _drop_held(state, held, "its peer was expelled"))
     if event.ok:
         book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
-        return [Verdict(event.peer, event.lease_id, True, event.detail)] + ([] if held is None else _apply_held(state, held, now))
+        actions = [Verdict(event.peer, event.lease_id, True, event.detail)] + ([] if held is None else _apply_held(state, held, now))
+        return actions + _release_probation_wait(state, event.peer, now)
     book.failed += 1
     reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
     book.expelled[event.peer] = reason
@@ -66,6 +68,20 @@ def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[A
     return actions
 
 
+def _release_probation_wait(state: CoordinatorState, peer: str, now: float) -> list[Action]:
+    """Once ``peer`` has passed its probation, the updates that waited for it (not re-run themselves) are applied, in
+    lease order, unverified: a norm the gate clipped stays clipped."""
+    book, policy = state.verification, state.policy.verify
+    if policy is None or book.passed.get(peer, 0) < policy.probation_updates:
+        return []
+    waiting = sorted(lease_id for lease_id, held in book.held.items()
+                     if held.lease.peer == peer and held.lease.verify.startswith(PROBATION_WAIT))
+    actions: list[Action] = []
+    for lease_id in waiting:
+        actions += _apply_held(state, book.held.pop(lease_id), now, verified=False)
+    return actions
+
+
 def _on_unverified(state: CoordinatorState, event: Unverified, now: float) -> list[Action]:
     """A check ends without a verdict: counted unverifiable. A held update is not applied (no verdict, no application:
     a peer must not be able to skip its check by making it fail to run) — its range goes back to the shard; unless
@@ -82,8 +98,13 @@ def _on_unverified(state: CoordinatorState, event: Unverified, now: float) -> li
         return []
     del book.held[event.lease_id]
     if event.apply and event.peer not in book.expelled:
-        return _apply_held(state, held, now)
-    return _drop_held(state, held, f"its check ended without a verdict ({event.reason})")
+        return _apply_held(state, held, now) + _release_probation_wait(state, event.peer, now)
+    actions = _drop_held(state, held, f"its check ended without a verdict ({event.reason})")
+    if held.lease.verify.startswith("probation ("):  # the updates waiting for that probation would wait for ever
+        for lease_id in sorted(lease_id for lease_id, other in book.held.items()
+                               if other.lease.peer == event.peer and other.lease.verify.startswith(PROBATION_WAIT)):
+            actions += _drop_held(state, book.held.pop(lease_id), "its peer's probation check ended without a verdict")
+    return actions
 
 
 def _on_discard(state: CoordinatorState, event: Discard, now: float) -> list[Action]:
@@ -380,6 +401,14 @@ def _hold(
     peer whose check fails, so nothing needs repair when one is caught on its checked leases. ``base``/``update``: θ at
     the lease's base version and the update as submitted (copies that never change)."""
     book = state.verification
+    if lease.verify.startswith(PROBATION_WAIT):  # no re-run: it waits for the peer's probation verdicts (_on_verified)
+        book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
+                                               None if verdict is None else dataclasses.asdict(verdict),
+                                               event.state_start or "", event.state_end or "", event.device_class or "",
+                                               event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
+        _drop_unused_base_params(state)
+        held = [Held(event.peer, lease.lease_id, state.version, "held until the peer's probation checks agree", sketch)]
+        return held + _release_probation_wait(state, event.peer, now)  # (passed meanwhile: applied at once)
     book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
                                            None if verdict is None else dataclasses.asdict(verdict),
                                            event.state_start or "", event.state_end or "", event.device_class or "",
@@ -393,20 +422,20 @@ def _hold(
     ]
 
 
-def _apply_held(state: CoordinatorState, held: HeldUpdate, now: float) -> list[Action]:
+def _apply_held(state: CoordinatorState, held: HeldUpdate, now: float, verified: bool = True) -> list[Action]:
     """A held update whose check agreed: applied now, its staleness counted from now. A norm clip is lifted (its
     re-run shows the norm is what honest work from the peer's committed state gives — a newcomer's fresh AdamW state
     moves θ ≈ 3 × as far per step as its warmed-up peers'); weak agreement stays weak (that is about its direction)."""
     verdict = None if held.verdict is None else GateVerdict(**held.verdict)
     scale = held.scale
-    if verdict is not None and verdict.action == "clip" and not verdict.weak:
+    if verified and verdict is not None and verdict.action == "clip" and not verdict.weak:
         scale = 1.0
         verdict = dataclasses.replace(verdict, action="accept", scale=1.0, reason=(
             f"passed the gate: its re-run agreed, so its norm {verdict.norm:.4g} is honest work's and is applied in "
             "full (unverified, it would have been scaled down to the gate's bound)"))
     update = held.update if scale == 1.0 else held.update.mul(scale)
     base = held.base if held.base.numel() else base_theta(state, held.lease.base_version)
-    return _apply(state, held.lease, update, base, verdict, now, checked=True)
+    return _apply(state, held.lease, update, base, verdict, now, checked=verified)
 
 
 def _drop_held(state: CoordinatorState, held: HeldUpdate, why: str) -> list[Action]:
