@@ -154,7 +154,8 @@ def check_bench_swarm_serving(tmp: Path, _: str) -> None:
     phases = r["phases"]
     assert set(phases) == {"alone", "serving (no cap)"}
     assert all(finite(p["steps_per_s"], p["ratio_to_alone"]) and p["steps_per_s"] > 0 for p in phases.values())
-    assert phases["serving (no cap)"]["served_mb_per_s"] > 0
+    # (what the serving peer serves in a seconds-long phase depends on who the downloaders reach first: ≥ 0, finite)
+    assert finite(phases["serving (no cap)"]["served_mb_per_s"]) and phases["serving (no cap)"]["served_mb_per_s"] >= 0
 
 
 def check_bench_swarm(tmp: Path, _: str) -> None:

@@ -101,9 +101,18 @@ def _on_unverified(state: CoordinatorState, event: Unverified, now: float) -> li
         return _apply_held(state, held, now) + _release_probation_wait(state, event.peer, now)
     actions = _drop_held(state, held, f"its check ended without a verdict ({event.reason})")
     if held.lease.verify.startswith("probation ("):  # the updates waiting for that probation would wait for ever
-        for lease_id in sorted(lease_id for lease_id, other in book.held.items()
-                               if other.lease.peer == event.peer and other.lease.verify.startswith(PROBATION_WAIT)):
-            actions += _drop_held(state, book.held.pop(lease_id), "its peer's probation check ended without a verdict")
+        actions += drop_probation_wait(state, event.peer, "its peer's probation check ended without a verdict")
+    return actions
+
+
+def drop_probation_wait(state: CoordinatorState, peer: str, why: str) -> list[Action]:
+    """Drop ``peer``'s updates that wait for its probation (not re-run themselves): its probation check ended without
+    a verdict, or it was cut off (a revoked token)."""
+    book = state.verification
+    actions: list[Action] = []
+    for lease_id in sorted(lease_id for lease_id, held in book.held.items()
+                           if held.lease.peer == peer and held.lease.verify.startswith(PROBATION_WAIT)):
+        actions += _drop_held(state, book.held.pop(lease_id), why)
     return actions
 
 
