@@ -345,14 +345,21 @@ def test_coordinator_restart_resumes_and_peers_carry_on(harness: Harness, tmp_pa
     # the restart refused nothing: no lease unknown, expired or stale after it. (The update gate's judgement of an
     # update is not the restart's doing: a fresh-venv run saw the probe refuse one honest short lease here, +0.47 %
     # against a 0.05 % margin; the gate's honest-refusal rate is measured by the attack benchmark, issue 16.)
-    refused = [e for e in of_type(events, "rejected") if not e["reason"].startswith("update gate:")]
+    # A check held across the restart whose θ came as an int8 delta loses the served anchor with the old process: no
+    # re-run can be had, and an update without a verdict is never applied (a peer must not skip its check) — its steps
+    # are given back, nothing else is (a known limitation of delta downloads, docs/design.md).
+    anchor_lost = "the peer's θ was a delta from is no longer held"
+    lost = [e for e in of_type(events, "rejected") if anchor_lost in e["reason"] and "held update not applied" in e["reason"]]
+    refused = [e for e in of_type(events, "rejected") if not e["reason"].startswith("update gate:") and e not in lost]
     assert not refused, refused
     # Every applied update reached its peer as exactly one ack: a first ack, or — if the coordinator went
-    # down between applying and answering — a duplicate ack for the resent bytes.
+    # down between applying and answering — a duplicate ack for the resent bytes (an acked update held for a check
+    # whose anchor the restart lost is the only one acked and not applied).
     for name, summary in summaries.items():
         firsts = summary["accepted"] - summary["duplicates"]
-        assert firsts + summary["duplicates"] == status["peers"][ids[name]]["applied"], (name, summary)
-    assert sum(s["accepted"] for s in summaries.values()) == version
+        dropped = sum(1 for e in lost if e["peer"] == ids[name])
+        assert firsts + summary["duplicates"] == status["peers"][ids[name]]["applied"] + dropped, (name, summary)
+    assert sum(s["accepted"] for s in summaries.values()) == version + len(lost)
     # evaluations from before the restart are kept and continue
     assert [e["version"] for e in status["evals"]][0] == 0
     assert any(e["version"] > version_before for e in status["evals"])
