@@ -948,3 +948,73 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
                    for a in actions)
         expelled = [a for a in actions if isinstance(a, Expelled)]
         assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("verdict", [True, False], ids=["check-agrees", "check-fails"])
+def test_a_revoked_peer_gets_nothing_more_into_theta_and_its_checks_still_count(verdict: bool) -> None:
+    """The organiser revokes a peer's token while one update waits for its own check and another for its probation:
+    both are dropped (their ranges go back to the shard), θ never moves for them — and the check goes on: agreeing, it
+    is counted and applies nothing; failing, it still expels the peer and asks for a repair of what it got in unchecked."""
+    from asyncloco.coordinator.logic import Admit, Admitted, Rejected, Revoke
+
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=1)
+    state.policy = dataclasses.replace(state.policy, admission="token")
+    assert isinstance(handle(state, Admit("n", "T1", "nora", 1e9), 0.0)[1][0], Admitted)
+    handle(state, SpeedReport("n", 10.0), 0.0)
+    first = lease_of(handle(state, RequestWork("n"), 1.0)[1])
+    assert [type(a).__name__ for a in handle(state, SubmitUpdate("n", first.lease_id, 0, torch.full((DIM,), 0.1)), 1.5)[1]] \
+        == ["Verify", "Held"]
+    second = lease_of(handle(state, RequestWork("n"), 2.0)[1])
+    assert second.verify.startswith("probation: held until the peer's probation checks agree")
+    assert [type(a).__name__ for a in handle(state, SubmitUpdate("n", second.lease_id, 0, torch.ones(DIM)), 2.5)[1]] == ["Held"]
+    assigned_before = state.shards[0].assigned
+    actions = handle(state, Revoke("T1", 3.0), 3.0)[1]
+    dropped = sorted(a.lease_id for a in actions if isinstance(a, Rejected) and "its token was revoked" in a.reason)
+    assert dropped == sorted([first.lease_id, second.lease_id]) and not state.verification.held
+    assert state.shards[0].assigned == assigned_before - first.steps - second.steps  # both ranges given back
+    assert state.verification.pending == {first.lease_id: "n"}  # the check itself goes on
+    actions = handle(state, Verified("n", first.lease_id, verdict, "bitwise" if verdict else "relative error 1"), 4.0)[1]
+    assert state.version == 0 and torch.equal(state.params, torch.zeros(DIM))  # θ never took either update
+    expelled = [a for a in actions if isinstance(a, Expelled)]
+    if verdict:
+        assert state.verification.passed == {"n": 1} and not expelled
+    else:
+        assert state.verification.failed == 1 and "n" in state.verification.expelled
+        assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
+
+
+@pytest.mark.timeout(60)
+def test_a_repair_replay_counts_the_discarded_updates_pending_check_in_the_verifiers_backlog() -> None:
+    """Every lease is drawn, ``hold_backlog`` 2. The attacker's first update arrives behind two pending checks: applied
+    first, its check pending. One check later it submits again: live, two checks still pend (its own among them), so
+    that update is applied first too. The repair's replay discards the first — and must still count its check as
+    pending, or it would hold the second (a decision the live run never made: its log has no verdict to release it)."""
+    def make() -> CoordinatorState:
+        return verify_state(OuterNesterov(0.5, 0.9), fraction=1.0, probation=0)
+
+    state = make()
+    anchor = copy.deepcopy(state)
+    log, feed = recorder(state)
+    for peer in ("h1", "h2", "m"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    leases = {peer: lease_of(feed(RequestWork(peer), 0.0)) for peer in ("h1", "h2", "m")}
+    for t, peer in enumerate(("h1", "h2")):
+        assert [type(a).__name__ for a in feed(SubmitUpdate(peer, leases[peer].lease_id, 0, torch.full((DIM,), 0.1)), 1.0 + t)] \
+            == ["Verify", "Held"]
+    first = leases["m"]
+    assert [type(a).__name__ for a in feed(SubmitUpdate("m", first.lease_id, 0, torch.ones(DIM)), 3.0)] == ["Applied", "Verify"]
+    feed(Verified("h1", leases["h1"].lease_id, True, "bitwise"), 4.0)  # h2's and m's checks still pend
+    second = lease_of(feed(RequestWork("m"), 5.0))
+    actions = feed(SubmitUpdate("m", second.lease_id, second.base_version, torch.ones(DIM)), 6.0)
+    assert [type(a).__name__ for a in actions] == ["Applied", "Verify"] and "applied first" in actions[1].reason
+    feed(Verified("m", first.lease_id, False, "relative error 1"), 7.0)
+    assert "m" in state.verification.expelled and state.verification.unchecked.get("m") == 2
+    result = repair(anchor, log, ["m"], state.version)
+    assert result.held == 0 and result.discarded == 2  # both taken out, as the live run applied both unchecked
+    assert set(state.verification.pending) == {leases["h2"].lease_id, second.lease_id}  # live
+    assert set(result.state.verification.pending) == {leases["h2"].lease_id}  # the repair clears the expelled peer's
+    # θ: h1's update alone (h2's still held), as a run that never saw m
+    expected = torch.zeros(DIM)
+    OuterNesterov(0.5, 0.9).step(expected, torch.full((DIM,), 0.1))
+    assert torch.equal(result.state.params, expected)

@@ -28,6 +28,7 @@ from asyncloco.coordinator.logic import (
     Repaired,
     SubmitUpdate,
     base_theta,
+    checked_after,
     gate_verdict,
     handle,
     holds,
@@ -104,6 +105,7 @@ def _replay_excluded(
         # the honest one) or drops it, exactly as it did live
         handle(state, event, now)
         return "held"
+    pending = checked_after(state, event)  # live: applied first, its check pending until its verdict
     gate = state.policy.gate
     lease = state.leases[event.lease_id]
     verdict = None if gate is None else gate_verdict(state, event, lease, gate)
@@ -115,6 +117,8 @@ def _replay_excluded(
         update = None if own.action == "reject" else update if own.scale == 1.0 else update * own.scale
     if update is None:
         handle(state, Discard(event.peer, event.lease_id, event.state_end), now)
+        if pending:  # as live: the verifier's backlog decides whether later checked updates are held
+            state.verification.pending[event.lease_id] = event.peer
     else:
         policy = state.policy
         state.policy = dataclasses.replace(policy, gate=None)

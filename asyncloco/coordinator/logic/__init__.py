@@ -79,7 +79,7 @@ from asyncloco.coordinator.logic.state import (
     ShardState, VerificationState, VerifyPolicy,
 )
 from asyncloco.coordinator.logic.submit import (
-    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, gate_verdict, holds,
+    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, checked_after, gate_verdict, holds,
     refused_as_sent, update_problem,
     validate_update, void_leases,
 )
@@ -115,6 +115,7 @@ __all__ = [
     "Held",
     "HeldUpdate",
     "holds",
+    "checked_after",
     "Duplicate",
     "Rejected",
     "Expired",

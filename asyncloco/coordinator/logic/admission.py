@@ -8,7 +8,7 @@ from asyncloco.coordinator.logic.events import (
     Revoked, SpeedReport, SubmitUpdate,
 )
 from asyncloco.coordinator.logic.leases import _on_peer_left
-from asyncloco.coordinator.logic.submit import drop_probation_wait
+from asyncloco.coordinator.logic.submit import drop_revoked_held
 from asyncloco.coordinator.logic.state import AdmissionRecord, CoordinatorState
 from asyncloco.refusals import RefusalCode
 
@@ -120,8 +120,8 @@ def _on_revoke(state: CoordinatorState, event: Revoke, now: float) -> list[Actio
     if peer is not None:
         record = state.admitted.get(peer)
         if record is not None and record.token_id == event.token_id:
-            # the peer loses its leases and its say in DyLU, exactly as if it had left, and its updates that wait
-            # for its probation (unverified) are never applied
+            # the peer loses its leases and its say in DyLU, exactly as if it had left, and nothing more of it reaches
+            # θ: its updates held for a verdict (their own or its probation's) are dropped
             actions += _on_peer_left(state, PeerLeft(peer), now)
-            actions += drop_probation_wait(state, peer, "its token was revoked")
+            actions += drop_revoked_held(state, peer)
     return actions

@@ -331,6 +331,17 @@ def holds(state: CoordinatorState, event: SubmitUpdate) -> bool:
     return (forced or (bool(lease.verify) and _holds_check(state, lease))) and not _dropped(state, lease)
 
 
+def checked_after(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """Would handling ``event`` now apply its update first and leave its check pending (:func:`_apply_then_check`)?
+    The repair's replay asks this of an expelled peer's submission it discards: the live run's check was pending from
+    then until its verdict, and the replay counts it too — every later hold decision depends on that backlog
+    (:func:`_holds_check`; without it the replay held an update the live run had applied, and repaired another θ)."""
+    lease = state.leases.get(event.lease_id)
+    if state.policy.verify is None or lease is None or not lease.verify or refused_as_sent(state, event):
+        return False
+    return not holds(state, event) and not _dropped(state, lease) and base_theta(state, lease.base_version) is not None
+
+
 def _dropped(state: CoordinatorState, lease: Lease) -> bool:
     """Would the staleness policy drop ``lease``'s update now (holding it for a check would then be pointless)?"""
     return any(transform.drops(state.version - lease.base_version) for transform in state.transforms)
@@ -457,14 +468,22 @@ def _drop_held(state: CoordinatorState, held: HeldUpdate, why: str) -> list[Acti
                      f"shard {lease.shard}", RefusalCode.DISCARDED)]
 
 
-def _drop_peer_held(state: CoordinatorState, peer: str, why: str) -> list[Action]:
-    """Drop every held update of ``peer`` (it was expelled: their checks no longer matter)."""
+def _drop_peer_held(state: CoordinatorState, peer: str, why: str, keep_checks: bool = False) -> list[Action]:
+    """Drop every held update of ``peer``: it was expelled (their checks no longer matter) or cut off (``keep_checks``:
+    a revoked token — its checks still run, and one that fails still expels it and repairs what it got into θ)."""
     book = state.verification
     actions: list[Action] = []
     for lease_id in sorted(lease_id for lease_id, held in book.held.items() if held.lease.peer == peer):
-        book.pending.pop(lease_id, None)
+        if not keep_checks:
+            book.pending.pop(lease_id, None)
         actions += _drop_held(state, book.held.pop(lease_id), why)
     return actions
+
+
+def drop_revoked_held(state: CoordinatorState, peer: str) -> list[Action]:
+    """A peer whose token was revoked: from then on nothing of it reaches θ — its held updates (waiting for their own
+    checks or for its probation) are dropped, their ranges given back; the checks themselves go on."""
+    return _drop_peer_held(state, peer, "its token was revoked", keep_checks=True)
 
 
 def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
