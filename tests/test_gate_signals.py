@@ -109,3 +109,24 @@ def test_honest_stream_of_the_benchmark_marks_no_one() -> None:
     assert sum(v.weak for v in verdicts) == 0
     assert {p: sum(marks) for p, marks in state.close.items()} == {"a": 0, "b": 0, "c": 0}
     assert [G.suspect(state, p) for p in pattern] == ["", "", ""]
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_proven_by_its_verification_probation_is_judged_past_the_gates_probation() -> None:
+    """A newcomer's update at 3× the median per-step norm (fresh AdamW state) and cosine 0.4: on the gate's probation
+    (tightening 0.5) the norm is clipped to 2× the median; from a peer proven by its re-run probation (``proven``) it
+    is taken whole — the clip bound is clip_factor (4×) as for any peer past probation — and the same holds for
+    whether the probe is read."""
+    policy = G.GatePolicy()
+    assert policy.clip_factor == 4.0 and policy.probation_tightening == 0.5
+    update = with_cosine(0.4, norm=30.0)  # 10 steps: per-step norm 3, the median 1
+    new = G.score(policy, warm_state(), update, 10, "new")
+    assert new.action == "clip" and new.scale == pytest.approx(2.0 / 3.0) and "probation" in new.reason
+    proven = G.score(policy, warm_state(), update, 10, "new", proven=True)
+    assert proven.action == "accept" and proven.scale == 1.0 and "probation" not in proven.reason
+    # a direction pointing away (cosine −0.15 < −0.25 × the median 0.4): refused outright from a newcomer, counted; from
+    # a proven peer it is in the gray zone, where the probe decides — and the daemon reads the probe exactly then
+    away = with_cosine(-0.15)
+    new = G.score(policy, warm_state(), away, 10, "new")
+    assert new.action == "reject" and new.counts and G.needs_probe(policy, warm_state(), away, 10, "new") is False
+    assert G.needs_probe(policy, warm_state(), away, 10, "new", proven=True) is True

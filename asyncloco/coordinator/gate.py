@@ -199,6 +199,7 @@ def score(
     peer: str,
     bound_per_step: float | None = None,
     probe: tuple[float, float] | None = None,
+    proven: bool = False,
 ) -> GateVerdict:
     """Judge ``update`` (flat fp32, not modified) from a lease of ``steps`` local steps.
 
@@ -209,11 +210,15 @@ def score(
     ``probe``: the loss on the coordinator's probe batch at θ and at θ − probe_step·Δ (module docstring), or None
     when the daemon did not evaluate it; it decides updates in the gray zone.
 
+    ``proven``: the peer has shown honest work by a stronger test than the gate's — its verification probation (its
+    first leases re-run bitwise) — so it is judged as past the gate's probation, however few of its updates the gate
+    has accepted (the gate's probation exists for peers that have shown nothing yet).
+
     The checks, in order, each its own function: finite and bounded norm (here), the norm against the recent
     median (:func:`_norm_check`), echoing the consensus (:func:`_echo_check`), the probe in the gray zone
     (:func:`_probe_check`), the direction against the consensus (:func:`_cosine_check`), then clipping
     (:func:`_clip_or_accept`). The first verdict wins."""
-    seen = _prepare(policy, gate, update, steps, peer, bound_per_step)
+    seen = _prepare(policy, gate, update, steps, peer, bound_per_step, proven)
     if isinstance(seen, GateVerdict):
         return seen
     verdict = _norm_check(policy, seen) or _echo_check(policy, gate, seen)
@@ -233,7 +238,8 @@ def score(
 
 
 def _prepare(
-    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None
+    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None,
+    proven: bool = False,
 ) -> GateVerdict | _Update:
     """The verdicts that need no statistics (non-finite, above the absolute bound, the run's first update), or
     what the other checks read about the update."""
@@ -249,7 +255,7 @@ def _prepare(
         )
     if not gate.norms:
         return GateVerdict("accept", 1.0, norm, None, "first update of the run: no statistics yet")
-    probation = gate.peer_accepted.get(peer, 0) < policy.probation_updates
+    probation = not proven and gate.peer_accepted.get(peer, 0) < policy.probation_updates
     cosine = None
     if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
         cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
@@ -261,7 +267,8 @@ def _prepare(
 
 
 def needs_probe(
-    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None = None
+    policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None = None,
+    proven: bool = False,
 ) -> bool:
     """Whether :func:`score` with these arguments would read the probe: the update passes the checks before it
     and lies in the gray zone. For any other update the verdict is the same with or without the probe, so the
@@ -269,7 +276,7 @@ def needs_probe(
     coordinator they cost seconds under the lock; docs/threat-model.md). Costs two dot products over Δ."""
     if not policy.probe:
         return False
-    seen = _prepare(policy, gate, update, steps, peer, bound_per_step)
+    seen = _prepare(policy, gate, update, steps, peer, bound_per_step, proven)
     if isinstance(seen, GateVerdict) or _norm_check(policy, seen) or _echo_check(policy, gate, seen):
         return False
     return _in_gray_zone(policy, gate, seen)
