@@ -15,7 +15,7 @@ import itertools
 import time
 from typing import Optional, Protocol
 
-__all__ = ["Clock", "SystemClock", "SYSTEM_CLOCK", "FakeClock", "ACTOR"]
+__all__ = ["Clock", "SystemClock", "SYSTEM_CLOCK", "FakeClock", "ACTOR", "pause"]
 
 # Who is sleeping on a FakeClock: the value in the sleeping task's context (tasks it starts inherit it).
 ACTOR: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("asyncloco_clock_actor", default=None)
@@ -46,6 +46,22 @@ class SystemClock:
 
 
 SYSTEM_CLOCK = SystemClock()
+
+
+async def pause(clock: Clock, stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep ``seconds`` on ``clock`` unless ``stop`` is set first (then the sleep is cancelled at once, a
+    :class:`FakeClock` one included). Returns whether ``stop`` is set. The coordinator's timed loops pause
+    with it (asyncloco/coordinator/loops.py)."""
+    if stop.is_set():
+        return True
+    sleeping = asyncio.ensure_future(clock.sleep(seconds))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((sleeping, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in (sleeping, stopped):
+            waiter.cancel()
+    return stop.is_set()
 
 
 class FakeClock:

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Coroutine, Optional
 
 import torch
 
@@ -35,7 +35,7 @@ from asyncloco.coordinator.admission import load_or_create_key
 from asyncloco.coordinator.checkpoint import child_pids, reap_stale_children, record_children, remove_partial_snapshots
 from asyncloco.coordinator.durability import INITIAL_SNAPSHOT, RESUME_GRACE_S, Durability
 from asyncloco.coordinator.logic import Action, Applied, new_state
-from asyncloco.coordinator.loops import announce_loop, revocation_loop, speed_loop, tick_loop
+from asyncloco.coordinator.loops import DhtRecords, RunRecordsPort, announce_loop, revocation_loop, speed_loop, tick_loop
 from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.coordinator.monitoring import JOURNAL_FILE, STATUS_FILE, Monitoring, PeerStats
 from asyncloco.coordinator.node import EVENT_TYPES, SOFTWARE_STAMP, CoordinatorNode
@@ -284,7 +284,7 @@ class CoordinatorDaemon:
             records, bound = await self._serve_on(dht, port, started)
             await self._check_reach(bound)
             await self._announce_start(ready)
-            tasks = self._start_loops(dht, records, stop)
+            tasks = self._start_loops(DhtRecords(records, dht), stop)
             await stop.wait()
             await self._wind_down(tasks)
         finally:
@@ -374,17 +374,23 @@ class CoordinatorDaemon:
         if ready is not None:
             ready.set()
 
-    def _start_loops(self, dht: Any, records: Any, stop: asyncio.Event) -> list[asyncio.Task[Any]]:
-        """The timed loops (coordinator/loops.py: ticks, speed reports, the run's announcement, revocations) and
-        the monitoring's loop, each until ``stop``."""
-        return [
-            asyncio.create_task(tick_loop(self.node, stop)),
-            asyncio.create_task(speed_loop(self.node, self.monitoring.stats, self.cfg, records, stop, dht)),
-            asyncio.create_task(announce_loop(records, stop, self.cfg, self.peer_id, self.multiaddrs, self.numel,
-                                              lambda: self.node.state.version)),
-            asyncio.create_task(revocation_loop(self.node, stop)),  # admission
-            asyncio.create_task(self.monitoring.loop(stop)),
-        ]
+    def loops(self, records: RunRecordsPort, stop: asyncio.Event) -> dict[str, Coroutine[Any, Any, None]]:
+        """The timed loops of coordinator/loops.py, by name, not yet started: ticks, speed reports read from
+        ``records``, the run's announcement in them, revocations — each on this daemon's clock until ``stop``. A run
+        starts them over the DHT (:meth:`_start_loops`); the in-memory double (testing/memory.py) starts the same
+        ones over its in-memory records, on its fake clock."""
+        return {
+            "tick": tick_loop(self.node, stop),
+            "speed": speed_loop(self.node, self.monitoring.stats, self.cfg, records, stop),
+            "announce": announce_loop(records, stop, self.clock, self.cfg, self.peer_id, self.multiaddrs, self.numel,
+                                      lambda: self.node.state.version),
+            "revocation": revocation_loop(self.node, stop),  # admission
+        }
+
+    def _start_loops(self, records: RunRecordsPort, stop: asyncio.Event) -> list[asyncio.Task[Any]]:
+        """The timed loops (:meth:`loops`) and the monitoring's loop, each until ``stop``."""
+        tasks = [asyncio.create_task(loop) for loop in self.loops(records, stop).values()]
+        return tasks + [asyncio.create_task(self.monitoring.loop(stop))]
 
     async def _wind_down(self, tasks: list[asyncio.Task[Any]]) -> None:
         """After ``stop``: refuse new events, end the loops, cancel the held requests, let running evaluations
