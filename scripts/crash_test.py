@@ -92,7 +92,7 @@ def state_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         if key == "peers":
             x = {peer: {k: v for k, v in info.items() if k != "last_seen"} for peer, info in x.items()}
             y = {peer: {k: v for k, v in info.items() if k != "last_seen"} for peer, info in y.items()}
-        if key == "leases":  # a restart gives a lease whose θ was not downloaded its time again (logic/leases.py)
+        if key == "leases":  # a restart gives a lease whose θ was not downloaded its time again (logic/peers.py)
             x = {i: {k: v for k, v in lease.items() if k not in ("deadline", "expected_finish")} for i, lease in x.items()}
             y = {i: {k: v for k, v in lease.items() if k not in ("deadline", "expected_finish")} for i, lease in y.items()}
         _diff(x, y, key, out)

@@ -107,7 +107,7 @@ def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: A
 def re_run(verify: str) -> bool:
     """Was a lease with this ``verify`` reason chosen for a re-run (not merely held while its peer's probation checks
     were on their way)?"""
-    from asyncloco.coordinator.logic.leases import PROBATION_WAIT
+    from asyncloco.coordinator.logic import PROBATION_WAIT
 
     return bool(verify) and not verify.startswith(PROBATION_WAIT)
 

@@ -140,7 +140,7 @@ def close_bar(policy: GatePolicy, cosines: list[float]) -> float:
 
 
 def suspect(gate: GateState, peer: str) -> str:
-    """Why ``peer`` deserves more verification (``verify_reason`` in coordinator/logic/leases.py), or "". Cheap signals, each
+    """Why ``peer`` deserves more verification (``verify_reason`` in coordinator/logic/draws.py), or "". Cheap signals, each
     a reason to re-run more of the peer's leases, never to refuse its work (docs/threat-model.md has their
     false-positive rates on the honest peers of the attack benchmark):
 

@@ -170,7 +170,7 @@ def repair(
     to the repaired θ as a stale one. Every other active lease is given back (all of them without ``live_leases``).
     A live lease the replay never issued (its grace windows held that request) is adopted with its live work under
     the same conditions (not chosen for verification), where its shard range is still free (:func:`repaired_event`,
-    logic/submit.py ``_adopt``). The version jumps to ``live_version + 1``, and the lease counter to at least ``live_lease_counter`` (the live
+    logic/verification.py ``_adopt``). The version jumps to ``live_version + 1``, and the lease counter to at least ``live_lease_counter`` (the live
     coordinator's): the replay can issue fewer leases than the live run did (its holds and grace windows see other
     versions), and a lease id is the counter's HMAC, so a lower counter would hand out again ids of leases issued
     before the repair — an honest peer still holding a voided one would then submit a lease that "belongs to another
@@ -275,7 +275,7 @@ def repaired_event(
     # Honest work in flight that the replay never issued: its grace windows see other versions without the discarded
     # updates and held those requests instead (an attack benchmark run: all 3 honest leases in flight at a repair,
     # downloaded and training, were lost so). Adopted as the live coordinator issued them when their peer has θ, is
-    # not expelled, no θ_base is needed and no check is due; the logic claims their shard ranges (logic/submit.py).
+    # not expelled, no θ_base is needed and no check is due; the logic claims their shard ranges (logic/verification.py).
     # The same goes for a live lease the replay issued with other work (its shard cursors saw other leases): the
     # replayed one is given back and the live one adopted.
     adopted = tuple(

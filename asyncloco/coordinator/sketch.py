@@ -14,7 +14,7 @@ peer's last normalised sketch and the part of it orthogonal to the consensus of 
 residual) — and scores each new update by the cosine between its residual and the previous one: near 0 for an honest
 peer, the hidden direction's share of the residual for a sleeper (≈ 0.5 when it adds a direction as large as its
 honest update). A score above ``VerifyPolicy.sketch_threshold`` makes the peer a suspect: its next
-``sketch_checks`` leases are all re-run (coordinator/logic/leases.py ``verify_reason``), so a sleeper is checked on the
+``sketch_checks`` leases are all re-run (coordinator/logic/draws.py ``verify_reason``), so a sleeper is checked on the
 lease after its second tampered one. Memory: 2 × ``BUCKETS`` floats per peer; time: a gather of ``SAMPLED`` values per
 update (the same at every model size).
 

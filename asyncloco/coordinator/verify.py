@@ -469,7 +469,7 @@ class DaemonVerification:
         if action.failed:  # a broken commitment chain: nothing to re-run, the verdict is already known
             self._decide_later(self._verdict(action, Comparison(False, False, math.inf, -1.0, action.failed)))
             return
-        if not action.base.numel():  # θ at its base version is gone (logic/submit.py _on_submit): no re-run can be had
+        if not action.base.numel():  # θ at its base version is gone (logic/submit.py on_submit): no re-run can be had
             self._decide_later(self._unverified(action, "θ at the lease's base version is no longer held"))
             return
         if action.theta_anchor is not None and action.anchor_body is None:

@@ -453,7 +453,7 @@ class PeerRunner:
         applied = ack is not None and ack.accepted
         self.feedback.settle(applied)  # not applied: the residual is dropped
         if self._commits(trainer) and not applied:
-            self._reset_inner_state(trainer)  # only applied leases advance the commitment chain (logic._broken_chain)
+            self._reset_inner_state(trainer)  # only applied leases advance the commitment chain (coordinator/logic/submit.py)
         return ack
 
     async def _encode(

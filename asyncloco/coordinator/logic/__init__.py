@@ -43,9 +43,15 @@ closes by time: everyone waits for every lease of the round.
 
 ``handle`` mutates ``state`` in place (θ can be hundreds of MB) and returns it.
 
-The package: state.py (the state), events.py (events and actions), leases.py (speeds, DyLU, leases,
-indexes, holds, expiry, verification draws), admission.py, submit.py (submissions, verdicts, repair);
-``handle`` and ``new_state`` are here, and every name of the submodules is re-exported from here.
+The package, each module importing only those listed before it: state.py (the state) and events.py (events and
+actions); indexes.py (the derived indexes: the lease book, leases by deadline, the speed heap; queries.py asks them
+read-only); draws.py (which leases are re-run, decided at issue); leases.py (RequestWork, Fetched, HoldDropped:
+issuing with DyLU and Eq. 2, grace windows, give-backs, expiry, θ retained at base versions); peers.py (SpeedReport,
+Hello, Tick, PeerLeft, Restarted: speeds and liveness); submit.py (SubmitUpdate: refusals, the gate, held or applied,
+the commitment chain, the apply path; Discard); verification.py (Verified, Unverified, held updates dropped,
+Repaired); admission.py (Admit, Revoke, Fingerprint, and the admission gate). ``handle`` and ``new_state`` are here:
+``handle`` dispatches each event to its module's public ``on_*`` handler, and this package re-exports only public
+names (``__all__``); no module imports another's private name (tests/test_public_seams.py).
 """
 
 from __future__ import annotations
@@ -56,87 +62,101 @@ import torch
 
 from asyncloco.algo.outer import OuterOptimizer
 from asyncloco.algo.staleness import StalenessTransform
-# every name of the submodules, private ones included, is re-exported: callers and tests use logic.X
+from asyncloco.coordinator.logic import admission, leases, peers, submit, verification
 from asyncloco.coordinator.logic.admission import (
-    MAX_INCOMPATIBLE, _on_admit, _on_fingerprint, _on_revoke, _turn_away, admission_code, admission_problem,
-    is_admitted,
+    MAX_INCOMPATIBLE, admission_code, admission_problem, is_admitted,
 )
+from asyncloco.coordinator.logic.draws import PROBATION_WAIT, must_check, verify_draw, verify_reason
 from asyncloco.coordinator.logic.events import (
     Action, Admit, Admitted, Applied, Assign, Discard, Duplicate, Event, Expelled, Expired, Fetched, Fingerprint,
     Held, Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
     Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Unverified, Verdict, Verified, Verify,
 )
-from asyncloco.coordinator.logic.leases import (
-    VERIFY_PIN_FACTOR, _LeaseBook, _alive_speeds, _book, _book_add, _book_issued, _drop_unused_base_params,
-    _dylu_reference, _effective_speed, _expected_in_window, _expire, _fastest_alive, _give_back, _index_lease,
-    _issue, _lease_id, _lease_index, _leases_due, _next_uniform, _note_speed, _notice_peer_count, _on_fetched,
-    _on_hello, _on_peer_left, _on_request, _on_restarted, _on_speed, _on_tick, _peer_leases, _release_held,
-    _retain_before_step, _serves_download, _unindex_lease, _version_needed, base_theta, must_check, return_range,
-    verify_draw, verify_reason,
-)
+from asyncloco.coordinator.logic.leases import VERIFY_PIN_FACTOR, base_theta, return_range, transfer_seconds
 from asyncloco.coordinator.logic.state import (
     AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
     ShardState, VerificationState, VerifyPolicy,
 )
 from asyncloco.coordinator.logic.submit import (
-    _broken_chain, _on_discard, _on_repaired, _on_submit, _on_unverified, _on_verified, _quarantine, checked_after, gate_verdict, holds,
-    refused_as_sent, update_problem,
-    validate_update, void_leases,
+    checked_after, gate_verdict, holds, refused_as_sent, update_problem, validate_update,
 )
+from asyncloco.coordinator.logic.verification import void_leases
 
 
 __all__ = [
-    "Lease",
-    "ShardState",
-    "PeerInfo",
+    # the decision function
+    "handle",
+    "new_state",
+    # the state (state.py)
+    "AdmissionRecord",
     "CoordinatorPolicy",
     "CoordinatorState",
     "DerivedIndexes",
+    "FRESH_STATE_DIGEST",
+    "HeldUpdate",
+    "Lease",
+    "PeerInfo",
+    "ShardState",
+    "VerificationState",
+    "VerifyPolicy",
+    # events (events.py)
+    "Event",
     "SpeedReport",
+    "Hello",
     "RequestWork",
+    "Fetched",
     "SubmitUpdate",
     "Tick",
     "PeerLeft",
+    "Restarted",
+    "HoldDropped",
     "Admit",
     "Revoke",
-    "HoldDropped",
+    "Fingerprint",
     "Verified",
+    "Unverified",
     "Discard",
     "Repaired",
-    "Unverified",
-    "Fingerprint",
-    "Incompatible",
-    "admission_code",
-    "update_problem",
-    "Event",
+    # actions (events.py)
+    "Action",
     "Assign",
     "Hold",
     "Applied",
     "Held",
-    "HeldUpdate",
-    "holds",
-    "checked_after",
     "Duplicate",
     "Rejected",
     "Expired",
     "Admitted",
     "Refused",
     "Revoked",
+    "Quarantined",
+    "Released",
+    "Left",
+    "Notice",
     "Verify",
     "Verdict",
     "Expelled",
-    "VerifyPolicy",
-    "VerificationState",
-    "verify_reason",
-    "verify_draw",
-    "void_leases",
-    "refused_as_sent",
-    "gate_verdict",
-    "AdmissionRecord",
-    "Action",
-    "handle",
-    "is_admitted",
+    "Incompatible",
+    # what callers outside the logic ask of it
+    "MAX_INCOMPATIBLE",
+    "admission_code",
     "admission_problem",
+    "is_admitted",
+    "PROBATION_WAIT",
+    "must_check",
+    "verify_draw",
+    "verify_reason",
+    "VERIFY_PIN_FACTOR",
+    "base_theta",
+    "return_range",
+    "transfer_seconds",
+    "checked_after",
+    "gate_verdict",
+    "holds",
+    "refused_as_sent",
+    "update_problem",
+    "validate_update",
+    "void_leases",
 ]
 
 
@@ -147,44 +167,43 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
     """Decide what ``event`` at time ``now`` does. Mutates and returns ``state``."""
     if isinstance(event, (SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate)) and not is_admitted(state, event.peer, now):
         # admission gate: an unadmitted peer gets nothing and has no say in DyLU
-        return state, _turn_away(state, event, now)
+        return state, admission.turn_away(state, event, now)
     if isinstance(event, Admit):
-        return state, _on_admit(state, event, now) + _release_held(state, now)
+        return state, admission.on_admit(state, event, now) + leases.release_held(state, now)
     if isinstance(event, Revoke):
-        return state, _on_revoke(state, event, now) + _release_held(state, now)
+        return state, admission.on_revoke(state, event, now) + leases.release_held(state, now)
     if isinstance(event, Fingerprint):
-        return state, _on_fingerprint(state, event) + _release_held(state, now)
+        return state, admission.on_fingerprint(state, event) + leases.release_held(state, now)
     if isinstance(event, SpeedReport):
-        actions = _on_speed(state, event, now)
+        actions = peers.on_speed(state, event, now)
     elif isinstance(event, Hello):
-        actions = _on_hello(state, event, now)
+        actions = peers.on_hello(state, event, now)
     elif isinstance(event, RequestWork):
-        actions = _on_request(state, event, now)
+        actions = leases.on_request(state, event, now)
     elif isinstance(event, Fetched):
-        actions = _on_fetched(state, event, now)
+        actions = leases.on_fetched(state, event, now)
     elif isinstance(event, SubmitUpdate):
-        actions = _on_submit(state, event, now)
+        actions = submit.on_submit(state, event, now)
     elif isinstance(event, Tick):
-        actions = _on_tick(state, now)
+        actions = peers.on_tick(state, now)
     elif isinstance(event, PeerLeft):
-        actions = _on_peer_left(state, event, now)
+        actions = peers.on_peer_left(state, event, now)
     elif isinstance(event, Restarted):
-        actions = _on_restarted(state, event, now)
+        actions = peers.on_restarted(state, event, now)
     elif isinstance(event, HoldDropped):
-        state.held.pop(event.peer, None)  # nothing to answer: the RPC that waited is gone
-        actions = []
+        actions = leases.on_hold_dropped(state, event, now)
     elif isinstance(event, Verified):
-        actions = _on_verified(state, event, now)
+        actions = verification.on_verified(state, event, now)
     elif isinstance(event, Discard):
-        actions = _on_discard(state, event, now)
+        actions = submit.on_discard(state, event, now)
     elif isinstance(event, Repaired):
-        actions = _on_repaired(state, event)
+        actions = verification.on_repaired(state, event)
     elif isinstance(event, Unverified):
-        actions = _on_unverified(state, event, now)
+        actions = verification.on_unverified(state, event, now)
     else:
         raise TypeError(f"unknown event {event!r}")
-    actions += _release_held(state, now)
-    actions += _notice_peer_count(state)
+    actions += leases.release_held(state, now)
+    actions += peers.notice_peer_count(state)
     return state, actions
 
 

@@ -1,5 +1,6 @@
-"""Admission: who may take part (tokens, allowlist, revocations) and the fingerprint refusals, decided as
-events (docs/admission.md)."""
+"""Admission: who may take part (tokens, allowlist, revocations) and the fingerprint refusals, decided as events
+(Admit, Revoke, Fingerprint); ``handle`` asks :func:`is_admitted` before any other handler sees a peer's event
+(docs/guide/organiser.md "Admission", docs/threat-model.md; the tokens themselves: coordinator/admission.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from asyncloco.coordinator.logic.events import (
     Action, Admit, Admitted, Fetched, Fingerprint, Hello, Incompatible, PeerLeft, Refused, RequestWork, Revoke,
     Revoked, SpeedReport, SubmitUpdate,
 )
-from asyncloco.coordinator.logic.leases import _on_peer_left
-from asyncloco.coordinator.logic.submit import drop_revoked_held
+from asyncloco.coordinator.logic.peers import on_peer_left
 from asyncloco.coordinator.logic.state import AdmissionRecord, CoordinatorState
+from asyncloco.coordinator.logic.verification import drop_revoked_held
 from asyncloco.refusals import RefusalCode
 
 
@@ -57,7 +58,7 @@ def admission_problem(state: CoordinatorState, peer: str, now: float) -> str:
     return f"the token {record.token_id} admitting this peer expired at {record.expires_at:.0f}; ask the organiser for a new one"
 
 
-def _turn_away(
+def turn_away(
     state: CoordinatorState, event: SpeedReport | Hello | RequestWork | Fetched | SubmitUpdate, now: float
 ) -> list[Action]:
     if isinstance(event, (SpeedReport, Hello, Fetched)):
@@ -69,7 +70,7 @@ def _turn_away(
 MAX_INCOMPATIBLE = 10_000  # refused fingerprints remembered (the oldest is forgotten first)
 
 
-def _on_fingerprint(state: CoordinatorState, event: Fingerprint) -> list[Action]:
+def on_fingerprint(state: CoordinatorState, event: Fingerprint) -> list[Action]:
     if not event.reason:
         state.incompatible.pop(event.peer, None)
         return []
@@ -83,7 +84,7 @@ def _on_fingerprint(state: CoordinatorState, event: Fingerprint) -> list[Action]
     return [Incompatible(event.peer, tuple(event.differing), event.peer_version, event.reason)]
 
 
-def _on_admit(state: CoordinatorState, event: Admit, now: float) -> list[Action]:
+def on_admit(state: CoordinatorState, event: Admit, now: float) -> list[Action]:
     peer, token_id = event.peer, event.token_id
     if state.policy.admission != "token":
         return [Refused(peer, token_id, f"this run does not admit by token (runtime.admission: {state.policy.admission})")]
@@ -111,7 +112,7 @@ def _on_admit(state: CoordinatorState, event: Admit, now: float) -> list[Action]
     return [Admitted(peer, token_id, event.name, True, f"token {token_id} ({event.name}) bound to this peer id until {event.expires_at:.0f}")]
 
 
-def _on_revoke(state: CoordinatorState, event: Revoke, now: float) -> list[Action]:
+def on_revoke(state: CoordinatorState, event: Revoke, now: float) -> list[Action]:
     if event.token_id in state.revoked:
         return []
     state.revoked[event.token_id] = float(event.revoked_at)
@@ -122,6 +123,6 @@ def _on_revoke(state: CoordinatorState, event: Revoke, now: float) -> list[Actio
         if record is not None and record.token_id == event.token_id:
             # the peer loses its leases and its say in DyLU, exactly as if it had left, and nothing more of it reaches
             # θ: its updates held for a verdict (their own or its probation's) are dropped
-            actions += _on_peer_left(state, PeerLeft(peer), now)
+            actions += on_peer_left(state, PeerLeft(peer), now)
             actions += drop_revoked_held(state, peer)
     return actions

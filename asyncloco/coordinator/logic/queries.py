@@ -1,7 +1,7 @@
 """Read-only queries of the logic's derived indexes, the public way to ask them.
 
 The logic keeps indexes derived from the state (the lease book by peer, base version and shard; the sorted lease
-deadlines and expected finishes; the heap of the alive peers' speeds: coordinator/logic/leases.py), never
+deadlines and expected finishes; the heap of the alive peers' speeds: coordinator/logic/indexes.py), never
 checkpointed and rebuilt when they no longer match. Each function below answers what a full scan over the state
 answers — tests compare them with one (tests/test_logic_indexes.py, tests/test_sim_logic_index.py, tests/test_verify.py).
 Queries may prune stale index entries; they never change the state's meaning.
@@ -9,7 +9,7 @@ Queries may prune stale index entries; they never change the state's meaning.
 
 from __future__ import annotations
 
-from asyncloco.coordinator.logic import leases as _leases
+import asyncloco.coordinator.logic.indexes as indexes
 from asyncloco.coordinator.logic.state import CoordinatorState, Lease
 
 __all__ = ["expected_in_window", "fastest_alive", "in_flight", "leases_at_version", "leases_due", "peer_leases",
@@ -18,35 +18,35 @@ __all__ = ["expected_in_window", "fastest_alive", "in_flight", "leases_at_versio
 
 def peer_leases(state: CoordinatorState, peer: str) -> list[Lease]:
     """The active leases of ``peer``, in issue order."""
-    return _leases._peer_leases(state, peer)
+    return indexes.peer_leases(state, peer)
 
 
 def version_needed(state: CoordinatorState, version: int) -> bool:
     """Does an active lease still need θ at ``version`` (not downloaded yet, or a staleness transform wants it)?"""
-    return _leases._version_needed(state, version)
+    return indexes.version_needed(state, version)
 
 
 def in_flight(state: CoordinatorState) -> list[int]:
     """Inner steps leased out and not yet returned, per shard."""
-    return list(_leases._book(state).in_flight)
+    return list(indexes.lease_book(state).in_flight)
 
 
 def leases_at_version(state: CoordinatorState, version: int) -> list[str]:
     """Ids of the active leases indexed under base version ``version``."""
-    return list(_leases._book(state).by_version.get(version, {}))
+    return list(indexes.lease_book(state).by_version.get(version, {}))
 
 
 def fastest_alive(state: CoordinatorState) -> float:
     """The highest speed among the alive peers."""
-    return _leases._fastest_alive(state)
+    return indexes.fastest_alive(state)
 
 
 def leases_due(state: CoordinatorState, key: str, bound: float, strict: bool = False) -> list[str]:
     """Ids of the active leases whose ``key`` time (``deadline`` or ``expected_finish``) is <= ``bound`` (< with
     ``strict``)."""
-    return _leases._leases_due(state, key, bound, strict)
+    return indexes.leases_due(state, key, bound, strict)
 
 
 def expected_in_window(state: CoordinatorState, window_end: float) -> tuple[str, ...]:
     """Ids of the active leases expected to finish by ``window_end``, sorted."""
-    return _leases._expected_in_window(state, window_end)
+    return indexes.expected_in_window(state, window_end)

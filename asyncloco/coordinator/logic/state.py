@@ -218,13 +218,13 @@ class AdmissionRecord:
 
 
 @dataclass
-class _LeaseBook:
+class LeaseBook:
     """What per-event decisions need to know about the active leases, without a scan over all of them.
 
     Derived from ``state.leases`` and never checkpointed: rebuilt in O(n) whenever the table it was built
     from is replaced (a checkpoint load, a replay) or its size disagrees with the table's (a change made
-    outside :func:`_issue` / :func:`_unindex_lease`), so a state restored from a snapshot answers exactly
-    as the state it was taken from. Issuing and removing a lease cost O(1)."""
+    outside indexes.py's :func:`index_lease` / :func:`unindex_lease`), so a state restored from a snapshot
+    answers exactly as the state it was taken from. Issuing and removing a lease cost O(1)."""
 
     table: dict[str, Lease]
     count: int
@@ -236,11 +236,11 @@ class _LeaseBook:
 @dataclass
 class DerivedIndexes:
     """The logic's derived indexes of a :class:`CoordinatorState` (never checkpointed, never compared): the sorted lease
-    indexes (:func:`_lease_index`), the lease book (:func:`_book`) and the speed heap (:func:`_fastest_alive`). Each
-    remembers the table it was built from and is rebuilt when that table is replaced (a checkpoint load, a replay)."""
+    indexes, the lease book and the speed heap (indexes.py). Each remembers the table it was built from and is rebuilt
+    when that table is replaced (a checkpoint load, a replay)."""
 
     lease_indexes: dict[str, tuple[dict[str, Lease], list[tuple[float, str]]]] = field(default_factory=dict)
-    lease_book: "_LeaseBook | None" = None
+    lease_book: "LeaseBook | None" = None
     speed_heap: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = None
     sketcher: Sketcher | None = None  # the run's update sketch (coordinator/sketch.py), built on first use
 

@@ -1,222 +1,96 @@
-"""Submissions and verification verdicts: validating an update, applying it through the outer optimizer
-and the gate, the inner-state commitment chain, expulsion and repair (coordinator/verify.py carries out
-the re-runs)."""
+"""Submissions: a peer's update for one of its leases is refused, rejected by the gate, held until its check
+(verification.py gives the verdict), applied first and checked later, or applied through the outer optimizer — and
+the inner-state commitment chain it must extend. The apply path a held update takes once its check agrees (or its
+peer's probation passes) is here too, and Discard (a repair's replay voids an expelled peer's submission).
+:func:`holds` and :func:`checked_after` tell the repair's replay what a submission would do (coordinator/repair.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
 
 import torch
 
 from asyncloco.algo.dylu import ema
 from asyncloco.algo.staleness import apply_transforms
 from asyncloco.coordinator import gate as update_gate
-from asyncloco.coordinator.logic.events import (
-    ADOPTED_FIELDS,
-    Action, Applied, Discard, Duplicate, Expelled, Held, Quarantined, Rejected, Released, Repaired, SubmitUpdate, Unverified,
-    Verdict, Verified, Verify,
-)
-from asyncloco.coordinator.logic.leases import (
-    PROBATION_WAIT, _drop_unused_base_params, _give_back, _retain_before_step, _unindex_lease, base_theta, must_check,
-    return_range,
-)
 from asyncloco.coordinator.gate import GatePolicy, GateVerdict
-from asyncloco.coordinator.sketch import Sketcher, observe
-from asyncloco.coordinator.logic.state import (
-    CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
+from asyncloco.coordinator.logic.draws import PROBATION_WAIT, must_check
+from asyncloco.coordinator.logic.events import (
+    Action, Applied, Discard, Duplicate, Held, Quarantined, Rejected, SubmitUpdate, Verify,
 )
+from asyncloco.coordinator.logic.indexes import unindex_lease
+from asyncloco.coordinator.logic.leases import base_theta, drop_unused_base_params, give_back, retain_before_step
+from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo
+from asyncloco.coordinator.sketch import Sketcher, observe
 from asyncloco.refusals import RefusalCode
 
 
-def _on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Action]:
-    """A check's verdict. Agreed: it counts toward the peer's probation and its held update is applied now. Failed:
-    the peer is expelled — its held updates are never applied, its leases go back, and a repair is asked for only
-    where θ holds updates of it that were applied without a check (``Expelled.repair``)."""
-    book = state.verification
-    book.pending.pop(event.lease_id, None)
-    held = book.held.get(event.lease_id)
-    if held is not None and held.lease.peer == event.peer:
-        del book.held[event.lease_id]
-    else:
-        held = None  # none, or another peer's: left as it is
-    book.checked += 1
-    if event.peer in book.expelled:
-        actions: list[Action] = [Verdict(event.peer, event.lease_id, event.ok, f"{event.detail} (peer already expelled)")]
-        return actions + ([] if held is None else _drop_held(state, held, "its peer was expelled"))
-    if event.ok:
-        book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
-        actions = [Verdict(event.peer, event.lease_id, True, event.detail)] + ([] if held is None else _apply_held(state, held, now))
-        return actions + _release_probation_wait(state, event.peer, now)
-    book.failed += 1
-    reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
-    book.expelled[event.peer] = reason
-    actions = [Verdict(event.peer, event.lease_id, False, event.detail)]
-    if held is not None:
-        actions += _drop_held(state, held, "its check failed")
-    actions += _drop_peer_held(state, event.peer, "its peer was expelled")
-    book.sketch.forget(event.peer)
-    actions.append(Expelled(event.peer, event.lease_id, reason, event.anchor, repair=book.unchecked.get(event.peer, 0) > 0))
-    info = state.peers.get(event.peer)
-    if info is not None:
-        info.alive = False
-    state.held.pop(event.peer, None)
-    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
-        if lease.peer == event.peer:
-            actions += _give_back(state, lease, "peer expelled")
-    return actions
+# ------------------------------------------------------------------------------------ SubmitUpdate
 
 
-def _release_probation_wait(state: CoordinatorState, peer: str, now: float) -> list[Action]:
-    """Once ``peer`` has passed its probation, the updates that waited for it (not re-run themselves) are applied, in
-    lease order, unverified: a norm the gate clipped stays clipped."""
-    book, policy = state.verification, state.policy.verify
-    if policy is None or book.passed.get(peer, 0) < policy.probation_updates:
-        return []
-    waiting = sorted(lease_id for lease_id, held in book.held.items()
-                     if held.lease.peer == peer and held.lease.verify.startswith(PROBATION_WAIT))
-    actions: list[Action] = []
-    for lease_id in waiting:
-        actions += _apply_held(state, book.held.pop(lease_id), now, verified=False)
-    return actions
-
-
-def _on_unverified(state: CoordinatorState, event: Unverified, now: float) -> list[Action]:
-    """A check ends without a verdict: counted unverifiable. A held update is not applied (no verdict, no application:
-    a peer must not be able to skip its check by making it fail to run) — its range goes back to the shard; unless
-    the coordinator's restart lost the check (``apply``), when it is applied as its peer was told."""
-    book = state.verification
-    held = book.held.get(event.lease_id)
-    if held is not None and held.lease.peer != event.peer:
-        held = None
-    if book.pending.get(event.lease_id) != event.peer and held is None:
-        return []  # judged meanwhile, or cleared by a repair
-    book.pending.pop(event.lease_id, None)
-    book.unverifiable += 1
-    if held is None:
-        return []
-    del book.held[event.lease_id]
-    if event.apply and event.peer not in book.expelled:
-        return _apply_held(state, held, now) + _release_probation_wait(state, event.peer, now)
-    actions = _drop_held(state, held, f"its check ended without a verdict ({event.reason})")
-    if held.lease.verify.startswith("probation ("):  # the updates waiting for that probation would wait for ever
-        actions += drop_probation_wait(state, event.peer, "its peer's probation check ended without a verdict")
-    return actions
-
-
-def drop_probation_wait(state: CoordinatorState, peer: str, why: str) -> list[Action]:
-    """Drop ``peer``'s updates that wait for its probation (not re-run themselves): its probation check ended without
-    a verdict, or it was cut off (a revoked token)."""
-    book = state.verification
-    actions: list[Action] = []
-    for lease_id in sorted(lease_id for lease_id, held in book.held.items()
-                           if held.lease.peer == peer and held.lease.verify.startswith(PROBATION_WAIT)):
-        actions += _drop_held(state, book.held.pop(lease_id), why)
-    return actions
-
-
-def _on_discard(state: CoordinatorState, event: Discard, now: float) -> list[Action]:
-    lease = state.leases.get(event.lease_id)
-    if lease is None or lease.peer != event.peer:
-        return []
-    # the peer was heard, as in the live run: without this a replay saw the expelled peer silent, declared it left
-    # at the next tick, refused its next request and numbered every later lease one lower than the live run did —
-    # honest peers' leases then were unknown to the repaired state (found in the warm colluder benchmark)
+def on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[Action]:
+    """A peer's update for one of its leases: refused (:func:`_refusal`), rejected by the gate, held until its check
+    (a lease chosen for verification: :func:`_hold`), dropped by the staleness policy, or applied to θ — in that
+    order of checks (each step a function below)."""
+    refused = _refusal(state, event)
+    if refused is not None:
+        return refused
+    lease = state.leases[event.lease_id]
     info = state.peers.get(event.peer)
     if info is not None:
         info.last_seen = now
+    update = event.pseudo_gradient
+    policy = state.policy
+    verdict = None
+    check = _verification_copy(state, lease, update)
+    if policy.gate is not None:
+        verdict = gate_verdict(state, event, lease, policy.gate)
+        if verdict.action == "reject":
+            instead = _checked_instead(state, lease, verdict)
+            if instead is None:
+                return _gate_reject(state, policy.gate, event, lease, verdict, now)
+            verdict, lease = instead  # only the probe spoke against it: held for a check instead of refused
+            check = _verification_copy(state, lease, update)
+    scale = verdict.scale if verdict is not None and verdict.action == "clip" else 1.0
+    score = _sketch(state, event)
     del state.leases[lease.lease_id]
-    _unindex_lease(state, lease)
-    policy = state.policy.verify
-    if policy is not None and policy.commit and event.state_end is not None:
-        state.verification.chain[event.peer] = event.state_end  # its peer went on from there, as in the live run
-    state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
-    _drop_unused_base_params(state)
-    return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled", RefusalCode.DISCARDED)]
+    unindex_lease(state, lease)
+    if info is not None and not policy.trust_speeds:
+        _observe_speed(state, info, lease, event, now)
+    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
+        # the chain advances with every accepted lease (a held one included: its peer goes on from that state)
+        state.verification.chain[event.peer] = event.state_end
+    if check is not None and not _dropped(state, lease):
+        # (θ at its base version no longer held — only in a replay that crosses an earlier repair, which cannot hand
+        # on the live θ: held all the same, and the log's Unverified or verdict settles it as it did live)
+        if _holds_check(state, lease):
+            return _hold(state, event, lease, check[0] if check[0] is not None else torch.empty(0), check[1], scale,
+                         verdict, now, score)
+        return _apply_then_check(state, event, lease, check, scale, verdict, now, score)
+    if scale != 1.0:  # not in place: handle never changes its event (a replay may feed it again)
+        update = update.mul(scale)
+    base = base_theta(state, lease.base_version) if state.needs_base_params else None
+    return _apply(state, lease, update, base, verdict, now, checked=False, sketch=score)
 
 
-def _on_repaired(state: CoordinatorState, event: Repaired) -> list[Action]:
-    """Repeat what a repair decided beyond its replay (events.Repaired): give back every lease but the kept ones,
-    which keep their live base version; jump the version and the lease counter; restore the commitment chain."""
-    kept = dict(zip(event.kept, event.kept_versions))
-    adopted = {str(entry[0]): _adopted_lease(entry) for entry in event.adopted}
-    # a lease already adopted (the event handled again) stays; a replayed one under an adopted id goes back
-    # handled again (a --resume replay meets the record of a repair it has just carried out): the θs retained for the
-    # kept leases' checks — the live ones the repair handed on — stay
-    again = state.version >= event.version
-    actions = void_leases(state, "θ was repaired after an expulsion: ask for a new lease",
-                          lambda lease: lease.lease_id in kept or adopted.get(lease.lease_id) == lease, clear_bases=not again)
-    renumbered = False
-    for lease in state.leases.values():
-        if lease.base_version != kept.get(lease.lease_id, lease.base_version):
-            lease.base_version, renumbered = kept[lease.lease_id], True
-    renumbered = _adopt(state, event) or renumbered
-    if renumbered:
-        state.indexes = DerivedIndexes()  # the lease book indexes leases by base version: rebuilt on next use
-    book = state.verification
-    book.pending = {lease_id: peer for lease_id, peer in book.pending.items() if lease_id in book.held}  # held: still judged
-    state.version = max(state.version, event.version)
-    state.lease_counter = max(state.lease_counter, event.lease_counter)
-    expelled = state.verification.expelled
-    state.verification.chain = {peer: digest for peer, digest in zip(event.chain_peers, event.chain_digests)
-                                if peer not in expelled}
-    return actions
-
-
-def _adopted_lease(entry: tuple[Any, ...] | list[Any]) -> Lease:
-    """An entry of events.Repaired ``adopted`` (the log may give it back as a list) as the lease it describes."""
-    fields: dict[str, Any] = dict(zip(ADOPTED_FIELDS, entry))
-    return Lease(
-        lease_id=str(fields["lease_id"]), peer=str(fields["peer"]), shard=int(fields["shard"]),
-        start_offset=int(fields["start_offset"]), steps=int(fields["steps"]), lr_offset=int(fields["lr_offset"]),
-        base_version=int(fields["base_version"]), issued_at=float(fields["issued_at"]),
-        expected_finish=float(fields["expected_finish"]), deadline=float(fields["deadline"]),
-        fetched=bool(fields["fetched"]), held=bool(fields["held"]),
-    )
-
-
-def _adopt(state: CoordinatorState, event: Repaired) -> bool:
-    """Take on the live leases the repair's replay did not issue as they were (events.Repaired ``adopted``), each
-    with the work its peer has. Its shard range is claimed: the cursor moves past it (a gap before it goes back to
-    the shard, to be issued first); a range the replay already issued is trained again by the adopted lease (a few
-    batches twice rather than the peer's whole lease thrown away). True when a lease was adopted. Repeating the event
-    adopts nothing twice."""
-    changed = False
-    for lease in sorted((_adopted_lease(e) for e in event.adopted), key=lambda l: (l.shard, l.start_offset, l.lease_id)):
-        if lease.lease_id in state.leases or not 0 <= lease.shard < len(state.shards) or lease.steps < 1 \
-                or lease.peer not in state.peers:
-            continue
-        shard = state.shards[lease.shard]
-        if lease.start_offset > shard.cursor:
-            shard.returned.append((shard.cursor, lease.start_offset - shard.cursor))
-            shard.returned.sort()
-        shard.cursor = max(shard.cursor, lease.start_offset + lease.steps)
-        shard.assigned += lease.steps
-        state.leases[lease.lease_id] = lease
-        changed = True
-    return changed
-
-
-def void_leases(state: CoordinatorState, why: str, keep: Callable[[Lease], bool] | None = None,
-                clear_bases: bool = True) -> list[Action]:
-    """Give back every active lease (but those ``keep`` holds valid) and drop every held request (after a repair
-    replaced θ: no lease's base version means the same θ any more). Deterministic, so a replay repeats it."""
-    actions: list[Action] = []
-    failed = {name: info.failed for name, info in state.peers.items()}
-    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
-        if keep is not None and keep(lease):
-            continue
-        actions += _give_back(state, lease, why)
-    for name, info in state.peers.items():
-        info.failed = failed[name]  # not the peers' doing: their DyLU standing stays
-    for peer in sorted(state.held):
-        actions.append(Released(peer, why))
-    state.held.clear()
-    state.window_end = None
-    if clear_bases:
-        state.base_params.clear()
-    return actions
+def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
+    """The actions for a submission that must not reach the gate or θ — a resend of an applied lease
+    (Duplicate), an unknown or expired lease, an invalid update (:func:`update_problem`), an inner-state
+    chain that does not link (:func:`_broken_chain`) — or None when it may go on."""
+    if event.lease_id in state.applied:
+        version = state.applied[event.lease_id]
+        return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
+    held = state.verification.held.get(event.lease_id)
+    if held is not None and held.lease.peer == event.peer:
+        return [Duplicate(event.peer, event.lease_id, state.version, "accepted already and held until its check; not held twice")]
+    lease = state.leases.get(event.lease_id)
+    if lease is None:
+        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back", RefusalCode.UNKNOWN_LEASE)]
+    problem = update_problem(state, event, lease)
+    if problem is not None:
+        return [Rejected(event.peer, event.lease_id, problem[1], problem[0])]
+    return _broken_chain(state, event)
 
 
 def validate_update(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -> str | None:
@@ -251,49 +125,43 @@ def update_problem(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -
     return None
 
 
-def _on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[Action]:
-    """A peer's update for one of its leases: refused (:func:`_refusal`), rejected by the gate, held until its check
-    (a lease chosen for verification: :func:`_hold`), dropped by the staleness policy, or applied to θ — in that
-    order of checks (each step a function below)."""
-    refused = _refusal(state, event)
-    if refused is not None:
-        return refused
+def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
+    """With commitments (``VerifyPolicy.commit``): None when the submission's inner-state digests chain — its start
+    digest is the peer's end digest of its last *applied* lease, or the fresh state's (a peer resets its inner state
+    when it joins, restarts, or a submission of it was not applied). Otherwise the actions: a submission without
+    digests is refused; a broken chain is a failed check — the update is refused and a :class:`Verify` that has
+    already failed goes to the verifier, whose ``Verified`` expels the peer and repairs θ like any failed re-run."""
+    if _chain_links(state, event):
+        return None
+    if event.state_start is None or event.state_end is None:
+        return [Rejected(event.peer, event.lease_id, "this run verifies carried inner state: the submission needs "
+                         "state_start and state_end digests; upgrade the peer (asyncloco peer join)", RefusalCode.BROKEN_CHAIN)]
+    previous = state.verification.chain.get(event.peer, FRESH_STATE_DIGEST)
     lease = state.leases[event.lease_id]
-    info = state.peers.get(event.peer)
-    if info is not None:
-        info.last_seen = now
-    update = event.pseudo_gradient
-    policy = state.policy
-    verdict = None
-    check = _verification_copy(state, lease, update)
-    if policy.gate is not None:
-        verdict = gate_verdict(state, event, lease, policy.gate)
-        if verdict.action == "reject":
-            instead = _checked_instead(state, lease, verdict)
-            if instead is None:
-                return _gate_reject(state, policy.gate, event, lease, verdict, now)
-            verdict, lease = instead  # only the probe spoke against it: held for a check instead of refused
-            check = _verification_copy(state, lease, update)
-    scale = verdict.scale if verdict is not None and verdict.action == "clip" else 1.0
-    score = _sketch(state, event)
-    del state.leases[lease.lease_id]
-    _unindex_lease(state, lease)
-    if info is not None and not policy.trust_speeds:
-        _observe_speed(state, info, lease, event, now)
-    if policy.verify is not None and policy.verify.commit and event.state_end is not None:
-        # the chain advances with every accepted lease (a held one included: its peer goes on from that state)
-        state.verification.chain[event.peer] = event.state_end
-    if check is not None and not _dropped(state, lease):
-        # (θ at its base version no longer held — only in a replay that crosses an earlier repair, which cannot hand
-        # on the live θ: held all the same, and the log's Unverified or verdict settles it as it did live)
-        if _holds_check(state, lease):
-            return _hold(state, event, lease, check[0] if check[0] is not None else torch.empty(0), check[1], scale,
-                         verdict, now, score)
-        return _apply_then_check(state, event, lease, check, scale, verdict, now, score)
-    if scale != 1.0:  # not in place: handle never changes its event (a replay may feed it again)
-        update = update.mul(scale)
-    base = base_theta(state, lease.base_version) if state.needs_base_params else None
-    return _apply(state, lease, update, base, verdict, now, checked=False, sketch=score)
+    detail = (f"inner-state chain broken: lease starts from state {event.state_start[:16]}…, the peer's last applied "
+              f"lease ended at {previous[:16]}… (and it is not the fresh state)")
+    state.verification.pending[lease.lease_id] = event.peer
+    empty = torch.empty(0)
+    actions: list[Action] = [Rejected(event.peer, lease.lease_id, detail, RefusalCode.BROKEN_CHAIN)]
+    actions += give_back(state, lease, "its inner-state commitment did not chain")
+    actions.append(Verify(event.peer, lease, empty, empty, "chain check", detail, event.state_start, event.state_end))
+    return actions
+
+
+def _chain_links(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """Whether the submission's inner-state digests chain (:func:`_broken_chain`); True without commitments."""
+    policy = state.policy.verify
+    if policy is None or not policy.commit:
+        return True
+    if event.state_start is None or event.state_end is None:
+        return False
+    return event.state_start in (state.verification.chain.get(event.peer, FRESH_STATE_DIGEST), FRESH_STATE_DIGEST)
+
+
+def gate_verdict(state: CoordinatorState, event: SubmitUpdate, lease: Lease, gate: GatePolicy) -> GateVerdict:
+    """The gate's verdict on the update as sent, with the probe losses the daemon logged in the event (pure)."""
+    probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
+    return update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer, state.policy.norm_bound_per_step, probe)
 
 
 def _checked_instead(state: CoordinatorState, lease: Lease, verdict: GateVerdict) -> tuple[GateVerdict, Lease] | None:
@@ -306,209 +174,26 @@ def _checked_instead(state: CoordinatorState, lease: Lease, verdict: GateVerdict
     return verdict.if_checked, dataclasses.replace(lease, verify=f"suspect: the gate's probe: {verdict.reason}"[:300])
 
 
-def _sketch(state: CoordinatorState, event: SubmitUpdate) -> float | None:
-    """Score an accepted update by its persistent residual (coordinator/sketch.py): a peer whose consecutive updates
-    keep one direction the others' do not becomes a suspect, and its next leases are all re-run (verify_reason)."""
-    policy = state.policy.verify
-    if policy is None or policy.sketch_threshold >= 1.0:
-        return None
-    indexes = state.indexes
-    if indexes.sketcher is None or indexes.sketcher.numel != state.params.numel():
-        indexes.sketcher = Sketcher(state.lease_secret + b"/" + str(state.seed).encode(), state.params.numel())
-    live = {name for name, info in state.peers.items() if info.alive}
-    return observe(state.verification.sketch, indexes.sketcher(event.pseudo_gradient), event.peer, live,
-                   policy.sketch_threshold, policy.sketch_checks)
-
-
-def holds(state: CoordinatorState, event: SubmitUpdate) -> bool:
-    """Would handling ``event`` now hold its update for a check (:func:`_hold`), without changing ``state``? The
-    repair's replay asks this of an expelled peer's submission: a held one is replayed as it is (coordinator/repair.py)."""
-    lease = state.leases.get(event.lease_id)
-    if state.policy.verify is None or lease is None or refused_as_sent(state, event):
-        return False
-    gate = state.policy.gate
-    forced = gate is not None and gate_verdict(state, event, lease, gate).action == "reject"  # held instead (_checked_instead)
-    return (forced or (bool(lease.verify) and _holds_check(state, lease))) and not _dropped(state, lease)
-
-
-def checked_after(state: CoordinatorState, event: SubmitUpdate) -> bool:
-    """Would handling ``event`` now apply its update first and leave its check pending (:func:`_apply_then_check`)?
-    The repair's replay asks this of an expelled peer's submission it discards: the live run's check was pending from
-    then until its verdict, and the replay counts it too — every later hold decision depends on that backlog
-    (:func:`_holds_check`; without it the replay held an update the live run had applied, and repaired another θ)."""
-    lease = state.leases.get(event.lease_id)
-    if state.policy.verify is None or lease is None or not lease.verify or refused_as_sent(state, event):
-        return False
-    return not holds(state, event) and not _dropped(state, lease) and base_theta(state, lease.base_version) is not None
-
-
-def _dropped(state: CoordinatorState, lease: Lease) -> bool:
-    """Would the staleness policy drop ``lease``'s update now (holding it for a check would then be pointless)?"""
-    return any(transform.drops(state.version - lease.base_version) for transform in state.transforms)
-
-
-def _apply(
-    state: CoordinatorState, lease: Lease, update: torch.Tensor, base: torch.Tensor | None, verdict: GateVerdict | None,
-    now: float, checked: bool, sketch: float | None = None,
+def _gate_reject(
+    state: CoordinatorState, gate: GatePolicy, event: SubmitUpdate, lease: Lease, verdict: GateVerdict, now: float
 ) -> list[Action]:
-    """Apply an accepted update (already clipped as the gate said) with the method's outer optimizer, its staleness
-    counted from now; or drop it, consumed, where the staleness policy says so. ``checked``: its check agreed first
-    (a held update); an unchecked one counts toward what a repair would have to take out of θ."""
-    staleness = state.version - lease.base_version
-    adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
-    if adjusted.pseudo_gradient is None:
-        # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
-        state.applied[lease.lease_id] = state.version
-        _drop_unused_base_params(state)
-        return [Rejected(lease.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
-    retained = _retain_before_step(state)
-    info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
-    state.version += 1
-    state.local_updates += lease.steps
-    state.applied[lease.lease_id] = state.version
-    if not checked:
-        book = state.verification
-        book.unchecked[lease.peer] = book.unchecked.get(lease.peer, 0) + 1
-    gate_note = _after_step(state, lease, verdict, update, now)
-    return retained + [
-        Applied(
-            lease.peer,
-            lease.lease_id,
-            state.version,
-            staleness,
-            lease.steps,
-            lease.shard,
-            info_step.moved,
-            f"{info_step.reason}; {adjusted.reason}",
-            gate_note,
-            sketch,
-        )
-    ]
-
-
-def _holds_check(state: CoordinatorState, lease: Lease) -> bool:
-    """Does this checked lease's update wait for its verdict? Always for probation and a suspect (:func:`must_check`:
-    a peer caught there never touches θ); a drawn check only while fewer than ``hold_backlog`` checks await theirs —
-    behind a verifier that has fallen behind, held work would be applied ever staler (Delayed Nesterov diverged with
-    held updates 15-23 versions old on an overloaded machine), so the update is applied now and checked later."""
-    policy = state.policy.verify
-    return must_check(lease) or (policy is not None and len(state.verification.pending) < policy.hold_backlog)
-
-
-def _apply_then_check(
-    state: CoordinatorState, event: SubmitUpdate, lease: Lease, check: tuple[torch.Tensor | None, torch.Tensor],
-    scale: float, verdict: GateVerdict | None, now: float, score: float | None,
-) -> list[Action]:
-    """A drawn check while the verifier is behind: the update is applied now, unchecked (a failed verdict expels the
-    peer and repairs θ), and its check still runs on the copies taken before θ moved."""
-    base, copy = check
-    update = event.pseudo_gradient if scale == 1.0 else event.pseudo_gradient.mul(scale)
-    before = base_theta(state, lease.base_version) if state.needs_base_params else None
-    actions = _apply(state, lease, update, before, verdict, now, checked=False, sketch=score)
-    if base is None or not any(isinstance(a, Applied) for a in actions):
-        return actions  # not applied (dropped by the staleness policy) or no θ to re-run from: nothing to check
-    state.verification.pending[lease.lease_id] = event.peer
-    return actions + [Verify(event.peer, lease, base, copy, f"{lease.verify} (applied first: verifier behind)", "",
-                             event.state_start or "", event.state_end or "", event.device_class or "",
-                             event.theta_codec or "", event.theta_anchor, event.theta_digest or "")]
-
-
-def _hold(
-    state: CoordinatorState, event: SubmitUpdate, lease: Lease, base: torch.Tensor, update: torch.Tensor, scale: float,
-    verdict: GateVerdict | None, now: float, sketch: float | None = None,
-) -> list[Action]:
-    """Accept a checked lease's update but hold it until its verdict (:func:`_on_verified`): θ never sees the work of a
-    peer whose check fails, so nothing needs repair when one is caught on its checked leases. ``base``/``update``: θ at
-    the lease's base version and the update as submitted (copies that never change)."""
-    book = state.verification
-    if lease.verify.startswith(PROBATION_WAIT):  # no re-run: it waits for the peer's probation verdicts (_on_verified)
-        book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
-                                               None if verdict is None else dataclasses.asdict(verdict),
-                                               event.state_start or "", event.state_end or "", event.device_class or "",
-                                               event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
-        _drop_unused_base_params(state)
-        held = [Held(event.peer, lease.lease_id, state.version, "held until the peer's probation checks agree", sketch)]
-        return held + _release_probation_wait(state, event.peer, now)  # (passed meanwhile: applied at once)
-    book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
-                                           None if verdict is None else dataclasses.asdict(verdict),
-                                           event.state_start or "", event.state_end or "", event.device_class or "",
-                                           event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
-    book.pending[lease.lease_id] = event.peer
-    _drop_unused_base_params(state)
-    return [
-        Verify(event.peer, lease, base, update, lease.verify, "", event.state_start or "", event.state_end or "",
-               event.device_class or "", event.theta_codec or "", event.theta_anchor, event.theta_digest or ""),
-        Held(event.peer, lease.lease_id, state.version, f"held until its check agrees ({lease.verify})", sketch),
-    ]
-
-
-def _apply_held(state: CoordinatorState, held: HeldUpdate, now: float, verified: bool = True) -> list[Action]:
-    """A held update whose check agreed: applied now, its staleness counted from now. A norm clip is lifted (its
-    re-run shows the norm is what honest work from the peer's committed state gives — a newcomer's fresh AdamW state
-    moves θ ≈ 3 × as far per step as its warmed-up peers'); weak agreement stays weak (that is about its direction)."""
-    verdict = None if held.verdict is None else GateVerdict(**held.verdict)
-    scale = held.scale
-    if verified and verdict is not None and verdict.action == "clip" and not verdict.weak:
-        scale = 1.0
-        verdict = dataclasses.replace(verdict, action="accept", scale=1.0, reason=(
-            f"passed the gate: its re-run agreed, so its norm {verdict.norm:.4g} is honest work's and is applied in "
-            "full (unverified, it would have been scaled down to the gate's bound)"))
-    update = held.update if scale == 1.0 else held.update.mul(scale)
-    base = held.base if held.base.numel() else base_theta(state, held.lease.base_version)
-    return _apply(state, held.lease, update, base, verdict, now, checked=verified)
-
-
-def _drop_held(state: CoordinatorState, held: HeldUpdate, why: str) -> list[Action]:
-    """A held update that is never applied (its check failed or ended without a verdict, or its peer was expelled):
-    the lease's range goes back to its shard, to be trained by someone else."""
-    lease = held.lease
-    return_range(state, lease)
-    state.verification.dropped += 1
-    return [Rejected(lease.peer, lease.lease_id, f"held update not applied: {why}; {lease.steps} steps given back to "
-                     f"shard {lease.shard}", RefusalCode.DISCARDED)]
-
-
-def _drop_peer_held(state: CoordinatorState, peer: str, why: str, keep_checks: bool = False) -> list[Action]:
-    """Drop every held update of ``peer``: it was expelled (their checks no longer matter) or cut off (``keep_checks``:
-    a revoked token — its checks still run, and one that fails still expels it and repairs what it got into θ)."""
-    book = state.verification
-    actions: list[Action] = []
-    for lease_id in sorted(lease_id for lease_id, held in book.held.items() if held.lease.peer == peer):
-        if not keep_checks:
-            book.pending.pop(lease_id, None)
-        actions += _drop_held(state, book.held.pop(lease_id), why)
+    """The gate rejected the update: the work is refused and its steps go back to the shard (its batches get
+    trained by someone else); the gate's record may quarantine the peer."""
+    quarantine = update_gate.record(gate, state.gate, verdict, None, lease.steps, event.peer, now)
+    actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}", RefusalCode.GATE)]
+    actions += give_back(state, lease, "its update was rejected by the gate")
+    if quarantine is not None:
+        actions += _quarantine(state, event.peer, now, quarantine)
     return actions
 
 
-def drop_revoked_held(state: CoordinatorState, peer: str) -> list[Action]:
-    """A peer whose token was revoked: from then on nothing of it reaches θ — its held updates (waiting for their own
-    checks or for its probation) are dropped, their ranges given back; the checks themselves go on."""
-    return _drop_peer_held(state, peer, "its token was revoked", keep_checks=True)
-
-
-def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
-    """The actions for a submission that must not reach the gate or θ — a resend of an applied lease
-    (Duplicate), an unknown or expired lease, an invalid update (:func:`update_problem`), an inner-state
-    chain that does not link (:func:`_broken_chain`) — or None when it may go on."""
-    if event.lease_id in state.applied:
-        version = state.applied[event.lease_id]
-        return [Duplicate(event.peer, event.lease_id, version, f"already applied at version {version}; not applied again")]
-    held = state.verification.held.get(event.lease_id)
-    if held is not None and held.lease.peer == event.peer:
-        return [Duplicate(event.peer, event.lease_id, state.version, "accepted already and held until its check; not held twice")]
-    lease = state.leases.get(event.lease_id)
-    if lease is None:
-        return [Rejected(event.peer, event.lease_id, "unknown or expired lease; its steps were given back", RefusalCode.UNKNOWN_LEASE)]
-    problem = update_problem(state, event, lease)
-    if problem is not None:
-        return [Rejected(event.peer, event.lease_id, problem[1], problem[0])]
-    return _broken_chain(state, event)
-
-
-def gate_verdict(state: CoordinatorState, event: SubmitUpdate, lease: Lease, gate: GatePolicy) -> GateVerdict:
-    """The gate's verdict on the update as sent, with the probe losses the daemon logged in the event (pure)."""
-    probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
-    return update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer, state.policy.norm_bound_per_step, probe)
+def _quarantine(state: CoordinatorState, peer: str, now: float, why: str) -> list[Action]:
+    actions: list[Action] = [Quarantined(peer, state.gate.quarantined_until[peer], why)]
+    state.held.pop(peer, None)
+    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
+        if lease.peer == peer:
+            actions += give_back(state, lease, "peer quarantined")
+    return actions
 
 
 def refused_as_sent(state: CoordinatorState, event: SubmitUpdate) -> bool:
@@ -539,17 +224,18 @@ def _verification_copy(
     return (None if base_now is None else base_now.clone() if base_now is state.params else base_now, update.clone())
 
 
-def _gate_reject(
-    state: CoordinatorState, gate: GatePolicy, event: SubmitUpdate, lease: Lease, verdict: GateVerdict, now: float
-) -> list[Action]:
-    """The gate rejected the update: the work is refused and its steps go back to the shard (its batches get
-    trained by someone else); the gate's record may quarantine the peer."""
-    quarantine = update_gate.record(gate, state.gate, verdict, None, lease.steps, event.peer, now)
-    actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}", RefusalCode.GATE)]
-    actions += _give_back(state, lease, "its update was rejected by the gate")
-    if quarantine is not None:
-        actions += _quarantine(state, event.peer, now, quarantine)
-    return actions
+def _sketch(state: CoordinatorState, event: SubmitUpdate) -> float | None:
+    """Score an accepted update by its persistent residual (coordinator/sketch.py): a peer whose consecutive updates
+    keep one direction the others' do not becomes a suspect, and its next leases are all re-run (verify_reason)."""
+    policy = state.policy.verify
+    if policy is None or policy.sketch_threshold >= 1.0:
+        return None
+    indexes = state.indexes
+    if indexes.sketcher is None or indexes.sketcher.numel != state.params.numel():
+        indexes.sketcher = Sketcher(state.lease_secret + b"/" + str(state.seed).encode(), state.params.numel())
+    live = {name for name, info in state.peers.items() if info.alive}
+    return observe(state.verification.sketch, indexes.sketcher(event.pseudo_gradient), event.peer, live,
+                   policy.sketch_threshold, policy.sketch_checks)
 
 
 def _observe_speed(state: CoordinatorState, info: PeerInfo, lease: Lease, event: SubmitUpdate, now: float) -> None:
@@ -559,6 +245,134 @@ def _observe_speed(state: CoordinatorState, info: PeerInfo, lease: Lease, event:
     if busy > 0:
         info.observed = ema(info.observed, lease.steps * state.policy.units_per_step / busy, 0.5)
     info.transfer_s = max(0.0, event.transfer_s)
+
+
+# -------------------------------------------------------------- held for a check, or applied first
+
+
+def _holds_check(state: CoordinatorState, lease: Lease) -> bool:
+    """Does this checked lease's update wait for its verdict? Always for probation and a suspect (:func:`must_check`:
+    a peer caught there never touches θ); a drawn check only while fewer than ``hold_backlog`` checks await theirs —
+    behind a verifier that has fallen behind, held work would be applied ever staler (Delayed Nesterov diverged with
+    held updates 15-23 versions old on an overloaded machine), so the update is applied now and checked later."""
+    policy = state.policy.verify
+    return must_check(lease) or (policy is not None and len(state.verification.pending) < policy.hold_backlog)
+
+
+def _dropped(state: CoordinatorState, lease: Lease) -> bool:
+    """Would the staleness policy drop ``lease``'s update now (holding it for a check would then be pointless)?"""
+    return any(transform.drops(state.version - lease.base_version) for transform in state.transforms)
+
+
+def holds(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """Would handling ``event`` now hold its update for a check (:func:`_hold`), without changing ``state``? The
+    repair's replay asks this of an expelled peer's submission: a held one is replayed as it is (coordinator/repair.py)."""
+    lease = state.leases.get(event.lease_id)
+    if state.policy.verify is None or lease is None or refused_as_sent(state, event):
+        return False
+    gate = state.policy.gate
+    forced = gate is not None and gate_verdict(state, event, lease, gate).action == "reject"  # held instead (_checked_instead)
+    return (forced or (bool(lease.verify) and _holds_check(state, lease))) and not _dropped(state, lease)
+
+
+def checked_after(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """Would handling ``event`` now apply its update first and leave its check pending (:func:`_apply_then_check`)?
+    The repair's replay asks this of an expelled peer's submission it discards: the live run's check was pending from
+    then until its verdict, and the replay counts it too — every later hold decision depends on that backlog
+    (:func:`_holds_check`; without it the replay held an update the live run had applied, and repaired another θ)."""
+    lease = state.leases.get(event.lease_id)
+    if state.policy.verify is None or lease is None or not lease.verify or refused_as_sent(state, event):
+        return False
+    return not holds(state, event) and not _dropped(state, lease) and base_theta(state, lease.base_version) is not None
+
+
+def _hold(
+    state: CoordinatorState, event: SubmitUpdate, lease: Lease, base: torch.Tensor, update: torch.Tensor, scale: float,
+    verdict: GateVerdict | None, now: float, sketch: float | None = None,
+) -> list[Action]:
+    """Accept a checked lease's update but hold it until its verdict (verification.py :func:`on_verified`): θ never
+    sees the work of a peer whose check fails, so nothing needs repair when one is caught on its checked leases.
+    ``base``/``update``: θ at the lease's base version and the update as submitted (copies that never change)."""
+    book = state.verification
+    if lease.verify.startswith(PROBATION_WAIT):  # no re-run: it waits for the peer's probation verdicts (verification.py)
+        book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
+                                               None if verdict is None else dataclasses.asdict(verdict),
+                                               event.state_start or "", event.state_end or "", event.device_class or "",
+                                               event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
+        drop_unused_base_params(state)
+        held = [Held(event.peer, lease.lease_id, state.version, "held until the peer's probation checks agree", sketch)]
+        return held + release_probation_wait(state, event.peer, now)  # (passed meanwhile: applied at once)
+    book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
+                                           None if verdict is None else dataclasses.asdict(verdict),
+                                           event.state_start or "", event.state_end or "", event.device_class or "",
+                                           event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
+    book.pending[lease.lease_id] = event.peer
+    drop_unused_base_params(state)
+    return [
+        Verify(event.peer, lease, base, update, lease.verify, "", event.state_start or "", event.state_end or "",
+               event.device_class or "", event.theta_codec or "", event.theta_anchor, event.theta_digest or ""),
+        Held(event.peer, lease.lease_id, state.version, f"held until its check agrees ({lease.verify})", sketch),
+    ]
+
+
+def _apply_then_check(
+    state: CoordinatorState, event: SubmitUpdate, lease: Lease, check: tuple[torch.Tensor | None, torch.Tensor],
+    scale: float, verdict: GateVerdict | None, now: float, score: float | None,
+) -> list[Action]:
+    """A drawn check while the verifier is behind: the update is applied now, unchecked (a failed verdict expels the
+    peer and repairs θ), and its check still runs on the copies taken before θ moved."""
+    base, copy = check
+    update = event.pseudo_gradient if scale == 1.0 else event.pseudo_gradient.mul(scale)
+    before = base_theta(state, lease.base_version) if state.needs_base_params else None
+    actions = _apply(state, lease, update, before, verdict, now, checked=False, sketch=score)
+    if base is None or not any(isinstance(a, Applied) for a in actions):
+        return actions  # not applied (dropped by the staleness policy) or no θ to re-run from: nothing to check
+    state.verification.pending[lease.lease_id] = event.peer
+    return actions + [Verify(event.peer, lease, base, copy, f"{lease.verify} (applied first: verifier behind)", "",
+                             event.state_start or "", event.state_end or "", event.device_class or "",
+                             event.theta_codec or "", event.theta_anchor, event.theta_digest or "")]
+
+
+# ---------------------------------------------------------------------------------- the apply path
+
+
+def _apply(
+    state: CoordinatorState, lease: Lease, update: torch.Tensor, base: torch.Tensor | None, verdict: GateVerdict | None,
+    now: float, checked: bool, sketch: float | None = None,
+) -> list[Action]:
+    """Apply an accepted update (already clipped as the gate said) with the method's outer optimizer, its staleness
+    counted from now; or drop it, consumed, where the staleness policy says so. ``checked``: its check agreed first
+    (a held update); an unchecked one counts toward what a repair would have to take out of θ."""
+    staleness = state.version - lease.base_version
+    adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
+    if adjusted.pseudo_gradient is None:
+        # Dropped by policy (e.g. PolyThres): the work is consumed, θ is untouched, the version stays.
+        state.applied[lease.lease_id] = state.version
+        drop_unused_base_params(state)
+        return [Rejected(lease.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
+    retained = retain_before_step(state)
+    info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
+    state.version += 1
+    state.local_updates += lease.steps
+    state.applied[lease.lease_id] = state.version
+    if not checked:
+        book = state.verification
+        book.unchecked[lease.peer] = book.unchecked.get(lease.peer, 0) + 1
+    gate_note = _after_step(state, lease, verdict, update, now)
+    return retained + [
+        Applied(
+            lease.peer,
+            lease.lease_id,
+            state.version,
+            staleness,
+            lease.steps,
+            lease.shard,
+            info_step.moved,
+            f"{info_step.reason}; {adjusted.reason}",
+            gate_note,
+            sketch,
+        )
+    ]
 
 
 def _after_step(
@@ -571,47 +385,58 @@ def _after_step(
     if verdict is not None and policy.gate is not None:
         update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, lease.peer, now)
         gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
-    _drop_unused_base_params(state)
+    drop_unused_base_params(state)
     return gate_note
 
 
-def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
-    """With commitments (``VerifyPolicy.commit``): None when the submission's inner-state digests chain — its start
-    digest is the peer's end digest of its last *applied* lease, or the fresh state's (a peer resets its inner state
-    when it joins, restarts, or a submission of it was not applied). Otherwise the actions: a submission without
-    digests is refused; a broken chain is a failed check — the update is refused and a :class:`Verify` that has
-    already failed goes to the verifier, whose ``Verified`` expels the peer and repairs θ like any failed re-run."""
-    if _chain_links(state, event):
-        return None
-    if event.state_start is None or event.state_end is None:
-        return [Rejected(event.peer, event.lease_id, "this run verifies carried inner state: the submission needs "
-                         "state_start and state_end digests; upgrade the peer (asyncloco peer join)", RefusalCode.BROKEN_CHAIN)]
-    previous = state.verification.chain.get(event.peer, FRESH_STATE_DIGEST)
-    lease = state.leases[event.lease_id]
-    detail = (f"inner-state chain broken: lease starts from state {event.state_start[:16]}…, the peer's last applied "
-              f"lease ended at {previous[:16]}… (and it is not the fresh state)")
-    state.verification.pending[lease.lease_id] = event.peer
-    empty = torch.empty(0)
-    actions: list[Action] = [Rejected(event.peer, lease.lease_id, detail, RefusalCode.BROKEN_CHAIN)]
-    actions += _give_back(state, lease, "its inner-state commitment did not chain")
-    actions.append(Verify(event.peer, lease, empty, empty, "chain check", detail, event.state_start, event.state_end))
+def apply_held(state: CoordinatorState, held: HeldUpdate, now: float, verified: bool = True) -> list[Action]:
+    """A held update whose check agreed: applied now, its staleness counted from now. A norm clip is lifted (its
+    re-run shows the norm is what honest work from the peer's committed state gives — a newcomer's fresh AdamW state
+    moves θ ≈ 3 × as far per step as its warmed-up peers'); weak agreement stays weak (that is about its direction)."""
+    verdict = None if held.verdict is None else GateVerdict(**held.verdict)
+    scale = held.scale
+    if verified and verdict is not None and verdict.action == "clip" and not verdict.weak:
+        scale = 1.0
+        verdict = dataclasses.replace(verdict, action="accept", scale=1.0, reason=(
+            f"passed the gate: its re-run agreed, so its norm {verdict.norm:.4g} is honest work's and is applied in "
+            "full (unverified, it would have been scaled down to the gate's bound)"))
+    update = held.update if scale == 1.0 else held.update.mul(scale)
+    base = held.base if held.base.numel() else base_theta(state, held.lease.base_version)
+    return _apply(state, held.lease, update, base, verdict, now, checked=verified)
+
+
+def release_probation_wait(state: CoordinatorState, peer: str, now: float) -> list[Action]:
+    """Once ``peer`` has passed its probation, the updates that waited for it (not re-run themselves) are applied, in
+    lease order, unverified: a norm the gate clipped stays clipped."""
+    book, policy = state.verification, state.policy.verify
+    if policy is None or book.passed.get(peer, 0) < policy.probation_updates:
+        return []
+    waiting = sorted(lease_id for lease_id, held in book.held.items()
+                     if held.lease.peer == peer and held.lease.verify.startswith(PROBATION_WAIT))
+    actions: list[Action] = []
+    for lease_id in waiting:
+        actions += apply_held(state, book.held.pop(lease_id), now, verified=False)
     return actions
 
 
-def _quarantine(state: CoordinatorState, peer: str, now: float, why: str) -> list[Action]:
-    actions: list[Action] = [Quarantined(peer, state.gate.quarantined_until[peer], why)]
-    state.held.pop(peer, None)
-    for lease in sorted(state.leases.values(), key=lambda l: l.lease_id):
-        if lease.peer == peer:
-            actions += _give_back(state, lease, "peer quarantined")
-    return actions
+# ----------------------------------------------------------------------------------------- Discard
 
 
-def _chain_links(state: CoordinatorState, event: SubmitUpdate) -> bool:
-    """Whether the submission's inner-state digests chain (:func:`_broken_chain`); True without commitments."""
+def on_discard(state: CoordinatorState, event: Discard, now: float) -> list[Action]:
+    lease = state.leases.get(event.lease_id)
+    if lease is None or lease.peer != event.peer:
+        return []
+    # the peer was heard, as in the live run: without this a replay saw the expelled peer silent, declared it left
+    # at the next tick, refused its next request and numbered every later lease one lower than the live run did —
+    # honest peers' leases then were unknown to the repaired state (found in the warm colluder benchmark)
+    info = state.peers.get(event.peer)
+    if info is not None:
+        info.last_seen = now
+    del state.leases[lease.lease_id]
+    unindex_lease(state, lease)
     policy = state.policy.verify
-    if policy is None or not policy.commit:
-        return True
-    if event.state_start is None or event.state_end is None:
-        return False
-    return event.state_start in (state.verification.chain.get(event.peer, FRESH_STATE_DIGEST), FRESH_STATE_DIGEST)
+    if policy is not None and policy.commit and event.state_end is not None:
+        state.verification.chain[event.peer] = event.state_end  # its peer went on from there, as in the live run
+    state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
+    drop_unused_base_params(state)
+    return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled", RefusalCode.DISCARDED)]
