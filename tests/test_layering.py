@@ -245,6 +245,44 @@ def test_imports_only_point_down() -> None:
     assert not problems, "imports against the layering:\n" + "\n".join(problems)
 
 
+
+# The coordinator logic's modules (coordinator/logic/), lowest first, as its package docstring lists them: each imports
+# only modules of the rows above its own (siblings in a row import none of each other); __init__ (handle) is on top.
+LOGIC = "asyncloco.coordinator.logic"
+LOGIC_LAYERS: list[tuple[str, ...]] = [
+    ("state",),
+    ("events",),
+    ("indexes", "draws"),  # the derived indexes · which leases are re-run
+    ("leases",),  # RequestWork, Fetched, HoldDropped: issuing, grace windows, give-backs, expiry, θ retention
+    ("peers", "submit"),  # SpeedReport, Hello, Tick, PeerLeft, Restarted · SubmitUpdate, Discard
+    ("verification", "queries"),  # Verified, Unverified, Repaired · the indexes, read-only
+    ("admission",),  # Admit, Revoke, Fingerprint (a revocation is a departure and drops held updates)
+    ("__init__",),
+]
+
+
+def test_the_logic_modules_import_only_down() -> None:
+    """Inside coordinator/logic/, every import points to a row below (LOGIC_LAYERS); a new module is placed there."""
+    rank = {name: index for index, row in enumerate(LOGIC_LAYERS) for name in row}
+    graph = module_graph()
+    problems: list[str] = []
+    for module in sorted(m for m in graph if m == LOGIC or m.startswith(LOGIC + ".")):
+        here = "__init__" if module == LOGIC else module[len(LOGIC) + 1:]
+        if here not in rank:
+            problems.append(f"{module} is in no row of LOGIC_LAYERS (tests/test_layering.py): place it")
+            continue
+        for dep in sorted(graph[module]):
+            if dep == LOGIC:  # ``from asyncloco.coordinator.logic import x`` reads __init__, the top row
+                problems.append(f"{module} imports from the package {LOGIC}: import the module it needs by its own name")
+                continue
+            if not dep.startswith(LOGIC + "."):
+                continue
+            there = dep[len(LOGIC) + 1:]
+            if there in rank and rank[there] >= rank[here]:
+                problems.append(f"{module} imports {dep}, {'a sibling' if rank[there] == rank[here] else 'a higher row'}")
+    assert not problems, "the logic's modules against their order:\n" + "\n".join(problems)
+
+
 def test_each_module_logs_under_its_own_name() -> None:
     """A module that logs has its own ``logger = logging.getLogger(__name__)`` (a log line names the module that wrote
     it): no logger bound to another name, none imported from another module."""

@@ -6,7 +6,8 @@ private member the daemon class defines, whatever the receiver is called), on ``
 of its modules, imported under any name) and on ``from asyncloco.coordinator.logic... import _x``. What a test needs
 is a public API: ``daemon.node`` (state, decide, the log), ``daemon.serving`` (the RPC handler),
 ``daemon.durability``, ``daemon.monitoring``, :mod:`asyncloco.coordinator.logic.queries` (the logic's indexes).
-It is tried on planted violations too.
+The same scan runs over the logic's own modules: they meet through public names only (a name another module uses is
+public), and the package's ``__init__`` re-exports exactly its public ``__all__``. It is tried on planted violations too.
 """
 
 from __future__ import annotations
@@ -50,7 +51,17 @@ def _receiver_name(node: ast.AST) -> str:
     return ""
 
 
-def scan_source(source: str, path: str = "<planted>", privates: frozenset[str] = frozenset()) -> list[str]:
+def absolute_module(node: ast.ImportFrom, package: str) -> str:
+    """The module an ``import from`` names, a relative one resolved against ``package`` (the importing file's)."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def scan_source(source: str, path: str = "<planted>", privates: frozenset[str] = frozenset(), package: str = "") -> list[str]:
+    """What ``source`` touches of the daemon's or the logic's private members. ``package``: the package the file is
+    in, to resolve its relative imports (a module of the logic itself: ``asyncloco.coordinator.logic``)."""
     tree = ast.parse(source)
     found: list[str] = []
     logic_names: set[str] = set()  # local names of the logic package or of its modules
@@ -60,8 +71,8 @@ def scan_source(source: str, path: str = "<planted>", privates: frozenset[str] =
                 if alias.name == LOGIC or alias.name.startswith(LOGIC + "."):
                     if alias.asname:
                         logic_names.add(alias.asname)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            module = node.module
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            module = absolute_module(node, package)
             for alias in node.names:
                 full = f"{module}.{alias.name}"
                 if full == LOGIC or full.startswith(LOGIC + ".") and module.startswith("asyncloco.coordinator"):
@@ -145,3 +156,55 @@ ALLOWED = [
 @pytest.mark.parametrize("allowed", ALLOWED)
 def test_the_scan_passes_public_seams(allowed: str) -> None:
     assert scan_source(allowed + "\n", privates=frozenset({"_carry_out"})) == []
+
+
+LOGIC_DIR = ROOT / "asyncloco" / "coordinator" / "logic"
+
+
+def test_no_logic_module_imports_a_private_name_of_another() -> None:
+    """The logic's modules (coordinator/logic/) meet through public names: none imports another module's ``_x`` or
+    reads it as ``module._x``, absolute or relative import alike; __init__ included."""
+    paths = sorted(LOGIC_DIR.glob("*.py"))
+    assert {"__init__.py", "leases.py", "submit.py"} <= {path.name for path in paths}
+    found: list[str] = []
+    for path in paths:
+        found += scan_source(path.read_text(), str(path.relative_to(ROOT)), package=LOGIC)
+    assert not found, "the logic's modules use each other's private names; make the name public:\n" + "\n".join(found)
+
+
+def test_the_logic_package_re_exports_exactly_its_public_all() -> None:
+    """logic/__init__.py's ``__all__`` is public names only, and what it imports from its modules (beyond the modules
+    themselves, which ``handle`` dispatches to) is exactly that ``__all__``, less what it defines itself."""
+    tree = ast.parse((LOGIC_DIR / "__init__.py").read_text())
+    exported: set[str] = set()
+    defined: set[str] = set()
+    imported: set[str] = set()
+    modules = {path.stem for path in LOGIC_DIR.glob("*.py")}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets):
+            assert isinstance(node.value, ast.List)
+            exported = {element.value for element in node.value.elts if isinstance(element, ast.Constant)}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and absolute_module(node, LOGIC).startswith(LOGIC):
+            imported.update(alias.asname or alias.name for alias in node.names
+                            if not (absolute_module(node, LOGIC) == LOGIC and alias.name in modules))
+    assert "handle" in exported and "Lease" in exported
+    assert not [name for name in exported if _private(name)], "logic.__all__ names a private name"
+    assert imported == exported - defined, (
+        f"re-exported but not in __all__: {sorted(imported - exported)}; in __all__ but not there: "
+        f"{sorted(exported - defined - imported)}")
+
+
+PLANTED_IN_LOGIC = [
+    "from .leases import _issue",
+    "from . import leases\nleases._issue(state, 'p', 0.0, '')",
+    "from asyncloco.coordinator.logic.submit import _apply",
+    "import asyncloco.coordinator.logic.indexes as indexes\nindexes._book_add(book, lease)",
+]
+
+
+@pytest.mark.parametrize("planted", PLANTED_IN_LOGIC)
+def test_the_scan_catches_a_private_name_between_logic_modules(planted: str) -> None:
+    assert scan_source(planted + "\n", package=LOGIC), planted
+    assert not scan_source(planted.replace("._", ".").replace("import _", "import ") + "\n", package=LOGIC)
