@@ -1018,3 +1018,40 @@ def test_a_repair_replay_counts_the_discarded_updates_pending_check_in_the_verif
     expected = torch.zeros(DIM)
     OuterNesterov(0.5, 0.9).step(expected, torch.full((DIM,), 0.1))
     assert torch.equal(result.state.params, expected)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_proven_by_its_re_run_probation_is_past_the_gates_probation() -> None:
+    """Verification probation 1, the gate's 3: the newcomer's first lease is re-run; a second lease, issued while that
+    check is on its way, waits for it (not re-run) and a third comes after. All three carry a fresh-AdamW norm (3× the
+    median per step). The first is applied in full (its re-run agreed); the other two are judged as from a peer past
+    the gate's probation — the second only ever applies once the peer has passed — so none is clipped to the tightened
+    2×, though the gate has accepted fewer than 3 of the peer's updates when it judges them."""
+    from asyncloco.coordinator import gate as G
+    from asyncloco.coordinator.logic import Applied, gate_proven
+    from tests.test_gate_probe import N, warm_state, with_cosine
+
+    policy = CoordinatorPolicy(max_local_steps=10, dylu=False, grace_period=0.0, lease_timeout_factor=3.0,
+                               lease_slack=100.0, gate=G.GatePolicy(), verify=VerifyPolicy(fraction=0.0, probation_updates=1))
+    state = new_state(torch.zeros(N), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+    state.gate = warm_state()
+    handle(state, SpeedReport("new", 10.0), 0.0)
+    first = lease_of(handle(state, RequestWork("new"), 0.0)[1])
+    update = with_cosine(0.4, norm=30.0)
+    assert [type(a).__name__ for a in handle(state, SubmitUpdate("new", first.lease_id, 0, update), 1.0)[1]] == ["Verify", "Held"]
+    assert not gate_proven(state, first)
+    second = lease_of(handle(state, RequestWork("new"), 1.5)[1])
+    assert second.verify.startswith("probation: held until") and gate_proven(state, second)
+    assert [type(a).__name__ for a in handle(state, SubmitUpdate("new", second.lease_id, 0, update), 2.0)[1]] == ["Held"]
+    actions = handle(state, Verified("new", first.lease_id, True, "bitwise"), 3.0)[1]
+    applied = [a for a in actions if isinstance(a, Applied)]
+    assert [a.lease_id for a in applied] == [first.lease_id, second.lease_id] and state.version == 2
+    third = lease_of(handle(state, RequestWork("new"), 4.0)[1])
+    assert third.verify == "" and gate_proven(state, third) and state.gate.peer_accepted["new"] == 2  # < the gate's 3
+    applied += [a for a in handle(state, SubmitUpdate("new", third.lease_id, 2, update), 5.0)[1] if isinstance(a, Applied)]
+    assert len(applied) == 3 and not any("clipped" in a.gate or "probation" in a.gate for a in applied), [a.gate for a in applied]
+    assert state.gate.norms[-3:] == pytest.approx([3.0, 3.0, 3.0])  # each taken whole
+    expected, optimizer = torch.zeros(N), OuterNesterov(0.5, 0.9)
+    for _ in range(3):
+        optimizer.step(expected, update)
+    assert torch.allclose(state.params, expected, rtol=1e-6, atol=1e-7)

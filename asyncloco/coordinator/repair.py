@@ -29,6 +29,7 @@ from asyncloco.coordinator.logic import (
     SubmitUpdate,
     base_theta,
     checked_after,
+    gate_proven,
     gate_verdict,
     handle,
     holds,
@@ -113,7 +114,8 @@ def _replay_excluded(
     dropped = any(transform.drops(state.version - lease.base_version) for transform in state.transforms)
     update = _substitute(state, event, bases, substitute)
     if update is not None and gate is not None:
-        own = update_gate.score(gate, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step)
+        own = update_gate.score(gate, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step,
+                                proven=gate_proven(state, lease))
         update = None if own.action == "reject" else update if own.scale == 1.0 else update * own.scale
     if update is None:
         handle(state, Discard(event.peer, event.lease_id, event.state_end), now)

@@ -19,6 +19,7 @@ from asyncloco.config import RunConfig
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.admission import AdmissionError, verify_token
 from asyncloco.coordinator.logic import (
+    gate_proven,
     Admit,
     Applied,
     Duplicate,
@@ -221,7 +222,8 @@ class Serving:
         if not update_gate.wants_probe(gate, state.gate, peer_id, self.numel):
             return None, None
         # only where score() will read it: an update outside the gray zone gets the same verdict without it
-        if not update_gate.needs_probe(gate, state.gate, update, lease.steps, peer_id, state.policy.norm_bound_per_step):
+        if not update_gate.needs_probe(gate, state.gate, update, lease.steps, peer_id, state.policy.norm_bound_per_step,
+                                       proven=gate_proven(state, lease)):
             return None, None
         if self._probe is None:
             self._probe = Probe(self.workload, self.model, self.cfg.runtime.gate.probe_sequences, self.cfg.runtime.eval_device)

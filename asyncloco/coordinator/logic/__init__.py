@@ -66,7 +66,7 @@ from asyncloco.coordinator.logic import admission, leases, peers, submit, verifi
 from asyncloco.coordinator.logic.admission import (
     MAX_INCOMPATIBLE, admission_code, admission_problem, is_admitted,
 )
-from asyncloco.coordinator.logic.draws import PROBATION_WAIT, must_check, verify_draw, verify_reason
+from asyncloco.coordinator.logic.draws import PROBATION_WAIT, gate_proven, must_check, verify_draw, verify_reason
 from asyncloco.coordinator.logic.events import (
     Action, Admit, Admitted, Applied, Assign, Discard, Duplicate, Event, Expelled, Expired, Fetched, Fingerprint,
     Held, Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
@@ -144,6 +144,7 @@ __all__ = [
     "is_admitted",
     "PROBATION_WAIT",
     "must_check",
+    "gate_proven",
     "verify_draw",
     "verify_reason",
     "VERIFY_PIN_FACTOR",

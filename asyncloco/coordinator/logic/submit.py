@@ -15,7 +15,7 @@ from asyncloco.algo.dylu import ema
 from asyncloco.algo.staleness import apply_transforms
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.gate import GatePolicy, GateVerdict
-from asyncloco.coordinator.logic.draws import PROBATION_WAIT, must_check
+from asyncloco.coordinator.logic.draws import PROBATION_WAIT, gate_proven, must_check
 from asyncloco.coordinator.logic.events import (
     Action, Applied, Discard, Duplicate, Held, Quarantined, Rejected, SubmitUpdate, Verify,
 )
@@ -161,7 +161,8 @@ def _chain_links(state: CoordinatorState, event: SubmitUpdate) -> bool:
 def gate_verdict(state: CoordinatorState, event: SubmitUpdate, lease: Lease, gate: GatePolicy) -> GateVerdict:
     """The gate's verdict on the update as sent, with the probe losses the daemon logged in the event (pure)."""
     probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
-    return update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer, state.policy.norm_bound_per_step, probe)
+    return update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer, state.policy.norm_bound_per_step,
+                             probe, proven=gate_proven(state, lease))
 
 
 def _checked_instead(state: CoordinatorState, lease: Lease, verdict: GateVerdict) -> tuple[GateVerdict, Lease] | None:
