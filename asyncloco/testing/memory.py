@@ -20,11 +20,18 @@ error frames, admission at the door and traffic counters are the ones a real run
   loses nothing that was written to the log but not fsynced (the page cache survives it); a torn tail record
   is tested on the log itself (tests/test_wal.py).
 
-The peer side is :class:`MemoryClient` (the real client on an in-memory node) and :class:`MemorySpeedPublisher`
-(the DHT's speed records); the peer runner's own kill point ``"trained"`` takes a :class:`KillSwitch` too.
-:func:`drive` moves a :class:`~asyncloco.clock.FakeClock` whenever the task it drives waits on the clock; a call's
-handler runs as the calling actor (a held lease request sleeps as the peer that asked). The client's timeouts are
-real seconds, as in a real run.
+The DHT's records are replaced too, by :class:`MemoryRecords`: the peers' speed records (written by
+:class:`MemorySpeedPublisher`, a peer's publisher) and the coordinator's announcement. Nothing else is: each life of
+the daemon runs its real timed loops (asyncloco/coordinator/loops.py: ticks, speed reports, announcement,
+revocations — :meth:`~asyncloco.coordinator.daemon.CoordinatorDaemon.loops`) on the transport's clock, as the
+actors named in :data:`COORDINATOR_LOOPS`, so a speed record reaches the logic through the real speed loop's filter
+and a lease expires at the real tick loop's first tick past its deadline. A crash ends them with the process.
+
+The peer side is :class:`MemoryClient` (the real client on an in-memory node) and :class:`MemorySpeedPublisher`;
+the peer runner's own kill point ``"trained"`` takes a :class:`KillSwitch` too. :func:`drive` moves a
+:class:`~asyncloco.clock.FakeClock` whenever the task it drives waits on the clock (and the coordinator's loops
+sleep on it); a call's handler runs as the calling actor (a held lease request sleeps as the peer that asked). The
+client's timeouts are real seconds, as in a real run.
 """
 
 from __future__ import annotations
@@ -40,17 +47,18 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Tuple, TypeVar, 
 
 import torch
 
+from asyncloco import __version__
 from asyncloco.clock import ACTOR, SYSTEM_CLOCK, Clock, FakeClock
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.daemon import CoordinatorDaemon
-from asyncloco.coordinator.logic import SpeedReport, Tick
 from asyncloco.testing.memory_p2p import CURRENT_PIPES, MemoryNetwork, Pipe
-from asyncloco.transport.errors import PeerUnreachable
+from asyncloco.transport.records import CoordinatorAnnouncement, SpeedRecord
 from asyncloco.transport.rpc import RPC_NAMES, CoordinatorService, TrafficCounters
 from asyncloco.transport.rpc_client import CoordinatorClient
 from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseReply, RevealHeader, RevealReply, SubmitHeader
 
 __all__ = [
+    "COORDINATOR_LOOPS",
     "FAULT_KINDS",
     "KILL_POINTS",
     "Fault",
@@ -58,6 +66,7 @@ __all__ = [
     "KillSwitch",
     "MemoryTransport",
     "MemoryClient",
+    "MemoryRecords",
     "MemorySpeedPublisher",
     "drive",
     "as_actor",
@@ -70,7 +79,9 @@ FAULT_KINDS = ("drop_request", "drop_reply", "delay", "reset")
 RPCS = tuple(RPC_NAMES)
 COORDINATOR = "coordinator"  # the coordinator's node name in the in-memory network
 KILL_POINTS = ("wal_appended", "wal_synced", "before_reply", "trained")
-TICKER = "coordinator-ticker"  # the clock actor of MemoryTransport's tick loop
+# the clock actors of the daemon's timed loops (CoordinatorDaemon.loops) under MemoryTransport: drive's background
+COORDINATOR_LOOPS = ("coordinator-tick", "coordinator-speed", "coordinator-announce", "coordinator-revocation")
+_ACTOR_TASK = "asyncloco-actor:"  # the name of a task as_actor started: this prefix, then the actor
 _current_rpc: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("asyncloco_memory_rpc", default=None)
 
 
@@ -147,7 +158,15 @@ def as_actor(name: str, call: Awaitable[T]) -> "asyncio.Task[T]":
         ACTOR.set(name)
         return await call
 
-    return asyncio.ensure_future(run())
+    task = asyncio.ensure_future(run())
+    task.set_name(_ACTOR_TASK + name)
+    return task
+
+
+def _present(names: tuple[str, ...]) -> list[str]:
+    """Which of the actors ``names`` have a task (started with :func:`as_actor`) still running in this event loop."""
+    running = {task.get_name() for task in asyncio.all_tasks() if not task.done()}
+    return [name for name in names if _ACTOR_TASK + name in running]
 
 
 async def drive(
@@ -158,7 +177,7 @@ async def drive(
     real_timeout: float,
     max_step: float = 15.0,
     idle_step: Optional[float] = None,
-    background: tuple[str, ...] = (TICKER,),
+    background: tuple[str, ...] = COORDINATOR_LOOPS,
 ) -> None:
     """Move ``clock`` while the ``actors`` (tasks started with :func:`as_actor`, by name) wait on it, until
     ``until()`` holds (default: every actor is done).
@@ -167,9 +186,9 @@ async def drive(
     wake-up at most ``max_step`` seconds ahead — never while one computes (trains in a thread) or waits on
     anything else; a long sleep (a speed report every few minutes) does not count as waiting. With no
     actor running, time moves by ``idle_step`` (None: it does not move). Either way only while every
-    ``background`` actor sleeps on the clock too (the transport's ticker: a tick that is still writing its
-    log record finishes at the time it started). Raises TimeoutError after ``real_timeout`` real seconds
-    (a test's deadline)."""
+    ``background`` actor that is running sleeps on the clock too (the coordinator's timed loops: a tick that is
+    still writing its log record finishes at the time it started; a crashed coordinator runs none). Raises
+    TimeoutError after ``real_timeout`` real seconds (a test's deadline)."""
     deadline = time.monotonic() + real_timeout
 
     def done() -> bool:
@@ -184,12 +203,12 @@ async def drive(
             )
         wakes = [clock.wake_time_of(name) for name in running]
         now = clock.time()
-        quiet = all(clock.wake_time_of(name) is not None for name in background)
+        quiet = all(clock.wake_time_of(name) is not None for name in _present(background))
         if quiet and running and all(wake is not None and wake - now <= max_step for wake in wakes):
             await clock.advance_to(max(now, min(wake for wake in wakes if wake is not None)))
             continue
         if quiet and not running and idle_step is not None:
-            # nobody to follow: time moves in idle steps, each once the ticker sleeps again (so it runs every tick)
+            # nobody to follow: time moves in idle steps, each once the loops sleep again (the tick loop ticks each second)
             await clock.advance(idle_step)
             continue
         waiter = asyncio.ensure_future(clock.wait_for_sleeper())
@@ -242,23 +261,14 @@ class _FaultyHandler:
 class MemoryTransport:
     """One coordinator daemon (checkpoint directory ``checkpoint_dir``) served in memory by its real RPC service.
 
-    ``await transport.start()`` starts it (``resume=True``: from an existing directory) with a tick every
-    ``tick_period`` seconds on ``clock``; ``client(peer)`` and ``publisher(peer)`` are a peer's ends;
-    ``faults`` and ``kill`` inject failures; ``restart()`` resumes a crashed (or running) daemon;
+    ``await transport.start()`` starts it (``resume=True``: from an existing directory) with its real timed loops
+    on ``clock`` over the in-memory records :attr:`records`; ``client(peer)`` and ``publisher(peer)`` are a peer's
+    ends; ``faults`` and ``kill`` inject failures; ``restart()`` resumes a crashed (or running) daemon;
     ``close()`` stops it cleanly (a final snapshot, as on SIGTERM)."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        checkpoint_dir: Path,
-        *,
-        clock: Clock = SYSTEM_CLOCK,
-        workload: Any = None,
-        tick_period: float = 1.0,
-    ) -> None:
-        if tick_period <= 0:
-            raise ValueError(f"tick_period must be > 0, got {tick_period}")
-        self.cfg, self.dir, self.clock, self.workload, self.tick_period = cfg, Path(checkpoint_dir), clock, workload, tick_period
+    def __init__(self, cfg: RunConfig, checkpoint_dir: Path, *, clock: Clock = SYSTEM_CLOCK, workload: Any = None) -> None:
+        self.cfg, self.dir, self.clock, self.workload = cfg, Path(checkpoint_dir), clock, workload
+        self.records = MemoryRecords(clock)  # the DHT's: they outlive the coordinator's lives
         self.faults: list[Fault] = []
         self.kill = KillSwitch()
         self.crashes: list[str] = []  # the points at which the coordinator crashed, in order
@@ -271,7 +281,7 @@ class MemoryTransport:
         self.node = self.network.node(COORDINATOR)
         self.node.up = False
         self.node.on_handler_error = self._handler_error
-        self._ticker: Optional[asyncio.Task[None]] = None
+        self._loops: list[asyncio.Task[None]] = []  # the timed loops of the daemon's current life
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -291,9 +301,42 @@ class MemoryTransport:
         self.daemon, self.service, self.numel, self.down = daemon, service, daemon.numel, False
         self.node.go_up()
         self.lives += 1
-        if self._ticker is None:
-            self._ticker = asyncio.ensure_future(self._tick_loop())
+        self._run_loops(daemon)
         return daemon
+
+    def _run_loops(self, daemon: CoordinatorDaemon) -> None:
+        """The daemon's own timed loops (:meth:`CoordinatorDaemon.loops`) over the in-memory records, until its stop
+        event, each as the actor ``coordinator-<name>`` (:data:`COORDINATOR_LOOPS`); a kill point one of them passes
+        crashes the coordinator."""
+        stop = daemon.node.stop_event
+        assert stop is not None
+        loops = daemon.loops(self.records, stop)
+        assert tuple(f"coordinator-{name}" for name in loops) == COORDINATOR_LOOPS, sorted(loops)
+
+        async def supervised(loop: Awaitable[None]) -> None:
+            try:
+                await loop
+            except Killed as killed:
+                if self.daemon is daemon and not self.down:
+                    self._crash(killed.point)
+
+        self._loops = [as_actor(f"coordinator-{name}", supervised(loop)) for name, loop in loops.items()]
+
+    def _stop_loops(self) -> None:
+        """End the current life's loops (a crash: at once, wherever they are; :meth:`_end_loops` waits for them)."""
+        daemon = self.daemon
+        if daemon is not None and daemon.node.stop_event is not None:
+            daemon.node.stop_event.set()
+        current = asyncio.current_task()
+        for task in self._loops:
+            if task is not current:
+                task.cancel()
+
+    async def _end_loops(self) -> None:
+        self._stop_loops()
+        loops, self._loops = self._loops, []
+        current = asyncio.current_task()
+        await asyncio.gather(*(task for task in loops if task is not current), return_exceptions=True)
 
     async def restart(self) -> CoordinatorDaemon:
         """``--resume``: a running daemon is crashed first (no final snapshot, no log close)."""
@@ -309,14 +352,12 @@ class MemoryTransport:
 
     async def close(self) -> None:
         """Stop: a clean shutdown of a running daemon (final snapshot), or the remains of a crashed one."""
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
-            self._ticker = None
         daemon = self.daemon
         if daemon is not None and not self.down:
-            async with daemon.node.lock:
+            async with daemon.node.lock:  # as CoordinatorDaemon.run winds down: no event after this, the loops end
                 daemon.node.stopping = True
+            await self._end_loops()
+            async with daemon.node.lock:
                 await daemon.durability.save()
             self.down = True
             self.node.go_down()
@@ -332,6 +373,7 @@ class MemoryTransport:
         self.down = True
         self.crashes.append(point)
         self.node.go_down()  # its connections die with the process
+        self._stop_loops()  # and its loops
 
     def _handler_error(self, error: BaseException) -> bool:
         """A stream handler raised: a kill point crashes the coordinator (True: handled)."""
@@ -349,6 +391,7 @@ class MemoryTransport:
     async def _bury(self) -> None:
         """What is left of a crashed daemon: let its threads finish (a real crash stops them too), release
         its files without writing anything more."""
+        await self._end_loops()
         await self._unserve()
         daemon, self.daemon = self.daemon, None
         if daemon is None:
@@ -366,34 +409,6 @@ class MemoryTransport:
             await asyncio.gather(task, return_exceptions=True)
         for waiter in daemon.monitoring.waiters.values():
             waiter.future.cancel()
-
-    async def _tick_loop(self) -> None:
-        ACTOR.set(TICKER)
-        while True:
-            await self.clock.sleep(self.tick_period)
-            daemon = self.daemon
-            if daemon is None or self.down:
-                continue
-            try:
-                async with daemon.node.lock:
-                    if not daemon.node.stopping:
-                        await daemon.node.decide(Tick())
-            except Killed as killed:
-                self._crash(killed.point)
-
-    async def tick(self) -> None:
-        """One tick now (expiries, grace windows, silent peers), outside the periodic ones."""
-        daemon = self._alive()
-        try:
-            async with daemon.node.lock:
-                await daemon.node.decide(Tick())
-        except Killed as killed:
-            self._crash(killed.point)
-
-    def _alive(self) -> CoordinatorDaemon:
-        if self.down or self.daemon is None:
-            raise PeerUnreachable("the coordinator is down")
-        return self.daemon
 
     # ------------------------------------------------------------------------------------- faults
 
@@ -445,13 +460,42 @@ class MemoryClient(CoordinatorClient):
         self.transport, self.peer = transport, peer
 
 
+class MemoryRecords:
+    """The run's DHT records in memory (transport/records.py ``RunRecords`` keeps them in the DHT), as the
+    coordinator's loops read and write them (:class:`~asyncloco.coordinator.loops.RunRecordsPort`): each signer's
+    latest speed record until it expires, and the coordinator's announcement. Stamped with ``clock``'s time."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.speeds: dict[str, tuple[SpeedRecord, float]] = {}  # by signer: (record, expiry)
+        self.announcement: Optional[CoordinatorAnnouncement] = None
+
+    def time(self) -> float:
+        return self.clock.time()
+
+    def store_speed(self, signer: str, record: SpeedRecord, ttl_s: float) -> None:
+        """Store (or replace) ``signer``'s speed record for ``ttl_s`` seconds, as a DHT store under its key."""
+        self.speeds[signer] = (record, self.clock.time() + ttl_s)
+
+    async def read_signed_speeds(self) -> list[tuple[str, SpeedRecord]]:
+        now = self.clock.time()
+        return [(signer, record) for signer, (record, expiry) in self.speeds.items() if expiry > now]
+
+    async def reach(self, peers: list[str]) -> None:
+        """Nothing to do: every record is in reach."""
+
+    async def announce(self, announcement: CoordinatorAnnouncement, ttl_s: float) -> None:
+        self.announcement = announcement
+
+
 class MemorySpeedPublisher:
-    """A peer's :class:`~asyncloco.transport.link.SpeedPublisher` in memory: the report reaches the daemon
-    as the signed DHT record would (taken only from a peer the daemon knows, bound to ``signer``, newer
-    than the last one)."""
+    """A peer's :class:`~asyncloco.transport.link.SpeedPublisher` in memory: its signed speed record goes into the
+    transport's :class:`MemoryRecords` (valid for three report periods, as a DHT store of
+    :class:`~asyncloco.transport.link.DhtSpeedPublisher`), where the coordinator's real speed loop reads it.
+    ``signer``: the fingerprint of its signing key (None: ``key-<peer>``)."""
 
     def __init__(self, transport: MemoryTransport, peer: str, signer: Optional[str]) -> None:
-        self.transport, self.peer, self._signer = transport, peer, signer
+        self.transport, self.peer, self._signer = transport, peer, signer if signer is not None else f"key-{peer}"
 
     @property
     def signer(self) -> Optional[str]:
@@ -459,15 +503,7 @@ class MemorySpeedPublisher:
 
     async def publish_speed(self, tokens_per_s: float, link: Any = None) -> None:
         transport = self.transport
-        daemon = transport._alive()
-        now = transport.clock.time()
-        try:
-            async with daemon.node.lock:
-                info = daemon.node.state.peers.get(self.peer)
-                if info is None or info.signer != self._signer or (info.reported_at or -1.0) >= now or daemon.node.stopping:
-                    return
-                fields = link.fields() if link is not None else {}
-                await daemon.node.decide(SpeedReport(self.peer, float(tokens_per_s), now, self._signer, **fields))
-        except Killed as killed:
-            transport._crash(killed.point)
-            raise PeerUnreachable(f"speed report of {self.peer}: the coordinator died ({killed.point})") from None
+        fields = link.fields() if link is not None else {}
+        record = SpeedRecord(peer_id=self.peer, tokens_per_s=float(tokens_per_s), device="memory",
+                             software_version=__version__, last_seen=transport.records.time(), **fields)
+        transport.records.store_speed(self._signer, record, 3 * transport.cfg.runtime.speed_report_period)
