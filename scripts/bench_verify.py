@@ -32,7 +32,7 @@ import torch
 
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.logic import Lease
-from asyncloco.coordinator.verify import Rerunner, compare
+from asyncloco.coordinator.rerun import Rerunner, compare
 from asyncloco.train.inner import InnerTrainer
 from asyncloco.workloads import build_workload
 

@@ -53,7 +53,7 @@ from bench_peer import RandomTokens  # noqa: E402
 
 from asyncloco.algo.schedule import ShardSchedule  # noqa: E402
 from asyncloco.coordinator.rerun import state_gap, state_moments  # noqa: E402
-from asyncloco.coordinator.verify import compare  # noqa: E402
+from asyncloco.coordinator.rerun import compare  # noqa: E402
 from asyncloco.models.workload import flatten_params  # noqa: E402
 from asyncloco.peer.distributed import validate_device  # noqa: E402
 from asyncloco.train.commitments import inner_state_chunks, load_inner_state  # noqa: E402

@@ -173,7 +173,7 @@ def run_config(corpus_dir: Path, cache: Path, **task: Any) -> RunConfig:
 
 
 def test_a_lease_reads_only_its_files_and_the_coordinator_rerun_reads_the_same_bytes(tmp_path, corpus_dir) -> None:
-    from asyncloco.coordinator.verify import Rerunner
+    from asyncloco.coordinator.rerun import Rerunner
     from asyncloco.train.inner import InnerTrainer
 
     cfg = run_config(corpus_dir, tmp_path / "peer-cache")

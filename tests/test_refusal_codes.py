@@ -29,7 +29,7 @@ from asyncloco.coordinator.logic import (
 )
 from asyncloco.coordinator.node import EVENT_TYPES
 from asyncloco.coordinator.wal import WAL_DIR, decode_event, open_log, read_records
-from asyncloco.peer.runner import _refused_admission
+from asyncloco.peer.joining import refused_admission
 from asyncloco.transport.errors import MessageError, RemoteError
 from asyncloco.refusals import FATAL, Refusal, RefusalCode, frame_text, parse_frame
 from asyncloco.transport.wire import Ack, LeaseReply
@@ -198,10 +198,10 @@ def test_error_frames_carry_the_code_and_the_peer_reacts_to_it() -> None:
     for code in RefusalCode:
         error = RemoteError(frame_text(code, "whatever the text says"))
         assert error.code is code
-        assert _refused_admission(error) is (code in FATAL)
+        assert refused_admission(error) is (code in FATAL)
     assert FATAL == {RefusalCode.NOT_ADMITTED, RefusalCode.EXPELLED, RefusalCode.INCOMPATIBLE}
     # text alone no longer decides: "not admitted" without a code is retried, a code without the words is fatal
-    assert not _refused_admission(RemoteError("PermissionError: not admitted: whatever"))
-    assert _refused_admission(RemoteError(frame_text(RefusalCode.EXPELLED, "bye")))
+    assert not refused_admission(RemoteError("PermissionError: not admitted: whatever"))
+    assert refused_admission(RemoteError(frame_text(RefusalCode.EXPELLED, "bye")))
     refusal = Refusal(RefusalCode.NOT_ADMITTED, "not admitted: no token")
     assert isinstance(refusal, PermissionError) and refusal.code is RefusalCode.NOT_ADMITTED and str(refusal) == "not admitted: no token"

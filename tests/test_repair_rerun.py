@@ -15,7 +15,7 @@ from asyncloco.algo.outer import DelayedNesterov, OuterNesterov
 from asyncloco.coordinator.logic import Lease, SubmitUpdate
 from asyncloco.coordinator.rerun import Rerunner
 from asyncloco.coordinator.substitute import Substitutes
-from asyncloco.coordinator.verify import repair
+from asyncloco.coordinator.repair import repair
 from asyncloco.train.inner import InnerTrainer
 from asyncloco.workloads import build_workload
 

@@ -46,7 +46,8 @@ from asyncloco.coordinator.logic import (
     new_state,
     verify_draw,
 )
-from asyncloco.coordinator.verify import Rerunner, compare, repair
+from asyncloco.coordinator.repair import repair
+from asyncloco.coordinator.rerun import Rerunner, compare
 from asyncloco.train.inner import InnerTrainer
 from asyncloco.transport.codecs import decode, encode
 from asyncloco.workloads import build_workload
@@ -351,7 +352,7 @@ def test_a_pending_check_never_costs_a_peer_its_lease(probation: bool) -> None:
 def test_anchors_rotate_and_prune_the_archived_log(tmp_path: Path) -> None:
     """An anchor every `horizon` versions (the first at once), the newest 3 kept; archived log segments wholly
     before the oldest anchor are deleted, the one that reaches past it stays."""
-    from asyncloco.coordinator.verify import Anchors
+    from asyncloco.coordinator.repair import Anchors
 
     archive = tmp_path / "wal" / "archive"
     archive.mkdir(parents=True)

@@ -195,7 +195,7 @@ def carried_config(**verify: Any) -> RunConfig:
 
 
 def test_rerun_from_a_revealed_carried_state() -> None:
-    from asyncloco.coordinator.verify import Rerunner
+    from asyncloco.coordinator.rerun import Rerunner
     from asyncloco.train.commitments import inner_state_size, load_inner_state, pack_parts, revealed_digest
 
     cfg = carried_config()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import struct
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
@@ -243,8 +242,9 @@ def test_state_gap_measures_each_part() -> None:
     assert state_gap(ours, ours[:-1])[1] is not None
 
 
-def test_the_reveal_bound_is_two_states_and_refused_before_reading() -> None:
-    from asyncloco.coordinator.verify import DaemonVerification
+def test_the_reveal_bound_is_two_states_and_refused_before_reading(tmp_path: Any) -> None:
+    from asyncloco.coordinator.node import EVENT_TYPES
+    from asyncloco.coordinator.verify import DaemonVerification, VerificationPort
 
     cfg = config()
     honest = Lease(cfg)
@@ -256,12 +256,15 @@ def test_the_reveal_bound_is_two_states_and_refused_before_reading() -> None:
     assert revealed_size(inner, numel, True, ends=False) == inner + 8 + 4 * numel
     assert len(honest.revealed()) <= revealed_size(inner, numel, False)
     # the coordinator's side: the bound is known before any body byte, and an oversize reveal is refused at it
-    desk: Any = DaemonVerification.__new__(DaemonVerification)
+    def unused(*_: Any) -> Any:
+        raise AssertionError("the reveal bound needs nothing of the coordinator but its config and model")
+
+    port = VerificationPort(cfg=cfg, dir=tmp_path, workload=build_workload(cfg), model=honest.peer.model,
+                            node=unused, journal=unused, eval_model=unused, bookkeep=unused, write_status=unused,
+                            wait_for_snapshot=unused)  # type: ignore[arg-type]
+    desk = DaemonVerification(port, EVENT_TYPES)
     check = honest.task(FOREIGN)
-    desk.awaiting = {"L1": (check, 0.0, None)}
-    desk.reveals = {"refused": 0}
-    desk._state_size = None
-    desk.port = SimpleNamespace(model=honest.peer.model, cfg=cfg)
+    desk.awaiting["L1"] = (check, 0.0, None)  # type: ignore[assignment]  # (the reveal the check asked for)
     limit = desk.reveal_limit("L1", "p")
     assert limit == revealed_size(inner, numel, False)
     with pytest.raises(ValueError, match="exceeds"):

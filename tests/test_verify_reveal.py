@@ -35,7 +35,8 @@ from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE
 from asyncloco.coordinator.logic import Repaired, Verified, handle
 from asyncloco.coordinator.rerun import Rerunner
 from asyncloco.coordinator.substitute import Substitutes
-from asyncloco.coordinator.verify import ANCHOR_DIR, live_base, log_events, repair
+from asyncloco.coordinator.repair import ANCHOR_DIR, log_events, repair
+from asyncloco.coordinator.verify import live_base
 from asyncloco.peer.reveal import RevealStore, send_reveal
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive

@@ -37,7 +37,9 @@ from asyncloco.coordinator.daemon import EVENT_TYPES, JOURNAL_FILE, STATUS_FILE,
 from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, decode_event, read_records
 from asyncloco.coordinator.logic import Repaired, SubmitUpdate, Verified, handle
 from asyncloco.coordinator.substitute import Substitutes
-from asyncloco.coordinator.verify import ANCHOR_DIR, Rerunner, live_base, log_events, repair
+from asyncloco.coordinator.repair import ANCHOR_DIR, log_events, repair
+from asyncloco.coordinator.rerun import Rerunner
+from asyncloco.coordinator.verify import live_base
 from asyncloco.workloads import build_workload
 from asyncloco.train.inner import InnerTrainer
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
@@ -368,7 +370,8 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     held update is applied then. Nothing stays pending — before, a restart dropped checks unjudged and a newcomer's
     dropped probation checks counted as "on the way" forever. A check whose re-run fails ends ``Unverified`` (counted,
     journaled), its held update dropped."""
-    from asyncloco.coordinator.verify import DaemonVerification, Rerunner
+    from asyncloco.coordinator.rerun import Rerunner
+    from asyncloco.coordinator.verify import DaemonVerification
 
     # the first life runs no verifier at all: every drawn check is held (not applied first behind the backlog, whose
     # checks a restart from a snapshot cannot rebuild: they end Unverified, their updates being in θ already)
@@ -379,8 +382,8 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     cfg = config(snapshot_every=100_000, verify=verify, download_codec="none")  # the log holds every check (unless ``snapshot``)
     clock = FakeClock()
     run_dir = tmp_path / "run"
-    original_start = DaemonVerification._start
-    monkeypatch.setattr(DaemonVerification, "_start", lambda self: None)  # first life: no worker, checks stay queued
+    original_start = DaemonVerification.start_worker
+    monkeypatch.setattr(DaemonVerification, "start_worker", lambda self: None)  # first life: no worker, checks stay queued
 
     async def scenario() -> dict[str, Any]:
         transport = MemoryTransport(cfg, run_dir, clock=clock)
@@ -394,7 +397,7 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
             if snapshot:
                 async with first.node.lock:
                     await first.durability.save()
-            monkeypatch.setattr(DaemonVerification, "_start", original_start)
+            monkeypatch.setattr(DaemonVerification, "start_worker", original_start)
             failing = sorted(chosen)[0]
             check = Rerunner.check
 

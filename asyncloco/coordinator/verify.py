@@ -6,8 +6,8 @@ like an honest one. The one check it cannot shape its way past is doing the work
 deterministic function of θ at its base version, the shard's batches (``start_offset`` .. ``+ steps``), the LR
 offset and the run's config — exactly what the coordinator knows. This module:
 
-* :class:`Rerunner` (asyncloco/coordinator/rerun.py, re-exported here) — trains a lease again with the peers' own inner loop (:class:`~asyncloco.train.inner.InnerTrainer`,
-  fresh optimizer state), encodes the result with the run's codec as a peer would, and :func:`compare` judges it
+* :class:`~asyncloco.coordinator.rerun.Rerunner` (asyncloco/coordinator/rerun.py) — trains a lease again with the peers' own inner loop (:class:`~asyncloco.train.inner.InnerTrainer`,
+  fresh optimizer state), encodes the result with the run's codec as a peer would, and :func:`~asyncloco.coordinator.rerun.compare` judges it
   against the submitted pseudo-gradient: bitwise by default (CPU re-runs of a CPU peer's lease are bit-identical:
   measured in tests/test_verify.py) for a peer of the verifier's compute class (train/inner.py ``compute_class``),
   within ``runtime.verify.cross_device_tolerance`` (relative L2 error) and ``cross_device_min_cosine`` for a peer of
@@ -17,7 +17,7 @@ offset and the run's config — exactly what the coordinator knows. This module:
   wait for it. Each verdict goes back through the node's decide (coordinator/node.py) as a
   :class:`~asyncloco.coordinator.logic.Verified` event (write-ahead log, journal, status.json). Validator peers
   (asyncloco/coordinator/validators.py, asyncloco/validator.py) take checks off the same queue.
-* :func:`repair` (asyncloco/coordinator/repair.py, re-exported here) — the exact remedy after a failed check: the logic expels the peer, and θ (with the outer
+* :func:`~asyncloco.coordinator.repair.repair` (asyncloco/coordinator/repair.py) — the exact remedy after a failed check: the logic expels the peer, and θ (with the outer
   optimizer's state, the gate's statistics, every counter) is rebuilt by replaying the write-ahead log from an
   *anchor* (a snapshot kept for this purpose) with the expelled peers' submissions turned into
   :class:`~asyncloco.coordinator.logic.Discard` events. Honest submissions are replayed as they were (their base
@@ -63,8 +63,8 @@ from asyncloco.coordinator.logic import (
     Verify,
 )
 
-from asyncloco.coordinator.rerun import Comparison, Rerunner, compare
-from asyncloco.coordinator.repair import ANCHOR_DIR, KEEP_ANCHORS, Anchors, RepairResult, log_events, repair
+from asyncloco.coordinator.rerun import Comparison, Rerunner
+from asyncloco.coordinator.repair import Anchors, RepairResult, log_events, repair
 from asyncloco.coordinator.substitute import RepairReruns
 from asyncloco.coordinator.validators import ValidatorDesk
 
@@ -74,23 +74,7 @@ if TYPE_CHECKING:
     from asyncloco.coordinator.node import CoordinatorNode
     from asyncloco.models.workload import Workload
 
-__all__ = [
-    "Comparison",
-    "compare",
-    "Rerunner",
-    "Verifier",
-    "VerifyStats",
-    "repair",
-    "RepairResult",
-    "DaemonVerification",
-    "VerificationPort",
-    "Anchors",
-    "log_events",
-    "needs_reveal",
-    "live_base",
-    "ANCHOR_DIR",
-    "KEEP_ANCHORS",
-]
+__all__ = ["Verifier", "VerifyStats", "DaemonVerification", "VerificationPort", "needs_reveal", "live_base"]
 
 logger = logging.getLogger(__name__)
 
@@ -434,7 +418,7 @@ class DaemonVerification:
         task, asked_at, deadline = self.awaiting.pop(lease_id)
         deadline.cancel()
         self.reveals["received"] += 1
-        self._start()
+        self.start_worker()
         if not self.verifier.offer(task, state, offered_at=asked_at):
             self._decide_later(self._unverified(task, "the verification queue was full", overflow=True))
             return RevealReply(False, "the verification queue is full; this check is skipped")
@@ -480,7 +464,7 @@ class DaemonVerification:
                                                     f"({action.theta_codec}) the peer's θ was a delta from is no longer held"))
                 return
             action = dataclasses.replace(action, anchor_body=body)
-        self._start()
+        self.start_worker()
         if action.state_start and needs_reveal([action], action.lease.lease_id):
             self._await_reveal(action)
             return
@@ -528,7 +512,8 @@ class DaemonVerification:
         task = asyncio.get_running_loop().create_task(deadline())
         self.awaiting[lease_id] = (action, self.verifier.clock(), task)
 
-    def _start(self) -> None:
+    def start_worker(self) -> None:
+        """Start the re-run worker (once; again if it ended) when this coordinator re-runs checks itself."""
         if not self.knobs.local:  # only the validator peers take checks off the queue
             return
         if self._task is None or self._task.done():

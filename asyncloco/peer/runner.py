@@ -73,7 +73,6 @@ __all__ = ["PeerOptions", "PeerRunner", "PeerError", "PeerSummary", "coordinator
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PEER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the wire's AssignRequest.name (transport/wire.py)
-_refused_admission = refused_admission  # its name here before the split (tests/test_refusal_codes.py imports it)
 
 
 _Leave = Leave  # the rounds end: the volunteer asked to leave at once (a step of serve() logged what is dropped)
