@@ -15,29 +15,8 @@ import torch
 
 from asyncloco.coordinator import gate as G
 
-N = 64
-
-
-def e0() -> torch.Tensor:
-    reference = torch.zeros(N)
-    reference[0] = 1.0
-    return reference
-
-
-def warm_state(center: float = 0.4, accepted: int = 10) -> G.GateState:
-    """A warmed-up gate: consensus e0, every recent cosine ``center`` (MAD 0), every per-step norm 1."""
-    return G.GateState(
-        norms=[1.0] * accepted, cosines=[center] * accepted, reference=e0(), reference_norm=1.0,
-        accepted=accepted, peer_accepted={"old": accepted},
-    )
-
-
-def with_cosine(cosine: float, norm: float = 10.0) -> torch.Tensor:
-    """A vector of ``norm`` whose cosine with e0 is exactly ``cosine`` (steps = 10 → per-step norm 1)."""
-    update = torch.zeros(N, dtype=torch.float64)
-    update[0] = cosine
-    update[1] = math.sqrt(1.0 - cosine * cosine)
-    return (update * norm).float()
+# the gate's fixtures: a 64-dim consensus e0, a warmed-up gate, an update at an exact cosine
+from tests.test_gate_probe import N, e0, warm_state, with_cosine  # noqa: E402
 
 
 def submit(policy: G.GatePolicy, state: G.GateState, peer: str, cosine: float) -> G.GateVerdict:

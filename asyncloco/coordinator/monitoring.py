@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from asyncloco.clock import Clock
+from asyncloco.clock import Clock, pause
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.dashboard import DashboardServer
 from asyncloco.coordinator.journal import Journal
@@ -468,10 +468,7 @@ class Monitoring:
         """Refresh status.json every 2 s (the dashboard polls it); a summary line every runtime.summary_every s."""
         next_summary = self.clock.monotonic() + self.cfg.runtime.summary_every
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=2.0)
-            except asyncio.TimeoutError:
-                pass
+            await pause(self.clock, stop, 2.0)
             self.write_status()
             if self.clock.monotonic() >= next_summary:
                 next_summary += self.cfg.runtime.summary_every
