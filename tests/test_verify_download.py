@@ -64,6 +64,63 @@ def test_decoded_theta_is_what_the_client_decodes_bit_for_bit() -> None:
     assert start_theta(Verify("p", lease, theta1, empty, "probation"))[0] is theta1  # no claim: θ itself
 
 
+def test_anchors_kept_on_disk_rebuild_the_same_theta_after_a_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The download service's anchors outlive its process (AnchorStore.persist, the daemon's ``download-anchors/``): a
+    store that loads them rebuilds, bit for bit, the θ a peer decoded from a delta served before the restart; the files
+    follow the store's LRU (an evicted anchor's file is deleted); a short, corrupt, surplus or stray file is ignored and
+    removed, never loaded; a new run clears the directory."""
+    numel, directory = 10_007, tmp_path / "download-anchors"
+    generator = torch.Generator().manual_seed(1)
+    theta = [torch.randn(numel, generator=generator)]
+    for _ in range(3):
+        theta.append(theta[-1] + 0.01 * torch.randn(numel, generator=generator))
+    before = AnchorStore(numel, max_anchors=2)
+    assert before.persist(directory, load=False) == 0
+    full = before.serve(0, "int8", theta[0], None)
+    delta = before.serve(1, "int8", theta[1], 0)
+    assert delta.delta_from == 0
+    peer1 = apply_delta("int8", numel, full.body, delta.body)
+    rebuilt_before = decoded_theta("int8", theta[1], before.anchor_body("int8", 0))
+    assert torch.equal(rebuilt_before, peer1)
+    before.serve(2, "int8", theta[2], None)  # a second anchor
+    assert sorted(p.name for p in directory.iterdir()) == ["int8-0.bin", "int8-2.bin"]
+    del before  # the process and its memory are gone; the files stay
+
+    after = AnchorStore(numel, max_anchors=2)
+    assert after.persist(directory, load=True) == 2
+    assert after.anchors() == [("int8", 0), ("int8", 2)]  # the newest most recently used
+    assert after.anchor_body("int8", 0) == full.body
+    rebuilt_after = decoded_theta("int8", theta[1], after.anchor_body("int8", 0))
+    assert torch.equal(rebuilt_after, rebuilt_before) and theta_digest(rebuilt_after) == theta_digest(peer1)
+    lease = Lease("l1", "p", 0, 0, 5, 0, 1, 0.0, 0.0, 100.0)
+    task = Verify("p", lease, theta[1], torch.empty(0), "probation", theta_codec="int8", theta_anchor=0,
+                  theta_digest=theta_digest(peer1), anchor_body=after.anchor_body("int8", 0))
+    assert torch.equal(start_theta(task)[0], peer1)
+    # a reloaded anchor serves deltas as before; a new one evicts the oldest, file and all
+    assert after.serve(3, "int8", theta[3], 0).delta_from == 0
+    after.serve(3, "int8", theta[3], None)
+    assert after.anchors() == [("int8", 0), ("int8", 3)]
+    assert sorted(p.name for p in directory.iterdir()) == ["int8-0.bin", "int8-3.bin"]
+
+    # bounded and robust: a short file, a flipped byte, a stray temporary, an anchor beyond max_anchors
+    (directory / "int8-3.bin").write_bytes((directory / "int8-3.bin").read_bytes()[:-1])
+    flipped = bytearray((directory / "int8-0.bin").read_bytes())
+    flipped[-1] ^= 0xFF
+    (directory / "int8-5.bin").write_bytes(bytes(flipped))
+    (directory / ".int8-6.bin.tmp").write_bytes(b"x")
+    (directory / "notes.txt").write_text("not an anchor")  # not the store's: left alone
+    with caplog.at_level("WARNING", logger="asyncloco.transport.delta"):
+        one = AnchorStore(numel, max_anchors=1)
+        assert one.persist(directory, load=True) == 1
+    assert one.anchors() == [("int8", 0)] and one.anchor_body("int8", 0) == full.body
+    assert "int8-5.bin ignored: its body does not match its digest" in caplog.text
+    assert "int8-3.bin ignored:" in caplog.text and "bytes, expected" in caplog.text
+    assert sorted(p.name for p in directory.iterdir()) == ["int8-0.bin", "notes.txt"]
+    # a new run (no --resume) starts with none
+    assert AnchorStore(numel).persist(directory, load=False) == 0
+    assert sorted(p.name for p in directory.iterdir()) == ["notes.txt"]
+
+
 def config(inner_state: str) -> RunConfig:
     return RunConfig.model_validate({
         "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},

@@ -377,9 +377,9 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     # checks a restart from a snapshot cannot rebuild: they end Unverified, their updates being in θ already)
     verify = {"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2, "horizon": 100000,
               "queue": 256, "hold_backlog": 1_000}
-    # (fp32 downloads: with a delta download a check re-runs from the anchor the peer decoded against, and the served
-    # anchors do not survive a restart — such a check ends Unverified, a limitation this test is not about)
-    cfg = config(snapshot_every=100_000, verify=verify, download_codec="none")  # the log holds every check (unless ``snapshot``)
+    # (int8 downloads, the default: a check whose peer decoded a delta re-runs from the anchor the download service kept
+    # on disk across the restart, and passes like any other)
+    cfg = config(snapshot_every=100_000, verify=verify)  # the log holds every check (unless ``snapshot``)
     clock = FakeClock()
     run_dir = tmp_path / "run"
     original_start = DaemonVerification.start_worker

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Optional
 
@@ -62,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_FILE = "endpoint.json"
 IDENTITY_FILE = "identity.key"
+# the download service's anchors (transport/delta.py AnchorStore.persist), kept for verification across a --resume
+DOWNLOAD_ANCHORS_DIR = "download-anchors"
 
 
 @dataclasses.dataclass
@@ -173,7 +176,8 @@ class CoordinatorDaemon:
             self.monitoring.write_status()
 
     def _download_anchor(self, codec: str, version: int) -> Optional[bytes]:
-        """The full encoding of θ at ``version`` a delta download was taken from, while the RPC service holds it."""
+        """The full encoding of θ at ``version`` a delta download was taken from, while the RPC service holds it (with
+        verification on, also the ones it held before a ``--resume``: :meth:`new_service`)."""
         service = getattr(self.serving, "service", None)
         return None if service is None else service.downloads.anchor_body(codec, version)
 
@@ -267,8 +271,14 @@ class CoordinatorDaemon:
             # at the transport's bounded rate (ServiceLimits.error_log_*)
             on_protocol_error=lambda peer, reason: self.monitoring.journal.write("protocol_error", peer=peer, reason=reason),
         )
+        anchors = self.dir / DOWNLOAD_ANCHORS_DIR
         if self.verification is not None:
+            # a check of a lease whose θ came as a delta re-runs from the anchor its peer decoded against: the service
+            # keeps its anchors on disk, and a --resume takes them back before any check is queued again
+            service.downloads.persist(anchors, load=self.resume)
             self.verification.start()  # checks a --resume found unjudged are queued again once the daemon serves
+        elif not self.resume and anchors.is_dir():
+            shutil.rmtree(anchors, ignore_errors=True)  # another run's: a later --resume with verification must not load them
         return service
 
     async def run(self, stop: asyncio.Event, ready: Optional[asyncio.Event] = None) -> None:

@@ -459,7 +459,7 @@ class DaemonVerification:
         if action.theta_anchor is not None and action.anchor_body is None:
             # a delta download: the re-run starts from the anchor's full encoding plus the delta (rerun.start_theta)
             body = self.port.download_anchor(action.theta_codec, action.theta_anchor)
-            if body is None:  # never served, or evicted (runtime download_anchors), or gone with a restart
+            if body is None:  # never served, or evicted (runtime download_anchors), or not on disk at a --resume
                 self._decide_later(self._unverified(action, f"the download anchor v{action.theta_anchor} "
                                                     f"({action.theta_codec}) the peer's θ was a delta from is no longer held"))
                 return

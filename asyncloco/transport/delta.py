@@ -20,15 +20,23 @@ Memory is bounded and independent of the number of peers: the coordinator keeps 
 ``max_anchors`` encoded anchors (LRU, ``wire_bytes(codec, numel)`` each), ``max_bodies`` encoded delta
 bodies, and one decoded anchor. A peer names its anchor in the request; an unknown anchor (never
 served, or evicted) simply gets a full θ. See docs/transport.md ("Downloads").
+
+Durable anchors (:meth:`AnchorStore.persist`): the coordinator writes each anchor it creates to its checkpoint
+directory (write to a temporary file, ``fsync``, rename; evicted ones deleted) and a ``--resume`` loads them back, so
+that a check whose peer trained from a delta can still rebuild that peer's θ after a restart (:func:`decoded_theta`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Tuple
 
 import torch
@@ -38,11 +46,16 @@ from asyncloco.transport.errors import CodecError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DELTA_CODECS", "relative_error", "error_bound", "Served", "AnchorStore", "apply_delta", "decoded_theta", "theta_digest"]
+__all__ = ["DELTA_CODECS", "relative_error", "error_bound", "Served", "AnchorStore", "apply_delta", "decoded_theta", "theta_digest",
+           "ANCHOR_FILE_HEADER"]
 
 DELTA_CODECS: tuple[str, ...] = ("fp16", "bf16", "int8", "int4")  # lossy: deltas against an anchor
 _FP32_ADD = 2.0**-23  # relative rounding of the peer's fp32 addition F_a + decode(delta), with margin
 _relative: dict[str, float] = {}
+# a durable anchor's file (AnchorStore.persist): this magic, the sha256 of the body, then the body
+_ANCHOR_MAGIC = b"ALANCHR1"
+ANCHOR_FILE_HEADER = len(_ANCHOR_MAGIC) + 32
+_ANCHOR_NAME = re.compile(r"^(?P<codec>[a-z0-9]+)-(?P<version>[0-9]{1,19})\.bin$")
 
 
 def relative_error(codec: str) -> float:
@@ -151,12 +164,99 @@ class AnchorStore:
         self._bodies: OrderedDict[Tuple[str, int, int], Served] = OrderedDict()
         self._decoded: Optional[Tuple[Tuple[str, int], torch.Tensor]] = None  # one decoded anchor F_a
         self._lock = threading.Lock()
+        self._dir: Optional[Path] = None  # where anchors are kept durably (persist), if anywhere
         self.full_sent = 0  # counters (tests, status)
         self.deltas_sent = 0
 
     def anchors(self) -> list[Tuple[str, int]]:
         with self._lock:
             return list(self._anchors)
+
+    def persist(self, directory: Path, *, load: bool) -> int:
+        """From now on keep every anchor this store creates in ``directory`` too, one file each
+        (``<codec>-<version>.bin``: a magic, the body's sha256, the body), written atomically (a temporary file,
+        ``fsync``, rename, ``fsync`` of the directory) before the body is served, and deleted when evicted.
+
+        ``load`` (``--resume``): first take back the anchors found there, newest ``max_anchors`` by version, each
+        checked for its size (``wire_bytes(codec, numel)`` plus the header, before it is read) and its digest; a file that
+        fails either is ignored with a warning and deleted, as are the older ones beyond ``max_anchors``. Without
+        ``load`` (a new run) whatever is there is deleted: anchors of another run would name other θs. Never raises
+        for the files' contents or the disk (a failure costs durability, logged, not the downloads). Returns the
+        number of anchors loaded."""
+        directory = Path(directory)
+        with self._lock:
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                found = sorted(directory.iterdir())
+            except OSError as error:
+                logger.warning("download anchors cannot be kept in %s (%r); a restart forgets them", directory, error)
+                return 0
+            self._dir = directory
+            candidates: list[Tuple[int, str, Path]] = []
+            for path in found:
+                match = _ANCHOR_NAME.match(path.name)
+                if load and match is not None and match["codec"] in DELTA_CODECS:
+                    candidates.append((int(match["version"]), match["codec"], path))
+                elif match is not None or path.name.endswith(".tmp"):
+                    _unlink(path)  # another run's anchor, or a write a crash interrupted
+            loaded = 0
+            for version, codec, path in sorted(candidates, reverse=True):  # newest first
+                body = self._read_anchor(path, codec) if loaded < self.max_anchors else None
+                if body is None:
+                    _unlink(path)
+                    continue
+                self._anchors[(codec, version)] = body
+                self._anchors.move_to_end((codec, version), last=False)  # the newest ends most recently used
+                loaded += 1
+            if loaded:
+                logger.info("%d download anchor(s) loaded from %s: %s", loaded, directory,
+                            ", ".join(f"{codec} v{version}" for codec, version in self._anchors))
+            return loaded
+
+    def _read_anchor(self, path: Path, codec: str) -> Optional[bytes]:
+        """An anchor file's body once its size and digest check out, else None (with a warning)."""
+        expected = ANCHOR_FILE_HEADER + wire_bytes(codec, self.numel)
+        try:
+            size = path.stat().st_size
+            if size != expected:
+                raise ValueError(f"{size} bytes, expected {expected} for {codec} θ of {self.numel} elements")
+            with open(path, "rb") as handle:
+                data = handle.read(expected + 1)
+            if len(data) != expected:
+                raise ValueError(f"read {len(data)} bytes, expected {expected}")
+            if data[: len(_ANCHOR_MAGIC)] != _ANCHOR_MAGIC:
+                raise ValueError("not an anchor file")
+            body = data[ANCHOR_FILE_HEADER:]
+            if hashlib.sha256(body).digest() != data[len(_ANCHOR_MAGIC) : ANCHOR_FILE_HEADER]:
+                raise ValueError("its body does not match its digest")
+            return body
+        except (OSError, ValueError) as error:
+            logger.warning("download anchor %s ignored: %s", path, error)
+            return None
+
+    def _write_anchor(self, codec: str, version: int, body: bytes) -> None:
+        """Write one anchor durably (persist); a failure is logged and the anchor kept in memory only."""
+        if self._dir is None:
+            return
+        path = self._dir / f"{codec}-{version}.bin"
+        tmp = self._dir / f".{path.name}.tmp"
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(_ANCHOR_MAGIC)
+                handle.write(hashlib.sha256(body).digest())
+                handle.write(body)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+            descriptor = os.open(self._dir, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        except OSError as error:
+            _unlink(tmp)
+            logger.warning("download anchor %s v%d not written to %s (%r): a check of a delta from it cannot be "
+                           "re-run after a restart", codec, version, self._dir, error)
 
     def anchor_body(self, codec: str, version: int) -> Optional[bytes]:
         """The full encoding of θ at ``version`` in ``codec`` that deltas from it were taken against (None when this
@@ -193,10 +293,13 @@ class AnchorStore:
         body = self._anchors.get(key)
         if body is None:
             body = encode(codec, theta).to_bytes()
+            self._write_anchor(codec, version, body)  # durable before any peer holds it (persist)
             self._anchors[key] = body
             while len(self._anchors) > self.max_anchors:
                 evicted, _ = self._anchors.popitem(last=False)
                 self._bodies = OrderedDict((k, v) for k, v in self._bodies.items() if (k[0], k[2]) != evicted)
+                if self._dir is not None:
+                    _unlink(self._dir / f"{evicted[0]}-{evicted[1]}.bin")
                 logger.debug("download anchor %s v%d evicted", evicted[0], evicted[1])
         self._anchors.move_to_end(key)
         return Served(None, body, error_bound(codec, _max_abs(theta)))
@@ -225,3 +328,10 @@ class AnchorStore:
         self._bodies[key] = served
         while len(self._bodies) > self.max_bodies:
             self._bodies.popitem(last=False)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        logger.warning("could not delete %s (%r)", path, error)
