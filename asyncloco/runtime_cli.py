@@ -10,7 +10,10 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from asyncloco.peer.runner import PeerOptions
 
 __all__ = ["add_commands"]
 
@@ -100,24 +103,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_peer_join(args: argparse.Namespace) -> int:
-    from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
+def peer_options(args: argparse.Namespace) -> PeerOptions:
+    """The :class:`~asyncloco.peer.runner.PeerOptions` of ``asyncloco peer join``'s arguments."""
+    from asyncloco.peer.runner import PeerOptions
 
-    # --- device check and torch.distributed group (peer/distributed.py) ---
-    from asyncloco.peer import distributed
-
-    distributed.validate_device(args.device, args.nproc_per_node)  # before anything slow
-    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        return distributed.launch_torchrun(args.nproc_per_node, sys.argv[1:], args.threads)
-    group = distributed.init_group(args.device)
-    if group is not None and not group.is_leader:
-        _limit_threads(args.threads)
-        return distributed.follow(group, args.device)
-    if group is not None:
-        distributed.write_leader_pidfile()
-    # --- end device check and group ---
-    _limit_threads(args.threads)
-    options = PeerOptions(
+    return PeerOptions(
         initial_peers=list(args.initial_peers),
         coordinator_id=args.coordinator_id,
         run_id=args.run_id,
@@ -136,7 +126,28 @@ def cmd_peer_join(args: argparse.Namespace) -> int:
         swarm=args.swarm,  # θ from other peers (transport/swarm.py)
         serve=args.serve,
         serve_bandwidth=None if args.serve_bandwidth is None else args.serve_bandwidth * 125_000.0,
+        overlap=args.overlap,  # None: the run's runtime.overlap; --no-overlap: serial rounds
     )
+
+
+def cmd_peer_join(args: argparse.Namespace) -> int:
+    from asyncloco.peer.runner import PeerError, PeerRunner
+
+    # --- device check and torch.distributed group (peer/distributed.py) ---
+    from asyncloco.peer import distributed
+
+    distributed.validate_device(args.device, args.nproc_per_node)  # before anything slow
+    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        return distributed.launch_torchrun(args.nproc_per_node, sys.argv[1:], args.threads)
+    group = distributed.init_group(args.device)
+    if group is not None and not group.is_leader:
+        _limit_threads(args.threads)
+        return distributed.follow(group, args.device)
+    if group is not None:
+        distributed.write_leader_pidfile()
+    # --- end device check and group ---
+    _limit_threads(args.threads)
+    options = peer_options(args)
     try:
         runner = PeerRunner(options, group=group)
     except PeerError as error:
@@ -381,6 +392,11 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
                       "(default 600)")
     join.add_argument("--nproc-per-node", type=int, default=1,
                       help="train as a torch.distributed group of this many ranks (launches torchrun; one GPU per rank on cuda)")
+    join.add_argument(
+        "--no-overlap", dest="overlap", action="store_false", default=None,
+        help="serial rounds: ask for the next lease only once the last update is acknowledged (default: the run's "
+        "runtime.overlap, on unless the organiser turned it off)",
+    )
     join.add_argument(
         "--prefetch", action="store_true",
         help="download the newest θ while asking for the next lease (saves a little idle time; costs a second "

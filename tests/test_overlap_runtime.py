@@ -450,3 +450,14 @@ def test_ctrl_c_with_a_lease_in_flight(tmp_path: Path, presses: int) -> None:
         assert applied == [] and len(back) == 2 and summary.accepted == 0 and summary.rounds == 1  # sent, not acked
         assert all("deadline" in e["reason"] for e in journal(run_dir, "expired"))
         assert not journal(run_dir, "expelled")
+
+
+def test_peer_join_no_overlap_reaches_the_peer_options() -> None:
+    """``asyncloco peer join --no-overlap``: serial rounds for this peer whatever the run's ``runtime.overlap``; without
+    it the run decides (``PeerOptions.overlap`` None)."""
+    from asyncloco.cli import build_parser
+    from asyncloco.runtime_cli import peer_options
+
+    join = ["peer", "join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcoordinatorXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"]
+    assert peer_options(build_parser().parse_args(join)).overlap is None
+    assert peer_options(build_parser().parse_args([*join, "--no-overlap"])).overlap is False
