@@ -1,4 +1,4 @@
-"""Attack benchmark (issue 7): final validation perplexity of the demo run under each attack, gate on and off.
+"""Attack benchmark: final validation perplexity of the demo run under each attack, gate on and off.
 
 Every run is the demo config (``configs/demo.yaml``: tiny Llama, embedded corpus, async DN + DyLU, int8)
 with three honest peers at slowdowns 1, 1.5 and 4 as real processes on 127.0.0.1, plus for each attack
@@ -9,7 +9,7 @@ invocation, with the gate on and with it off (``runtime.gate.enabled``), as the 
 run the coordinator is stopped (its final snapshot) and θ is evaluated here on the run's validation
 set, so "final perplexity" is exactly the model the run ended with.
 
-Rows (the table of issue 7): ``clean``, ``honest`` (a 4th honest peer), ``huge`` (one update ×1e30,
+Rows (the gate's table): ``clean``, ``honest`` (a 4th honest peer), ``huge`` (one update ×1e30,
 then honest work), ``signflip`` (×1000), ``signflip-honest`` (at its honest norm), ``random`` (random
 direction at its honest norm), ``ghost`` (only a DHT speed record claiming 1e12 tokens/s); ``--attacks``
 adds others of the hostile peer (``nan``, ``replay``, ``other-lease``, ``ghost-forge``).
@@ -22,7 +22,7 @@ one of the N, and shortened leases (the ghost) bring less training per update. `
 run when the honest peers' applied updates (the journal's ``applied`` lines) reach N — with ``--verify`` a repair
 discards an expelled attacker's updates, so equal θ versions are not equal useful work.
 
-Issue 16 rows (``--attacks ... --gate on``): ``hidden:S`` (honest work plus S × its norm along a fixed hidden
+Verification rows (``--attacks ... --gate on``): ``hidden:S`` (honest work plus S × its norm along a fixed hidden
 direction), ``poison`` (AdamW on batches half replaced by one trigger sequence), ``alie`` (μ − z·σ from the θ
 versions it downloads), ``tailored`` (just inside the cosine bar at the median norm, the rest along the hidden
 direction), ``freeride`` (echoes the newest θ difference). A row ``NAME[:S]xK`` runs K colluding identities
@@ -33,7 +33,7 @@ equality: ``hidden:0.009@foreign`` hides just inside the fp32 default of 0.01). 
 ``runtime.verify.enabled: false`` and the gate is measured alone. Per run it also reports the cosine of θ − θ₀ with the
 hidden direction, the loss on the trigger sequence (the backdoor metric; the clean runs give its spread), and
 how many of the attackers' updates verification failed and whether they were expelled; ``--new`` runs
-the issue 16 rows.
+the verification rows.
 
 Usage::
 
@@ -44,7 +44,7 @@ Usage::
 
 Prints per run: final perplexity, its ratio to the clean run of the same gate setting, and the
 coordinator's verdicts (applied / rejected / clipped updates of the hostile and of the honest peers); then
-the acceptance checks of issue 7 for the gate-on runs (every attack ≤ 1.25 × clean; the clean run's gate
+the gate's acceptance checks for the gate-on runs (every attack ≤ 1.25 × clean; the clean run's gate
 rejected or clipped ≤ 2 % of the honest updates).
 """
 
@@ -653,7 +653,7 @@ def summary(results: list[Result]) -> str:
 
 
 def acceptance(results: list[Result], bar: float = 1.25, honest_share: float = 0.02) -> list[str]:
-    """The acceptance checks of issue 7 on the gate-on runs, one line each."""
+    """The gate's acceptance checks on the gate-on runs, one line each."""
     lines = []
     on = [r for r in results if r.gate]
     attacks = [r for r in on if r.attack not in ("clean", "honest")]
@@ -677,7 +677,7 @@ def acceptance(results: list[Result], bar: float = 1.25, honest_share: float = 0
 
 
 def acceptance16(results: list[Result]) -> list[str]:
-    """Issue 16's acceptance lines on the gate-on runs: single attackers ≤ 1.1 × clean and colluders ≤ 1.25 ×
+    """Verification's acceptance lines on the gate-on runs: single attackers ≤ 1.1 × clean and colluders ≤ 1.25 ×
     (geometric means), |cos(θ − θ₀, hidden)| ≤ 0.05, the trigger loss not below the clean runs' minimum minus their
     spread, honest refusals ≤ 1 % (every run)."""
     on = [r for r in results if r.gate]
@@ -749,7 +749,7 @@ def main() -> int:
     parser.add_argument("--warm-updates", type=int,
                         help="first a clean run to this many applied updates; every run then resumes a copy of it (the "
                              "attack acts on a warm model; with --honest-updates the runs then count the new ones only)")
-    parser.add_argument("--new", action="store_true", help=f"the issue 16 rows {NEW} (instead of --attacks)")
+    parser.add_argument("--new", action="store_true", help=f"the verification rows {NEW} (instead of --attacks)")
     parser.add_argument("--verify", action="store_true", help="keep verification on (the default, carried inner state) "
                         "in every run; without it, runtime.verify.enabled: false (the gate alone)")
     parser.add_argument("--colluders", type=int, default=1, help="hostile identities per attack row (a row's xK overrides)")

@@ -38,10 +38,10 @@ repeats, in seconds, measured side by side in the same process with the two yard
   submits once per 60 s round (updates_per_s × 60);
 * ``peak_rss_mb`` of the process.
 
-Targets (issue 8, at 150m): ack ≤ 1.5 × fsync_update + 4 × memcpy; lease ≤ 50 ms; validate ≤ 2 × memcpy.
+Targets (at 150m): ack ≤ 1.5 × fsync_update + 4 × memcpy; lease ≤ 50 ms; validate ≤ 2 × memcpy.
 
 ``--codecs int8,topk16b2`` measures only decode + apply per upload codec, interleaved, with the ratio to
-int8 (issue 18; docs/compression.md).
+int8 (docs/compression.md).
 
 Usage: ``python scripts/bench_coordinator.py --sizes 20m,60m --json out.json`` (≈ 5 min per size on a loaded 2-core
 machine; ``--smoke``: tiny, seconds). Prints a table and the ratios; the capacity figures of docs/guide/organiser.md
@@ -435,7 +435,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
 
 
 def bench_codecs(size: str, codecs: list[str], repeats: int, workdir: Path) -> dict[str, Any]:
-    """Issue 18: decode (into the reused buffer where the codec allows, as the daemon does) + apply (the outer
+    """Per upload codec: decode (into the reused buffer where the codec allows, as the daemon does) + apply (the outer
     optimizer's step, averaged over one cycle of buffer_size applies) of one pseudo-gradient per upload codec,
     measured interleaved in one process."""
     from asyncloco.transport.codecs import decodes_into
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the coordinator's CLI default on this machine)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one size in this process
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--codecs", help="only decode + apply per upload codec, side by side (e.g. int8,topk16b2; issue 18)")
+    parser.add_argument("--codecs", help="only decode + apply per upload codec, side by side (e.g. int8,topk16b2)")
     parser.add_argument("--dir", type=Path, help="where checkpoints are written (default: a temporary dir on the same disk as runs/)")
     parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny only, 2 repeats, 1 s sustained (tests)")
     args = parser.parse_args(argv)

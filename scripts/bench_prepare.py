@@ -1,4 +1,4 @@
-"""Prepared corpora (issue 36): `asyncloco data prepare` throughput, and a peer's memory on a 1x vs 10x corpus.
+"""Prepared corpora: `asyncloco data prepare` throughput, and a peer's memory on a 1x vs 10x corpus.
 
 Two measurements (a benchmark, not a timed test):
 

@@ -1,4 +1,4 @@
-"""Simulator scale: events/s at 16, 128 and 1,024 workers (issue 9, item 3).
+"""Simulator scale: events/s at 16, 128 and 1,024 workers.
 
 Two figures per worker count, measured side by side in one process:
 

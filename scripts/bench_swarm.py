@@ -1,4 +1,4 @@
-"""Coordinator egress per θ version: everyone from the coordinator (today) vs the swarm (issue 19), in one run.
+"""Coordinator egress per θ version: everyone from the coordinator (today) vs the swarm, in one run.
 
 A coordinator process part (this process: one p2pd, the real ``CoordinatorService`` serving ``get_model``
 beside a ``SwarmSeed`` of asyncloco/transport/swarm.py) and ``max(--clients)`` light download-only clients

@@ -1,4 +1,4 @@
-"""Does serving slow a peer's own training? One training peer, alone vs serving N downloaders, in one run (issue 19).
+"""Does serving slow a peer's own training? One training peer, alone vs serving N downloaders, in one run.
 
 This process is the training peer as asyncloco/peer/runner.py runs it: the asyncio loop (its ``hivemind.P2P``
 and a :class:`~asyncloco.transport.swarm.ChunkServer` holding one version's int8 body of the model's θ) on the

@@ -1,4 +1,4 @@
-"""A validator peer at a paper size: what verification costs and how long a verdict takes (issue 16).
+"""A validator peer at a paper size: what verification costs and how long a verdict takes.
 
 A real run as processes on this machine (asyncloco/local_cluster.py): the coordinator with the demo config's
 task and schedule at the ``--preset`` model size, verification on with the carried inner state,

@@ -1,4 +1,4 @@
-"""Verification's determinism and cost (asyncloco/coordinator/verify.py; issue 16).
+"""Verification's determinism and cost (asyncloco/coordinator/verify.py).
 
 Part 1, ``--sizes``: for each model preset, a peer with ``runtime.verify.inner_state: reset`` trains two leases
 (so its inner AdamW state has history), then a lease of ``--steps`` steps; the coordinator's re-run (a separate

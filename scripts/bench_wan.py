@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The paper's claim over emulated wide-area links (issue 11): sync DiLoCo vs async DiLoCo vs async DN + DyLU,
+"""The paper's claim over emulated wide-area links: sync DiLoCo vs async DiLoCo vs async DN + DyLU,
 and fp32 vs int8 vs int4 pseudo-gradients — same model (``tiny``), same peers (heterogeneous compute via
 ``--slowdown`` and heterogeneous links: profile per peer), same wall-time budget from the first lease.
 

@@ -1,4 +1,4 @@
-"""Upload codecs + error feedback in the simulator: bytes vs quality (issue 18; docs/compression.md).
+"""Upload codecs + error feedback in the simulator: bytes vs quality (docs/compression.md).
 
 For each task (``configs/toy.yaml``, ``configs/lm-tiny.yaml``) and seed, one θ0 is pretrained and shared by
 every run. Sync DiLoCo with fp32 uploads sets the target (its final loss) and the time limit (its simulated

@@ -1,5 +1,5 @@
 """SIGKILL the coordinator's main process at random moments of a real run, resume it each time, and check
-the durability contract (issue 8, item 2).
+the durability contract.
 
 A coordinator and peers run as real processes on 127.0.0.1 (``asyncloco.local_cluster``). ``--kills`` times,
 at a random moment (uniform in ``--min-gap``..``--max-gap`` seconds after the resumed coordinator applied its

@@ -6,7 +6,7 @@ runs ``asyncloco demo`` (configs/demo.yaml, three peers on this machine) once pe
 repeat, alternating the codecs, each with ``runtime.download_codec`` set; then compares the coordinator's
 validation perplexity at the largest version (= applied updates) every run reached and evaluated, and
 reports the peers' downloaded payload per round as a fraction of θ's fp32 size. ``--direction upload`` varies
-``runtime.codec`` instead (error feedback on for the codecs below int8, ``--feedback-decay`` its decay; issue 18,
+``runtime.codec`` instead (error feedback on for the codecs below int8, ``--feedback-decay`` its decay;
 docs/compression.md) and reports the uploaded payload per round. ``--reuse`` reads runs
 already under ``--out`` (e.g. to add repeats). The first codec is the
 reference. Runs are asynchronous (timing decides which peer's update lands when), so repeats differ:

@@ -1,4 +1,4 @@
-"""Load test: many concurrent real transport clients against one coordinator (issue 8, item 5).
+"""Load test: many concurrent real transport clients against one coordinator.
 
 A real coordinator process (``asyncloco coordinator``, tiny model, int8 uploads) and ``--clients``
 lightweight clients spread over ``--processes`` client processes, several hivemind P2P nodes per process.

@@ -1,4 +1,4 @@
-"""Bytes the coordinator process writes to storage per applied update, in a real run (issue 8 acceptance).
+"""Bytes the coordinator process writes to storage per applied update, in a real run.
 
 Starts ``asyncloco coordinator`` with a config (default ``configs/demo.yaml``) and two peers as real
 processes on 127.0.0.1 (``asyncloco.local_cluster``), lets them train for ``--duration`` seconds, stops them

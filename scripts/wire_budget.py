@@ -14,7 +14,7 @@ of what the peer trains from: ``relative_error(codec) × max|θ|`` for a full do
 encodes θ once per download codec and reports the measured max-abs and relative L2 error of a full
 download next to the bound.
 
-The first table (issue 18) is the upload alone for every upload codec, including the 2-bit and sparse
+The first table is the upload alone for every upload codec, including the 2-bit and sparse
 ones meant for error feedback (docs/compression.md): bytes per round, the factor fewer than fp32, and the
 minutes one upload takes at ``--uplink-mbit`` (default 10 Mbit/s, a common home uplink).
 """

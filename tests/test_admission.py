@@ -1,4 +1,4 @@
-"""Admission (issue 7 part 1): signed tokens, their binding to a libp2p peer id, expiry and revocation.
+"""Admission: signed tokens, their binding to a libp2p peer id, expiry and revocation.
 
 Three tiers: the token format and its crypto (asyncloco/coordinator/admission.py); the decisions of
 the logic with an explicit clock (Admit / Revoke events, the gate in front of speed reports, lease

@@ -1,4 +1,4 @@
-"""The attack suite (issue 7 part 5): real coordinator and peer processes on 127.0.0.1, hostile peers.
+"""The attack suite: real coordinator and peer processes on 127.0.0.1, hostile peers.
 
 The hostile peer is :mod:`asyncloco.testing.hostile`, a real hivemind peer speaking the real protocol.
 One coordinator (token admission) serves every attack — start-up is what costs on a busy machine, so
@@ -276,7 +276,7 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
     honest_rejected = [e for e in events if e.get("type") == "rejected" and e.get("peer") in ids.values()]
     honest_applied = [e for e in events if e.get("type") == "applied" and e.get("peer") in ids.values()]
     assert len(honest_applied) >= version_before_flood // 2
-    # What the gate guarantees (issue 16): a peer past probation is never refused for merely agreeing weakly (its
+    # What the gate guarantees: a peer past probation is never refused for merely agreeing weakly (its
     # update is taken at ≤ the median norm, "weak agreement"), nor for pointing away while the probe loss does not
     # rise by more than its margin (a fresh-clone CI run refused 9 of 148 such honest updates, +0.003 % each, when
     # that was refused); only for raising the probe loss by more than the margin or an out-of-bounds norm. So

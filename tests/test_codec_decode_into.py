@@ -1,4 +1,4 @@
-"""int8 decoding into a preallocated tensor (issue 8: the coordinator's ack latency at 150m).
+"""int8 decoding into a preallocated tensor (the coordinator's ack latency at 150m).
 
 The daemon decodes every int8 submission into a buffer it reuses, with bitsandbytes' native CPU kernel; the
 result must be bitwise what bitsandbytes' own (allocating) dequantize returns, for any length (a short last

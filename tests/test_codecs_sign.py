@@ -1,4 +1,4 @@
-"""The sign codecs sgn{p}of{q} (asyncloco/transport/codecs_sign.py, issue 18): exact values against a reference
+"""The sign codecs sgn{p}of{q} (asyncloco/transport/codecs_sign.py): exact values against a reference
 written here from the format's definition, hand-built bodies, every malformed body refused, and the decayed error
 feedback (asyncloco/train/feedback.py) they are used with."""
 

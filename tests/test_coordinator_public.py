@@ -97,7 +97,7 @@ def test_gate_score_norms_directions_and_nan() -> None:
     orthogonal = torch.zeros(DIM)
     orthogonal[0], orthogonal[1] = 1.0, -1.0
     random = update_gate.score(pol, gate, orthogonal * float(honest(10).norm()) / math.sqrt(2), 10, "a")
-    # (a random one from an established peer is taken with weak agreement at ≤ the median norm; issue 16)
+    # (a random one from an established peer is taken with weak agreement at ≤ the median norm)
     assert random.weak and random.action == "accept" and random.norm / 10 <= median, random.reason
     # the same update from a 1-step lease has 10× the per-step norm: judged per step
     assert update_gate.score(pol, gate, honest(11), 1, "a").action == "clip"
@@ -333,12 +333,12 @@ def test_gate_direction_bar_never_lets_a_flipped_update_in_when_honest_cosines_a
     tight = GateState(norms=[1.0] * 8, cosines=[0.33, 0.34, 0.34, 0.35, 0.35, 0.36, 0.36, 0.37], reference=reference,
                       reference_norm=1.0, accepted=8)
     assert update_gate.score(pol, tight, at_cosine(0.06), 10, "h").action == "accept"  # the cap: 0.05
-    # below the cap but not pointing away: an established peer's update is taken with weak agreement (issue 16)
+    # below the cap but not pointing away: an established peer's update is taken with weak agreement
     assert update_gate.score(pol, tight, at_cosine(0.04), 10, "h").weak
 
 
 def test_weak_agreement_is_refused_without_quarantine_but_pointing_away_quarantines() -> None:
-    # "weak" on probation (weak agreement from an established peer is taken, at ≤ the median norm: issue 16)
+    # "weak" on probation (weak agreement from an established peer is taken, at ≤ the median norm)
     pol = GatePolicy(warmup=1, probation_updates=1, quarantine_after=3, quarantine_window=6)
     reference = torch.zeros(DIM)
     reference[0] = 1.0

@@ -1,4 +1,4 @@
-"""Crash durability of the coordinator: write-ahead log + background snapshots + replay (issue 8, item 2).
+"""Crash durability of the coordinator: write-ahead log + background snapshots + replay.
 
 * ``test_replay_after_crashes_equals_the_replay_of_the_whole_log`` — in-process (no network): a daemon is
   abandoned without any shutdown ("crashed") three times mid-run, each time resumed from its directory;

@@ -151,7 +151,7 @@ def assert_page_matches(dom: DomNumbers, status: dict[str, Any]) -> None:
             assert cells["last_inner_loss"]["text"] == js_fixed(row["last_inner_loss"], 4)
             assert float(cells["last_inner_loss"]["value"]) == row["last_inner_loss"]
         assert float(cells["last_seen"]["value"] or 0) == row["last_seen"]
-    # verification (issue 16) and the θ swarm (issue 19): "off" where the run does not use them
+    # verification and the θ swarm: "off" where the run does not use them
     verification = status.get("verification")
     if verification is None:
         assert shown["verified"] == "off" and dom.by_id["verified"]["value"] == "" and shown["expelled"] == "-"

@@ -1,4 +1,4 @@
-"""Prepared corpora (asyncloco/models/prepared.py, issue 36): `asyncloco data prepare` packs exactly what the
+"""Prepared corpora (asyncloco/models/prepared.py): `asyncloco data prepare` packs exactly what the
 in-memory pipeline packs, resumes after an interruption, refuses a bad source in one line; a run names the corpus
 by its manifest digest, fetches and verifies only the shard files its leases touch, refuses a damaged one by name,
 and the coordinator's re-run of a lease reads bitwise the batches the peer trained on."""

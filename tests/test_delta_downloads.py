@@ -1,4 +1,4 @@
-"""Issue 8 item 4: θ downloads that send only what the peer lacks (transport/delta.py).
+"""θ downloads that send only what the peer lacks (transport/delta.py).
 
 A lossy download is a full encoding (the peer's anchor) or a delta from the anchor the peer holds; the θ
 a peer trains from is the coordinator's θ up to one encoding's error of that delta, over any number of

@@ -119,3 +119,17 @@ def test_readme_is_short_and_keeps_the_two_commands() -> None:
     assert "bash scripts/setup.sh && asyncloco demo" in text
     assert CI_TEST_COMMAND in text
     assert CI_TEST_COMMAND in (ROOT / ".ci" / "run").read_text(), ".ci/run runs the README's test command"
+
+
+@pytest.mark.timeout(60)
+def test_no_tracker_numbers_in_code() -> None:
+    """Code says what it does and why, not which ticket asked for it: no "issue <number>" in the package, the
+    scripts or the tests (a ticket number means nothing to a reader of the code; the history has them)."""
+    import re
+
+    pattern = re.compile(r"\bissues? #?[0-9]", re.IGNORECASE)
+    root = Path(__file__).resolve().parent.parent
+    found = [f"{path.relative_to(root)}:{number}" for folder in ("asyncloco", "scripts", "tests")
+             for path in sorted((root / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert found == [], f"tracker numbers in code: {found}"

@@ -1,4 +1,4 @@
-"""Errors a volunteer or an organiser hits (issue 10): YAML syntax errors in one line with file:line,
+"""Errors a volunteer or an organiser hits: YAML syntax errors in one line with file:line,
 a wrong ``--run-id`` named with the right one at once, and a peer whose model, tokenizer, data or codec
 differ from the coordinator's refused with both software versions named."""
 

@@ -1,4 +1,4 @@
-"""Error feedback (asyncloco/train/feedback.py) and the runtime.codec / runtime.error_feedback keys (issue 18)."""
+"""Error feedback (asyncloco/train/feedback.py) and the runtime.codec / runtime.error_feedback keys."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_config_accepts_exactly_the_codec_registry() -> None:
     assert RunConfig.model_validate({"runtime": {"codec": "topk8b2", "error_feedback": True}}).runtime.uses_error_feedback
     assert not RunConfig.model_validate({"runtime": {"codec": "none"}}).runtime.uses_error_feedback
     assert not RunConfig.model_validate({"runtime": {"codec": "int4", "error_feedback": False}}).runtime.uses_error_feedback
-    assert not RunConfig.model_validate({"runtime": {"codec": "int8"}}).runtime.uses_error_feedback  # as before issue 18
+    assert not RunConfig.model_validate({"runtime": {"codec": "int8"}}).runtime.uses_error_feedback  # as before error feedback existed
     assert RunConfig.model_validate({"runtime": {"codec": "int8", "error_feedback": True}}).runtime.uses_error_feedback
     with pytest.raises(ValueError, match="unknown codec 'topk3b2'.*e.g. topk8b2"):
         RunConfig.model_validate({"runtime": {"codec": "topk3b2"}})

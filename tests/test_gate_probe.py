@@ -1,4 +1,4 @@
-"""The update gate's probe (issue 7): the probe-batch loss decides the gray zone.
+"""The update gate's probe: the probe-batch loss decides the gray zone.
 
 * pure: :func:`asyncloco.coordinator.gate.score` with given probe losses on a constructed gate state
   (exact thresholds and verdicts), and which updates the daemon probes (``wants_probe``);
@@ -105,7 +105,7 @@ def test_probe_decides_the_gray_zone() -> None:
     clear = G.score(thirty, state, one_step, 1, "old", probe=(6.0, 6.003))
     assert (clear.action, clear.counts) == ("reject", True), clear.reason
     # pointing away (below −0.25 × 0.4 = −0.1): from a peer on probation not gray — rejected and counted whatever the
-    # probe says; from an established peer the probe decides (issue 20: honest updates land there when the
+    # probe says; from an established peer the probe decides (honest updates land there when the
     # consensus is spread): any fall or a rise within the margin is taken with weak agreement, a rise by more than
     # the margin is rejected and counted
     away = G.score(policy, state, with_cosine(-0.3), 10, "new", probe=(5.0, 4.9))
@@ -172,7 +172,7 @@ def test_probe_outside_the_gray_zone_and_on_probation() -> None:
 
 @pytest.mark.timeout(30)
 def test_honest_weak_agreement_is_not_wasted_exact_counts() -> None:
-    """Issue 16: an established peer's weakly agreeing updates (a slow peer's stale lease: cosine ≈ 0 with a
+    """An established peer's weakly agreeing updates (a slow peer's stale lease: cosine ≈ 0 with a
     consensus the fast peer dominates) are applied at ≤ the median norm and leave the statistics alone; a peer
     on probation is still refused for it, and pointing away is still rejected and counted."""
     policy = G.GatePolicy()
@@ -214,7 +214,7 @@ def basis(*pairs: tuple[int, float]) -> torch.Tensor:
 
 @pytest.mark.timeout(30)
 def test_one_peer_does_not_become_the_consensus() -> None:
-    """The flake of test_attacks_on_one_coordinator (issue 20): an honest newcomer whose updates kept a direction of
+    """The flake of test_attacks_on_one_coordinator: an honest newcomer whose updates kept a direction of
     their own (a fresh AdamW state) became the consensus within a few updates, and the two older honest peers'
     next updates were refused as pointing away — 6 of them in one suite run. The reference's weight is now shared:
     one peer holds at most ``reference_share`` of it (then creeps at a quarter of the rate) while others are present."""
@@ -454,7 +454,7 @@ def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
     G.record(policy, fresh, away, None, 10, "old", 0.0)
     fresh.weak["old"] = [True]
     assert G.suspect(fresh, "old") == "recently refused by the gate"
-    # a snapshot written before issue 16 (no "weak" key) still loads
+    # an older snapshot (no "weak" key) still loads
     old = state.state_dict()
     del old["weak"]
     assert G.GateState.from_state_dict(old).weak == {}
@@ -462,7 +462,7 @@ def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
 
 @pytest.mark.timeout(30)
 def test_an_echo_of_the_consensus_is_refused_and_quarantines_but_close_honest_agreement_is_not() -> None:
-    """Free-riding (issue 16): the newest θ difference sent back at an honest norm agrees with the consensus at
+    """Free-riding: the newest θ difference sent back at an honest norm agrees with the consensus at
     cosine ≈ 0.96-1.0, honest work at ≤ 0.82 (the attack benchmark). Fixed bar echo_cosine 0.95 — off only where
     the recent median itself is ≥ 0.95 (a small model whose honest updates all agree that closely)."""
     policy = G.GatePolicy()

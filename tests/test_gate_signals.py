@@ -1,4 +1,4 @@
-"""Cheap signals for verification (issue 16): the gate marks a peer a *suspect* — more of its leases re-run
+"""Cheap signals for verification: the gate marks a peer a *suspect* — more of its leases re-run
 (coordinator/logic/ ``verify_reason`` at ``suspect_fraction``) — without refusing its work.
 
 Pure: :func:`asyncloco.coordinator.gate.score` / ``record`` / ``suspect`` on a constructed gate state, exact

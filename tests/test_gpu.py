@@ -1,4 +1,4 @@
-"""The CUDA paths (GitHub issue 17), and CPU twins of them that run in every suite.
+"""The CUDA paths, and CPU twins of them that run in every suite.
 
 Tests marked ``gpu`` need a CUDA device and skip without one, saying so; ``scripts/gpu_check.py`` runs them
 (``pytest -m gpu tests/test_gpu.py``) on a GPU machine and records the outcome (docs/gpu.md). What each pins:

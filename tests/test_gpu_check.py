@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py in its ``--tiny`` CPU mode (GitHub issue 17, item 4): the GPU check cannot rot between
+"""scripts/gpu_check.py in its ``--tiny`` CPU mode: the GPU check cannot rot between
 GPU loans. The script runs as a user would run it; the test reads its JSON and files:
 
 * ``test_tiny_mode_writes_every_part`` — the CUDA tests are reported skipped with the reason (no GPU here),

@@ -1,5 +1,5 @@
 """The coordinator daemon and the peer runner in one event loop, over the in-memory transport with fault
-injection and a fake clock (issue 8, item 1; asyncloco/testing/memory.py, asyncloco/clock.py).
+injection and a fake clock (asyncloco/testing/memory.py, asyncloco/clock.py).
 
 The real :class:`~asyncloco.coordinator.daemon.CoordinatorDaemon` (write-ahead log, snapshots, journal) and
 the real :meth:`~asyncloco.peer.runner.PeerRunner.serve` loop (lease, download, train, submit, resend) run

@@ -1,5 +1,4 @@
-"""Real multi-process runs on 127.0.0.1: a coordinator daemon and peers as separate processes (GitHub issue 4,
-item 5).
+"""Real multi-process runs on 127.0.0.1: a coordinator daemon and peers as separate processes.
 
 Every test starts its processes through :class:`~asyncloco.local_cluster.LocalCluster` (each process in its
 own session, ports chosen by the OS), waits only on conditions with deadlines (``cluster.wait_for``), and
@@ -230,7 +229,7 @@ def dylu_allowed(speed: float, fastest: float, max_steps: int, min_steps: int = 
 
 @pytest.mark.timeout(300)
 def test_three_peers_learn_follow_dylu_and_send_exact_bytes(harness: Harness, tmp_path: Path) -> None:
-    """Issue 4 item 5, checks 1-3 on one run: coordinator + peers with slowdowns 1, 4, 4, codec int8."""
+    """On one run: coordinator + peers with slowdowns 1, 4, 4, codec int8."""
     cluster = harness.cluster(write_config(tmp_path, codec="int8"))
     with cluster:
         cluster.start_coordinator()
@@ -301,7 +300,7 @@ def test_three_peers_learn_follow_dylu_and_send_exact_bytes(harness: Harness, tm
 
 @pytest.mark.timeout(300)
 def test_coordinator_restart_resumes_and_peers_carry_on(harness: Harness, tmp_path: Path) -> None:
-    """Issue 4 item 5, check 5: SIGTERM the coordinator, restart it with --resume, peers keep running.
+    """SIGTERM the coordinator, restart it with --resume, peers keep running.
 
     ``lease_slack`` is 30 s (the shipped default) so leases in flight outlive the ~10 s the coordinator
     needs to start again: their peers resend and nothing is lost."""
@@ -346,7 +345,7 @@ def test_coordinator_restart_resumes_and_peers_carry_on(harness: Harness, tmp_pa
     assert {e["peer"] for e in after} == set(ids.values())
     # the restart refused nothing: no lease unknown, expired or stale after it. (The update gate's judgement of an
     # update is not the restart's doing: a fresh-venv run saw the probe refuse one honest short lease here, +0.47 %
-    # against a 0.05 % margin; the gate's honest-refusal rate is measured by the attack benchmark, issue 16.)
+    # against a 0.05 % margin; the gate's honest-refusal rate is measured by the attack benchmark.)
     # A check held across the restart whose θ came as an int8 delta re-runs from the anchor the download service kept
     # on disk (download-anchors/, loaded back by --resume) and passes like any other: no held update is dropped.
     refused = [e for e in of_type(events, "rejected") if not e["reason"].startswith("update gate:")]
@@ -367,7 +366,7 @@ def test_coordinator_restart_resumes_and_peers_carry_on(harness: Harness, tmp_pa
 
 @pytest.mark.timeout(300)
 def test_swarm_peers_take_theta_from_the_seed_and_each_other(harness: Harness, tmp_path: Path) -> None:
-    """Issue 19 in real processes: ``asyncloco coordinator`` starts the swarm's seed (transport/swarm.py), two
+    """The θ swarm in real processes: ``asyncloco coordinator`` starts the swarm's seed (transport/swarm.py), two
     ``peer join --swarm --serve`` peers take every θ body from the swarm, verified chunk by chunk, and the
     coordinator's ``get_model`` sends no body at all (it answers "unchanged" and records the fetch); training goes
     on; status.json lists the serving peers per version."""
@@ -406,7 +405,7 @@ def test_swarm_peers_take_theta_from_the_seed_and_each_other(harness: Harness, t
 
 @pytest.mark.timeout(300)
 def test_a_peer_started_before_its_coordinator_waits_and_joins(harness: Harness, tmp_path: Path) -> None:
-    """Issue 20: ``peer join`` while the coordinator is down (not up yet, or restarting) waits with backoff,
+    """``peer join`` while the coordinator is down (not up yet, or restarting) waits with backoff,
     saying what it waits for, and joins when the coordinator comes up; with a short ``--join-timeout`` it gives
     up with a clear one-line error and exit 2."""
     cluster = harness.cluster(write_config(tmp_path, codec="int8"))
@@ -435,7 +434,7 @@ def test_a_peer_started_before_its_coordinator_waits_and_joins(harness: Harness,
 @pytest.mark.integration
 @pytest.mark.timeout(420)
 def test_a_coordinator_sigkilled_during_a_peers_start_up_comes_back_and_the_peer_joins(harness: Harness, tmp_path: Path) -> None:
-    """Issue 20: the coordinator dies by SIGKILL (it and its p2pd, no snapshot, no goodbye) while a peer is
+    """The coordinator dies by SIGKILL (it and its p2pd, no snapshot, no goodbye) while a peer is
     still starting (its process launched, no lease given to it yet). The peer waits with backoff, the
     coordinator resumes from its write-ahead log at the same address, and the peer joins and has an update
     applied — the same peer process throughout."""

@@ -152,7 +152,7 @@ def test_import_circle_finder_finds_a_planted_circle() -> None:
     assert import_circles(graph) == [{"a", "b", "c"}]
 
 
-# Known circles still to remove (issue 20): both are lazy imports inside functions. Nothing may be added here.
+# Known circles still to remove: both are lazy imports inside functions. Nothing may be added here.
 KNOWN_CIRCLES: list[set[str]] = []  # config <-> methods (config.METHOD_NAMES) and inner <-> distributed (train/group.py) removed
 
 

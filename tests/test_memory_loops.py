@@ -1,4 +1,4 @@
-"""One loop (issue #37, item 3): the coordinator's timed loops (asyncloco/coordinator/loops.py) sleep on the daemon's
+"""One loop: the coordinator's timed loops (asyncloco/coordinator/loops.py) sleep on the daemon's
 clock, and the in-memory double (asyncloco/testing/memory.py) runs those very loops — only the streams and the DHT
 records are in memory. Under a :class:`~asyncloco.clock.FakeClock` moved by :func:`~asyncloco.testing.memory.drive`:
 

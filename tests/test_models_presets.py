@@ -70,7 +70,7 @@ def test_bad_preset_and_missing_vocab_are_explained() -> None:
 @pytest.mark.parametrize(("preset", "exact"), [("20m", 21_204_224), ("60m", 59_299_968), ("150m", 151_181_184),
                                                 ("tiny", 368_960), ("small", 1_377_408)])
 def test_offline_default_tokenizer_gives_each_preset_its_size(preset: str, exact: int) -> None:
-    """Issue 22: with ``task.tokenizer: null`` and no hub, the paper's presets take the shipped 32,000-entry BPE
+    """With ``task.tokenizer: null`` and no hub, the paper's presets take the shipped 32,000-entry BPE
     (its vocabulary size), so a 20m run is the paper's 21.2 M model, not a 6.9 M one; tiny/small keep 4,096."""
     from asyncloco.models.tokenizer import default_tokenizer, load_tokenizer
 

@@ -1,5 +1,5 @@
 """Config overrides from the command line (``--model``, ``--set``; asyncloco/overrides.py) and the one-line error
-of a hub config offline (asyncloco/models/hub.py). Issue 22."""
+of a hub config offline (asyncloco/models/hub.py)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_require_hub_connects_once_and_names_the_fixes(monkeypatch: pytest.Monke
 
 
 def test_a_hub_config_offline_exits_2_fast_with_one_line(tmp_path: Path) -> None:
-    """Acceptance of issue 22: ``asyncloco coordinator --config lm-20m`` with the hub unreachable."""
+    """``asyncloco coordinator --config lm-20m`` with the hub unreachable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
     env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # the discard port: nothing listens, refused at once
     env["HF_HOME"] = str(tmp_path / "hf-home")  # an empty hub cache

@@ -1,4 +1,4 @@
-"""Packaging (issue 10): configs ship inside the package and resolve by name or path, ``--version``,
+"""Packaging: configs ship inside the package and resolve by name or path, ``--version``,
 a LICENSE, and a non-editable install in a fresh venv outside the repository runs the simulator."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The peer's waits before its first lease run on the injected clock (asyncloco/clock.py; issue 20, the Clock seam).
+"""The peer's waits before its first lease run on the injected clock (asyncloco/clock.py, the Clock seam).
 
 :meth:`asyncloco.peer.joining.RunJoiner.join_dht` retries an unreachable coordinator with backoff (1, 2, 4, 8, then
 15 s) until ``--join-timeout``; on a :class:`~asyncloco.clock.FakeClock` the attempts land at exact fake times, and

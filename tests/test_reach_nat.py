@@ -1,4 +1,4 @@
-"""Reach (issue 10): the coordinator's announced address and reachability check, peers as DHT clients
+"""Reach: the coordinator's announced address and reachability check, peers as DHT clients
 (outbound only) that still publish their speed, ``--name`` validation, and a real NAT built from network
 namespaces: a coordinator in one, a peer in another behind an iptables MASQUERADE router that lets no
 inbound connection through; the peer trains and the coordinator applies its updates."""

@@ -1,4 +1,4 @@
-"""Swarm downloads (issue 19, asyncloco/transport/swarm.py): signed manifests, verified chunks, a hostile holder.
+"""Swarm downloads (asyncloco/transport/swarm.py): signed manifests, verified chunks, a hostile holder.
 
 The P2P test runs four real p2pd daemons (seed + three peers) in one process: an honest holder, a holder that
 serves corrupted chunks and a downloader. Exact: the seed sends the body once in all, the downloader rejects

@@ -164,7 +164,7 @@ def test_finite_check_is_exact_at_the_float32_limits() -> None:
         decode(EncodedTensor("fp16", 1, b"\x00\x7c"), 1)
 
 
-# --- issue 18: int2 and the sparse topk{k}b{b} codecs ---------------------------------------------------------
+# --- int2 and the sparse topk{k}b{b} codecs ---------------------------------------------------------
 
 
 def int2_reference(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Issue 18: the table-lookup decoders of int2 and grp* (asyncloco/transport/codecs.py) against bodies built here
+"""The table-lookup decoders of int2 and grp* (asyncloco/transport/codecs.py) against bodies built here
 by hand — codes and scales chosen at random, packed by a plain bit-by-bit packer — with the exact values they
 must give, at sizes that cross the decoder's slabs and end in short bytes, groups and blocks."""
 

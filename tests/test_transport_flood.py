@@ -1,4 +1,4 @@
-"""A flood of malformed and oversized messages from a real second process (issue 7 item 4): the
+"""A flood of malformed and oversized messages from a real second process: the
 coordinator's service stays alive, its memory and its log stay bounded, and θ is untouched.
 
 Run directly, this file is the attacker: ``python tests/test_transport_flood.py MADDR PEER_ID COUNT``.

@@ -1,4 +1,4 @@
-"""Validator peers (issue 16; asyncloco/validator.py, coordinator/validators.py; docs/threat-model.md "Who verifies").
+"""Validator peers (asyncloco/validator.py, coordinator/validators.py; docs/threat-model.md "Who verifies").
 
 1. The lending desk on its own (a fake clock, no network): a check lent to a validator that does not answer within
    ``validator_timeout`` goes back to the queue and to the next validator; the first one's late verdict is refused;

@@ -1,4 +1,4 @@
-"""Verification of the work itself (asyncloco/coordinator/verify.py; issue 16).
+"""Verification of the work itself (asyncloco/coordinator/verify.py).
 
 * a lease trained by a peer with ``runtime.verify.inner_state: reset`` is reproduced bit for bit by the
   coordinator's re-run (after the peer trained other leases first, and through the int8 codec); an honest update
@@ -541,7 +541,7 @@ def test_a_kept_lease_is_applied_to_the_repaired_theta() -> None:
 
 
 def test_a_lease_issued_after_the_attackers_update_is_kept_and_applied_at_its_live_base() -> None:
-    """The common case in a run (issue 16 benchmark: 45 of 48 honest refusals in attack runs were such leases): an
+    """The common case in a run (the attack benchmark: 45 of 48 honest refusals in attack runs were such leases): an
     honest lease issued on a θ that already held the attacker's update. The replay without that update numbers it one
     version lower; the lease is kept at the live base version its peer names, and its submission is applied to the
     repaired θ with the staleness it really has (the repair's version jump, live version + 1, is above it)."""

@@ -1,4 +1,4 @@
-"""Commitments to the carried inner state (issue 16, stage 1; docs/threat-model.md, "Commitments").
+"""Commitments to the carried inner state (docs/threat-model.md, "Commitments").
 
 * train/commitments.py: the digest of a fresh trainer is the fresh-state constant (the logic's copy agrees); it covers every
   byte of the AdamW state in its canonical layout (1 + 8 + 2 × 4 × n bytes per parameter of n elements); two

@@ -1,4 +1,4 @@
-"""The carried inner state is checked across compute classes too (issue 34; peer/reveal.py, coordinator/rerun.py).
+"""The carried inner state is checked across compute classes too (peer/reveal.py, coordinator/rerun.py).
 
 A checked lease reveals its start *and* end states (``pack_parts``); the end must hash to the committed ``state_end``,
 and the re-run's end state is compared with it: bitwise (the digest) for a peer naming the verifier's compute class,
@@ -203,7 +203,7 @@ def test_an_end_off_its_commitment_or_malformed_fails() -> None:
     for device_class in (FOREIGN, rerunner.compute_class):
         verdict = rerunner.check_revealed(honest.task(device_class), honest.revealed(bytes(tampered)))
         assert not verdict.ok and verdict.detail == "the revealed end state does not match its commitment"
-    # the start part alone (the layout before issue 34), a length field past the data, a truncated end
+    # the start part alone (the layout before end states were revealed), a length field past the data, a truncated end
     for bad, why in ((honest.start, "the revealed inner state is malformed"),
                      (struct.pack("<Q", 10**9) + honest.revealed()[8:], "runs past"),
                      (b"\x00" * 7, "fewer than its 8-byte length field")):

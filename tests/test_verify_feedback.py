@@ -1,4 +1,4 @@
-"""Verification with error feedback (issues 16 and 18; peer/reveal.py, coordinator/rerun.py): the residual a peer
+"""Verification with error feedback (peer/reveal.py, coordinator/rerun.py): the residual a peer
 adds to its upload is committed with its inner state and revealed with it, so a re-run reproduces a sign-coded
 upload with feedback bit for bit.
 

@@ -112,7 +112,7 @@ def test_hostile_client_commits_reveals_and_is_caught_by_the_rerun(tmp_path: Pat
 
 @pytest.mark.parametrize("named", ["foreign", "own"])
 def test_a_forged_carried_state_is_caught_in_any_compute_class(tmp_path: Path, named: str) -> None:
-    """The forge-state attacker (issue 34): honest updates, but its carried first moment pushed along its own direction
+    """The forge-state attacker: honest updates, but its carried first moment pushed along its own direction
     before each lease's end is committed (inside the plausibility bound). Naming a GPU class, as every GPU volunteer of
     a CPU coordinator does, its revealed end is compared with the re-run's within the state tolerance; naming the
     verifier's own class, bitwise. Caught on its first forged lease either way."""

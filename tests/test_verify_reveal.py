@@ -1,4 +1,4 @@
-"""Verification with the carried inner state (issue 16, stage 2 of the commitments; coordinator/verify.py,
+"""Verification with the carried inner state (stage 2 of the commitments; coordinator/verify.py,
 peer/reveal.py): the real coordinator daemon and real peer runners over the in-memory transport, with
 ``runtime.verify`` on and ``inner_state: carry`` (the paper's default: AdamW's moments carry across a peer's leases).
 
@@ -269,7 +269,7 @@ def test_reveal_wire_and_store() -> None:
     assert Ack.from_wire(ack.to_wire()).reveal is True and "reveal" not in Ack(True, 3, "x").to_wire()
     with pytest.raises(MessageError, match="Ack.reveal"):
         Ack.from_wire({**ack.to_wire(), "reveal": 1})
-    # the store without end states (as before issue 34): nothing for a fresh state, the last `keep` start states
+    # the store without end states (as before end states were revealed): nothing for a fresh state, the last `keep` start states
     # otherwise, each the exact canonical bytes
     cfg = config()
     trainer = InnerTrainer.from_config(cfg, build_workload(cfg))

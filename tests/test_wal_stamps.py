@@ -1,5 +1,5 @@
 """What the write-ahead log and snapshots record about the software that wrote them, and the daemon's last
-decision made outside ``handle`` moved into it (issue 8).
+decision made outside ``handle`` moved into it.
 
 * every log record and every snapshot carries ``software_stamp`` (asyncloco version + a fingerprint of the
   event schema); ``--resume`` refuses a snapshot or a record written with another one, naming both and the fix;

@@ -1,4 +1,4 @@
-"""Faults of a wide-area link, injected by the userspace proxy (``asyncloco.wan``), no root needed (issue 11).
+"""Faults of a wide-area link, injected by the userspace proxy (``asyncloco.wan``), no root needed.
 
 Unit tests of :class:`~asyncloco.wan.proxy.FaultProxy` on plain sockets pin each emulated property exactly
 (bytes before a reset, loss draws per seed, nothing forwarded in a partition) or by a bound that only the

@@ -371,7 +371,7 @@ def _setting_label(row: Row) -> str:
 
 
 def acceptance_lines(the_plan: Plan, outcomes: dict[Any, Outcome], seeds: int) -> list[str]:
-    """Issue 9's acceptance on Table 1: DN + DyLU ≤ sync × 1.005 and < Async DiLoCo at every level."""
+    """The reproduction's acceptance on Table 1: DN + DyLU ≤ sync × 1.005 and < Async DiLoCo at every level."""
     table1 = [r for r in the_plan.rows if r.table == "1"]
     if not table1:
         return []
