@@ -477,6 +477,15 @@ class WriteAheadLog:
     def close(self) -> None:
         self._close_current()
 
+    def abandon(self) -> None:
+        """Release the open segment's file without syncing or writing anything more: what a killed process leaves
+        (the in-memory double's crashes, asyncloco/testing/memory.py). A record not yet synced is left to the page
+        cache, as it would be after a SIGKILL."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._current = None
+
 
 def _write_all(fd: int, buffers: list[Any]) -> None:
     pending = [memoryview(b).cast("B") for b in buffers if len(b)]
