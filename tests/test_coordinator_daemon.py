@@ -74,6 +74,7 @@ def test_failed_log_write_is_never_acknowledged_and_stops_the_daemon(
 def test_partial_snapshots_from_an_interrupted_save_are_removed(tmp_path: Path) -> None:
     (tmp_path / ".state-abc.tmp").write_bytes(b"half a snapshot")
     (tmp_path / ".state-def.tmp").write_bytes(b"")
+    (tmp_path / ".state.pt.x1y2.tmp").write_bytes(b"half a snapshot")  # asyncloco/durable.py's naming
     (tmp_path / "state.pt").write_bytes(b"keep")
-    assert remove_partial_snapshots(tmp_path) == 2
+    assert remove_partial_snapshots(tmp_path) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]

@@ -27,12 +27,13 @@ import json
 import logging
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from asyncloco.durable import write_durably
 
 __all__ = [
     "save_snapshot",
@@ -54,30 +55,14 @@ CHILDREN_FILE = "children.json"
 
 
 def save_snapshot(directory: Path, state: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / SNAPSHOT_NAME
-    fd, tmp_name = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save({"format": FORMAT_VERSION, **state}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return target
+    return write_durably(directory / SNAPSHOT_NAME, lambda handle: torch.save({"format": FORMAT_VERSION, **state}, handle))
 
 
 def remove_partial_snapshots(directory: Path) -> int:
     """Delete temporary files a crash in the middle of :func:`save_snapshot` left behind."""
     removed = 0
-    for leftover in directory.glob(".state-*.tmp"):
+    # (asyncloco/durable.py names its temporary files .state.pt.*.tmp; versions before it .state-*.tmp)
+    for leftover in [*directory.glob(f".{SNAPSHOT_NAME}.*.tmp"), *directory.glob(".state-*.tmp")]:
         leftover.unlink(missing_ok=True)
         removed += 1
     if removed:

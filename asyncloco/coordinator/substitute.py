@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Mapping, Optional
 
 import torch
 
+from asyncloco.durable import write_durably
 from asyncloco.coordinator.logic import CoordinatorState, Lease, SubmitUpdate
 from asyncloco.coordinator.repair import SUBSTITUTE_DIR, Anchors, log_events, repair
 from asyncloco.coordinator.rerun import Rerunner
@@ -210,15 +210,4 @@ class RepairReruns:
 
 def _write(path: Path, payload: Mapping[str, object]) -> None:
     """Durably: a --resume that re-derives the repair must find the same bits."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    descriptor = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    write_durably(path, lambda handle: torch.save(payload, handle))

@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import msgpack
 
+from asyncloco.durable import fsync_dir
+
 __all__ = [
     "WalError",
     "WalRecord",
@@ -256,14 +258,6 @@ def _all_zero(path: Path, offset: int) -> bool:
                 return False
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _repair(directory: Path) -> list[tuple[int, int, Path]]:
     """Check every segment, drop a torn tail, return [(first seq, last seq, path)]. Only the newest segment may
     be empty (last seq = first - 1): it marks where the log continues after a snapshot covered the rest."""
@@ -417,7 +411,7 @@ class WriteAheadLog:
             self._dirty = False
             self.syncs += 1
         if self._dir_dirty:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._dir_dirty = False
 
     def _start_segment(self, first_seq: int) -> None:
@@ -466,7 +460,7 @@ class WriteAheadLog:
             else:
                 path.unlink(missing_ok=True)
         if covered:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             logger.debug("deleted %d log segment(s) covered by the snapshot at record %d", len(covered), seq)
         return len(covered)
 

@@ -31,16 +31,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, BinaryIO, Optional, Tuple
 
 import torch
 
+from asyncloco.durable import write_durably
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
 from asyncloco.transport.errors import CodecError
 
@@ -238,23 +238,14 @@ class AnchorStore:
         """Write one anchor durably (persist); a failure is logged and the anchor kept in memory only."""
         if self._dir is None:
             return
-        path = self._dir / f"{codec}-{version}.bin"
-        tmp = self._dir / f".{path.name}.tmp"
+        def write(handle: BinaryIO) -> None:
+            handle.write(_ANCHOR_MAGIC)
+            handle.write(hashlib.sha256(body).digest())
+            handle.write(body)
+
         try:
-            with open(tmp, "wb") as handle:
-                handle.write(_ANCHOR_MAGIC)
-                handle.write(hashlib.sha256(body).digest())
-                handle.write(body)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-            descriptor = os.open(self._dir, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+            write_durably(self._dir / f"{codec}-{version}.bin", write)
         except OSError as error:
-            _unlink(tmp)
             logger.warning("download anchor %s v%d not written to %s (%r): a check of a delta from it cannot be "
                            "re-run after a restart", codec, version, self._dir, error)
 
