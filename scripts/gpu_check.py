@@ -88,6 +88,7 @@ class Plan:
     inner: dict[str, Any] = field(default_factory=dict)
     eval_every: int = 4
     eval_device: str = "cpu"  # the coordinator's runtime.eval_device in the real runs (evaluations, gate probe)
+    methods: tuple[str, ...] = METHODS  # the real runs' schedule.method, each for the same wall time
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -137,6 +138,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan.run_seconds = args.run_seconds
     if args.device:
         plan.device = args.device
+    if args.methods:
+        plan.methods = tuple(args.methods.split(","))
     plan.eval_device = args.eval_device or ("cpu" if plan.tiny else plan.device)
     return plan
 
@@ -508,6 +511,9 @@ def one_run(plan: Plan, size: str, method: str, work: Path, duration: float, dea
     result["local_updates"] = at_stop.get("local_updates", 0)
     result["updates_applied_total"] = status.get("version", 0)  # including the leases finished while stopping
     result["submit_timing"] = status.get("submit_timing")  # the coordinator's seconds per submission, by stage
+    result["verification"] = status.get("verification")  # checks passed/failed with the defaults (verification on)
+    result["rejections"] = status.get("rejections")  # updates the gate refused
+    result["traffic"] = status.get("traffic")  # bytes each way: compressed downloads and uploads
     result["peers"] = {}
     for peer_id, stats in status.get("peers", {}).items():
         name = by_id.get(peer_id, peer_id[-8:])
@@ -559,7 +565,7 @@ def _mean(values: list[float]) -> Optional[float]:
 def run_real(part: dict[str, Any], deadline: float, plan: Plan, work: Path, report: Report) -> None:
     part.update({"sizes": {}, "peers": len(plan.slowdowns), "slowdowns": plan.slowdowns, "device": plan.device,
                  "corpus": "embedded", "task": plan.task, "schedule": plan.schedule, "inner": plan.inner})
-    runs = [(size, method) for size in plan.run_sizes for method in METHODS]
+    runs = [(size, method) for size in plan.run_sizes for method in plan.methods]
     # one duration for both methods of a size (the comparison is at equal wall time), fitted to the time left
     left = deadline - time.monotonic()
     duration = min(plan.run_seconds, left / len(runs) - plan.run_overhead)
@@ -569,7 +575,7 @@ def run_real(part: dict[str, Any], deadline: float, plan: Plan, work: Path, repo
     part["duration_s"] = round(duration, 1)
     for size in plan.run_sizes:
         entry = part["sizes"].setdefault(size, {"methods": {}})
-        for method in METHODS:
+        for method in plan.methods:
             result: dict[str, Any] = {}
             entry["methods"][method] = result
             run_deadline = time.monotonic() + duration + plan.run_overhead
@@ -632,6 +638,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--bench-models", help="presets for bench_peer (default 20m,60m,150m; tiny with --tiny)")
     parser.add_argument("--sizes", help="presets for the real runs (default 20m; e.g. 20m,60m with more time)")
     parser.add_argument("--slowdowns", help="one peer per factor (default 1,1.5,2,4; 1,2 with --tiny)")
+    parser.add_argument("--methods", help="the real runs' methods (default async_dn_dylu,sync_diloco: the comparison "
+                        "at equal wall time; async_dn_dylu alone: the defaults' utilisation and checks)")
     parser.add_argument("--run-seconds", type=float, help="training seconds per method (default 90; 10 with --tiny)")
     parser.add_argument("--device", help="peers' and bench's device (default cuda; cpu with --tiny)")
     parser.add_argument("--eval-device", help="the real runs' coordinator runtime.eval_device (default: --device; cpu "
@@ -641,6 +649,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     unknown = set(args.parts.split(",")) - {"tests", "verify", "bench", "run"}
     if unknown:
         parser.error(f"--parts: unknown part(s) {sorted(unknown)}; choose from tests, verify, bench, run")
+    if args.methods and set(args.methods.split(",")) - set(METHODS):
+        parser.error(f"--methods: unknown method(s) {sorted(set(args.methods.split(',')) - set(METHODS))}; "
+                     f"choose from {', '.join(METHODS)}")
     return args
 
 
