@@ -403,3 +403,29 @@ def test_async_buffer_flush_steps_on_the_mean_of_what_arrived() -> None:
         other.step(theta_other, g1)
         after_step = theta_other.clone()
         assert other.flush(theta_other) is None and torch.equal(theta_other, after_step)
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_rounds_count_each_peers_two_updates_in_flight_in_n() -> None:
+    """With overlapped rounds a peer has two updates on the way from about the same θ: the buffered methods' N is
+    buffer_size × 2 (c·N kept), a barrier method's round is left as it is — and a peer's two updates g from one θ then
+    move θ exactly as its one update g moved it without overlap: lr·(1 + β)·g (DN, c = 0), not twice that."""
+    from asyncloco.config import OuterConfig, RunConfig
+    from asyncloco.coordinator.methods import build_method, updates_in_flight
+
+    cfg = OuterConfig(lr=0.7, momentum=0.9, buffer_size=3, activation=0.3)
+    _, dn, _ = build_method("async_dn_dylu", cfg, 3, in_flight=2)
+    assert isinstance(dn, DelayedNesterov) and dn.buffer_size == 6 and dn.activation == pytest.approx(0.15)
+    _, sync, _ = build_method("sync_diloco", cfg, 3, in_flight=2)
+    assert sync.buffer_size == 3
+    assert updates_in_flight(RunConfig()) == 2  # overlap is the default
+    assert updates_in_flight(RunConfig.model_validate({"runtime": {"overlap": False}})) == 1
+
+    one = OuterConfig(lr=0.7, momentum=0.9, buffer_size=1)
+    g = torch.linspace(-1.0, 1.0, 7)
+    serial, overlapped = torch.zeros(7), torch.zeros(7)
+    build_method("async_dn_dylu", one, 1)[1].step(serial, g)
+    optimizer = build_method("async_dn_dylu", one, 1, in_flight=2)[1]
+    optimizer.step(overlapped, g)
+    optimizer.step(overlapped, g)
+    assert torch.allclose(serial, -0.7 * 1.9 * g, atol=1e-6) and torch.allclose(overlapped, serial, atol=1e-6)

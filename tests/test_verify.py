@@ -33,6 +33,7 @@ from asyncloco.coordinator.logic import (
     CoordinatorState,
     Event,
     Expelled,
+    Hold,
     Refused,
     RequestWork,
     SpeedReport,
@@ -211,6 +212,21 @@ def recorder(state: CoordinatorState) -> tuple[list[tuple[Event, float]], Callab
 def lease_of(actions: list[Any]) -> Any:
     """The lease an Assign among ``actions`` hands out."""
     return next(x.lease for x in actions if isinstance(x, Assign))
+
+
+def move_theta(state: CoordinatorState, now: float, update: torch.Tensor | None = None, peer: str = "o") -> list[Any]:
+    """θ moves by one applied update of an established peer (past its probation; ``fraction`` 0 draws nothing): what
+    lets a newcomer whose update from the current θ awaits its check have its next lease (leases.held_at_version)."""
+    assert state.policy.verify is not None
+    state.verification.passed[peer] = max(1, state.policy.verify.probation_updates)
+    if peer not in state.peers:
+        handle(state, SpeedReport(peer, 10.0), now)
+    lease = lease_of(handle(state, RequestWork(peer), now)[1])
+    version = state.version
+    vector = torch.full((state.params.numel(),), 0.01) if update is None else update
+    actions = handle(state, SubmitUpdate(peer, lease.lease_id, lease.base_version, vector), now)[1]
+    assert state.version == version + 1, actions
+    return actions
 
 
 def test_verdicts_count_probation_and_expel() -> None:
@@ -923,28 +939,35 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
 
     state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=2)
     handle(state, SpeedReport("n", 10.0), 0.0)
-    probation = []
-    for i in range(2):
-        lease = lease_of(handle(state, RequestWork("n"), 1.0 + i)[1])
-        assert lease.verify.startswith("probation (")
-        actions = handle(state, SubmitUpdate("n", lease.lease_id, 0, torch.full((DIM,), 0.1)), 1.5 + i)[1]
-        assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
-        probation.append(lease)
+    first = lease_of(handle(state, RequestWork("n"), 1.0)[1])
+    assert first.verify.startswith("probation (")
+    actions = handle(state, SubmitUpdate("n", first.lease_id, 0, torch.full((DIM,), 0.1)), 1.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+    # its update from θ(v0) awaits its check: its next request waits for θ to move (no second step from one θ) ...
+    (hold,) = handle(state, RequestWork("n"), 1.6)[1]
+    assert isinstance(hold, Hold) and hold.waiting_for == (first.lease_id,) and "awaits its check" in hold.reason
+    # ... and is answered at the next applied update, with a lease from that θ
+    second = lease_of(move_theta(state, 1.7))
+    assert second.base_version == 1 and second.verify.startswith("probation (") and not state.held
+    actions = handle(state, SubmitUpdate("n", second.lease_id, 1, torch.full((DIM,), 0.1)), 2.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+    probation = [first, second]
+    move_theta(state, 2.7)
     third = lease_of(handle(state, RequestWork("n"), 3.0)[1])
     assert third.verify.startswith("probation: held until the peer's probation checks agree, not re-run (0 of 2")
     update = torch.arange(DIM, dtype=torch.float32)
-    actions = handle(state, SubmitUpdate("n", third.lease_id, 0, update), 3.5)[1]
-    assert [type(a).__name__ for a in actions] == ["Held"] and state.version == 0  # no re-run asked for
+    actions = handle(state, SubmitUpdate("n", third.lease_id, 2, update), 3.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Held"] and state.version == 2  # no re-run asked for
     assert set(state.verification.pending) == {lease.lease_id for lease in probation}
     actions = handle(state, Verified("n", probation[0].lease_id, True, "bitwise"), 4.0)[1]
-    assert [type(a).__name__ for a in actions] == ["Verdict", "Applied"] and state.version == 1  # one of two passed
+    assert [type(a).__name__ for a in actions] == ["Verdict", "Applied"] and state.version == 3  # one of two passed
     actions = handle(state, Verified("n", probation[1].lease_id, verdict, "bitwise" if verdict else "relative error 1"), 5.0)[1]
     names = [type(a).__name__ for a in actions]
     if verdict:
-        assert names == ["Verdict", "Applied", "Applied"] and state.version == 3 and actions[2].lease_id == third.lease_id
-        assert state.verification.unchecked == {"n": 1} and not state.verification.held  # in θ unverified: repairable
+        assert names == ["Verdict", "Applied", "Applied"] and state.version == 5 and actions[2].lease_id == third.lease_id
+        assert state.verification.unchecked["n"] == 1 and not state.verification.held  # in θ unverified: repairable
     else:
-        assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 1 and not state.verification.held
+        assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 3 and not state.verification.held
         assert any(isinstance(a, Rejected) and a.lease_id == third.lease_id and "held update not applied" in a.reason
                    for a in actions)
         expelled = [a for a in actions if isinstance(a, Expelled)]
@@ -962,13 +985,16 @@ def test_a_revoked_peer_gets_nothing_more_into_theta_and_its_checks_still_count(
     state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=1)
     state.policy = dataclasses.replace(state.policy, admission="token")
     assert isinstance(handle(state, Admit("n", "T1", "nora", 1e9), 0.0)[1][0], Admitted)
+    assert isinstance(handle(state, Admit("o", "T2", "olga", 1e9), 0.0)[1][0], Admitted)  # moves θ (move_theta)
     handle(state, SpeedReport("n", 10.0), 0.0)
     first = lease_of(handle(state, RequestWork("n"), 1.0)[1])
     assert [type(a).__name__ for a in handle(state, SubmitUpdate("n", first.lease_id, 0, torch.full((DIM,), 0.1)), 1.5)[1]] \
         == ["Verify", "Held"]
-    second = lease_of(handle(state, RequestWork("n"), 2.0)[1])
+    assert isinstance(handle(state, RequestWork("n"), 2.0)[1][0], Hold)  # until θ moves
+    second = lease_of(move_theta(state, 2.1))
+    theta = state.params.clone()
     assert second.verify.startswith("probation: held until the peer's probation checks agree")
-    assert [type(a).__name__ for a in handle(state, SubmitUpdate("n", second.lease_id, 0, torch.ones(DIM)), 2.5)[1]] == ["Held"]
+    assert [type(a).__name__ for a in handle(state, SubmitUpdate("n", second.lease_id, 1, torch.ones(DIM)), 2.5)[1]] == ["Held"]
     assigned_before = state.shards[0].assigned
     actions = handle(state, Revoke("T1", 3.0), 3.0)[1]
     dropped = sorted(a.lease_id for a in actions if isinstance(a, Rejected) and "its token was revoked" in a.reason)
@@ -976,10 +1002,10 @@ def test_a_revoked_peer_gets_nothing_more_into_theta_and_its_checks_still_count(
     assert state.shards[0].assigned == assigned_before - first.steps - second.steps  # both ranges given back
     assert state.verification.pending == {first.lease_id: "n"}  # the check itself goes on
     actions = handle(state, Verified("n", first.lease_id, verdict, "bitwise" if verdict else "relative error 1"), 4.0)[1]
-    assert state.version == 0 and torch.equal(state.params, torch.zeros(DIM))  # θ never took either update
+    assert state.version == 1 and torch.equal(state.params, theta)  # θ never took either update
     expelled = [a for a in actions if isinstance(a, Expelled)]
     if verdict:
-        assert state.verification.passed == {"n": 1} and not expelled
+        assert state.verification.passed["n"] == 1 and not expelled
     else:
         assert state.verification.failed == 1 and "n" in state.verification.expelled
         assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
@@ -1041,18 +1067,22 @@ def test_a_peer_proven_by_its_re_run_probation_is_past_the_gates_probation() -> 
     update = with_cosine(0.4, norm=30.0)
     assert [type(a).__name__ for a in handle(state, SubmitUpdate("new", first.lease_id, 0, update), 1.0)[1]] == ["Verify", "Held"]
     assert not gate_proven(state, first)
-    second = lease_of(handle(state, RequestWork("new"), 1.5)[1])
+    assert isinstance(handle(state, RequestWork("new"), 1.5)[1][0], Hold)  # its update from θ(v0) awaits its check
+    other = with_cosine(0.9, norm=10.0)  # an established peer's: the median norm per step
+    actions = move_theta(state, 1.6, other)
+    assert not any("clipped" in a.gate for a in actions if isinstance(a, Applied))
+    second = lease_of(actions)
     assert second.verify.startswith("probation: held until") and gate_proven(state, second)
-    assert [type(a).__name__ for a in handle(state, SubmitUpdate("new", second.lease_id, 0, update), 2.0)[1]] == ["Held"]
+    assert [type(a).__name__ for a in handle(state, SubmitUpdate("new", second.lease_id, 1, update), 2.0)[1]] == ["Held"]
     actions = handle(state, Verified("new", first.lease_id, True, "bitwise"), 3.0)[1]
     applied = [a for a in actions if isinstance(a, Applied)]
-    assert [a.lease_id for a in applied] == [first.lease_id, second.lease_id] and state.version == 2
+    assert [a.lease_id for a in applied] == [first.lease_id, second.lease_id] and state.version == 3
     third = lease_of(handle(state, RequestWork("new"), 4.0)[1])
     assert third.verify == "" and gate_proven(state, third) and state.gate.peer_accepted["new"] == 2  # < the gate's 3
-    applied += [a for a in handle(state, SubmitUpdate("new", third.lease_id, 2, update), 5.0)[1] if isinstance(a, Applied)]
+    applied += [a for a in handle(state, SubmitUpdate("new", third.lease_id, 3, update), 5.0)[1] if isinstance(a, Applied)]
     assert len(applied) == 3 and not any("clipped" in a.gate or "probation" in a.gate for a in applied), [a.gate for a in applied]
     assert state.gate.norms[-3:] == pytest.approx([3.0, 3.0, 3.0])  # each taken whole
     expected, optimizer = torch.zeros(N), OuterNesterov(0.5, 0.9)
-    for _ in range(3):
-        optimizer.step(expected, update)
+    for vector in (other, update, update, update):
+        optimizer.step(expected, vector)
     assert torch.allclose(state.params, expected, rtol=1e-6, atol=1e-7)

@@ -39,7 +39,7 @@ from asyncloco.timings import hold_timings
 if TYPE_CHECKING:
     from asyncloco.config import OuterConfig, RunConfig
 
-__all__ = ["MethodSpec", "METHODS", "build_method", "coordinator_policy"]
+__all__ = ["MethodSpec", "METHODS", "build_method", "coordinator_policy", "updates_in_flight"]
 
 Groups = Sequence[tuple[int, int]]
 
@@ -153,13 +153,30 @@ if {name for name, spec in METHODS.items() if spec.barrier} != BARRIER_METHODS: 
 
 
 def build_method(
-    name: str, cfg: "OuterConfig", workers: int, groups: Groups = ()
+    name: str, cfg: "OuterConfig", workers: int, groups: Groups = (), in_flight: int = 1
 ) -> tuple[MethodSpec, OuterOptimizer, list[StalenessTransform]]:
-    """The spec, a fresh outer optimizer and fresh transforms for method ``name``."""
+    """The spec, a fresh outer optimizer and fresh transforms for method ``name``.
+
+    ``in_flight``: the updates each peer has on the way at once — 1 in the paper (and the simulator), 2 with
+    overlapped rounds (runtime.overlap: a peer trains its next lease while its last update uploads, so both start
+    from θ without the other). The buffered methods' N counts arrivals that start from about the same θ, so it is
+    ``buffer_size × in_flight`` there (a barrier method's round holds one lease per peer and is left as it is);
+    with N = the peers alone, two same-θ updates per peer would each take a full 1/N share — twice the outer
+    step, which with momentum 0.9 diverges at a cold start (docs/algorithm.md, "Overlapped rounds and N")."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
     spec = METHODS[name]
+    if in_flight > 1 and not spec.barrier and spec.outer in (_dn, _buffer):
+        cfg = cfg.model_copy(update={"buffer_size": (cfg.buffer_size or workers) * in_flight,
+                                     "activation": cfg.activation / in_flight})  # c·N unchanged
     return spec, spec.outer(cfg, workers), spec.transforms(cfg, groups)
+
+
+def updates_in_flight(cfg: "RunConfig") -> int:
+    """Updates a peer of this real run has on the way at once (``build_method``'s ``in_flight``)."""
+    return 2 if cfg.runtime.overlap else 1
 
 
 def coordinator_policy(

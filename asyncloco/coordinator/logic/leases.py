@@ -47,6 +47,15 @@ def on_request(state: CoordinatorState, event: RequestWork, now: float) -> list[
     if peer in state.held:
         return []
     policy = state.policy
+    stacked = held_at_version(state, peer)
+    if stacked and not policy.barrier:
+        # Its update from this very θ waits for its check (probation, a draw): a lease from the same θ again would
+        # be a second step from one point, and both would reach θ (probation at a cold start: every peer's first
+        # leases, all from θ₀, applied in one burst). It gets its lease once θ moves — at the next applied update,
+        # its own or another's (release_held) — or its held update is dropped.
+        state.held[peer] = now
+        return [Hold(peer, math.inf, stacked, f"its update from θ(v{state.version}) awaits its check: the next lease "
+                     "starts from a newer θ")]
     if policy.barrier:
         if any(lease.base_version < state.version for lease in state.leases.values()):
             state.held[peer] = now
@@ -117,6 +126,12 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
         )
     held = sorted(state.held.items(), key=lambda item: (item[1], item[0]))
     state.held.clear()
+    if not state.policy.barrier:  # a peer whose update from this θ awaits its check waits on (on_request)
+        waiting = [(peer, since) for peer, since in held if held_at_version(state, peer)]
+        state.held.update(waiting)
+        held = [item for item in held if item[0] not in state.held]
+        if not held:
+            return []
     if state.policy.barrier or pending:
         state.window_end = None
     # Otherwise the window stays open (settled) until its end, so that peers whose updates were
@@ -128,6 +143,12 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
             continue
         actions.append(_issue(state, peer, now, reason))
     return actions
+
+
+def held_at_version(state: CoordinatorState, peer: str) -> tuple[str, ...]:
+    """The lease ids of ``peer``'s updates held for their checks that start from θ's current version."""
+    return tuple(sorted(lease_id for lease_id, held in state.verification.held.items()
+                        if held.lease.peer == peer and held.lease.base_version == state.version))
 
 
 def on_hold_dropped(state: CoordinatorState, event: HoldDropped, now: float) -> list[Action]:
