@@ -1086,3 +1086,22 @@ def test_a_peer_proven_by_its_re_run_probation_is_past_the_gates_probation() -> 
     for vector in (other, update, update, update):
         optimizer.step(expected, vector)
     assert torch.allclose(state.params, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_waiting_for_theta_to_move_is_answered_when_its_held_update_ends_without_a_verdict() -> None:
+    """A peer whose held update from the current θ awaits its check waits for θ to move; if that check ends without a
+    verdict (Unverified: its update dropped, never applied), nothing of it is left from this θ, and the waiting request
+    is answered at once with a lease from the same, unmoved θ — a check that never comes back never stalls its peer."""
+    from asyncloco.coordinator.logic import Unverified
+
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=1)
+    handle(state, SpeedReport("n", 10.0), 0.0)
+    first = lease_of(handle(state, RequestWork("n"), 1.0)[1])
+    assert [type(a).__name__ for a in handle(state, SubmitUpdate("n", first.lease_id, 0, torch.ones(DIM)), 1.5)[1]] \
+        == ["Verify", "Held"]
+    assert [type(a).__name__ for a in handle(state, RequestWork("n"), 2.0)[1]] == ["Hold"] and "n" in state.held
+    actions = handle(state, Unverified("n", first.lease_id, "the re-run failed"), 3.0)[1]
+    second = lease_of(actions)
+    assert second.base_version == 0 and state.version == 0 and not state.held and not state.verification.held
+    assert torch.equal(state.params, torch.zeros(DIM))

@@ -130,8 +130,6 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
         waiting = [(peer, since) for peer, since in held if held_at_version(state, peer)]
         state.held.update(waiting)
         held = [item for item in held if item[0] not in state.held]
-        if not held:
-            return []
     if state.policy.barrier or pending:
         state.window_end = None
     # Otherwise the window stays open (settled) until its end, so that peers whose updates were
