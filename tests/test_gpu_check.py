@@ -92,6 +92,9 @@ def test_tiny_mode_writes_every_part(tmp_path: Path) -> None:
         assert sum(p["applied"] for p in result["peers"].values()) == result["updates_applied_total"]
         timing = result["submit_timing"]  # the final status: every submission judged, at least the updates applied
         assert timing["count"] >= result["updates_applied_total"] and timing["mean_s"]["decide"] > 0
+        checks = result["verification"]  # the defaults: verification on, every honest check passing
+        assert checks["failed"] == 0 and checks["passed"] >= 1 and not checks["expelled"]
+        assert result["traffic"]["submit"]["calls"] >= result["updates_applied_total"]
     comparison = run["sizes"]["tiny"]["comparison"]
     assert comparison["status"] == "ok"
     assert comparison["perplexity_ratio_dn_over_sync"] == pytest.approx(
@@ -114,3 +117,16 @@ def test_a_failing_part_is_recorded_and_the_rest_still_written(tmp_path: Path) -
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:  # bench_peer's own refusal is in the logs
         log = tar.extractfile("bench-nosuch.log")
         assert log is not None and b"invalid choice: 'nosuch'" in log.read()
+
+
+@pytest.mark.timeout(60)
+def test_methods_are_checked_before_anything_runs() -> None:
+    """``--methods`` names the real runs' methods; an unknown one is refused at once, naming the choices."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+
+    args = gpu_check.parse_args(["--out", "x", "--tiny", "--methods", "async_dn_dylu"])
+    assert gpu_check.make_plan(args).methods == ("async_dn_dylu",)
+    assert gpu_check.make_plan(gpu_check.parse_args(["--out", "x", "--tiny"])).methods == ("async_dn_dylu", "sync_diloco")
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--out", "x", "--methods", "async_dn_dylu,nosuch"])
