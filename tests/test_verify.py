@@ -1105,3 +1105,34 @@ def test_a_peer_waiting_for_theta_to_move_is_answered_when_its_held_update_ends_
     second = lease_of(actions)
     assert second.base_version == 0 and state.version == 0 and not state.held and not state.verification.held
     assert torch.equal(state.params, torch.zeros(DIM))
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_round_ends_when_its_held_updates_are_in_theta() -> None:
+    """Sync DiLoCo (a barrier) with both peers on probation: each round's updates are held for their checks. The next
+    round starts only once both are applied — from the θ their mean stepped to — never from the old θ while they wait
+    (a second round from one θ), and the buffer is not flushed short while an update of the round is still held."""
+    from asyncloco.algo.outer import AsyncBuffer
+
+    policy = CoordinatorPolicy(max_local_steps=4, dylu=False, barrier=True, grace_period=0.0, lease_timeout_factor=3.0,
+                               lease_slack=100.0, verify=VerifyPolicy(fraction=0.0, probation_updates=1))
+    state = new_state(torch.zeros(DIM), AsyncBuffer(0.5, 0.9, 2), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+    for peer in ("a", "b"):
+        handle(state, SpeedReport(peer, 10.0), 0.0)
+    leases = {peer: lease_of(handle(state, RequestWork(peer), 0.5)[1]) for peer in ("a", "b")}
+    updates = {"a": torch.full((DIM,), 1.0), "b": torch.full((DIM,), 3.0)}
+    assert [type(x).__name__ for x in handle(state, SubmitUpdate("a", leases["a"].lease_id, 0, updates["a"]), 1.0)[1]] \
+        == ["Verify", "Held"]
+    assert isinstance(handle(state, RequestWork("a"), 1.5)[1][0], Hold)  # b's lease is still out
+    actions = handle(state, SubmitUpdate("b", leases["b"].lease_id, 0, updates["b"]), 2.0)[1]
+    assert [type(x).__name__ for x in actions] == ["Verify", "Held"]  # a not released: both updates are held
+    assert isinstance(handle(state, RequestWork("b"), 2.5)[1][0], Hold)
+    actions = handle(state, Verified("a", leases["a"].lease_id, True, "bitwise"), 3.0)[1]
+    assert [type(x).__name__ for x in actions] == ["Verdict", "Applied"] and set(state.held) == {"a", "b"}
+    actions = handle(state, Verified("b", leases["b"].lease_id, True, "bitwise"), 4.0)[1]
+    assigned = [x.lease for x in actions if isinstance(x, Assign)]
+    assert sorted(lease.peer for lease in assigned) == ["a", "b"] and all(l.base_version == state.version for l in assigned)
+    expected, reference = torch.zeros(DIM), AsyncBuffer(0.5, 0.9, 2)
+    for peer in ("a", "b"):
+        reference.step(expected, updates[peer])
+    assert torch.allclose(state.params, expected) and not torch.equal(state.params, torch.zeros(DIM))

@@ -57,9 +57,10 @@ def on_request(state: CoordinatorState, event: RequestWork, now: float) -> list[
         return [Hold(peer, math.inf, stacked, f"its update from θ(v{state.version}) awaits its check: the next lease "
                      "starts from a newer θ")]
     if policy.barrier:
-        if any(lease.base_version < state.version for lease in state.leases.values()):
+        # a round ends when its every update is in θ: a lease still out, or an update held for its check
+        if state.verification.held or any(lease.base_version < state.version for lease in state.leases.values()):
             state.held[peer] = now
-            waiting = tuple(sorted(state.leases))
+            waiting = tuple(sorted(state.leases) + sorted(state.verification.held))
             return [Hold(peer, math.inf, waiting, f"sync barrier: waiting for {len(waiting)} lease(s) of this round")]
         return [_issue(state, peer, now, "sync round starts")]
     if state.window_end is not None and now <= state.window_end:
@@ -100,10 +101,11 @@ def on_fetched(state: CoordinatorState, event: Fetched, now: float) -> list[Acti
 def release_held(state: CoordinatorState, now: float) -> list[Action]:
     """Answer held requests once their window is settled."""
     closed_short = None
-    if state.policy.barrier and not state.leases:
+    if state.policy.barrier and not state.leases and not state.verification.held:
         # A sync round whose leases were given back (expired, peer left) ends with fewer than N
         # arrivals buffered: step on their mean now, or the next round's updates would be averaged
-        # into this round's step and every later round would stay misaligned.
+        # into this round's step and every later round would stay misaligned. (Not while an update of
+        # the round is held for its check: it arrives at its verdict.)
         closed_short = state.optimizer.flush(state.params)
     if not state.held:
         if state.window_end is not None and now > state.window_end:
@@ -111,7 +113,7 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
         return []
     pending: tuple[str, ...] = ()
     if state.policy.barrier:
-        if state.leases:
+        if state.leases or state.verification.held:
             return []
         reason = "sync barrier released: every lease of the round is in"
         if closed_short is not None:
