@@ -37,7 +37,7 @@ from asyncloco.coordinator.checkpoint import child_pids, reap_stale_children, re
 from asyncloco.coordinator.durability import INITIAL_SNAPSHOT, RESUME_GRACE_S, Durability
 from asyncloco.coordinator.logic import Action, Applied, new_state
 from asyncloco.coordinator.loops import DhtRecords, RunRecordsPort, announce_loop, revocation_loop, speed_loop, tick_loop
-from asyncloco.coordinator.methods import build_method, coordinator_policy, updates_in_flight
+from asyncloco.coordinator.methods import build_runtime_method, coordinator_policy
 from asyncloco.coordinator.monitoring import JOURNAL_FILE, STATUS_FILE, Monitoring, PeerStats
 from asyncloco.coordinator.node import EVENT_TYPES, SOFTWARE_STAMP, CoordinatorNode
 from asyncloco.coordinator.serving import Serving, lease_to_wire
@@ -120,9 +120,7 @@ class CoordinatorDaemon:
         self.model = self.workload.build_model(cfg.seed)
         theta = flatten_params(self.model)
         self.numel = theta.numel()
-        workers = cfg.outer.buffer_size or cfg.sim.workers
-        self.spec, optimizer, transforms = build_method(cfg.schedule.method, cfg.outer, workers, param_groups(self.model),
-                                                        updates_in_flight(cfg))
+        self.spec, optimizer, transforms = build_runtime_method(cfg, param_groups(self.model))
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=False, numel=self.numel)
         # --- admission (coordinator/admission.py): the mode and allowlist go to the logic's policy
         policy = dataclasses.replace(policy, admission=cfg.runtime.admission, allowlist=frozenset(cfg.runtime.allowlist))

@@ -39,7 +39,7 @@ from asyncloco.timings import hold_timings
 if TYPE_CHECKING:
     from asyncloco.config import OuterConfig, RunConfig
 
-__all__ = ["MethodSpec", "METHODS", "build_method", "coordinator_policy", "updates_in_flight"]
+__all__ = ["MethodSpec", "METHODS", "build_method", "coordinator_policy", "updates_in_flight", "build_runtime_method"]
 
 Groups = Sequence[tuple[int, int]]
 
@@ -177,6 +177,15 @@ def build_method(
 def updates_in_flight(cfg: "RunConfig") -> int:
     """Updates a peer of this real run has on the way at once (``build_method``'s ``in_flight``)."""
     return 2 if cfg.runtime.overlap else 1
+
+
+def build_runtime_method(
+    cfg: "RunConfig", groups: Groups = ()
+) -> tuple[MethodSpec, OuterOptimizer, list[StalenessTransform]]:
+    """``build_method`` for a real run of ``cfg``: N from ``outer.buffer_size`` (else the configured workers) and
+    each peer's updates in flight (the daemon and a repair's fresh state build the same optimizer)."""
+    return build_method(cfg.schedule.method, cfg.outer, cfg.outer.buffer_size or cfg.sim.workers, groups,
+                        updates_in_flight(cfg))
 
 
 def coordinator_policy(

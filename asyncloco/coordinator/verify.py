@@ -539,14 +539,11 @@ class DaemonVerification:
         policy, shards and seed, nothing decided yet: what a repair loads its anchor snapshot into and replays the log
         onto (tests rebuild a run's states the same way)."""
         from asyncloco.coordinator.logic import new_state
-        from asyncloco.coordinator.methods import build_method, updates_in_flight
+        from asyncloco.coordinator.methods import build_runtime_method
         from asyncloco.models.workload import param_groups
 
         cfg = self.port.cfg
-        _, optimizer, transforms = build_method(
-            cfg.schedule.method, cfg.outer, cfg.outer.buffer_size or cfg.sim.workers, param_groups(self.port.model),
-            updates_in_flight(cfg),
-        )
+        _, optimizer, transforms = build_runtime_method(cfg, param_groups(self.port.model))
         live = self.port.node.state
         return new_state(torch.empty_like(live.params), optimizer, transforms, live.policy, [s.size for s in live.shards], cfg.seed)
 

@@ -129,9 +129,9 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
     held = sorted(state.held.items(), key=lambda item: (item[1], item[0]))
     state.held.clear()
     if not state.policy.barrier:  # a peer whose update from this θ awaits its check waits on (on_request)
-        waiting = [(peer, since) for peer, since in held if held_at_version(state, peer)]
-        state.held.update(waiting)
-        held = [item for item in held if item[0] not in state.held]
+        stacked = {h.lease.peer for h in state.verification.held.values() if h.lease.base_version == state.version}
+        state.held.update((peer, since) for peer, since in held if peer in stacked)
+        held = [item for item in held if item[0] not in stacked]
     if state.policy.barrier or pending:
         state.window_end = None
     # Otherwise the window stays open (settled) until its end, so that peers whose updates were
