@@ -434,6 +434,9 @@ def test_demo_with_a_two_rank_peer_and_two_single_peers(tmp_path: Path) -> None:
                        for e in events)
 
         cluster.wait_for(slow_holds_a_lease, 120, "the slow peer to hold a lease")
+        # and to be training one (its rounds are mostly the emulated pause): a peer between leases leaves on the
+        # first Ctrl+C by itself, and a second one could then reach it as the interpreter exits
+        cluster.wait_for(lambda: cluster.peer_summary("slow").get("training", ""), 120, "the slow peer to train a lease")
         # The three peers leave together. The group and a single peer get a first Ctrl+C (SIGTERM here, one
         # signal each: a second would mean "leave at once") → finish the current lease, submit it, leave (exit 0).
         # The slow peer gets two Ctrl+C (SIGINT) → leave at once, saying what is dropped.

@@ -400,6 +400,8 @@ class PeerRunner:
         returns the pseudo-gradient. The summary's ``train`` seconds are the computation's (perf_counter: a thread
         computing, which a fake clock does not see) plus the emulated pause (on the runner's clock)."""
         bar = self._progress_bar(lease)
+        self.summary.training = lease.lease_id
+        self._write_summary()
         training = time.perf_counter()  # times a computation (the training thread), not a wait
         computed: Optional[float] = None
         pausing: Optional[float] = None
@@ -420,6 +422,7 @@ class PeerRunner:
                 "deadline or when it sees this peer gone); restart the group to rejoin"
             ) from error
         finally:
+            self.summary.training = ""
             computed = time.perf_counter() - training if computed is None else computed
             paused = 0.0 if pausing is None else self.clock.monotonic() - pausing
             add_timing(self.summary, "train", computed + paused)

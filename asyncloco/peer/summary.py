@@ -44,6 +44,7 @@ class PeerSummary:
     swarm_bytes_served: int = 0  # their payload bytes
     prefetch_misses: int = 0
     discarded: int = 0  # overlapped rounds: leases trained from an update then not applied, so not submitted
+    training: str = ""  # the lease being trained right now (its emulated slowdown included); "" between leases
 
 
 def write_summary(summary: PeerSummary, path: Optional[Path]) -> None:

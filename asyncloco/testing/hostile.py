@@ -431,8 +431,9 @@ class Hostile:
                            version=ack.version, reason=ack.reason, **norms, **details)
                 return ack
             except TransportError as error:
-                self._note("submit", False, lease_id=lease_id, error=str(error), **norms, **details)
-                if getattr(error, "code", None) is not None:
+                code = getattr(error, "code", None)
+                self._note("submit", False, lease_id=lease_id, error=str(error), code=code, **norms, **details)
+                if code is not None:
                     return None
                 await asyncio.sleep(0.5 * 2**attempt)
         return None
