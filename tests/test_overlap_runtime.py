@@ -461,3 +461,94 @@ def test_peer_join_no_overlap_reaches_the_peer_options() -> None:
     join = ["peer", "join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcoordinatorXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"]
     assert peer_options(build_parser().parse_args(join)).overlap is None
     assert peer_options(build_parser().parse_args([*join, "--no-overlap"])).overlap is False
+
+
+# ------------------------------------------------------------------------------------- asking ahead (slow download link)
+
+
+def test_ask_ahead_lead_follows_the_measured_download() -> None:
+    from asyncloco.peer.pipeline import AHEAD_MARGIN, ask_ahead_s
+
+    assert ask_ahead_s(None) is None  # nothing measured yet: ask after training
+    assert ask_ahead_s(0.2) is None  # a fast link: 0.3 s of lead is not worth a longer staleness window
+    assert ask_ahead_s(10.0) == AHEAD_MARGIN * 10.0
+    assert ask_ahead_s(float("nan")) is None and ask_ahead_s(-1.0) is None
+
+
+class SlowDownloadClient(MemoryClient):
+    """A client whose link says a θ download takes 20 s (measured), so the runner asks ahead; it records the order of
+    its grants and downloads. Training lease k (k < rounds) waits in its thread until lease k+1's θ is here."""
+
+    def __init__(self, *args: Any, gates: Gates, **kwargs: Any) -> None:
+        from asyncloco.transport.linkspeed import LinkSpeed
+
+        super().__init__(*args, **kwargs)
+        self.link = LinkSpeed()
+        self.link.measured["down"] = 1.0  # bytes/s: any θ takes far more than the 1 s that makes asking ahead worth it
+        self.gates = gates
+        self.granted: list[str] = []
+        self.keeps: list[Optional[str]] = []
+
+    async def assign(self, *args: Any, keep: Optional[str] = None, **kwargs: Any) -> Any:
+        reply = await super().assign(*args, keep=keep, **kwargs)
+        if reply.lease is not None:
+            self.keeps.append(keep)
+            self.granted.append(reply.lease.lease_id)
+            self.gates.order.append(f"granted {len(self.granted)}")
+        return reply
+
+    async def get_model(self, version: Optional[int] = None, **kwargs: Any) -> Any:
+        result = await super().get_model(version, **kwargs)
+        k = len(self.granted)
+        self.gates.order.append(f"theta {k}")
+        if k > 1:
+            self.gates.release[k - 1].set()  # lease k-1's training may end: lease k's θ is here
+        return result
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_download_link_asks_for_the_next_lease_while_one_trains(tmp_path: Path) -> None:
+    """Asking ahead (peer/pipeline.py): the next lease is asked for (naming the one in training as ``keep``) and its
+    θ downloaded while the current one trains; every lease applied once, every check passes (the commitment chain
+    runs through leases asked for ahead), the exposed download wait is only the first lease's."""
+    cfg, clock, rounds = config(), FakeClock(), 4
+    gates = Gates(rounds)
+    for k in gates.release:
+        gates.release[k].clear()
+
+    async def scenario() -> tuple[PeerRunner, SlowDownloadClient]:
+        transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
+        await transport.start()
+        try:
+            options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
+                                  progress=False, max_rounds=rounds)
+            runner = PeerRunner(options, clock=transport.clock)
+            runner.summary.peer_id, runner.speed = "a", SPEED
+            counters = TrafficCounters()
+            client = SlowDownloadClient(transport, "a", gates=gates, counters=counters,
+                                        download_codec=cfg.runtime.download_codec)
+            trainer = InnerTrainer.from_config(cfg, transport.workload)
+            gates.loop = asyncio.get_running_loop()
+            gates.release[rounds].set()  # training k waits for lease k+1's θ (k < rounds); the last one at once
+            gates.gate_trainer(trainer)
+            task = as_actor("a", runner.serve(client, transport.publisher("a", signer="key-a"), cfg, transport.workload,
+                                              trainer, cfg.runtime.codec, counters))
+            await drive(clock, {"a": task}, real_timeout=60.0)
+            task.result()
+            await _finish(transport)
+            return runner, client
+        finally:
+            await _close(transport)
+
+    runner, client = asyncio.run(asyncio.wait_for(scenario(), timeout=100.0))
+    run_dir, order = tmp_path / "run", gates.order
+    applied, back = _every_lease_applied_once_or_given_back(run_dir)
+    assert len(applied) == rounds and back == [] and runner.summary.accepted == rounds
+    for k in range(1, rounds):  # lease k+1 was granted, and its θ downloaded, while lease k trained
+        assert order.index(f"train {k} starts") < order.index(f"granted {k + 1}") < order.index(f"theta {k + 1}") \
+            < order.index(f"train {k} ends"), order
+    assert client.keeps == [None] + client.granted[:-1]  # each request kept exactly the lease in training
+    timing = runner.summary.timing
+    assert timing["download_ahead"] >= 0.0 and timing["assign_ahead"] >= 0.0
+    verdicts = _verdicts_ok(run_dir)
+    assert sorted(v["lease_id"] for v in verdicts) == sorted(applied)

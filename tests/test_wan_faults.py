@@ -231,9 +231,10 @@ def test_link_speed_timeouts_follow_the_measured_bandwidth() -> None:
 
     link = LinkSpeed(factor=3.0, floor_s=30.0, ceiling_s=3600.0, backoff=2.0, smoothing=0.5, min_bytes=1000)
     theta = 600_000_000  # 600 MB
-    # before any measurement: the assumed 1 Mbit/s
-    assert link.timeout("down", theta) == 3600.0  # 3 x 4800 s, capped
+    # before any measurement: the assumed 0.1 Mbit/s (a home uplink's first upload must not time out)
+    assert link.timeout("down", theta) == 3600.0  # 3 x 48,000 s, capped
     assert link.timeout("down", 1000) == 30.0  # the floor
+    assert link.timeout("up", 369_000) == pytest.approx(3 * 369_000 / 12_500)  # the tiny model's int8 upload: 88.6 s
     # 10 Mbit/s measured down: 600 MB take 480 s -> 3 x 480 s
     assert link.observe("down", 12_500_000, 10.0)
     assert link.bytes_per_s("down") == 1_250_000
@@ -251,6 +252,11 @@ def test_link_speed_timeouts_follow_the_measured_bandwidth() -> None:
     assert link.samples == {"up": 0, "down": 2}
     assert link.observe("up", 1_250_000, 2.0)  # 5 Mbit/s up
     assert link.transfer_s(down_bytes=3_750_000, up_bytes=625_000) == 1.0 + 1.0
+    # a small body that took long (>= min_seconds) is bandwidth-bound: a sample (190 kB in 15.2 s: 0.1 Mbit/s)
+    slow = LinkSpeed(smoothing=1.0)
+    assert slow.observe("up", 190_000, 15.2) and slow.bytes_per_s("up") == pytest.approx(12_500)
+    assert not slow.observe("up", 190_000, 1.9)  # under min_seconds and min_bytes: latency-bound
+    assert slow.samples["up"] == 1
     with pytest.raises(ValueError, match="direction must be 'up' or 'down'"):
         link.timeout("sideways", 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="factor must be >= 1"):

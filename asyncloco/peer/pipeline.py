@@ -24,6 +24,15 @@ What holds with a lease in flight (docs/design.md, "Overlapped rounds"):
 * **a coordinator restart** while N uploads: N's same bytes are resent until acknowledged (a duplicate if the old
   coordinator had applied N); the request for N+1 is asked again like any failed request.
 
+**Asking ahead** (a slow download link). Where the peer's θ download takes a measured ``D`` seconds, it asks for N+2 and
+downloads its θ *while N+1 trains*, starting ``1.5 D`` before N+1's expected end (:func:`ask_ahead_s`), so that N+2
+trains as soon as N+1 is sent. It does so only once N's ack is in and N was applied (then the request names N+1 as
+``keep``: the peer still holds two leases at most), never in a sync-barrier run, never while stopping, never past
+``max_rounds``. The staleness is unchanged: the lease's θ is as old as with a request after training plus a
+download. On a fast link (``1.5 D`` under a second, or no download measured yet) the peer asks after training, as
+above. The seconds it spent asking and downloading meanwhile are the summary's ``assign_ahead``/``download_ahead``;
+what it still waited for the θ after training is ``download``.
+
 The summary's ``train`` seconds over its wall time is the peer's compute fraction; ``upload_wait`` counts the seconds a
 trained lease waited for the previous ack (the upload not hidden behind training).
 """
@@ -32,18 +41,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
-from asyncloco.config import RunConfig
+from asyncloco.config import BARRIER_METHODS, RunConfig
 from asyncloco.peer.summary import add_timing
-from asyncloco.peer.waits import Leave
+from asyncloco.peer.waits import Leave, pause
 
 if TYPE_CHECKING:  # the transport package imports hivemind
     from asyncloco.transport.wire import Ack, LeaseGrant
 
-__all__ = ["OverlappedRounds"]
+__all__ = ["OverlappedRounds", "ask_ahead_s"]
 
 logger = logging.getLogger(__name__)
+
+AHEAD_MARGIN = 1.5  # the next lease is asked for this many expected downloads before the training ends
+AHEAD_MIN_S = 1.0  # a lead shorter than this (a fast link) is not worth asking ahead: ask after training
+
+
+def ask_ahead_s(download_s: Optional[float]) -> Optional[float]:
+    """How long before the training in progress ends to ask for the next lease (and download its θ), given the
+    expected seconds of one θ download at the measured rate; None: ask after training (unmeasured, or fast)."""
+    if download_s is None or not math.isfinite(download_s) or download_s < 0:
+        return None
+    lead = AHEAD_MARGIN * download_s
+    return lead if lead >= AHEAD_MIN_S else None
 
 
 class _InFlight:
@@ -73,13 +95,16 @@ class OverlappedRounds:
         self.counters = counters
         self.inflight: Optional[_InFlight] = None
         self.sent = runner.summary.rounds  # rounds whose upload started (max_rounds counts them)
+        # asking ahead: the next lease and its θ, asked for while a lease trains; ``trained`` ends its wait early
+        self.ahead: Optional["asyncio.Task[Optional[tuple[LeaseGrant, Any]]]"] = None
+        self.trained = asyncio.Event()
 
     async def run(self) -> None:
         self._keep_two_reveals()
         failed = True
         try:
             while True:
-                if self._finishing():
+                if self._finishing() and self.ahead is None:  # a lease asked for ahead is trained and sent first
                     if self.inflight is None:
                         break
                     await self._collect()  # stopping: the upload in flight finishes first
@@ -107,17 +132,27 @@ class OverlappedRounds:
     async def _round(self) -> None:
         """Ask, download and train the next lease while the last update uploads; then send it."""
         runner = self.runner
-        keep = self.inflight.lease.lease_id if self.inflight is not None else None
-        lease = await runner._ask(self.client, self.publisher, keep)
-        if lease is None:
-            await self._collect_if_done()
-            return
-        theta = await runner._fetch(self.client, lease)
+        got = await self._take_ahead()
+        if got is not None:
+            lease, theta = got
+        elif self._finishing():
+            return  # stopping (or at max_rounds): nothing was asked ahead, nothing new is asked for
+        else:
+            keep = self.inflight.lease.lease_id if self.inflight is not None else None
+            asked = await runner._ask(self.client, self.publisher, keep)
+            if asked is None:
+                await self._collect_if_done()
+                return
+            lease, theta = asked, await runner._fetch(self.client, asked)
         await self._collect_if_done()  # a verdict that is in resets the state before training, not after
         if theta is None:
             return
         on_unsettled = self.inflight is not None  # trains from the end state of an update not yet acknowledged
-        pseudo_gradient = await runner._train_round(self.trainer, theta, lease, self.cfg, self.workload)
+        self._start_ahead(lease)
+        try:
+            pseudo_gradient = await runner._train_round(self.trainer, theta, lease, self.cfg, self.workload)
+        finally:
+            self.trained.set()
         if self.inflight is not None:
             waiting = runner.clock.monotonic()
             applied = await self._collect()
@@ -128,6 +163,65 @@ class OverlappedRounds:
                                "did not apply (the coordinator gives its %d steps back)", lease.lease_id, lease.steps)
                 return
         self._send(lease, await self._encode(lease, pseudo_gradient))
+
+    # ---------------------------------------------------------------------------------- asking ahead
+
+    def _start_ahead(self, training: LeaseGrant) -> None:
+        """While ``training`` trains: ask for the next lease and download its θ, if the link makes it worth it."""
+        rounds = self.runner.options.max_rounds
+        if self.cfg.schedule.method in BARRIER_METHODS or (rounds is not None and self.sent + 2 > rounds):
+            return  # a sync round starts when every update is in; or the lease in training is the last one
+        lead = ask_ahead_s(self._download_s())
+        if lead is None:
+            return
+        self.trained = asyncio.Event()
+        started = self.runner.clock.monotonic()
+        previous = self.inflight.task if self.inflight is not None else None
+        self.ahead = asyncio.ensure_future(self._ask_ahead(training, started, lead, previous))
+
+    def _download_s(self) -> Optional[float]:
+        """Expected seconds of one θ download at the measured rate (None: not measured yet, or no link)."""
+        link = getattr(self.client, "link", None)
+        if link is None or link.measured.get("down") is None:
+            return None
+        from asyncloco.transport.codec_format import wire_bytes
+
+        return float(link.expected_s("down", wire_bytes(self.client.download_codec, self.client.model_numel)))
+
+    async def _ask_ahead(
+        self, training: LeaseGrant, started: float, lead: float, previous: "Optional[asyncio.Task[Optional[Ack]]]"
+    ) -> "Optional[tuple[LeaseGrant, Any]]":
+        runner = self.runner
+        if previous is not None:  # N's ack first: the request may name one kept lease only (N+1, training)
+            await asyncio.wait({previous})
+            if previous.cancelled() or previous.exception() is not None:
+                return None
+            ack = previous.result()
+            if not (ack is not None and ack.accepted) and runner._commits(self.trainer):
+                return None  # N+1 will not be submitted (trained from a refused state): ask after it
+        expected = training.steps * self.workload.units_per_step / float(runner.speed or 1.0)
+        wait = started + expected - lead - runner.clock.monotonic()
+        if wait > 0 and not self.trained.is_set():
+            await pause(runner.clock, wait, self.trained)  # (a second Ctrl+C ends the training: this task is cancelled)
+        if runner._stop.is_set():
+            return None
+        lease = await runner._ask(self.client, self.publisher, training.lease_id, timing="assign_ahead")
+        if lease is None:
+            return None
+        theta = await runner._fetch(self.client, lease, timing="download_ahead")
+        return None if theta is None else (lease, theta)
+
+    async def _take_ahead(self) -> "Optional[tuple[LeaseGrant, Any]]":
+        """The lease asked for ahead and its θ (None: none, or it failed: ask now); the wait for it counts as
+        ``download``."""
+        if self.ahead is None:
+            return None
+        task, self.ahead = self.ahead, None
+        waiting = self.runner.clock.monotonic()
+        try:
+            return await task
+        finally:
+            add_timing(self.runner.summary, "download", self.runner.clock.monotonic() - waiting)
 
     async def _encode(self, lease: LeaseGrant, pseudo_gradient: Any) -> Any:
         runner = self.runner
@@ -178,7 +272,11 @@ class OverlappedRounds:
 
     async def _drain(self, cancel: bool) -> None:
         """The upload in flight as the rounds end: awaited (it ends at once after a second Ctrl+C), or cancelled when
-        the rounds end on an error."""
+        the rounds end on an error. A request asked ahead is cancelled (its lease, if one came, expires)."""
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
         if self.inflight is None:
             return
         task, self.inflight = self.inflight.task, None
@@ -187,3 +285,4 @@ class OverlappedRounds:
         results = await asyncio.gather(task, return_exceptions=True)
         if not cancel and isinstance(results[0], BaseException) and not isinstance(results[0], asyncio.CancelledError):
             logger.warning("the last upload failed as the peer left: %r", results[0])
+

@@ -336,9 +336,12 @@ class PeerRunner:
             self.summary.traffic = counters.as_dict()
             self._write_summary()
 
-    async def _ask(self, client: Any, publisher: Any, keep: Optional[str] = None) -> Optional[LeaseGrant]:
+    async def _ask(
+        self, client: Any, publisher: Any, keep: Optional[str] = None, timing: str = "assign"
+    ) -> Optional[LeaseGrant]:
         """A lease, or None after a failed request or a "no lease" answer (paused: 2 s after a failure; 1 s
-        after "no lease", doubling up to 30 s while quarantined). ``keep``: the lease whose update is uploading."""
+        after "no lease", doubling up to 30 s while quarantined). ``keep``: the lease this peer still holds (its
+        update uploading, or training while it asks ahead); ``timing``: the summary's key for the seconds it took."""
         from asyncloco.transport.errors import TransportError
 
         asked = self.clock.monotonic()
@@ -359,7 +362,7 @@ class PeerRunner:
             await self._pause(2.0)
             return None
         finally:
-            add_timing(self.summary, "assign", self.clock.monotonic() - asked)
+            add_timing(self.summary, timing, self.clock.monotonic() - asked)
         lease = reply.lease
         if lease is None:
             # back off while quarantined (1 s, doubling up to 30 s); otherwise ask again after 1 s
@@ -374,7 +377,7 @@ class PeerRunner:
                         lease.lease_id)
         return lease
 
-    async def _fetch(self, client: Any, lease: LeaseGrant) -> Optional[torch.Tensor]:
+    async def _fetch(self, client: Any, lease: LeaseGrant, timing: str = "download") -> Optional[torch.Tensor]:
         """θ of the lease's base version (the prefetched one if it fits), or None after a failed download."""
         from asyncloco.transport.errors import TransportError
 
@@ -391,7 +394,7 @@ class PeerRunner:
             return None
         finally:
             self._prefetch = None
-            add_timing(self.summary, "download", self.clock.monotonic() - downloading)
+            add_timing(self.summary, timing, self.clock.monotonic() - downloading)
 
     async def _train_round(
         self, trainer: InnerTrainer, theta: torch.Tensor, lease: LeaseGrant, cfg: RunConfig, workload: Any

@@ -6,10 +6,13 @@ each direction from the peer's completed bulk calls (``get_model`` = down, ``sub
 
     timeout = min(ceiling, max(floor, factor × bytes / measured bytes-per-second) × backoff ** attempt)
 
-Before any measurement it uses ``assumed_bytes_per_s`` (default 1 Mbit/s: slow enough for any real link's
-first call to finish, the floor keeps small models' calls from timing out on latency). A call's time
-includes one round trip and the coordinator's work, so the estimate errs low (timeouts err long): the safe
-side. Calls carrying fewer than ``min_bytes`` are latency-bound and are not used as throughput samples.
+Before any measurement it uses ``assumed_bytes_per_s`` (default 0.1 Mbit/s: slow enough for a home uplink's
+first call to finish — at 1 Mbit/s a home link's first 369 kB upload timed out at the 30 s floor, docs/wan.md; a
+link that dies is caught sooner by the frames' idle timeouts, so a long first limit costs little; the floor keeps
+small models' calls from timing out on latency). A call's time includes one round trip and the coordinator's
+work, so the estimate errs low (timeouts err long): the safe side. A call is a throughput sample when it carries
+at least ``min_bytes`` or lasts at least ``min_seconds`` (a small body on a slow link: the int4 upload of a tiny
+model, 190 kB, takes 15 s at 0.1 Mbit/s); shorter, smaller calls are latency-bound and are not used.
 
 :meth:`LinkSpeed.transfer_s` is the peer's estimate of one lease's transfer time (download θ + upload the
 pseudo-gradient): what a coordinator needs to add to the lease deadline so that a peer on a slow link is not
@@ -36,7 +39,8 @@ class LinkSpeed:
     backoff: float = 2.0
     smoothing: float = 0.3  # weight of a new sample in the exponential moving average
     min_bytes: int = 256 * 1024
-    assumed_bytes_per_s: float = 1e6 / 8
+    min_seconds: float = 2.0
+    assumed_bytes_per_s: float = 1e5 / 8
     measured: Dict[str, Optional[float]] = field(default_factory=lambda: {"up": None, "down": None})
     samples: Dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
 
@@ -61,7 +65,9 @@ class LinkSpeed:
     def observe(self, direction: Direction, nbytes: int, seconds: float) -> bool:
         """Record a completed transfer; returns whether it counted as a throughput sample."""
         self._check(direction)
-        if nbytes < self.min_bytes or seconds <= 0 or not math.isfinite(seconds):
+        if seconds <= 0 or not math.isfinite(seconds) or nbytes <= 0:
+            return False
+        if nbytes < self.min_bytes and seconds < self.min_seconds:  # latency-bound: says nothing of the rate
             return False
         sample = nbytes / seconds
         previous = self.measured[direction]

@@ -177,7 +177,7 @@ class AssignRequest(_Message):
     name: Optional[str] = None
     token: Optional[str] = None  # admission token (runtime.admission: token; see coordinator/admission.py)
     signer: Optional[str] = None  # the peer's DHT signing key id, bound to its peer id by the coordinator
-    keep: Optional[str] = None  # overlapped rounds: the lease whose update this peer is still uploading (kept active)
+    keep: Optional[str] = None  # overlapped rounds: the lease this peer still holds, uploading or training (kept active)
     REQUIRED: ClassVar[tuple[str, ...]] = ("kind",)
 
     def __post_init__(self) -> None:

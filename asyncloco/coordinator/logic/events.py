@@ -45,9 +45,10 @@ class Hello:
 
 @dataclass(frozen=True)
 class RequestWork:
-    """A peer asks for a lease. ``keep``: the lease whose update it is still uploading (overlapped rounds: it asks for
-    its next lease when training ends, before its upload completes) — that lease stays active and the peer is never
-    held for its own update; any other lease of the peer is given back as abandoned."""
+    """A peer asks for a lease. ``keep``: the one lease it still holds — its update uploading (overlapped rounds: it
+    asks for its next lease when training ends, before its upload completes), or still training (asking ahead on a
+    slow link: peer/pipeline.py) — that lease stays active and the peer is never held for its own update; any other
+    lease of the peer is given back as abandoned."""
 
     peer: str
     keep: str = ""
