@@ -171,6 +171,19 @@ def test_dht_speed_reports_count_only_when_bound_new_and_not_from_the_future() -
     assert lease_for(state, "b", 2.0).steps == 62  # floor(50 / 80 × 100)
 
 
+def test_observed_speed_counts_from_the_end_of_the_theta_download() -> None:
+    """On a slow link the θ download is not compute: the busy time runs from the download's end (as the coordinator
+    saw it) to the submission, less the upload — not from the lease's issue."""
+    state = make_state(policy(trust_speeds=False, max_local_steps=100, lease_slack=1000.0))
+    do(state, Hello("a", "k-a", "", 10.0), 0.0)
+    lease = lease_for(state, "a", 0.0)
+    do(state, Fetched("a", lease.base_version), 4.0)  # 4 s downloading
+    assert state.leases[lease.lease_id].fetched_at == 4.0
+    do(state, Fetched("a", lease.base_version), 5.0)  # a second download of the same θ: the first end counts
+    do(state, SubmitUpdate("a", lease.lease_id, 0, torch.zeros(DIM), transfer_s=2.0), 12.0)  # 100 units in 6 s busy
+    assert state.peers["a"].observed == pytest.approx(100 / 6)
+
+
 def test_claims_are_capped_by_delivered_throughput_and_unproven_claims_count_boundedly() -> None:
     state = make_state(policy(trust_speeds=False, max_local_steps=100, lease_slack=1000.0))
     do(state, Hello("a", "k-a", "", 10.0), 0.0)

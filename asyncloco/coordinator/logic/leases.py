@@ -91,6 +91,8 @@ def on_fetched(state: CoordinatorState, event: Fetched, now: float) -> list[Acti
     for lease in peer_leases(state, event.peer):
         if lease.base_version == event.version:
             lease.fetched = True
+            if lease.fetched_at is None:
+                lease.fetched_at = now
     drop_unused_base_params(state)
     return []
 

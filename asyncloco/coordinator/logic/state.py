@@ -36,6 +36,9 @@ class Lease:
     # the peer held θ(base_version) when the lease was issued (its prefetch of the newest θ): it may train without a
     # download, so a repair keeps it like a fetched one. Not ``fetched``: θ stays retained in case it downloads anyway
     held: bool = False
+    # when the peer's download of θ(base_version) completed (None: not seen): its training starts no earlier, so the
+    # observed speed counts from then — on a slow link the download is not compute (leases were sized 2.6× short)
+    fetched_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -240,9 +240,11 @@ def _sketch(state: CoordinatorState, event: SubmitUpdate) -> float | None:
 
 
 def _observe_speed(state: CoordinatorState, info: PeerInfo, lease: Lease, event: SubmitUpdate, now: float) -> None:
-    """The peer's observed speed (steps' units per busy second, the lease's time less its transfers) and its
-    transfer time, from this submission (when the policy does not trust reported speeds)."""
-    busy = now - lease.issued_at - max(0.0, event.transfer_s)
+    """The peer's observed speed (steps' units per busy second: from the lease's issue, or from the end of its θ
+    download when the coordinator saw one, to this submission, less the upload) and its transfer time, from this
+    submission (when the policy does not trust reported speeds)."""
+    started = lease.issued_at if lease.fetched_at is None else max(lease.issued_at, lease.fetched_at)
+    busy = now - started - max(0.0, event.transfer_s)
     if busy > 0:
         info.observed = ema(info.observed, lease.steps * state.policy.units_per_step / busy, 0.5)
     info.transfer_s = max(0.0, event.transfer_s)
