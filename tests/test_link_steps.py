@@ -81,6 +81,26 @@ def test_the_logic_sizes_a_lease_to_its_peers_link() -> None:
     assert steps_for(policy(download_upload_ratio=4.0, max_auto_steps=1000), up_only, "slow")[0] == 500
 
 
+def test_link_sizing_caps_the_claim_by_the_looser_link_factor() -> None:
+    """Untrusted speeds: DyLU counts a claim up to 1.5 × the delivered throughput, but sizing to the link counts it up to
+    ``link_speed_cap_factor`` (4) × — a pipelined peer on a slow link delivers at its link's pace."""
+    reports = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=100_000.0, link_down=1_000_000.0)]
+    pol = policy(trust_speeds=False)
+    state = new_state(torch.zeros(4), OuterSGD(0.5), (), pol, (100_000,), 0)
+    for report in reports:
+        handle(state, report, 0.0)
+    for name in ("fast", "slow"):
+        state.peers[name].observed = 200.0  # delivered 200 units/s: DyLU counts 300, the link sizing 800
+    state.peers["fast"].observed = 2000.0
+    _, actions = handle(state, RequestWork("slow"), 1.0)
+    lease = next(a for a in actions if isinstance(a, Assign)).lease
+    assert lease.steps == 112  # 14 s of transfers / (100 units / 800 units/s) = 112 (at 300 units/s: 42)
+    # a claim below 4 × delivered counts whole
+    state.peers["slow"].observed = 400.0
+    _, actions = handle(state, RequestWork("slow"), 2.0)
+    assert next(a for a in actions if isinstance(a, Assign)).lease.steps == 140
+
+
 def test_the_config_key_and_its_bounds() -> None:
     cfg = RunConfig.model_validate({"schedule": {"local_steps": "auto", "max_local_steps": 30}})
     assert cfg.schedule.local_steps == "auto" and cfg.schedule.auto_steps_cap == 300 and cfg.schedule.transfer_cover == 1.0

@@ -176,7 +176,8 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     if policy.link_steps:  # schedule.local_steps: auto — compute covers the peer's transfers
         transfer = transfer_seconds(policy, info)
         if transfer is not None:
-            sized = link_steps(steps, transfer, policy.units_per_step / speed, policy.transfer_cover, policy.max_auto_steps)
+            step_s = policy.units_per_step / _link_speed(state, info)
+            sized = link_steps(steps, transfer, step_s, policy.transfer_cover, policy.max_auto_steps)
             if sized != steps:
                 why_steps += f"; {sized} to cover {transfer:.3g} s of transfers (k = {policy.transfer_cover:g})"
                 steps = sized
@@ -236,6 +237,14 @@ def _effective_speed(state: CoordinatorState, info: PeerInfo) -> float:
     if state.policy.trust_speeds or info.observed is None:
         return info.speed
     return min(info.speed, info.observed * state.policy.speed_cap_factor)
+
+
+def _link_speed(state: CoordinatorState, info: PeerInfo) -> float:
+    """The device speed that sizes a lease to cover the peer's transfers: its claim, capped at
+    ``link_speed_cap_factor`` × its delivered throughput (which a slow link holds down, state.py)."""
+    if state.policy.trust_speeds or info.observed is None:
+        return info.speed
+    return min(info.speed, info.observed * state.policy.link_speed_cap_factor)
 
 
 def _dylu_reference(state: CoordinatorState, now: float) -> float:

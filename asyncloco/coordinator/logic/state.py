@@ -94,6 +94,11 @@ class CoordinatorPolicy:
     norm_bound_per_step: float | None = None  # absolute ceiling on ‖Δ‖/steps (gate.adamw_norm_bound)
     trust_speeds: bool = True  # False: speeds count only when bound to the peer and capped by what it delivers
     speed_cap_factor: float = 1.5  # a claim counts up to this × the throughput observed on its applied leases
+    # schedule.local_steps: auto sizes a lease from the claim capped at this × the delivered throughput: a pipelined peer
+    # on a slow link delivers at its link's pace, not its device's (home150: 0.38 × its compute), so the 1.5 cap made
+    # leases too short to cover the transfers, and shorter leases lowered the delivered pace further. A liar gains
+    # at most this factor in its own lease's steps (bounded by max_auto_steps; the gate clips the update's norm)
+    link_speed_cap_factor: float = 4.0
     max_clock_skew: float = 5.0  # a speed report stamped further in the future than this is refused
     peer_timeout: float = math.inf  # a peer without lease that is silent this long has left
     hold_limit: float = math.inf  # a request held longer than this is answered "ask again"
