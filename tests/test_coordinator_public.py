@@ -173,15 +173,22 @@ def test_dht_speed_reports_count_only_when_bound_new_and_not_from_the_future() -
 
 def test_observed_speed_counts_from_the_end_of_the_theta_download() -> None:
     """On a slow link the θ download is not compute: the busy time runs from the download's end (as the coordinator
-    saw it) to the submission, less the upload — not from the lease's issue."""
+    saw it) to the start of the upload — not from the lease's issue; a lease asked for ahead (while the previous one
+    trains) is busy from the previous upload's start."""
     state = make_state(policy(trust_speeds=False, max_local_steps=100, lease_slack=1000.0))
     do(state, Hello("a", "k-a", "", 10.0), 0.0)
     lease = lease_for(state, "a", 0.0)
     do(state, Fetched("a", lease.base_version), 4.0)  # 4 s downloading
     assert state.leases[lease.lease_id].fetched_at == 4.0
     do(state, Fetched("a", lease.base_version), 5.0)  # a second download of the same θ: the first end counts
+    # asked for ahead at t = 8 (the first lease still trains, kept), its θ fetched at t = 9
+    ahead = next(a for a in do(state, RequestWork("a", keep=lease.lease_id), 8.0) if isinstance(a, Assign)).lease
+    do(state, Fetched("a", ahead.base_version), 9.0)
     do(state, SubmitUpdate("a", lease.lease_id, 0, torch.zeros(DIM), transfer_s=2.0), 12.0)  # 100 units in 6 s busy
     assert state.peers["a"].observed == pytest.approx(100 / 6)
+    # the second trains from the first one's upload start (t = 10): 100 units by its own upload's start (t = 18)
+    do(state, SubmitUpdate("a", ahead.lease_id, ahead.base_version, torch.zeros(DIM), transfer_s=2.0), 20.0)
+    assert state.peers["a"].observed == pytest.approx(0.5 * 100 / 6 + 0.5 * 100 / 8)
 
 
 def test_claims_are_capped_by_delivered_throughput_and_unproven_claims_count_boundedly() -> None:

@@ -207,7 +207,7 @@ class Repaired:
 
 
 ADOPTED_FIELDS = ("lease_id", "peer", "shard", "start_offset", "steps", "lr_offset", "base_version", "issued_at",
-                  "expected_finish", "deadline", "fetched", "held")
+                  "expected_finish", "deadline", "fetched", "held", "fetched_at")  # (older logs: without fetched_at)
 
 
 Event = Union[

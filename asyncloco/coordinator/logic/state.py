@@ -69,6 +69,9 @@ class PeerInfo:
     link_up: float | None = None
     link_down: float | None = None
     time_split: tuple[float, float, float, float] | None = None
+    # when its last upload began (its submission's arrival less the upload's seconds): a lease asked for ahead, while
+    # the previous one still trained, starts training no earlier (the observed speed counts from then)
+    upload_started: float | None = None
 
 
 @dataclass(frozen=True)

@@ -240,14 +240,17 @@ def _sketch(state: CoordinatorState, event: SubmitUpdate) -> float | None:
 
 
 def _observe_speed(state: CoordinatorState, info: PeerInfo, lease: Lease, event: SubmitUpdate, now: float) -> None:
-    """The peer's observed speed (steps' units per busy second: from the lease's issue, or from the end of its θ
-    download when the coordinator saw one, to this submission, less the upload) and its transfer time, from this
-    submission (when the policy does not trust reported speeds)."""
-    started = lease.issued_at if lease.fetched_at is None else max(lease.issued_at, lease.fetched_at)
-    busy = now - started - max(0.0, event.transfer_s)
+    """The peer's observed speed (steps' units per busy second) and its transfer time, from this submission (when the
+    policy does not trust reported speeds). Busy: from the latest of the lease's issue, the end of its θ download (when
+    the coordinator saw one) and the start of the peer's previous upload (a lease asked for ahead trains after the one
+    before it), to the start of this upload."""
+    upload = max(0.0, event.transfer_s)
+    started = max([lease.issued_at, *(t for t in (lease.fetched_at, info.upload_started) if t is not None)])
+    busy = now - upload - started
     if busy > 0:
         info.observed = ema(info.observed, lease.steps * state.policy.units_per_step / busy, 0.5)
-    info.transfer_s = max(0.0, event.transfer_s)
+    info.transfer_s = upload
+    info.upload_started = now - upload
 
 
 # -------------------------------------------------------------- held for a check, or applied first

@@ -164,6 +164,7 @@ def _adopted_lease(entry: tuple[Any, ...] | list[Any]) -> Lease:
         base_version=int(fields["base_version"]), issued_at=float(fields["issued_at"]),
         expected_finish=float(fields["expected_finish"]), deadline=float(fields["deadline"]),
         fetched=bool(fields["fetched"]), held=bool(fields["held"]),
+        fetched_at=None if fields.get("fetched_at") is None else float(fields["fetched_at"]),
     )
 
 
