@@ -169,8 +169,10 @@ class OverlappedRounds:
     def _start_ahead(self, training: LeaseGrant) -> None:
         """While ``training`` trains: ask for the next lease and download its θ, if the link makes it worth it."""
         rounds = self.runner.options.max_rounds
-        if self.cfg.schedule.method in BARRIER_METHODS or (rounds is not None and self.sent + 2 > rounds):
-            return  # a sync round starts when every update is in; or the lease in training is the last one
+        if self.runner._stop.is_set() or self.cfg.schedule.method in BARRIER_METHODS or (
+            rounds is not None and self.sent + 2 > rounds
+        ):
+            return  # stopping; a sync round starts when every update is in; or the lease in training is the last one
         lead = ask_ahead_s(self._download_s())
         if lead is None:
             return
@@ -276,7 +278,10 @@ class OverlappedRounds:
         if self.ahead is not None:
             ahead, self.ahead = self.ahead, None
             ahead.cancel()
-            await asyncio.gather(ahead, return_exceptions=True)
+            result = (await asyncio.gather(ahead, return_exceptions=True))[0]
+            if isinstance(result, tuple):
+                logger.warning("leaving: lease %s, asked for ahead, is dropped before training (the coordinator gives "
+                               "its %s steps back)", result[0].lease_id, result[0].steps)
         if self.inflight is None:
             return
         task, self.inflight = self.inflight.task, None
