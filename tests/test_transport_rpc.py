@@ -31,6 +31,7 @@ class FakeCoordinator:
         self.submitted: list[tuple[SubmitHeader, EncodedTensor, str]] = []
         self.requests: list[tuple[AssignRequest, str]] = []
         self.assign_gate: Optional[asyncio.Event] = None
+        self.submit_gate: Optional[asyncio.Event] = None
         self.ack: Any = Ack(True, 8, "applied", False)
 
     async def assign(self, request: AssignRequest, peer_id: str) -> Union[HelloReply, LeaseReply]:
@@ -48,6 +49,8 @@ class FakeCoordinator:
 
     async def submit(self, header: SubmitHeader, pseudo_gradient: EncodedTensor, peer_id: str, upload_seconds: float = 0.0) -> Ack:
         self.submitted.append((header, pseudo_gradient, peer_id))
+        if self.submit_gate is not None:
+            await self.submit_gate.wait()
         return self.ack  # type: ignore[no-any-return]
 
 
@@ -298,6 +301,26 @@ def test_calls_in_flight_are_limited_per_peer() -> None:
         assert service.counters.assign.calls == client.counters.assign.calls == refusals + 3
 
     run_pair(body, limits=ServiceLimits(max_calls_per_peer=2))
+
+
+@pytest.mark.timeout(60)
+def test_one_peer_sends_one_body_at_a_time() -> None:
+    """A peer holds at most ``max_bodies_per_peer`` (1) of the submit body slots: a second submission while its first is
+    still in the service is refused as busy (a slow sender cannot take every slot), and taken once the first is done."""
+
+    async def body(handler: FakeCoordinator, service: CoordinatorService, client: CoordinatorClient, p2p: P2P) -> None:
+        handler.submit_gate = asyncio.Event()
+        first = asyncio.create_task(client.submit("a", 0, torch.zeros(NUMEL), codec="int8"))
+        await wait_until(lambda: len(handler.submitted) == 1)
+        with pytest.raises(RemoteError, match=r"this peer already sends 1 body \(a submission or a reveal\); at most 1"):
+            await client.submit("b", 0, torch.zeros(NUMEL), codec="int8")
+        assert [h.lease_id for h, _, _ in handler.submitted] == ["a"]  # the second body was never read
+        handler.submit_gate.set()
+        assert (await first).accepted
+        assert (await client.submit("b", 0, torch.zeros(NUMEL), codec="int8")).accepted
+        assert [h.lease_id for h, _, _ in handler.submitted] == ["a", "b"]
+
+    run_pair(body, limits=ServiceLimits(max_submit_bodies=4))
 
 
 @pytest.mark.timeout(30)

@@ -126,6 +126,8 @@ class ServiceLimits:
     :param max_streams: calls in flight in total (each holds at most one 64 KiB header before admission
         to a body slot).
     :param max_submit_bodies: submit bodies in flight: memory ≤ this × ``wire_bytes(codec, numel)``.
+    :param max_bodies_per_peer: submit or reveal bodies one peer id may send at once (an honest runner sends one at
+        a time, in order): a single slow sender cannot hold more than this many of the ``max_submit_bodies`` slots.
     :param max_downloads: downloads in flight.
     :param queue_timeout: how long a call waits for a body slot before it is refused as busy.
     :param error_log_interval, error_log_burst: at most ``burst`` protocol-error lines (and callbacks)
@@ -139,10 +141,14 @@ class ServiceLimits:
     idle_timeout: float = 30.0
     header_timeout: float = 30.0
     transfer_base_s: float = 60.0
-    transfer_min_bytes_per_s: float = 256 << 10
+    # 64 KiB/s (0.5 Mbit/s): a home uplink of 1 Mbit/s sends the 150m preset's int8 update (151 MB) in 20 min — at the
+    # earlier 256 KiB/s floor it was cut off after 10.6 min and could never submit. A slow sender holds one body slot
+    # at most (max_bodies_per_peer)
+    transfer_min_bytes_per_s: float = 64 << 10
     max_calls_per_peer: int = 3
     max_streams: int = 256
     max_submit_bodies: int = 4
+    max_bodies_per_peer: int = 1
     max_downloads: int = 4
     queue_timeout: float = 60.0
     error_log_interval: float = 10.0
@@ -247,6 +253,7 @@ class CoordinatorService:
         )
         self._refusals = _RateLimitedReport("handler refused", logging.INFO, limits.error_log_interval, limits.error_log_burst)
         self._submit_slots = asyncio.Semaphore(limits.max_submit_bodies)
+        self._bodies: dict[str, int] = {}  # bodies each peer id is sending now (max_bodies_per_peer)
         self._download_slots = asyncio.Semaphore(limits.max_downloads)
         self._active: Dict[str, int] = {}
         self._streams = 0
@@ -378,6 +385,25 @@ class CoordinatorService:
             raise _Refused(f"{type(error).__name__}: {error}") from error
 
     @contextlib.asynccontextmanager
+    async def _body_slot(self, peer_id: str, what: str) -> Any:
+        """A submit body slot for one body of ``peer_id`` (a submission or a reveal), at most
+        ``max_bodies_per_peer`` of them per peer at once."""
+        sending = self._bodies.get(peer_id, 0)
+        if sending >= self.limits.max_bodies_per_peer:
+            raise _Busy(f"this peer already sends {sending} body (a submission or a reveal); at most "
+                        f"{self.limits.max_bodies_per_peer} at once: retry once it is done")
+        self._bodies[peer_id] = sending + 1
+        try:
+            async with self._slot(self._submit_slots, what):
+                yield
+        finally:
+            left = self._bodies[peer_id] - 1
+            if left:
+                self._bodies[peer_id] = left
+            else:
+                del self._bodies[peer_id]
+
+    @contextlib.asynccontextmanager
     async def _slot(self, slots: asyncio.Semaphore, what: str) -> Any:
         try:
             await asyncio.wait_for(slots.acquire(), timeout=self.limits.queue_timeout)
@@ -450,7 +476,7 @@ class CoordinatorService:
         check_admitted = getattr(self.handler, "check_admitted", None)
         if check_admitted is not None:
             await self._call_handler(check_admitted(peer_id))
-        async with self._slot(self._submit_slots, "submit"):
+        async with self._body_slot(peer_id, "submit"):
             # Answer the header before the body is sent: a refusal reaches the client cleanly.
             frames_in.extend(self.limits.transfer_timeout(nbytes))
             await frames_out.header(Ready().to_wire())
@@ -472,7 +498,7 @@ class CoordinatorService:
         limit = await self._call_handler(reveal_limit(header, peer_id))  # raises to refuse; bounds the body first
         if header.size > limit:
             raise ProtocolError(f"revealed state of {header.size} bytes; this model's inner state has at most {limit}")
-        async with self._slot(self._submit_slots, "reveal"):
+        async with self._body_slot(peer_id, "reveal"):
             frames_in.extend(self.limits.transfer_timeout(header.size))
             await frames_out.header(Ready().to_wire())
             state = bytes(await frames_in.read_body(header.size)) if header.size else b""
