@@ -28,7 +28,7 @@ from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
-from asyncloco.transport.framing import CHUNK_BYTES
+from asyncloco.transport.framing import CHUNK_BYTES, read_until_closed
 from asyncloco.transport.rpc import CoordinatorClient, CoordinatorService
 from asyncloco.transport.wire import Ack, AssignRequest, LeaseReply, SubmitHeader
 
@@ -73,6 +73,7 @@ async def _raw_upload_handler(info: StreamInfo, reader: asyncio.StreamReader, wr
             pass
         writer.write(b"\x01")
         await writer.drain()
+        await read_until_closed(reader, 30.0, 1 << 20)  # the caller closes once it has read the byte
     finally:
         writer.close()
 
@@ -83,6 +84,9 @@ async def _raw_download_handler(info: StreamInfo, reader: asyncio.StreamReader, 
         chunk = bytes(min(CHUNK_BYTES, total))
         for offset in range(0, total, CHUNK_BYTES):
             await P2P.send_raw_data(chunk[: min(CHUNK_BYTES, total - offset)], writer)
+        # hang up only once the caller has read it all and closed (as the service does: closing first lets p2pd reset
+        # the stream, and the reset overtook the last chunk on a loaded machine — "262144 of 400000 bytes")
+        await read_until_closed(reader, 30.0, 1 << 20)
     finally:
         writer.close()
 
