@@ -131,6 +131,9 @@ def test_speed_reports_carry_the_link_and_the_time_split_into_status() -> None:
     split = time_split(info.time_split)
     assert split == {"computing": 0.9, "uploading": 0.05, "downloading": 0.03, "waiting": pytest.approx(0.02)}
     assert time_split(None) is None and time_split((1.0, 1.0, 1.0, 0.0)) is None
+    # the peer's side: downloading counts the θ downloaded ahead (while the previous lease trained) with the rest
+    ahead = PeerSummary(timing={"train": 80.0, "upload": 30.0, "download": 2.0, "download_ahead": 8.0})
+    assert summary_split(ahead, 100.0) == (80.0, 30.0, 10.0, 100.0) and summary_split(ahead, 0.0) is None
     assert time_split((80.0, 30.0, 10.0, 100.0)) == {"computing": 0.8, "uploading": 0.3, "downloading": 0.1,
                                                       "waiting": 0.0}  # overlapped: transfers while computing
     row = peer_row({"leases": 2, "applied": 1, "steps_assigned": 40, "staleness_sum": 1, "time_s": info.time_split},

@@ -64,11 +64,13 @@ def add_timing(summary: PeerSummary, key: str, seconds: float) -> None:
 
 def time_split(summary: PeerSummary, wall: float) -> Optional[tuple[float, float, float, float]]:
     """What the speed report carries of this peer's time (transport/link.py ``LinkReport``): seconds computing
-    (``train``), uploading, downloading, and ``wall`` — the seconds since its first lease request; None before it."""
+    (``train``), uploading, downloading (a θ downloaded while the previous lease trained, asked for ahead, included:
+    as an upload overlapped with training is), and ``wall`` — the seconds since its first lease request; None before."""
     if not wall > 0:
         return None
     timing = summary.timing
-    return (timing.get("train", 0.0), timing.get("upload", 0.0), timing.get("download", 0.0), wall)
+    downloading = timing.get("download", 0.0) + timing.get("download_ahead", 0.0)
+    return (timing.get("train", 0.0), timing.get("upload", 0.0), downloading, wall)
 
 
 def update_idle(summary: PeerSummary, loop_started: Optional[float], clock: Clock) -> None:
