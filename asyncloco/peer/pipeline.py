@@ -290,4 +290,3 @@ class OverlappedRounds:
         results = await asyncio.gather(task, return_exceptions=True)
         if not cancel and isinstance(results[0], BaseException) and not isinstance(results[0], asyncio.CancelledError):
             logger.warning("the last upload failed as the peer left: %r", results[0])
-

@@ -113,6 +113,15 @@ class CoordinatorHandler(Protocol):
     # ``async def reveal(self, header: RevealHeader, state: bytes, peer_id: str) -> RevealReply``.
 
 
+def _count_down(counts: dict[str, int], key: str) -> None:
+    """One fewer for ``key`` in a per-peer count (the key leaves at zero: the dict stays as small as the peers active)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
 @dataclass(frozen=True)
 class ServiceLimits:
     """Bounds of :class:`CoordinatorService` (see docs/transport.md, "Limits").
@@ -323,11 +332,7 @@ class CoordinatorService:
         finally:
             if admitted:
                 self._streams -= 1
-                left = self._active[peer_id] - 1
-                if left:
-                    self._active[peer_id] = left
-                else:
-                    del self._active[peer_id]
+                _count_down(self._active, peer_id)
             # counted before lingering: the call's bytes are known once its reply is written
             traffic.bytes_received += frames_in.bytes_read
             traffic.bytes_sent += frames_out.bytes_written
@@ -397,11 +402,7 @@ class CoordinatorService:
             async with self._slot(self._submit_slots, what):
                 yield
         finally:
-            left = self._bodies[peer_id] - 1
-            if left:
-                self._bodies[peer_id] = left
-            else:
-                del self._bodies[peer_id]
+            _count_down(self._bodies, peer_id)
 
     @contextlib.asynccontextmanager
     async def _slot(self, slots: asyncio.Semaphore, what: str) -> Any:
