@@ -320,7 +320,7 @@ def test_one_peer_sends_one_body_at_a_time() -> None:
         assert (await client.submit("b", 0, torch.zeros(NUMEL), codec="int8")).accepted
         assert [h.lease_id for h, _, _ in handler.submitted] == ["a", "b"]
 
-    run_pair(body, limits=ServiceLimits(max_submit_bodies=4))
+    run_pair(body, limits=ServiceLimits(max_submit_bodies=4, max_bodies_per_peer=1))
 
 
 @pytest.mark.timeout(30)

@@ -157,7 +157,7 @@ class ServiceLimits:
     max_calls_per_peer: int = 3
     max_streams: int = 256
     max_submit_bodies: int = 4
-    max_bodies_per_peer: int = 1
+    max_bodies_per_peer: int = 2  # one, and a resend while a broken stream of the first still lingers
     max_downloads: int = 4
     queue_timeout: float = 60.0
     error_log_interval: float = 10.0
