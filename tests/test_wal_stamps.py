@@ -228,3 +228,32 @@ def test_background_snapshot_copies_reuse_their_buffers_and_equal_the_state(tmp_
     momentum, live_momentum = second["optimizer"]["momentum_buffer"], live["optimizer"]["momentum_buffer"]
     assert momentum.data_ptr() == first["optimizer"]["momentum_buffer"].data_ptr() != live_momentum.data_ptr()
     assert torch.equal(momentum, live_momentum) and second["version"] == live["version"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_background_snapshot_shares_a_held_updates_tensors_and_copies_the_rest(tmp_path: Path) -> None:
+    """A held update's pseudo-gradient and base θ never change until it is applied or dropped: the snapshot's copy
+    shares them (no θ-sized copy under the lock, none kept between snapshots) while θ is still copied."""
+    from asyncloco.coordinator.logic.state import HeldUpdate
+
+    cfg = small_config(gate={"enabled": False})
+    daemon = CoordinatorDaemon(cfg, checkpoint_dir=tmp_path / "run")
+
+    async def life() -> tuple[dict[str, Any], HeldUpdate]:
+        daemon.node.stop_event = asyncio.Event()
+        await daemon.durability.save()
+        lease = await lease_for(daemon, "peer-a", 100.0)
+        held = HeldUpdate(lease=lease, update=torch.full((daemon.numel,), 3e-5), base=daemon.node.state.params.clone(),
+                          scale=1.0, submitted_at=0.0)
+        daemon.node.state.verification.held[lease.lease_id] = held
+        return daemon.durability.snapshot_payload(copy=True, reuse=True)["coordinator"], held
+
+    copied, held = asyncio.run(life())
+    daemon.monitoring.journal.close()
+    daemon.node.wal.close()
+    (entry,) = copied["verification"]["held"].values()
+    assert entry["update"] is held.update and entry["base"] is held.base
+    assert copied["params"].data_ptr() != daemon.node.state.params.data_ptr()
+    assert torch.equal(copied["params"], daemon.node.state.params)
+    kept = daemon.durability.snapshot_payload(copy=True, reuse=True)["coordinator"]
+    assert kept["params"].data_ptr() == copied["params"].data_ptr()  # θ's buffer is reused; the held tensors never copied

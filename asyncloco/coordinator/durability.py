@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 INITIAL_SNAPSHOT = "initial-state.pt"  # in wal/archive/ when runtime.wal_archive is on
 RESUME_GRACE_S = 10.0  # after --resume, peers known from the checkpoint get this long to call again
+SHARED_PREFIX = "verification/held/"  # a snapshot's copy shares these tensors (snapshot_payload)
 SOFTWARE_STAMP = node_module.SOFTWARE_STAMP  # what --resume accepts (tests replace it here)
 
 
@@ -134,12 +135,16 @@ class Durability:
 
     def snapshot_payload(self, copy: bool, reuse: bool = False) -> dict[str, Any]:
         """Everything a snapshot holds. ``copy``: θ and the optimizer's tensors cloned (they change in place);
-        the θ the logic keeps per base version (``base_params``) never changes, so it is shared. ``reuse`` (the
+        the θ the logic keeps per base version (``base_params``) and a held update's tensors (its pseudo-gradient and
+        θ at its base: logic/state.py ``HeldUpdate``, read-only until it is applied or dropped) never change, so they
+        are shared — two θ-sized copies per held update saved under the lock and in the kept buffers. ``reuse`` (the
         background snapshots, one at a time): the copies go into buffers kept from the previous snapshot — a
         fresh θ-sized allocation costs ≈ 7 memcpy in page faults, and this copy is taken under the lock."""
         buffers: dict[str, torch.Tensor] = {}
 
         def clone(value: Any, key: str) -> Any:
+            if key.startswith(SHARED_PREFIX):
+                return value
             if isinstance(value, torch.Tensor):
                 if not reuse:
                     return value.clone()
