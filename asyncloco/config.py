@@ -183,6 +183,14 @@ class SimConfig(StrictModel):
         default_factory=lambda: ["sync_diloco", "async_diloco", "async_dn", "async_dn_dylu", "async_buffer", "poly"]
     )
     seed: int = 0
+    checks: bool = Field(
+        False, description="model verification's held checks: a lease runtime.verify chooses (probation, its fraction) has "
+        "its update held until one verifier has re-run it (rerun_seconds_per_step × its steps, one check at a time), then "
+        "applied; off: nothing is held (the paper's setting)",
+    )
+    rerun_seconds_per_step: float | None = Field(
+        None, gt=0, description="the verifier's seconds per local step when sim.checks is on; default the fastest worker's"
+    )
 
     @field_validator("profile")
     @classmethod

@@ -165,3 +165,47 @@ def test_sync_diloco_waits_for_the_slowest_worker_every_round() -> None:
         assert task["time"] == pytest.approx(round_index * slowest, rel=1e-12)
     assert simulation.result.sim_time == pytest.approx(2 * slowest, rel=1e-12)
     assert simulation.result.staleness == [0, 1, 2, 3] * 2
+
+
+# ------------------------------------------------------------------------------ held checks (sim.checks)
+
+
+@pytest.mark.timeout(180)
+def test_held_checks_apply_each_chosen_update_when_one_verifiers_rerun_of_it_ends() -> None:
+    """sim.checks: the leases verification chooses (every worker's probation, then its draws) are held until a single
+    verifier, first come first served, has re-run their steps at rerun_seconds_per_step; the others apply when they
+    arrive. Nothing chosen: the run is the unchecked run, bit for bit."""
+    rerun = 0.25
+    cfg = toy_config(sim={"profile": "very", "total_local_updates": 200, "checks": True, "rerun_seconds_per_step": rerun},
+                     runtime={"verify": {"fraction": 0.45, "probation_updates": 2}})
+    simulation, trace = _run(cfg, "async_dn_dylu")
+    finish = {r["lease_id"]: (r["finish"], r["steps"], r["worker"]) for r in _records(trace, "task")}
+    applied = {r["lease_id"]: r["time"] for r in _records(trace, "applied")}
+    held = _records(trace, "held")
+    assert held and simulation.result.held == len(held)
+    free = 0.0
+    for record in held:  # in the order they arrived: the verifier's queue
+        submitted, steps, _ = finish[record["lease_id"]]
+        assert record["time"] == submitted
+        free = max(submitted, free) + steps * rerun
+        assert record["verdict_at"] == free
+        if record["lease_id"] in applied:
+            assert applied[record["lease_id"]] == free
+    for lease_id, time in applied.items():
+        if lease_id not in {r["lease_id"] for r in held}:
+            assert time == finish[lease_id][0]
+    for worker in {w for _, _, w in finish.values()}:  # every worker's first two leases are its probation
+        first = sorted((f, lease_id) for lease_id, (f, _, w) in finish.items() if w == worker)[:2]
+        chosen = {r["lease_id"]: r["why"] for r in held}
+        assert all(chosen.get(lease_id, "").startswith("probation") for _, lease_id in first)
+    assert 0 < sum(r["why"].startswith("sampled") for r in held) < len(finish)
+
+    nothing = toy_config(sim={"profile": "very", "total_local_updates": 200, "checks": True},
+                         runtime={"verify": {"fraction": 0.0, "probation_updates": 0}})
+    plain = toy_config(sim={"profile": "very", "total_local_updates": 200})
+    quiet, quiet_trace = _run(nothing, "async_dn_dylu")
+    unchecked, unchecked_trace = _run(plain, "async_dn_dylu")
+    assert quiet.result.held == 0 and quiet_trace == unchecked_trace
+    assert torch.equal(quiet.state.params, unchecked.state.params)
+    with pytest.raises(ValueError, match="runtime.verify.enabled"):
+        Simulation(toy_config(sim={"checks": True}, runtime={"verify": {"enabled": False}}), "async_dn_dylu")

@@ -227,7 +227,8 @@ def coordinator_policy(
         bound = adamw_norm_bound(cfg.inner.lr, numel, cfg.inner.weight_decay, cfg.inner.betas)
     hold_limit = hold_timings(cfg).logic
     verify = None
-    if real and runtime.verify.enabled:  # verification of the work (coordinator/verify.py)
+    if runtime.verify.enabled and (real or cfg.sim.checks):  # verification of the work (coordinator/verify.py); the
+        # simulator holds the chosen leases' updates for a modelled re-run (sim/engine.py)
         knobs_v = runtime.verify
         verify = VerifyPolicy(knobs_v.fraction, knobs_v.probation_updates, knobs_v.suspect_fraction,
                               commit=knobs_v.inner_state == "carry", sketch_threshold=knobs_v.sketch_threshold,

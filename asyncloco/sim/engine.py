@@ -39,6 +39,7 @@ from asyncloco.coordinator.logic import (
     Applied,
     Assign,
     Expired,
+    FRESH_STATE_DIGEST,
     Fetched,
     Hold,
     Rejected,
@@ -46,6 +47,8 @@ from asyncloco.coordinator.logic import (
     SpeedReport,
     SubmitUpdate,
     Tick,
+    Verified,
+    Verify,
     handle,
     new_state,
 )
@@ -106,6 +109,7 @@ class SimResult:
     sim_time: float = 0.0
     staleness: list[int] = field(default_factory=list)
     upload_bytes: int = 0  # wire_bytes(runtime.codec, numel) per submitted update
+    held: int = 0  # updates held for a modelled check (sim.checks)
 
     @property
     def final(self) -> dict[str, float]:
@@ -197,6 +201,12 @@ class Simulation:
             for worker in self.workers.values():
                 worker.feedback = ErrorFeedback(cfg.runtime.codec, cfg.runtime.uses_error_feedback,
                                                 cfg.runtime.error_feedback_decay)
+        # sim.checks: the chosen leases' updates wait for one verifier's re-run, one check at a time (honest workers:
+        # every verdict agrees; what is modelled is the wait, which makes a held update staler when applied)
+        if cfg.sim.checks and self.state.policy.verify is None:
+            raise ValueError("sim.checks models verification's held checks: it needs runtime.verify.enabled true")
+        self.rerun_seconds_per_step = cfg.sim.rerun_seconds_per_step or min(speeds)
+        self._verifier_free = 0.0
         self._queue: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._next_eval = cfg.sim.eval_every
@@ -285,6 +295,14 @@ class Simulation:
                 # never in a simulation (no deadlines, every θ fetched at once): a lease taken back would
                 # leave its worker training for nothing, so fail loudly rather than skew a comparison
                 raise AssertionError(f"simulated lease {action.lease_id} was taken back: {action.reason}")
+            elif isinstance(action, Verify):
+                # one verifier, first come first served: the re-run of the lease's steps (sim.checks)
+                self.result.held += 1
+                start = max(now, self._verifier_free)
+                self._verifier_free = start + action.lease.steps * self.rerun_seconds_per_step
+                self._push(self._verifier_free, f"verdict:{action.lease.lease_id}", action.peer)
+                self._emit({"type": "held", "method": self.result.method, "time": now, "worker": action.peer,
+                            "lease_id": action.lease.lease_id, "why": action.lease.verify, "verdict_at": self._verifier_free})
             elif isinstance(action, Rejected):
                 self._emit({"type": "rejected", "method": self.result.method, "time": now, "worker": action.peer, "reason": action.reason})
 
@@ -344,7 +362,11 @@ class Simulation:
                 if worker.feedback is not None:
                     update = worker.feedback.roundtrip(update)
                 self.result.upload_bytes += self.upload_bytes
-                submit = SubmitUpdate(name, worker.lease_id, worker.base_version, update)
+                # with sim.checks the commitments are stand-ins: every lease starts from a fresh state (which always
+                # chains) and ends in a state of its own
+                digests = (FRESH_STATE_DIGEST, f"sim:{worker.lease_id}") if self.cfg.sim.checks else (None, None)
+                submit = SubmitUpdate(name, worker.lease_id, worker.base_version, update,
+                                      state_start=digests[0], state_end=digests[1])
                 if self.state.local_updates + worker.steps > self.cfg.sim.total_local_updates:
                     self._score_at_budget(now)  # this update would cross the budget: score θ before it
                 lease_id = worker.lease_id
@@ -356,6 +378,10 @@ class Simulation:
                 if self._finished(now):
                     break
                 self._dispatch(handle(self.state, RequestWork(name), now)[1], now)
+            elif kind.startswith("verdict:"):
+                self._dispatch(handle(self.state, Verified(name, kind.split(":", 1)[1], True, "simulated re-run"), now)[1], now)
+                if self._finished(now):
+                    break
             else:
                 self._dispatch(handle(self.state, Tick(), now)[1], now)
         self._finished(now)
