@@ -188,6 +188,11 @@ class SimConfig(StrictModel):
         "its update held until one verifier has re-run it (rerun_seconds_per_step × its steps, one check at a time), then "
         "applied; off: nothing is held (the paper's setting)",
     )
+    overlap: bool = Field(
+        False, description="runtime.overlap's order with instantaneous transfers: a worker asks for its next lease before "
+        "its update is submitted (so it starts from θ without its own last update), and DN's N counts two updates per "
+        "worker on the way, as a real overlapped run's; off: the paper's serial rounds",
+    )
     rerun_seconds_per_step: float | None = Field(
         None, gt=0, description="the verifier's seconds per local step when sim.checks is on; default the fastest worker's"
     )

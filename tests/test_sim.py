@@ -209,3 +209,36 @@ def test_held_checks_apply_each_chosen_update_when_one_verifiers_rerun_of_it_end
     assert torch.equal(quiet.state.params, unchecked.state.params)
     with pytest.raises(ValueError, match="runtime.verify.enabled"):
         Simulation(toy_config(sim={"checks": True}, runtime={"verify": {"enabled": False}}), "async_dn_dylu")
+
+
+@pytest.mark.timeout(180)
+def test_overlap_asks_for_the_next_lease_before_the_update_is_in_and_doubles_dns_n() -> None:
+    """sim.overlap: runtime.overlap's order with instantaneous transfers — each worker's next lease is issued the moment
+    its lease ends, from θ without that lease's update (applied right after), and DN's N counts two updates per worker."""
+    cfg = toy_config(schedule={"grace_period": 0.0}, outer={"buffer_size": 3},
+                     sim={"profile": "very", "total_local_updates": 200, "overlap": True})
+    simulation, trace = _run(cfg, "async_dn_dylu")
+    assert simulation.state.optimizer.buffer_size == 6
+    applied = {r["lease_id"]: r["version"] for r in _records(trace, "applied")}
+    tasks: dict[str, list[dict[str, Any]]] = {}
+    for record in _records(trace, "task"):
+        tasks.setdefault(record["worker"], []).append(record)
+    pairs = 0
+    for records in tasks.values():
+        for previous, current in zip(records, records[1:]):
+            assert current["time"] == previous["finish"]
+            if previous["lease_id"] in applied:  # its own update reached θ only after the next lease's base
+                assert current["base_version"] < applied[previous["lease_id"]]
+                pairs += 1
+    assert pairs >= 10
+    serial, serial_trace = _run(toy_config(schedule={"grace_period": 0.0}, outer={"buffer_size": 3},
+                                           sim={"profile": "very", "total_local_updates": 200}), "async_dn_dylu")
+    assert serial.state.optimizer.buffer_size == 3
+    serial_applied = {r["lease_id"]: r["version"] for r in _records(serial_trace, "applied")}
+    serial_tasks = _records(serial_trace, "task")
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for record in serial_tasks:
+        by_worker.setdefault(record["worker"], []).append(record)
+    for records in by_worker.values():  # serial rounds: the next lease starts from θ with the worker's own update
+        for previous, current in zip(records, records[1:]):
+            assert current["base_version"] >= serial_applied[previous["lease_id"]]

@@ -169,7 +169,7 @@ class Simulation:
         self.eval_model = self.workload.build_model(cfg.seed)
         theta = (initial_params if initial_params is not None else pretrain(cfg, self.workload)).clone()
         self.spec, optimizer, transforms = build_method(
-            method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model)
+            method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model), 2 if cfg.sim.overlap else 1
         )
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=True)
         if outer_warmup > 0:  # an experiment beyond the paper (docs/algorithm.md §11): off by default
@@ -371,13 +371,16 @@ class Simulation:
                     self._score_at_budget(now)  # this update would cross the budget: score θ before it
                 lease_id = worker.lease_id
                 worker.result, worker.lease_id = None, None
+                if self.cfg.sim.overlap:  # runtime.overlap's order: the next lease is asked for before this update is in
+                    self._dispatch(handle(self.state, RequestWork(name, keep=lease_id), now)[1], now)
                 actions = handle(self.state, submit, now)[1]
                 if worker.feedback is not None:
                     worker.feedback.settle(any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions))
                 self._dispatch(actions, now)
                 if self._finished(now):
                     break
-                self._dispatch(handle(self.state, RequestWork(name), now)[1], now)
+                if not self.cfg.sim.overlap:
+                    self._dispatch(handle(self.state, RequestWork(name), now)[1], now)
             elif kind.startswith("verdict:"):
                 self._dispatch(handle(self.state, Verified(name, kind.split(":", 1)[1], True, "simulated re-run"), now)[1], now)
                 if self._finished(now):
