@@ -58,7 +58,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import torch
 
@@ -493,21 +493,36 @@ class Hostile:
             numel, codec = flatten_params(build_workload(cfg).build_model(cfg.seed)).numel(), cfg.runtime.codec
         hello = await self._hello(p2p)
         client = self._client(p2p, numel)
-        try:
+
+        async def once(name: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+            # an answer (or a coded refusal) is recorded; a dropped stream is asked again, as any client would — the
+            # summary's last record of each call is its answer
+            for attempt in range(SUBMIT_ATTEMPTS):
+                try:
+                    self._note(name, True, **await call())
+                    return
+                except TransportError as error:
+                    code = getattr(error, "code", None)
+                    self._note(name, False, error=str(error), code=code)
+                    if code is not None or "not admitted" in str(error):
+                        return
+                    await asyncio.sleep(0.5 * 2**attempt)
+
+        async def assign() -> dict[str, Any]:
             reply = await client.assign(1e12, token=self.o.token, timeout=30.0)
-            self._note("assign", True, lease=None if reply.lease is None else reply.lease.to_wire(), reason=reply.reason)
-        except TransportError as error:
-            self._note("assign", False, error=str(error))
-        try:
+            return {"lease": None if reply.lease is None else reply.lease.to_wire(), "reason": reply.reason}
+
+        async def get_model() -> dict[str, Any]:
             version, theta = await client.get_model(None, timeout=30.0)
-            self._note("get_model", True, version=version, numel=theta.numel())
-        except TransportError as error:
-            self._note("get_model", False, error=str(error))
-        try:
+            return {"version": version, "numel": theta.numel()}
+
+        async def submit() -> dict[str, Any]:
             ack = await client.submit("L00000001", 0, torch.full((numel,), 1e3), codec=codec, timeout=30.0)
-            self._note("submit", True, accepted=ack.accepted, reason=ack.reason, version=ack.version)
-        except TransportError as error:
-            self._note("submit", False, error=str(error))
+            return {"accepted": ack.accepted, "reason": ack.reason, "version": ack.version}
+
+        await once("assign", assign)
+        await once("get_model", get_model)
+        await once("submit", submit)
         del hello
 
     # --------------------------------------------------------------------------------- flood
