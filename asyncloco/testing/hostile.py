@@ -504,7 +504,7 @@ class Hostile:
                 except TransportError as error:
                     code = getattr(error, "code", None)
                     self._note(name, False, error=str(error), code=code)
-                    if code is not None or "not admitted" in str(error):
+                    if code is not None:
                         return
                     await asyncio.sleep(0.5 * 2**attempt)
 
