@@ -337,6 +337,13 @@ class VerifyConfig(StrictModel):
         0, ge=0, description="with inner_state reset: ramp the LR linearly over each lease's first N steps (a fresh AdamW's first steps are large)"
     )
     queue: int = Field(16, ge=1, description="re-runs waiting at most; beyond it a check is skipped and counted")
+    # a reset-state lease is a function of θ as its peer decoded it and the data: the coordinator knows both once it has
+    # sent the lease's θ, so its re-run can start then, while the peer trains, and the update's verdict is ready when
+    # it arrives (coordinator/verify.py "Re-runs ahead"); with inner_state carry the start state comes with the reveal
+    ahead: int = Field(
+        4, ge=0, description="inner_state reset: re-runs of chosen leases started when the coordinator sends their θ, "
+        "before their update arrives (kept at most; each keeps a θ-sized result); 0: re-run only once the update is in"
+    )
     horizon: int = Field(200, ge=1, description="applied updates between repair anchors: an expulsion undoes at least this far back")
     repair: Literal["rerun", "discard"] = Field(
         "rerun", description="what a repair applies in place of an expelled peer's updates: rerun = the coordinator's honest "

@@ -212,6 +212,45 @@ def test_held_checks_apply_each_chosen_update_when_one_verifiers_rerun_of_it_end
 
 
 @pytest.mark.timeout(180)
+def test_with_re_runs_ahead_the_verifier_starts_each_chosen_lease_when_it_is_issued() -> None:
+    """runtime.verify.ahead with inner_state reset (coordinator/ahead.py): the verifier's queue takes each chosen lease
+    when it is issued, not when its update arrives, and the update's verdict comes at its arrival or when that re-run
+    ends, whichever is later; the same run without it queues at arrival."""
+    rerun = 0.25
+    verify = {"fraction": 0.45, "probation_updates": 2, "inner_state": "reset"}
+    cfg = toy_config(sim={"profile": "very", "total_local_updates": 200, "checks": True, "rerun_seconds_per_step": rerun},
+                     runtime={"verify": verify})
+    assert cfg.runtime.verify.ahead > 0
+    simulation, trace = _run(cfg, "async_dn_dylu")
+    tasks = _records(trace, "task")
+    held = {r["lease_id"]: r for r in _records(trace, "held")}
+    ready: dict[str, float] = {}
+    free = 0.0
+    for task in tasks:  # in the order they were issued
+        if not task.get("verify", "probation: held").startswith("probation: held"):
+            free = ready[task["lease_id"]] = max(task["time"], free) + task["steps"] * rerun
+    assert held and set(held) <= set(ready)
+    finish = {task["lease_id"]: task["finish"] for task in tasks}
+    early = 0
+    for lease_id, record in held.items():
+        assert record["time"] == finish[lease_id]
+        assert record["verdict_at"] == max(finish[lease_id], ready[lease_id])
+        early += ready[lease_id] <= finish[lease_id]  # judged the moment it arrived
+    assert early > 0
+    applied = {r["lease_id"]: r["time"] for r in _records(trace, "applied")}
+    assert all(applied[lease_id] == held[lease_id]["verdict_at"] for lease_id in held if lease_id in applied)
+    later, later_trace = _run(toy_config(sim={"profile": "very", "total_local_updates": 200, "checks": True,
+                                              "rerun_seconds_per_step": rerun},
+                                         runtime={"verify": {**verify, "ahead": 0}}), "async_dn_dylu")
+    at_arrival = _records(later_trace, "held")
+    free = 0.0
+    for record in at_arrival:
+        free = max(record["time"], free) + next(t["steps"] for t in _records(later_trace, "task")
+                                                if t["lease_id"] == record["lease_id"]) * rerun
+        assert record["verdict_at"] == free
+
+
+@pytest.mark.timeout(180)
 def test_overlap_asks_for_the_next_lease_before_the_update_is_in_and_doubles_dns_n() -> None:
     """sim.overlap: runtime.overlap's order with instantaneous transfers — each worker's next lease is issued the moment
     its lease ends, from θ without that lease's update (applied right after), and DN's N counts two updates per worker."""

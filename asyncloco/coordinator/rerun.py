@@ -265,19 +265,29 @@ class Rerunner:
     def _rerun_encoded(self, lease: Lease, base: torch.Tensor, residual: Optional[torch.Tensor],
                        sign_rotation: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional["EncodedTensor"]]:
         """:meth:`_rerun`, and the upload's encoding (None without a codec)."""
+        return self._encoded(self.trained(lease, base), residual, sign_rotation)
+
+    def trained(self, lease: "Lease", base: torch.Tensor) -> torch.Tensor:
+        """The pseudo-gradient an honest run of ``lease`` from θ = ``base`` trains, before the upload's codec (with the
+        trainer's inner state as it is: fresh unless a caller loaded one)."""
+        return self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset).pseudo_gradient
+
+    def _encoded(self, pseudo_gradient: torch.Tensor, residual: Optional[torch.Tensor], sign_rotation: Optional[int] = None
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional["EncodedTensor"]]:
+        """``pseudo_gradient`` through the run's upload codec as a peer encodes it (the update as the coordinator decodes
+        it, the residual left, the encoding; None for both without a codec)."""
         from asyncloco.train.feedback import ErrorFeedback
         from asyncloco.transport.codecs import decode
 
-        result = self.trainer.run(base, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
         runtime = self.cfg.runtime
         if runtime.codec == "none":
-            return result.pseudo_gradient, None, None
+            return pseudo_gradient, None, None
         # the peer's own arithmetic (train/feedback.py), so that an honest upload reproduces bit for bit
         feedback = ErrorFeedback(runtime.codec, runtime.uses_error_feedback, runtime.error_feedback_decay)
         feedback.residual = residual
         feedback.sign_rotation = sign_rotation
-        encoded, decoded = feedback.encode_decoded(result.pseudo_gradient)
-        update = decoded if decoded is not None else decode(encoded, result.pseudo_gradient.numel())
+        encoded, decoded = feedback.encode_decoded(pseudo_gradient)
+        update = decoded if decoded is not None else decode(encoded, pseudo_gradient.numel())
         return update, feedback.pending, encoded
 
     def rerun_carried(self, lease: Lease, base: torch.Tensor, state: bytes, residual: Optional[torch.Tensor]
@@ -304,6 +314,13 @@ class Rerunner:
         if base is None:
             return Comparison(False, False, math.inf, -1.0, why)
         return compare(self.rerun(task.lease, base, self._sign_rotation(task)), task.update, *self.bounds(task))
+
+    def check_trained(self, task: Verify, pseudo_gradient: torch.Tensor) -> Comparison:
+        """:meth:`check` of a reset-state lease whose honest run ``pseudo_gradient`` (:meth:`trained`) was made ahead, from
+        the θ its peer decoded (coordinator/verify.py ``Ahead``, which matched it to ``task``): only the codec and the
+        comparison are left."""
+        update = self._encoded(pseudo_gradient, None, self._sign_rotation(task))[0]
+        return compare(update, task.update, *self.bounds(task))
 
     def state_tolerance(self) -> float:
         """The bound on a foreign-class peer's revealed end state (:func:`state_gap`'s m, v and AdamW step; the residual

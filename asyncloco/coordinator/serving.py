@@ -207,6 +207,12 @@ class Serving:
                 await node.decide(Fetched(peer_id, version))
         return version, theta
 
+    def served(self, peer_id: str, version: int, codec: str, anchor: Optional[int], unchanged: bool = False) -> None:
+        """The transport sent θ at ``version`` to ``peer_id`` in ``codec`` (a delta from ``anchor``, or in full;
+        ``unchanged``: no body, the peer holds it): verification may re-run its chosen leases ahead (coordinator/ahead.py)."""
+        if self.verification is not None:
+            self.verification.served(peer_id, version, codec, anchor, unchanged)
+
     async def gate_probe(
         self, peer_id: str, lease_id: str, base_version: int, update: torch.Tensor
     ) -> tuple[Optional[float], Optional[float]]:

@@ -63,6 +63,7 @@ from asyncloco.coordinator.logic import (
     Verify,
 )
 
+from asyncloco.coordinator.ahead import Ahead, AheadResult, AheadRun
 from asyncloco.coordinator.rerun import Comparison, Rerunner
 from asyncloco.coordinator.repair import Anchors, RepairResult, log_events, repair
 from asyncloco.coordinator.substitute import RepairReruns
@@ -113,6 +114,7 @@ class Verifier:
         clock: Callable[[], float] = time.monotonic,
         moot: Callable[[Verify], bool] = lambda task: False,
         on_skip: Optional[Callable[[Verify, str], Awaitable[None]]] = None,
+        ahead: int = 0,
     ) -> None:
         self.rerunner = rerunner
         self.on_verdict = on_verdict
@@ -124,6 +126,9 @@ class Verifier:
         self.stats = VerifyStats()
         self.idle = asyncio.Event()
         self.idle.set()
+        # re-runs made ahead of their updates (coordinator/ahead.py), in the worker's spare time: a queued check goes first
+        self.ahead = Ahead(ahead)
+        self._wake = asyncio.Event()  # something was planned ahead
 
     def offer(self, task: Verify, revealed: Optional[bytes] = None, offered_at: Optional[float] = None) -> bool:
         """Queue a re-run (``revealed``: the start inner state for a carried-state lease, b"" for a fresh one)."""
@@ -137,24 +142,72 @@ class Verifier:
         self.idle.clear()
         return True
 
+    def plan_ahead(self, run: AheadRun) -> None:
+        """Re-run ``run`` ahead of its update when the worker has nothing queued (coordinator/ahead.py)."""
+        if self.ahead.plan(run):
+            self._wake.set()
+
+    async def _run_ahead(self, run: AheadRun) -> None:
+        started = time.perf_counter()
+        result: Optional[AheadResult] = None
+        try:
+            result = await asyncio.to_thread(Ahead.run, run, self.rerunner)
+        except Exception as error:  # never a verdict: the check re-runs the lease when its update is in
+            logger.warning("re-running lease %s ahead failed (%r); it is re-run when its update arrives",
+                           run.lease.lease_id, error)
+        finally:
+            self.ahead.finish(result)
+        self.stats.busy_s += time.perf_counter() - started
+        self.stats.rerun_steps += run.lease.steps
+
+    async def judge_ahead(self, task: Verify, result: Optional[AheadResult] = None) -> Optional[Comparison]:
+        """``task`` judged from its re-run made ahead (``result``, else the finished one :attr:`ahead` holds for it), or
+        None: there is none, or it was made for another θ or lease than the one the submission names."""
+        result = self.ahead.take(task.lease.lease_id) if result is None else result
+        if result is None:
+            return None
+        comparison = await asyncio.to_thread(self.ahead.judge, task, result, self.rerunner)
+        if comparison is None:
+            self.ahead.stats.mismatched += 1
+        else:
+            self.ahead.stats.used += 1
+        return comparison
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            if self.queue.empty() and self.ahead.planned:
+                run = self.ahead.next()
+                if run is not None:
+                    await self._run_ahead(run)
+                continue
+            self._wake.clear()
             getter = asyncio.ensure_future(self.queue.get())
             stopper = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            waker = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({getter, stopper, waker}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
+            waker.cancel()
             if not getter.done():
                 getter.cancel()
-                break
+                await asyncio.gather(getter, return_exceptions=True)
+            if getter.cancelled():
+                if stop.is_set():
+                    break
+                continue  # woken for a run ahead
             task, queued_at, revealed = getter.result()
             if self.moot(task):
                 self.stats.moot += 1
                 self._done()
                 continue
             started = time.perf_counter()
+            rerun = True
             try:
                 if revealed is None:
-                    comparison = await asyncio.to_thread(self.rerunner.check, task)
+                    # its re-run ahead may have finished meanwhile (it was running when the update came)
+                    comparison = await self.judge_ahead(task)
+                    rerun = comparison is None
+                    if comparison is None:
+                        comparison = await asyncio.to_thread(self.rerunner.check, task)
                 else:
                     comparison = await asyncio.to_thread(self.rerunner.check_revealed, task, revealed)
             except Exception as error:  # a bug or a lease the workload cannot serve: no verdict, never an expulsion
@@ -164,7 +217,7 @@ class Verifier:
                 self._done()
                 continue
             self.stats.busy_s += time.perf_counter() - started
-            self.stats.rerun_steps += task.lease.steps
+            self.stats.rerun_steps += task.lease.steps if rerun else 0
             try:
                 await self.on_verdict(task, comparison)
             except Exception as error:  # the daemon failed to decide (it fail-stops on its own); keep the worker alive
@@ -251,6 +304,7 @@ class DaemonVerification:
             Rerunner(cfg, port.workload, device=cfg.runtime.eval_device), self._verdict, self.knobs.queue,
             moot=lambda task: task.peer in self.port.node.state.verification.expelled,
             on_skip=self._unverified,
+            ahead=self.knobs.ahead if self.knobs.inner_state == "reset" and self.knobs.local else 0,
         )
         self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
         # checks a --resume replay met without their verdict (lease id -> check): queued again by start()
@@ -290,6 +344,9 @@ class DaemonVerification:
                 logger.warning("lease %s of %s failed verification: %s", action.lease_id, action.peer[-8:], action.detail)
             return True
         if isinstance(action, Expelled):
+            ahead = self.verifier.ahead
+            ahead.forget({lease_id for lease_id, run in [*ahead.planned.items()] if run.lease.peer == action.peer} |
+                         {lease_id for lease_id, result in ahead.done.items() if result.lease[1] == action.peer})
             for lease_id, (check, _, deadline) in list(self.awaiting.items()):  # its reveals are moot now
                 if check.peer == action.peer:
                     deadline.cancel()
@@ -379,6 +436,7 @@ class DaemonVerification:
             "anchors": self.anchors.seqs(),
             "reveals": {**self.reveals, "awaiting": len(self.awaiting)},
             "validators": self.desk.status(),
+            "ahead": self.verifier.ahead.stats.as_dict(),  # re-runs made while their leases trained (coordinator/ahead.py)
             # re-run inner steps ÷ applied inner steps: verification's compute as a fraction of the run's training
             "compute_fraction": self.verifier.stats.rerun_steps / local_updates,
             **self.verifier.stats.as_dict(),
@@ -449,10 +507,74 @@ class DaemonVerification:
     # --- internals
 
     def _check(self, action: Verify) -> None:
-        """Queue the re-run of a check, or wait for its peer's reveal first; a full queue ends it unverified."""
+        """Judge a check from its re-run made ahead (coordinator/ahead.py), else queue its re-run, or wait for its peer's
+        reveal first; a full queue ends it unverified."""
         if action.failed:  # a broken commitment chain: nothing to re-run, the verdict is already known
             self._decide_later(self._verdict(action, Comparison(False, False, math.inf, -1.0, action.failed)))
             return
+        result = self.verifier.ahead.take(action.lease.lease_id)
+        if result is not None and not needs_reveal([action], action.lease.lease_id):
+            self._decide_later(self._judge_ahead(action, result))
+            return
+        self._queue_check(action)
+
+    async def _judge_ahead(self, action: Verify, result: AheadResult) -> None:
+        """``action`` judged from the re-run made ahead for it: a verdict at once; queued like any check when the
+        submission names another θ or lease than the one the re-run was made for."""
+        verifier = self.verifier
+        offered = verifier.clock()
+        try:
+            comparison = await verifier.judge_ahead(action, result)
+        except Exception as error:  # a bug: no verdict from it, the check re-runs as before
+            logger.error("judging lease %s from its re-run ahead failed: %r", action.lease.lease_id, error)
+            comparison = None
+        if comparison is None:
+            self._queue_check(action)
+            return
+        await self._verdict(action, comparison)
+        verifier.stats.latencies = (verifier.stats.latencies + [verifier.clock() - offered])[-256:]
+
+    def served(self, peer: str, version: int, codec: str, anchor: Optional[int], unchanged: bool = False) -> None:
+        """θ at ``version`` was sent to ``peer`` in ``codec`` (a delta from ``anchor``, or in full; ``unchanged``: the peer
+        holds it already, as sent before): plan the re-runs of its chosen leases based on it (coordinator/ahead.py)."""
+        ahead = self.verifier.ahead
+        if ahead.limit <= 0 or self.replay_seq is not None:
+            return
+        if unchanged:
+            known, anchor = ahead.sent_as(peer, version, codec)
+            if not known:
+                return
+        else:
+            ahead.note_sent(peer, version, codec, anchor)
+        self._decide_later(self._plan_ahead(peer, version, codec, anchor))
+
+    async def _plan_ahead(self, peer: str, version: int, codec: str, anchor: Optional[int]) -> None:
+        from asyncloco.coordinator.logic import PROBATION_WAIT, base_theta
+
+        body = None
+        if anchor is not None:
+            body = self.port.download_anchor(codec, anchor)
+            if body is None:
+                return
+        node = self.port.node
+        async with node.lock:
+            state = node.state
+            book = state.verification
+            if node.stopping or peer in book.expelled:
+                return
+            leases = [lease for lease in state.leases.values()
+                      if lease.peer == peer and lease.base_version == version and lease.verify
+                      and not lease.verify.startswith(PROBATION_WAIT) and lease.lease_id not in book.pending]
+            theta = base_theta(state, version) if leases else None
+            if theta is None:
+                return
+            if theta is state.params:  # older versions never change; the current one is copied off the event loop, so
+                theta = await asyncio.to_thread(theta.clone)  # a download in flight does not stall on a chosen lease
+        for lease in sorted(leases, key=lambda lease: lease.lease_id):
+            self.verifier.plan_ahead(AheadRun(lease, theta, codec, anchor, body))
+        self.start_worker()
+
+    def _queue_check(self, action: Verify) -> None:
         if not action.base.numel():  # θ at its base version is gone (logic/submit.py on_submit): no re-run can be had
             self._decide_later(self._unverified(action, "θ at the lease's base version is no longer held"))
             return

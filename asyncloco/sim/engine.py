@@ -42,6 +42,7 @@ from asyncloco.coordinator.logic import (
     FRESH_STATE_DIGEST,
     Fetched,
     Hold,
+    PROBATION_WAIT,
     Rejected,
     RequestWork,
     SpeedReport,
@@ -207,6 +208,11 @@ class Simulation:
             raise ValueError("sim.checks models verification's held checks: it needs runtime.verify.enabled true")
         self.rerun_seconds_per_step = cfg.sim.rerun_seconds_per_step or min(speeds)
         self._verifier_free = 0.0
+        # runtime.verify.ahead with inner_state reset: a chosen lease's re-run is queued when it is issued (lease id -> when
+        # it is done), not when its update arrives; the bound on results kept is not modelled
+        verify = cfg.runtime.verify
+        self.ahead = verify.enabled and verify.inner_state == "reset" and verify.ahead > 0
+        self._ahead_ready: dict[str, float] = {}
         self._queue: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._next_eval = cfg.sim.eval_every
@@ -248,6 +254,10 @@ class Simulation:
                 worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
                 # the worker has its θ: the coordinator need not retain that version for this lease
                 self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
+                if self.cfg.sim.checks and self.ahead and lease.verify and not lease.verify.startswith(PROBATION_WAIT):
+                    # runtime.verify.ahead (coordinator/ahead.py): its re-run starts now, while the worker trains
+                    start = max(now, self._verifier_free)
+                    self._verifier_free = self._ahead_ready[lease.lease_id] = start + lease.steps * self.rerun_seconds_per_step
                 finish = now + lease.steps * worker.seconds_per_step
                 self._push(finish, "complete", worker.name)
                 self._emit(
@@ -264,6 +274,7 @@ class Simulation:
                         "base_version": lease.base_version,
                         "finish": finish,
                         "train_loss": worker.result.mean_loss,
+                        **({"verify": lease.verify} if self.cfg.sim.checks and lease.verify else {}),  # why it is re-run
                     }
                 )
             elif isinstance(action, Hold):
@@ -296,13 +307,16 @@ class Simulation:
                 # leave its worker training for nothing, so fail loudly rather than skew a comparison
                 raise AssertionError(f"simulated lease {action.lease_id} was taken back: {action.reason}")
             elif isinstance(action, Verify):
-                # one verifier, first come first served: the re-run of the lease's steps (sim.checks)
+                # one verifier, first come first served: the re-run of the lease's steps (sim.checks), or the one made
+                # ahead of the update (runtime.verify.ahead)
                 self.result.held += 1
-                start = max(now, self._verifier_free)
-                self._verifier_free = start + action.lease.steps * self.rerun_seconds_per_step
-                self._push(self._verifier_free, f"verdict:{action.lease.lease_id}", action.peer)
+                ready = self._ahead_ready.pop(action.lease.lease_id, None)
+                if ready is None:
+                    ready = self._verifier_free = max(now, self._verifier_free) + action.lease.steps * self.rerun_seconds_per_step
+                verdict_at = max(now, ready)
+                self._push(verdict_at, f"verdict:{action.lease.lease_id}", action.peer)
                 self._emit({"type": "held", "method": self.result.method, "time": now, "worker": action.peer,
-                            "lease_id": action.lease.lease_id, "why": action.lease.verify, "verdict_at": self._verifier_free})
+                            "lease_id": action.lease.lease_id, "why": action.lease.verify, "verdict_at": verdict_at})
             elif isinstance(action, Rejected):
                 self._emit({"type": "rejected", "method": self.result.method, "time": now, "worker": action.peer, "reason": action.reason})
 

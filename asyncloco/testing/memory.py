@@ -246,6 +246,9 @@ class _FaultyHandler:
     async def check_admitted(self, peer_id: str) -> None:
         await self.daemon.serving.check_admitted(peer_id)
 
+    def served(self, peer_id: str, version: int, codec: str, anchor: Optional[int], unchanged: bool = False) -> None:
+        self.daemon.serving.served(peer_id, version, codec, anchor, unchanged)
+
     async def submit(self, header: SubmitHeader, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Ack:
         return await self._decided("submit", peer_id, self.daemon.serving.submit(header, pseudo_gradient, peer_id, upload_seconds))
 

@@ -434,6 +434,7 @@ class CoordinatorService:
             if request.have_version == version:
                 await frames_out.header(ModelHeader(version, request.codec, self.model_numel, unchanged=True).to_wire())
                 logger.debug("get_model: %s already holds v%d; no body", peer_id, version)
+                self._served(peer_id, version, request.codec, None, unchanged=True)
                 return
             delta_from: Optional[int] = None
             if request.codec in DELTA_CODECS:
@@ -441,6 +442,7 @@ class CoordinatorService:
                 body, delta_from = served.body, served.delta_from
             else:  # fp32: exact, always in full (a delta would cost the same bytes)
                 body = await self._encoded_model(version, request.codec, theta)
+            self._served(peer_id, version, request.codec, delta_from)  # before the body: it may take a while on a slow link
             await frames_out.header(ModelHeader(version, request.codec, self.model_numel, delta_from=delta_from).to_wire())
             nbytes = wire_bytes(request.codec, self.model_numel)
             try:
@@ -449,6 +451,16 @@ class CoordinatorService:
                 raise RpcTimeout(f"sending {nbytes} B took longer than {self.limits.transfer_timeout(nbytes):.0f} s") from None
             traffic.payload_bytes_sent += nbytes
             logger.debug("get_model: sent v%s (%s, %d B, delta from %s) to %s", version, request.codec, nbytes, delta_from, peer_id)
+
+    def _served(self, peer_id: str, version: int, codec: str, delta_from: Optional[int], unchanged: bool = False) -> None:
+        """Tell the handler (its optional ``served``) which θ is going to ``peer_id``; its failure never fails the call."""
+        served = getattr(self.handler, "served", None)
+        if served is None:
+            return
+        try:
+            served(peer_id, version, codec, delta_from, unchanged)
+        except Exception as error:  # a bug in the hook: the download goes on
+            logger.error("the served hook failed for v%s to %s: %r", version, peer_id, error)
 
     async def _encoded_model(self, version: int, codec: str, theta: torch.Tensor) -> Any:
         key = (version, codec)
