@@ -1136,3 +1136,23 @@ def test_a_sync_round_ends_when_its_held_updates_are_in_theta() -> None:
     for peer in ("a", "b"):
         reference.step(expected, updates[peer])
     assert torch.allclose(state.params, expected) and not torch.equal(state.params, torch.zeros(DIM))
+
+
+def test_the_verifiers_load_is_measured_per_window_and_saturation_noticed_once() -> None:
+    """coordinator/verify.py VerifierLoad: re-run seconds over wall seconds per window of at least LOAD_WINDOW_S; one
+    notice when a window reaches SATURATED, one when a later one falls below RELIEVED (nothing in between)."""
+    from asyncloco.coordinator.verify import LOAD_WINDOW_S, RELIEVED, SATURATED, VerifierLoad
+
+    load = VerifierLoad()
+    assert load.note(100.0, 5.0) is None and load.load is None  # the first window starts
+    assert load.note(100.0 + LOAD_WINDOW_S / 2, 5.0 + LOAD_WINDOW_S / 2) is None and load.load is None  # not whole yet
+    start = 100.0 + LOAD_WINDOW_S
+    assert load.note(start, 5.0 + SATURATED * LOAD_WINDOW_S) is True  # busy 0.9 of the window: saturated
+    assert load.load == pytest.approx(SATURATED) and load.saturated
+    busy = 5.0 + SATURATED * LOAD_WINDOW_S
+    assert load.note(start + LOAD_WINDOW_S, busy + 0.6 * LOAD_WINDOW_S) is None and load.saturated  # 0.6: still
+    busy += 0.6 * LOAD_WINDOW_S
+    assert load.note(start + 2 * LOAD_WINDOW_S, busy + 0.25 * LOAD_WINDOW_S) is False  # below RELIEVED: relieved
+    assert load.load == pytest.approx(0.25) and load.load < RELIEVED and not load.saturated
+    busy += 0.25 * LOAD_WINDOW_S
+    assert load.note(start + 3 * LOAD_WINDOW_S, busy) is None and load.load == 0.0

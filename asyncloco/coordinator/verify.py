@@ -81,6 +81,42 @@ logger = logging.getLogger(__name__)
 
 
 
+LOAD_WINDOW_S = 60.0  # the verifiers' load is measured over windows of at least this many seconds
+SATURATED = 0.9  # busy this share of a window or more: the verifiers are saturated (a journaled notice, a warning)
+RELIEVED = 0.5  # and no longer, once a window's load falls below this
+
+
+@dataclass
+class VerifierLoad:
+    """The local verification worker's load — its re-run seconds over wall seconds — per window of at least
+    :data:`LOAD_WINDOW_S`, and whether it is saturated. A held update waits for its verdict, so a saturated verifier
+    makes checked work stale (docs/guide/organiser.md, "How much verification capacity"): the change is journaled
+    (``verification_load``) and logged with what to do about it. Measured, not decided: no coordinator state."""
+
+    started: Optional[float] = None  # the current window's start (perf_counter seconds) and busy seconds then
+    busy_then: float = 0.0
+    load: Optional[float] = None  # the last whole window's
+    saturated: bool = False
+
+    def note(self, now: float, busy_s: float) -> Optional[bool]:
+        """Account up to ``now`` with ``busy_s`` re-run seconds so far; True / False when the verifier just became
+        saturated / stopped being so, else None."""
+        if self.started is None:
+            self.started, self.busy_then = now, busy_s
+            return None
+        if now - self.started < LOAD_WINDOW_S:
+            return None
+        self.load = min(1.0, max(0.0, (busy_s - self.busy_then) / (now - self.started)))
+        self.started, self.busy_then = now, busy_s
+        if not self.saturated and self.load >= SATURATED:
+            self.saturated = True
+            return True
+        if self.saturated and self.load < RELIEVED:
+            self.saturated = False
+            return False
+        return None
+
+
 @dataclass
 class VerifyStats:
     """The worker's own measurements (status.json's ``verification``; not checkpointed)."""
@@ -326,6 +362,7 @@ class DaemonVerification:
         self._loss_model: Optional[torch.nn.Module] = None  # the repair's validation losses are computed on it
         self._repairing: set["asyncio.Task[None]"] = set()
         self._repair_turn = asyncio.Lock()
+        self.load = VerifierLoad()
 
     # --- hooks
 
@@ -413,7 +450,25 @@ class DaemonVerification:
         if self.anchors.note_snapshot(path, wal_seq, version):
             logger.info("repair anchor at log record %d (version %d)", wal_seq, version)
 
+    def _note_load(self) -> None:
+        """Measure the local worker's load (:class:`VerifierLoad`); journal and log a change of saturation."""
+        if not self.knobs.local:
+            return
+        change = self.load.note(time.perf_counter(), self.verifier.stats.busy_s)
+        if change is None:
+            return
+        load = self.load.load or 0.0
+        self.port.journal().write("verification_load", load=round(load, 3), saturated=change)
+        if change:
+            logger.warning("the verification worker was busy %.0f %% of the last %.0f s: checked updates wait for their "
+                           "verdicts and are applied stale. Add validators (runtime.verify.validators), lower "
+                           "runtime.verify.fraction, or give the coordinator a faster runtime.eval_device "
+                           "(docs/guide/organiser.md, \"How much verification capacity\")", 100 * load, LOAD_WINDOW_S)
+        else:
+            logger.info("the verification worker is keeping up again (busy %.0f %%)", 100 * load)
+
     def status(self) -> dict[str, Any]:
+        self._note_load()
         book = self.port.node.state.verification
         local_updates = max(1, int(self.port.node.state.local_updates))
         return {
@@ -437,6 +492,8 @@ class DaemonVerification:
             "reveals": {**self.reveals, "awaiting": len(self.awaiting)},
             "validators": self.desk.status(),
             "ahead": self.verifier.ahead.stats.as_dict(),  # re-runs made while their leases trained (coordinator/ahead.py)
+            # the local worker's re-run seconds over wall seconds, last whole window (None: not yet), and whether saturated
+            "load": None if self.load.load is None else round(self.load.load, 3), "saturated": self.load.saturated,
             # re-run inner steps ÷ applied inner steps: verification's compute as a fraction of the run's training
             "compute_fraction": self.verifier.stats.rerun_steps / local_updates,
             **self.verifier.stats.as_dict(),
