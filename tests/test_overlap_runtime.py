@@ -473,6 +473,9 @@ def test_ask_ahead_lead_follows_the_measured_download() -> None:
     assert ask_ahead_s(0.2) is None  # a fast link: 0.3 s of lead is not worth a longer staleness window
     assert ask_ahead_s(10.0) == AHEAD_MARGIN * 10.0
     assert ask_ahead_s(float("nan")) is None and ask_ahead_s(-1.0) is None
+    # once it has asked ahead, the last ask + download it observed counts when it took longer than the rate says
+    assert ask_ahead_s(6.0, 9.0) == AHEAD_MARGIN * 9.0 and ask_ahead_s(6.0, 2.0) == AHEAD_MARGIN * 6.0
+    assert ask_ahead_s(None, 9.0) is None and ask_ahead_s(6.0, float("inf")) == AHEAD_MARGIN * 6.0
 
 
 class SlowDownloadClient(MemoryClient):

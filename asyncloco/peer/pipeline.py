@@ -25,7 +25,8 @@ What holds with a lease in flight (docs/design.md, "Overlapped rounds"):
   coordinator had applied N); the request for N+1 is asked again like any failed request.
 
 **Asking ahead** (a slow download link). Where the peer's θ download takes a measured ``D`` seconds, it asks for N+2 and
-downloads its θ *while N+1 trains*, starting ``1.5 D`` before N+1's expected end (:func:`ask_ahead_s`), so that N+2
+downloads its θ *while N+1 trains*, starting ``1.5 D`` before N+1's expected end (:func:`ask_ahead_s`; ``D`` the larger of
+the measured rate's expectation and the last ask ahead's observed ask + download), so that N+2
 trains as soon as N+1 is sent. It does so only once N's ack is in and N was applied (then the request names N+1 as
 ``keep``: the peer still holds two leases at most), never in a sync-barrier run, never while stopping, never past
 ``max_rounds``. The staleness is unchanged: the lease's θ is as old as with a request after training plus a
@@ -59,11 +60,16 @@ AHEAD_MARGIN = 1.5  # the next lease is asked for this many expected downloads b
 AHEAD_MIN_S = 1.0  # a lead shorter than this (a fast link) is not worth asking ahead: ask after training
 
 
-def ask_ahead_s(download_s: Optional[float]) -> Optional[float]:
+def ask_ahead_s(download_s: Optional[float], observed_s: Optional[float] = None) -> Optional[float]:
     """How long before the training in progress ends to ask for the next lease (and download its θ), given the
-    expected seconds of one θ download at the measured rate; None: ask after training (unmeasured, or fast)."""
+    expected seconds of one θ download at the measured rate and, once the peer has asked ahead, ``observed_s``: how
+    long its last ask plus download took (the request's own wait, a download slowed by the upload sharing the link's
+    other direction — on `home150` 9 s where the rate said 6, and the training waited the difference every round);
+    the larger of the two counts. None: ask after training (unmeasured, or fast)."""
     if download_s is None or not math.isfinite(download_s) or download_s < 0:
         return None
+    if observed_s is not None and math.isfinite(observed_s) and observed_s > download_s:
+        download_s = observed_s
     lead = AHEAD_MARGIN * download_s
     return lead if lead >= AHEAD_MIN_S else None
 
@@ -97,6 +103,7 @@ class OverlappedRounds:
         self.sent = runner.summary.rounds  # rounds whose upload started (max_rounds counts them)
         # asking ahead: the next lease and its θ, asked for while a lease trains; ``trained`` ends its wait early
         self.ahead: Optional["asyncio.Task[Optional[tuple[LeaseGrant, Any]]]"] = None
+        self.observed_ahead_s: Optional[float] = None  # how long the last ask ahead + its θ download took
         self.trained = asyncio.Event()
 
     async def run(self) -> None:
@@ -173,7 +180,7 @@ class OverlappedRounds:
             rounds is not None and self.sent + 2 > rounds
         ):
             return  # stopping; a sync round starts when every update is in; or the lease in training is the last one
-        lead = ask_ahead_s(self._download_s())
+        lead = ask_ahead_s(self._download_s(), self.observed_ahead_s)
         if lead is None:
             return
         self.trained = asyncio.Event()
@@ -207,11 +214,15 @@ class OverlappedRounds:
             await pause(runner.clock, wait, self.trained)  # (a second Ctrl+C ends the training: this task is cancelled)
         if runner._stop.is_set():
             return None
+        asked = runner.clock.monotonic()
         lease = await runner._ask(self.client, self.publisher, training.lease_id, timing="assign_ahead")
         if lease is None:
             return None
         theta = await runner._fetch(self.client, lease, timing="download_ahead")
-        return None if theta is None else (lease, theta)
+        if theta is None:
+            return None
+        self.observed_ahead_s = runner.clock.monotonic() - asked  # the next lead covers it (ask_ahead_s)
+        return lease, theta
 
     async def _take_ahead(self) -> "Optional[tuple[LeaseGrant, Any]]":
         """The lease asked for ahead and its θ (None: none, or it failed: ask now); the wait for it counts as
