@@ -118,9 +118,9 @@ def test_plans_are_bounded() -> None:
 
 def test_checks_are_judged_from_re_runs_made_while_their_peers_trained(tmp_path: Path) -> None:
     """Peers that train slower than the coordinator re-runs (each waits, with a deadline, for the coordinator to have
-    re-run its lease ahead when the lease is chosen): every check is judged from its re-run ahead — none re-run after
-    its update — every honest verdict is a bitwise match, and a peer cheating from its first lease is caught on
-    probation with nothing of it applied."""
+    re-run its lease ahead when the lease is chosen): every check is judged from its re-run ahead on arrival — none
+    re-run after its update, each verdict decided right after its submit — every honest verdict is a bitwise match,
+    and a peer cheating from its first lease is caught on probation with nothing of it applied."""
     cfg = config(verify={"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2,
                          "horizon": 100000, "queue": 256, "ahead": 8})
     clock = FakeClock()
@@ -176,4 +176,15 @@ def test_checks_are_judged_from_re_runs_made_while_their_peers_trained(tmp_path:
     assert not [r for r in journal if r["type"] == "applied" and r["peer"] == HOSTILE]
     # every verdict came from a re-run ahead, none from a re-run after the update; nothing was re-run twice
     assert ahead["used"] == len(verdicts) and ahead["mismatched"] == 0
+    assert ahead["on_arrival"] == len(verdicts)  # each decided by its update's submit, right after it
     assert status["rerun_steps"] == ahead["steps"] and ahead["run"] >= ahead["used"]
+    # judged on arrival: each checked update's verdict (and, if it agrees, its application) follows its held record
+    # with nothing decided in between — θ took it as if it had never been held
+    decided = [r for r in journal if r["type"] in ("held", "verdict", "applied", "assign", "rejected")]
+    checked = {r["lease_id"] for r in honest}  # (the others held wait for their peer's probation verdicts)
+    assert checked
+    for index, record in enumerate(decided):
+        if record["type"] == "held" and record["lease_id"] in checked:
+            following = decided[index + 1: index + 3]
+            assert [(r["type"], r["lease_id"]) for r in following] == [("verdict", record["lease_id"]),
+                                                                       ("applied", record["lease_id"])], decided[index: index + 4]

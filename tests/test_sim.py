@@ -239,6 +239,15 @@ def test_with_re_runs_ahead_the_verifier_starts_each_chosen_lease_when_it_is_iss
     assert early > 0
     applied = {r["lease_id"]: r["time"] for r in _records(trace, "applied")}
     assert all(applied[lease_id] == held[lease_id]["verdict_at"] for lease_id in held if lease_id in applied)
+    # a verdict ready on arrival is decided right after its submit (the leases that submit itself released may come
+    # first): no other update is submitted or applied in between
+    order = [r for r in map(json.loads, trace.splitlines()) if r["type"] in ("applied", "held")]
+    on_arrival = 0
+    for index, record in enumerate(order):
+        if record["type"] == "held" and ready[record["lease_id"]] <= record["time"] and record["lease_id"] in applied:
+            assert (order[index + 1]["type"], order[index + 1]["lease_id"]) == ("applied", record["lease_id"])
+            on_arrival += 1
+    assert on_arrival == early
     later, later_trace = _run(toy_config(sim={"profile": "very", "total_local_updates": 200, "checks": True,
                                               "rerun_seconds_per_step": rerun},
                                          runtime={"verify": {**verify, "ahead": 0}}), "async_dn_dylu")

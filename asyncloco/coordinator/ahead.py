@@ -75,6 +75,7 @@ class AheadStats:
     unused: int = 0  # made but dropped unused (the bound, or its peer was expelled): compute spent for nothing
     superseded: int = 0  # planned but never started (its update came first, the bound, or its peer was expelled)
     mismatched: int = 0  # its check named another θ or lease: re-run as before
+    on_arrival: int = 0  # verdicts decided by their update's submit, under the same hold of the lock
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

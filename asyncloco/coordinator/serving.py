@@ -259,6 +259,11 @@ class Serving:
         started = time.perf_counter()
         update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
         decoded = time.perf_counter()
+        # a checked lease re-run while its peer trained (coordinator/ahead.py) is judged now, outside the lock, and its
+        # verdict decided right after the submit, under the same hold of the lock
+        verification = self.verification
+        arrival = None if verification is None else await verification.judge_on_arrival(
+            peer_id, lease_id, base_version, update, header)
         try:
             async with node.lock:
                 locked = time.perf_counter()
@@ -272,7 +277,15 @@ class Serving:
                                      theta_codec=getattr(header, "theta_codec", None),
                                      theta_anchor=getattr(header, "theta_anchor", None),
                                      theta_digest=getattr(header, "theta_digest", None))
-                actions = await node.decide(event, wire=pseudo_gradient)
+                if arrival is not None:
+                    verification.arriving.add(lease_id)
+                try:
+                    actions = await node.decide(event, wire=pseudo_gradient)
+                finally:
+                    if arrival is not None:
+                        verification.arriving.discard(lease_id)
+                if arrival is not None:
+                    await verification.decide_on_arrival(actions, lease_id, arrival)
                 self.monitoring.stats.submit_timing.add(decode=decoded - started, lock_wait=locked - decoded,
                                                         probe=probed - locked, decide=time.perf_counter() - probed)
         finally:

@@ -213,6 +213,7 @@ class Simulation:
         verify = cfg.runtime.verify
         self.ahead = verify.enabled and verify.inner_state == "reset" and verify.ahead > 0
         self._ahead_ready: dict[str, float] = {}
+        self._on_arrival: list[tuple[str, str]] = []  # (lease id, worker): verdicts decided right after their submit
         self._queue: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._next_eval = cfg.sim.eval_every
@@ -314,7 +315,10 @@ class Simulation:
                 if ready is None:
                     ready = self._verifier_free = max(now, self._verifier_free) + action.lease.steps * self.rerun_seconds_per_step
                 verdict_at = max(now, ready)
-                self._push(verdict_at, f"verdict:{action.lease.lease_id}", action.peer)
+                if ready <= now:  # its re-run made ahead is done: the verdict is decided right after the submit
+                    self._on_arrival.append((action.lease.lease_id, action.peer))
+                else:
+                    self._push(verdict_at, f"verdict:{action.lease.lease_id}", action.peer)
                 self._emit({"type": "held", "method": self.result.method, "time": now, "worker": action.peer,
                             "lease_id": action.lease.lease_id, "why": action.lease.verify, "verdict_at": verdict_at})
             elif isinstance(action, Rejected):
@@ -391,6 +395,9 @@ class Simulation:
                 if worker.feedback is not None:
                     worker.feedback.settle(any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions))
                 self._dispatch(actions, now)
+                while self._on_arrival:  # verdicts judged on arrival (coordinator/verify.py decide_on_arrival)
+                    checked, peer = self._on_arrival.pop(0)
+                    self._dispatch(handle(self.state, Verified(peer, checked, True, "simulated re-run"), now)[1], now)
                 if self._finished(now):
                     break
                 if not self.cfg.sim.overlap:
