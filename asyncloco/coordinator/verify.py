@@ -617,8 +617,15 @@ class DaemonVerification:
         result = ahead.take(lease_id)
         if result is None:
             return None
-        if base is state.params:
-            base = await asyncio.to_thread(base.clone)  # θ may move while the comparison runs
+        if getattr(header, "theta_codec", None):
+            base = torch.empty(0)  # the θ it names is matched by its digest (Ahead.judge): θ itself is not read
+        elif base is state.params:
+            async with self.port.node.lock:  # θ changes in place when an update is applied: copied while it cannot
+                live = self.port.node.state
+                now_base = base_theta(live, base_version)  # (retained as a copy if θ moved meanwhile)
+                if now_base is None:
+                    return None
+                base = await asyncio.to_thread(now_base.clone) if now_base is live.params else now_base
         task = Verify(peer, copy.copy(lease), base, update, lease.verify, device_class=getattr(header, "device_class", None) or "",
                       theta_codec=getattr(header, "theta_codec", None) or "", theta_anchor=getattr(header, "theta_anchor", None),
                       theta_digest=getattr(header, "theta_digest", None) or "")
