@@ -89,6 +89,7 @@ class Plan:
     eval_every: int = 4
     eval_device: str = "cpu"  # the coordinator's runtime.eval_device in the real runs (evaluations, gate probe)
     methods: tuple[str, ...] = METHODS  # the real runs' schedule.method, each for the same wall time
+    sets: dict[str, Any] = field(default_factory=dict)  # --set KEY.PATH=VALUE on every real run's config
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -130,6 +131,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         )
     if args.bench_models:
         plan.bench_models = args.bench_models.split(",")
+    if args.sets:
+        from asyncloco.overrides import parse_sets
+
+        plan.sets = parse_sets(args.sets)
     if args.sizes:
         plan.run_sizes = args.sizes.split(",")
     if args.slowdowns:
@@ -442,6 +447,10 @@ def run_config(plan: Plan, size: str, method: str, work: Path) -> Path:
             "eval_device": plan.eval_device,
         },
     }
+    if plan.sets:
+        from asyncloco.config import apply_overrides
+
+        apply_overrides(config, plan.sets, "gpu_check's run config (--set)")
     path = work / f"{size}-{method}" / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -644,6 +653,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--device", help="peers' and bench's device (default cuda; cpu with --tiny)")
     parser.add_argument("--eval-device", help="the real runs' coordinator runtime.eval_device (default: --device; cpu "
                         "with --tiny)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override a key of every real run's config (repeatable), e.g. --set "
+                        "runtime.verify.inner_state=reset")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak for MFU (default: by name)")
     args = parser.parse_args(argv)
     unknown = set(args.parts.split(",")) - {"tests", "verify", "bench", "run"}
