@@ -302,3 +302,54 @@ def test_commitments_replay_from_the_log(tmp_path: Path) -> None:
     old = dataclasses.replace(records[1], fields={k: v for k, v in records[1].fields.items() if not k.startswith("state_")})
     assert "state_start" in records[1].fields and "state_start" not in old.fields
     assert decode_event(old, EVENT_TYPES, blob).state_end is None
+
+
+def test_a_reveal_is_read_through_views_not_copies() -> None:
+    """The verifier splits, hashes and loads a reveal in a worker thread of the coordinator's process; a copy of a bytes
+    object holds the GIL for its whole length (at 150m a reveal is 1.8 GB), stalling every RPC. So splitting and hashing
+    allocate nothing of the reveal's size (tracemalloc, which sees bytes and numpy allocations), loading allocates only
+    the moments themselves, and each gives what the byte-copying definitions give."""
+    import tracemalloc
+
+    from asyncloco.train.commitments import load_inner_state, pack_parts, pack_reveal, revealed_digest, split_parts, unpack_reveal
+
+    numel = 1_000_000
+    param = torch.nn.Parameter(torch.zeros(numel))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    param.grad = torch.linspace(-1.0, 1.0, numel)
+    optimizer.step()
+    chunks = inner_state_chunks(optimizer)
+    assert chunks is not None
+    inner = b"".join(chunks)
+    residual = torch.linspace(0.0, 1.0, numel)
+    data = pack_parts(inner, pack_reveal(inner, residual))
+    assert len(data) == 8 + len(inner) + 8 + len(inner) + 4 * numel  # 8 MB of moments per part, 4 MB of residual
+
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(numel))], lr=1e-3)
+    tracemalloc.start()
+    try:
+        start, end = split_parts(data)
+        start_digest = revealed_digest(start)
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < 64 * 1024, f"splitting and hashing a {len(data)}-byte reveal allocated {peak} bytes"
+        tracemalloc.reset_peak()
+        end_inner, end_residual = unpack_reveal(end, numel)
+        digests = start_digest, revealed_digest(end_inner)
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < 4 * numel + 64 * 1024  # the residual's tensor, nothing more
+        tracemalloc.reset_peak()
+        held, _ = tracemalloc.get_traced_memory()  # the residual's tensor, still alive
+        load_inner_state(fresh, start)
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak - held < 2 * 4 * numel + 64 * 1024  # the two moments, nothing more
+    finally:
+        tracemalloc.stop()
+    # the same values as byte copies give
+    copy_start = bytes(data[8 : 8 + len(inner)])
+    assert bytes(start) == copy_start == inner and bytes(end_inner) == inner
+    assert end_residual is not None and torch.equal(end_residual, residual)
+    expected = hashlib.sha256(b"asyncloco inner state v1:" + inner).hexdigest()
+    assert digests == (expected, expected)
+    assert inner_state_chunks(fresh) == chunks
+    from asyncloco.train.commitments import inner_state_digest
+    assert inner_state_digest(fresh) == inner_state_digest(optimizer) == expected

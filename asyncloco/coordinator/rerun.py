@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from asyncloco.coordinator.logic import Lease, Verify
     from asyncloco.models.workload import Workload
     from asyncloco.train.inner import InnerTrainer
+    from asyncloco.train.commitments import Buffer
     from asyncloco.transport.codec_format import EncodedTensor
 
 __all__ = ["Comparison", "compare", "implausible_state", "moment_bound", "Rerunner", "start_theta", "state_moments", "state_gap"]
@@ -331,7 +332,7 @@ class Rerunner:
         knob = self.cfg.runtime.verify.cross_device_state_tolerance
         return CROSS_DEVICE_STATE_TOLERANCE[self.cfg.inner.precision] if knob is None else knob
 
-    def _parts(self, task: Verify, revealed: bytes) -> tuple[Optional[tuple[bytes, Optional[torch.Tensor], bytes,
+    def _parts(self, task: Verify, revealed: bytes) -> tuple[Optional[tuple["Buffer", Optional[torch.Tensor], "Buffer",
                                                                              Optional[torch.Tensor]]], str]:
         """The revealed start and end states (train/commitments.py ``pack_parts``), each an inner layout and a residual, once
         each hashes to its commitment; else None and why."""
@@ -403,7 +404,7 @@ class Rerunner:
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
                           f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)")
 
-    def _end_state_failure(self, ours: StateMoments, end_inner: bytes, left: Optional[torch.Tensor],
+    def _end_state_failure(self, ours: StateMoments, end_inner: "Buffer", left: Optional[torch.Tensor],
                            end_residual: Optional[torch.Tensor], scale: Optional[float]) -> str:
         """Why a foreign-class peer's revealed end state is not the re-run's within :meth:`state_tolerance` ("": it is)."""
         from asyncloco.train.commitments import load_inner_state

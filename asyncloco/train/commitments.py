@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -18,6 +18,14 @@ __all__ = [
     "revealed_digest", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts", "split_parts",
 ]
 
+
+Buffer = Union[bytes, bytearray, memoryview]
+"""A state's bytes as received or sliced: the functions below take views of a reveal rather than copies of it."""
+
+# Why views: a copy of a bytes object (slicing, concatenation, ``bytes()``, ``bytearray()``, ``ndarray.tobytes``)
+# holds the GIL for all its length, and the verifier runs in a worker thread of the coordinator's process: a reveal
+# of 1.8 GB (the 150m preset) copied three times stalled every RPC for seconds. sha256 and numpy's copies release
+# the GIL (scripts/bench_coordinator.py measures the lease latency this protects).
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
 """The commitment to a fresh inner optimizer state (step 0, no moments): what a peer's first lease, and every lease
@@ -29,9 +37,16 @@ def inner_state_chunks(optimizer: torch.optim.Optimizer) -> Optional[list[bytes]
     8-bit or sharded states, AMSGrad): for each parameter in ``param_groups`` order, ``b"\\x00"`` if it has no state
     yet, else ``b"\\x01"``, the step count as a little-endian float64, then ``exp_avg`` and ``exp_avg_sq`` as
     little-endian float32. An entirely empty state is the fresh state (:data:`FRESH_STATE_DIGEST`): ``[]``."""
+    buffers = _state_buffers(optimizer)
+    return None if buffers is None else [bytes(buffer) for buffer in buffers]
+
+
+def _state_buffers(optimizer: torch.optim.Optimizer) -> Optional[list[Buffer]]:
+    """:func:`inner_state_chunks` as views (markers and step counts as bytes, the moments as the arrays' own memory
+    where the tensor is a contiguous little-endian float32 on the CPU): what the digest hashes without a copy."""
     if type(optimizer) is not torch.optim.AdamW:
         return None
-    chunks: list[bytes] = []
+    chunks: list[Buffer] = []
     for group in optimizer.param_groups:
         if group.get("amsgrad"):
             return None
@@ -48,8 +63,9 @@ def inner_state_chunks(optimizer: torch.optim.Optimizer) -> Optional[list[bytes]
                 tensor = state[key]
                 if tensor.dtype != torch.float32 or type(tensor) is not torch.Tensor:
                     return None
-                chunks.append(tensor.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes())
-    if all(chunk == b"\x00" for chunk in chunks):
+                array = tensor.detach().cpu().contiguous().numpy().astype("<f4", copy=False)
+                chunks.append(np.ascontiguousarray(array).data.cast("B"))
+    if all(isinstance(chunk, bytes) and chunk == b"\x00" for chunk in chunks):
         return []
     return chunks
 
@@ -62,7 +78,7 @@ def inner_state_size(optimizer: torch.optim.Optimizer, fresh: bool = False) -> i
     return sum(1 + 8 + 8 * param.numel() for group in optimizer.param_groups for param in group["params"])
 
 
-def load_inner_state(optimizer: torch.optim.Optimizer, data: bytes) -> None:
+def load_inner_state(optimizer: torch.optim.Optimizer, data: Buffer) -> None:
     """Load a state in the layout of :func:`inner_state_chunks` (b"": the fresh state) into a plain AdamW; refuses
     any other length or a bad marker with a ValueError, leaving the optimizer's state as it was."""
     if type(optimizer) is not torch.optim.AdamW:
@@ -90,7 +106,8 @@ def load_inner_state(optimizer: torch.optim.Optimizer, data: bytes) -> None:
         offset += 8
         moments = []
         for _ in range(2):
-            raw = torch.frombuffer(bytearray(view[offset : offset + 4 * param.numel()]), dtype=torch.float32)
+            # numpy's copy releases the GIL (a bytearray of the slice would hold it: see Buffer)
+            raw = torch.from_numpy(np.frombuffer(view, dtype="<f4", count=param.numel(), offset=offset).copy())
             moments.append(raw.view_as(param.detach().cpu()).to(param.device))
             offset += 4 * param.numel()
         loaded[param] = {"step": torch.tensor(step, dtype=torch.float32), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
@@ -101,17 +118,19 @@ def load_inner_state(optimizer: torch.optim.Optimizer, data: bytes) -> None:
         optimizer.state[param] = state
 
 
-def revealed_digest(data: bytes) -> str:
+def revealed_digest(data: Buffer) -> str:
     """The digest of a state given in its canonical layout (b"": the fresh state); equals :func:`inner_state_digest`
     of the optimizer it came from."""
     if not data:
         return FRESH_STATE_DIGEST
-    return hashlib.sha256(b"asyncloco inner state v1:" + bytes(data)).hexdigest()
+    hasher = hashlib.sha256(b"asyncloco inner state v1:")
+    hasher.update(data)  # no copy, and sha256 releases the GIL
+    return hasher.hexdigest()
 
 
 def inner_state_digest(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """sha256 (hex) of :func:`inner_state_chunks`; :data:`FRESH_STATE_DIGEST` for a fresh state."""
-    chunks = inner_state_chunks(optimizer)
+    chunks = _state_buffers(optimizer)
     if chunks is None:
         return None
     if not chunks:
@@ -143,13 +162,13 @@ def committed_digest(inner_digest: str, residual: Optional[torch.Tensor]) -> str
     if residual is None:
         return inner_digest
     hasher = hashlib.sha256(_RESIDUAL_DOMAIN + inner_digest.encode())
-    hasher.update(_residual_bytes(residual))
+    hasher.update(np.ascontiguousarray(residual.detach().cpu().numpy().astype("<f4", copy=False)).data.cast("B"))
     return hasher.hexdigest()
 
 
-def pack_reveal(inner: bytes, residual: Optional[torch.Tensor]) -> bytes:
+def pack_reveal(inner: Buffer, residual: Optional[torch.Tensor]) -> bytes:
     """The revealed bytes with error feedback on: the inner state's length and layout, then the residual."""
-    return struct.pack("<Q", len(inner)) + inner + (b"" if residual is None else _residual_bytes(residual))
+    return b"".join((struct.pack("<Q", len(inner)), inner, b"" if residual is None else _residual_bytes(residual)))
 
 
 def revealed_size(inner_size: int, numel: int, feedback: bool, ends: bool = True) -> int:
@@ -160,24 +179,25 @@ def revealed_size(inner_size: int, numel: int, feedback: bool, ends: bool = True
     return 8 + 2 * part if ends else part
 
 
-def pack_parts(start: bytes, end: bytes) -> bytes:
+def pack_parts(start: Buffer, end: Buffer) -> bytes:
     """A reveal of a lease's start and end states: the start part's length (uint64 LE), the start part (b"": the
     fresh state), the end part — each part in the single-state layout (the canonical inner layout, with error feedback
     :func:`pack_reveal`'s)."""
-    return struct.pack("<Q", len(start)) + start + end
+    return b"".join((struct.pack("<Q", len(start)), start, end))
 
 
-def split_parts(data: bytes) -> tuple[bytes, bytes]:
-    """(start part, end part) of :func:`pack_parts`; raises ValueError naming what is malformed."""
+def split_parts(data: Buffer) -> tuple[memoryview, memoryview]:
+    """(start part, end part) of :func:`pack_parts`, as views of ``data``; raises ValueError naming what is malformed."""
     if len(data) < 8:
         raise ValueError(f"the reveal has {len(data)} bytes, fewer than its 8-byte length field")
     (start_length,) = struct.unpack_from("<Q", data, 0)
     if start_length > len(data) - 8:
         raise ValueError(f"the reveal's start part of {start_length} bytes runs past its {len(data) - 8} bytes")
-    return bytes(data[8 : 8 + start_length]), bytes(data[8 + start_length :])
+    view = memoryview(data)
+    return view[8 : 8 + start_length], view[8 + start_length :]
 
 
-def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor]]:
+def unpack_reveal(data: Buffer, numel: int) -> tuple[Buffer, Optional[torch.Tensor]]:
     """Split revealed bytes (feedback on) into the inner state's layout and the residual (None when absent); b""
     is the fresh state without a residual. Raises ValueError naming what is malformed."""
     if not data:
@@ -189,7 +209,7 @@ def unpack_reveal(data: bytes, numel: int) -> tuple[bytes, Optional[torch.Tensor
     if inner_length > len(data) - 8 or rest not in (0, 4 * numel):
         raise ValueError(f"the revealed state's inner part of {inner_length} bytes leaves {len(data) - 8 - inner_length} "
                          f"bytes for the residual, which needs 0 or {4 * numel}")
-    inner = bytes(data[8 : 8 + inner_length])
+    inner = memoryview(data)[8 : 8 + inner_length]
     if rest == 0:
         return inner, None
     residual = torch.from_numpy(np.frombuffer(data, dtype="<f4", offset=8 + inner_length, count=numel).astype(np.float32))
