@@ -45,7 +45,7 @@ int8 (docs/compression.md).
 
 Usage: ``python scripts/bench_coordinator.py --sizes 20m,60m --json out.json`` (≈ 5 min per size on a loaded 2-core
 machine; ``--smoke``: tiny, seconds). Prints a table and the ratios; the capacity figures of docs/guide/organiser.md
-come from it. Peak RSS was 6.3 GB at 20m and 13.6 GB at 60m: 150m needs about 34 GB.
+come from it. Peak RSS was 4.6 GB at 20m, 9.7 GB at 60m and 27.5 GB at 150m (a 32 GB machine, or the GPU machine).
 """
 
 from __future__ import annotations
@@ -576,7 +576,7 @@ def readme_table(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,20m", help=f"comma-separated, from {','.join(SIZES)} (150m: about 34 GB)")
+    parser.add_argument("--sizes", default="tiny,20m", help=f"comma-separated, from {','.join(SIZES)} (150m: about 28 GB)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per figure (default: 7 tiny, 3 otherwise)")
     parser.add_argument("--sustain", type=float, default=0.0, help="seconds of sustained updates (default: 5 tiny, 25 otherwise)")
     parser.add_argument("--json", type=Path)
