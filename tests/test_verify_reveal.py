@@ -41,7 +41,7 @@ from asyncloco.peer.reveal import RevealStore, send_reveal
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
 from tests.test_verify_runtime import re_run
-from asyncloco.train.commitments import inner_state_size, split_parts
+from asyncloco.train.commitments import FRESH_STATE_DIGEST, inner_state_size, split_parts
 from asyncloco.train.inner import InnerTrainer
 from asyncloco.transport.errors import MessageError, RemoteError
 from asyncloco.transport.rpc import TrafficCounters
@@ -409,3 +409,44 @@ def test_reveal_rpc_over_p2p_is_bounded_before_its_body() -> None:
                     await p2p.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_lease_lays_out_its_state_once_and_the_next_start_reuses_it() -> None:
+    """A peer's commitments per lease (peer/reveal.py): the end state is laid out and hashed once; the next lease's
+    start, unchanged since, is that same buffer and digest (no second layout); anything that changes the state — a
+    step, a reset, a moment changed in place without a step — is seen, and the digest is taken afresh. Each layout
+    is exactly the canonical bytes (train/commitments.py inner_state_chunks, joined)."""
+    from asyncloco.train.commitments import inner_state_buffer, inner_state_chunks
+
+    cfg = config()
+    trainer = InnerTrainer.from_config(cfg, build_workload(cfg))
+    theta = trainer.full_params()
+    store = RevealStore(keep=2)
+    assert store.hold("L0", trainer.optimizer) == FRESH_STATE_DIGEST and store.laid_out == 1
+    for index in range(3):
+        trainer.run(theta, 0, 0, 2, 0)
+        end = store.hold_end(f"L{index}", trainer.optimizer)
+        assert end == trainer.state_digest()
+        assert store.hold(f"L{index + 1}", trainer.optimizer) == end  # the next start: the same state
+        assert store.get(f"L{index + 1}") is store.get_end(f"L{index}")  # the same buffer, kept once
+    assert store.laid_out == 1 + 3  # one layout per lease end, none for the starts that followed
+    chunks = inner_state_chunks(trainer.optimizer)
+    buffer = inner_state_buffer(trainer.optimizer)
+    assert chunks is not None and buffer is not None and bytes(store.get("L3") or b"") == b"".join(chunks) == bytes(buffer)
+    # a moment changed in place, no step taken: its version counter moved, the start is laid out again
+    param = next(p for group in trainer.optimizer.param_groups for p in group["params"])
+    trainer.optimizer.state[param]["exp_avg"].mul_(2.0)
+    changed = store.hold("L4", trainer.optimizer)
+    assert store.laid_out == 5 and changed == trainer.state_digest() and changed != end
+    # a reset: the fresh state
+    trainer.run(theta, 0, 0, 2, 0)
+    store.hold_end("L4", trainer.optimizer)
+    trainer.reset_inner_state()
+    assert store.hold("L5", trainer.optimizer) == FRESH_STATE_DIGEST and store.get("L5") == b""
+    # a state with some parameters still without moments lays out as the chunks do (marker 0 for those)
+    trainer.run(theta, 0, 0, 1, 0)
+    del trainer.optimizer.state[param]
+    chunks = inner_state_chunks(trainer.optimizer)
+    buffer = inner_state_buffer(trainer.optimizer)
+    assert chunks is not None and chunks[0] == b"\x00" and buffer is not None and bytes(buffer) == b"".join(chunks)
+    assert store.hold("L6", trainer.optimizer) == trainer.state_digest()

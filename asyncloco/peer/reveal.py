@@ -19,6 +19,12 @@ moments per weight (20m: ≈ 0.16 GB). The store holds at most ``2 × reveal_kee
 lease applied, the next starting from its end) a lease's start is the previous lease's end and is kept once, so
 ``(reveal_keep + 1) × S`` (20m, default: ≈ 0.48 GB, of which 0.16 GB is the end states this module adds). A reveal
 sends ``8 + 2 S`` bytes (one part empty for a fresh start).
+
+Cost per lease: the end state is laid out once, straight from the optimizer's tensors into one buffer, and hashed from
+it; the next lease's start — unchanged since, unless the peer reset it — is that same buffer and digest, recognised
+without reading the state (each state tensor by identity and its in-place version counter, which every optimizer step
+bumps). So a lease costs one copy of its end state and one sha256 of it, both off the GIL (train/commitments.py
+``inner_state_buffer``), instead of hashing the start twice and copying each state through bytes chunks.
 """
 
 from __future__ import annotations
@@ -26,17 +32,60 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 import torch
 
 from asyncloco.train.commitments import (
-    FRESH_STATE_DIGEST, committed_digest, inner_state_chunks, inner_state_digest, pack_parts, pack_reveal, revealed_digest,
+    FRESH_STATE_DIGEST, Buffer, committed_digest, inner_state_buffer, inner_state_digest, pack_parts, pack_reveal,
+    revealed_digest,
 )
 
 __all__ = ["RevealStore", "send_reveal"]
 
 logger = logging.getLogger(__name__)
+
+# per parameter: None without state, else (key, the value when a tensor, its version counter or the value itself)
+Marks = list[Optional[tuple[tuple[str, Optional[torch.Tensor], Any], ...]]]
+
+
+def state_marks(optimizer: Any) -> Marks:
+    """What identifies ``optimizer``'s state without reading it: each tensor by identity (the marks hold it, so its id
+    cannot be reused) and its in-place version counter, anything else (a float step count) by value."""
+    marks: Marks = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            marks.append(None if not state else tuple(
+                (key, value, value._version) if isinstance(value, torch.Tensor) else (key, None, value)
+                for key, value in sorted(state.items())))
+    return marks
+
+
+def same_marks(old: Marks, new: Marks) -> bool:
+    """Is the state :func:`state_marks` saw as ``old`` still the one it sees as ``new`` (no step, reset or load since)?"""
+    if len(old) != len(new):
+        return False
+    for before, now in zip(old, new):
+        if before is None or now is None:
+            if before is not now:
+                return False
+            continue
+        if len(before) != len(now):
+            return False
+        for (key, tensor, mark), (key_now, tensor_now, mark_now) in zip(before, now):
+            if key != key_now or tensor is not tensor_now or mark != mark_now:
+                return False
+    return True
+
+
+@dataclass
+class _LastEnd:
+    marks: Marks
+    inner: Buffer  # the end state's canonical layout (train/commitments.py inner_state_buffer)
+    digest: str
+
 
 class RevealStore:
     """Start and end states of the peer's most recent leases, by lease id, at most ``keep`` of each (oldest dropped
@@ -48,29 +97,49 @@ class RevealStore:
             raise ValueError(f"RevealStore keeps at least one lease's state, got keep={keep}; set runtime.verify.reveal_keep >= 1")
         self.keep = keep
         self.ends = ends
-        self._states: "OrderedDict[str, bytes]" = OrderedDict()
-        self._ends: "OrderedDict[str, bytes]" = OrderedDict()
+        self._states: "OrderedDict[str, Buffer]" = OrderedDict()
+        self._ends: "OrderedDict[str, Buffer]" = OrderedDict()
+        self._last: Optional[_LastEnd] = None  # the last end state held, to be the next start if nothing changed it
+        self.laid_out = 0  # states laid out and hashed (a start recognised as the last end is not)
 
     @staticmethod
-    def _put(kept: "OrderedDict[str, bytes]", lease_id: str, state: bytes, keep: int) -> None:
+    def _put(kept: "OrderedDict[str, Buffer]", lease_id: str, state: Buffer, keep: int) -> None:
         kept[lease_id] = state
         kept.move_to_end(lease_id)
         while len(kept) > keep:
             kept.popitem(last=False)
 
-    def hold(self, lease_id: str, optimizer: Any, residual: Optional[torch.Tensor] = None, feedback: bool = False) -> None:
+    def _layout(self, optimizer: Any) -> Optional[tuple[Buffer, str]]:
+        """``optimizer``'s state in its canonical layout and its inner digest (None: it cannot be committed to)."""
+        last = self._last
+        if last is not None and same_marks(last.marks, state_marks(optimizer)):
+            return last.inner, last.digest
+        self._last = None  # changed since (a reset): let its tensors go
+        inner = inner_state_buffer(optimizer)
+        if inner is None:
+            return None
+        self.laid_out += 1
+        return inner, revealed_digest(inner)
+
+    def hold(self, lease_id: str, optimizer: Any, residual: Optional[torch.Tensor] = None, feedback: bool = False
+             ) -> Optional[str]:
         """Keep ``optimizer``'s state (and, with error feedback on, the residual) as lease ``lease_id`` starts from
-        it — without ``ends``, nothing for a fresh state without a residual (with ``ends``: b"")."""
-        chunks = inner_state_chunks(optimizer)
-        if chunks is None or (not chunks and residual is None and not self.ends):
-            return
-        inner = b"".join(chunks)
-        state = b"" if not chunks and residual is None else (pack_reveal(inner, residual) if feedback else inner)
-        for end in self._ends.values():  # the previous lease's end, where this one starts: kept once
-            if end == state:
-                state = end
-                break
+        it — without ``ends``, nothing for a fresh state without a residual (with ``ends``: b""); returns its inner
+        digest (train/commitments.py ``inner_state_digest``; None when it cannot be committed to)."""
+        laid = self._layout(optimizer)
+        if laid is None:
+            return None
+        inner, digest = laid
+        if not inner and residual is None and not self.ends:
+            return digest
+        state: Buffer = b"" if not inner and residual is None else (pack_reveal(inner, residual) if feedback else inner)
+        if feedback:
+            for end in self._ends.values():  # the previous lease's end, where this one starts: kept once
+                if end == state:
+                    state = end
+                    break
         self._put(self._states, lease_id, state, self.keep)
+        return digest
 
     def hold_end(self, lease_id: str, optimizer: Any) -> Optional[str]:
         """Keep ``optimizer``'s state as lease ``lease_id`` ends (with ``ends``); returns its inner digest (train/inner.py
@@ -78,12 +147,14 @@ class RevealStore:
         once the upload's residual is known."""
         if not self.ends:
             return inner_state_digest(optimizer)
-        chunks = inner_state_chunks(optimizer)
-        if chunks is None:
+        self._last = None
+        laid = self._layout(optimizer)
+        if laid is None:
             return None
-        end = b"".join(chunks)
+        end, digest = laid
         self._put(self._ends, lease_id, end, self.keep)
-        return revealed_digest(end)  # the digest of the same bytes (FRESH_STATE_DIGEST for an empty state)
+        self._last = _LastEnd(state_marks(optimizer), end, digest)
+        return digest  # the digest of the same bytes (FRESH_STATE_DIGEST for an empty state)
 
     def end_residual(self, lease_id: str, inner_digest: str, residual: Optional[torch.Tensor]) -> str:
         """Error feedback: the end state of ``lease_id`` gets the residual its upload leaves (:func:`pack_reveal`);
@@ -93,14 +164,14 @@ class RevealStore:
             self._ends[lease_id] = pack_reveal(inner, residual)
         return committed_digest(inner_digest, residual)
 
-    def get(self, lease_id: str) -> Optional[bytes]:
+    def get(self, lease_id: str) -> Optional[Buffer]:
         """The start state of ``lease_id`` (None when it is not kept: dropped, or without ``ends`` a fresh start)."""
         return self._states.get(lease_id)
 
-    def get_end(self, lease_id: str) -> Optional[bytes]:
+    def get_end(self, lease_id: str) -> Optional[Buffer]:
         return self._ends.get(lease_id)
 
-    def reveal(self, lease_id: str) -> Optional[bytes]:
+    def reveal(self, lease_id: str) -> Optional[Buffer]:
         """What the ``reveal`` RPC sends for ``lease_id``: with ``ends`` both parts (:func:`pack_parts`), else the start
         state; None when what it needs is no longer kept."""
         start = self._states.get(lease_id)
@@ -118,7 +189,7 @@ class RevealStore:
         return sum(unique.values())
 
 
-async def send_reveal(client: Any, lease_id: str, state: Optional[bytes], digest: Optional[str], *,
+async def send_reveal(client: Any, lease_id: str, state: Optional[Buffer], digest: Optional[str], *,
                       retry_for: float = 0.0, wait: Optional[Callable[[float], Awaitable[None]]] = None,
                       now: Callable[[], float] = time.monotonic, aborted: Callable[[], bool] = lambda: False) -> bool:
     """Answer the coordinator's ``reveal`` request for ``lease_id`` with ``state`` (:meth:`RevealStore.reveal`); True

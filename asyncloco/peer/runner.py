@@ -538,16 +538,18 @@ class PeerRunner:
         if self.group is not None:
             broadcast_command(self.group, Command(OP_TRAIN, shard, start, steps, lr_offset))
         commit = self._commits(trainer)  # runtime.verify with carried inner state: digests before and after
-        state_start = trainer.state_digest() if commit else None
+        state_start = None
         if commit:
-            assert state_start is not None and self._cfg is not None
+            assert self._cfg is not None
             # error feedback: the residual this lease's upload adds is committed and revealed with the inner state
             feedback = self._cfg.runtime.uses_error_feedback
             residual = self.feedback.residual if feedback and self.feedback is not None else None
-            state_start = committed_digest(state_start, residual)
             if self.reveals is None:
                 self.reveals = RevealStore(self._cfg.runtime.verify.reveal_keep)
-            self.reveals.hold(lease.lease_id, trainer.optimizer, residual, feedback=feedback)
+            # the start's digest from the bytes kept for the reveal (the last lease's end when nothing changed it)
+            inner_start = self.reveals.hold(lease.lease_id, trainer.optimizer, residual, feedback=feedback)
+            commit = inner_start is not None
+            state_start = None if inner_start is None else committed_digest(inner_start, residual)
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
         # the end state is kept to be revealed with the start (peer/reveal.py), its digest taken from the same bytes
         self._inner_end = self.reveals.hold_end(lease.lease_id, trainer.optimizer) if commit else None
@@ -571,7 +573,7 @@ class PeerRunner:
         if self._cfg is None:
             return False
         verify = self._cfg.runtime.verify
-        return verify.enabled and verify.inner_state == "carry" and trainer.state_digest() is not None
+        return verify.enabled and verify.inner_state == "carry" and trainer.can_commit()
 
     async def _publish_loop(self, publisher: Any, period: float, link: Any = None) -> None:
         """Publish this peer's speed every ``period`` seconds (``publisher``: a transport.link.SpeedPublisher), with its

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "FRESH_STATE_DIGEST", "inner_state_chunks", "inner_state_digest", "inner_state_size", "load_inner_state",
+    "FRESH_STATE_DIGEST", "committable", "inner_state_buffer", "inner_state_chunks", "inner_state_digest", "inner_state_size", "load_inner_state",
     "revealed_digest", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts", "split_parts",
 ]
 
@@ -68,6 +68,45 @@ def _state_buffers(optimizer: torch.optim.Optimizer) -> Optional[list[Buffer]]:
     if all(isinstance(chunk, bytes) and chunk == b"\x00" for chunk in chunks):
         return []
     return chunks
+
+
+def committable(optimizer: torch.optim.Optimizer) -> bool:
+    """Can ``optimizer``'s state be committed to (a plain AdamW without AMSGrad)? The cheap test, without reading the
+    state: :func:`inner_state_chunks` may still find a state it cannot lay out and give None."""
+    return type(optimizer) is torch.optim.AdamW and not any(group.get("amsgrad") for group in optimizer.param_groups)
+
+
+def inner_state_buffer(optimizer: torch.optim.Optimizer) -> Optional[memoryview]:
+    """:func:`inner_state_chunks` joined, built in one preallocated buffer: each moment copied once from its device
+    into place, one tensor at a time (numpy's copies release the GIL; a join of ``tobytes`` chunks copies twice,
+    holding it). b"" for the fresh state, None when the state cannot be committed to."""
+    if not committable(optimizer):
+        return None
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    states = [optimizer.state.get(param) for param in params]
+    if not any(states):
+        return memoryview(b"")
+    for state in states:
+        if state and (set(state) != {"step", "exp_avg", "exp_avg_sq"} or any(
+                state[key].dtype != torch.float32 or type(state[key]) is not torch.Tensor for key in ("exp_avg", "exp_avg_sq"))):
+            return None
+    out = np.empty(sum(9 + 8 * param.numel() if state else 1 for param, state in zip(params, states)), dtype=np.uint8)
+    offset = 0
+    for param, state in zip(params, states):
+        if not state:
+            out[offset] = 0
+            offset += 1
+            continue
+        out[offset] = 1
+        out[offset + 1 : offset + 9] = np.frombuffer(struct.pack("<d", float(state["step"])), dtype=np.uint8)
+        offset += 9
+        for key in ("exp_avg", "exp_avg_sq"):
+            tensor = state[key].detach()
+            size = 4 * tensor.numel()
+            host = tensor.cpu().contiguous().numpy().reshape(-1)
+            np.copyto(out[offset : offset + size].view("<f4"), host)
+            offset += size
+    return out.data.cast("B")
 
 
 def inner_state_size(optimizer: torch.optim.Optimizer, fresh: bool = False) -> int:

@@ -283,6 +283,12 @@ class InnerTrainer:
             return None
         return inner_state_digest(self.optimizer)
 
+    def can_commit(self) -> bool:
+        """Can this trainer's inner state be committed to (:meth:`state_digest` not None), without reading it?"""
+        from asyncloco.train.commitments import committable
+
+        return not self.sharded and committable(self.optimizer)
+
     def reset_inner_state(self) -> None:
         """Back to a fresh inner optimizer state (step 0, no moments): its digest is :data:`FRESH_STATE_DIGEST`."""
         self.optimizer.state.clear()
