@@ -10,6 +10,11 @@ machine slows both alike.
 
     python scripts/bench_peer.py --model tiny            # ratio printed; goal: peer within 5 % of plain
     python scripts/bench_peer.py --model 20m --device cuda --precision bf16 --json runs/bench/peer-20m.json
+    python scripts/bench_peer.py --model 60m --commitments --steps 2 --repeats 3   # what a lease's commitments cost
+
+``--commitments`` also times what the inner-state commitments (``runtime.verify`` with ``inner_state: carry``, the
+default) add to every lease, as the peer runs them (peer/reveal.py ``RevealStore``: the start's digest, the lease's
+end state laid out and hashed), beside a memcpy of θ and the lease's own training time.
 """
 
 from __future__ import annotations
@@ -147,6 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 plain_rates.append(tokens / wall)
                 plain_cpu.append(tokens / cpu)
     peer, plain = statistics.median(peer_rates), statistics.median(plain_rates)
+    commitments = time_commitments(trainer, theta, device, args.repeats, tokens / peer) if args.commitments else {}
     untimed = {}
     if untimed_rates:  # the per-step callback's cost: the peer's loop without it
         untimed = {"peer_untimed_tokens_per_s": statistics.median(untimed_rates),
@@ -173,7 +179,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peer_samples": peer_rates,
         "plain_samples": plain_rates,
         **untimed,
+        **commitments,
     }
+
+
+def time_commitments(trainer: InnerTrainer, theta: torch.Tensor, device: torch.device, repeats: int,
+                     lease_s: float) -> dict[str, Any]:
+    """Per lease, what the peer's commitments add (peer/runner.py ``_train``): ``hold`` of the start state before the
+    training and ``hold_end`` after it, a step of training between them (it changes the state, as a lease does);
+    side by side with a host memcpy of θ."""
+    from asyncloco.peer.reveal import RevealStore
+
+    store = RevealStore(keep=2)
+    scratch = torch.empty_like(theta)
+    costs, copies = [], []
+    for repeat in range(repeats + 1):
+        lease_id = f"lease-{repeat}"
+        _sync(device)
+        began = time.perf_counter()
+        store.hold(lease_id, trainer.optimizer)
+        held = time.perf_counter()
+        trainer.run(theta, 0, 0, 1, 0)
+        _sync(device)
+        trained = time.perf_counter()
+        store.hold_end(lease_id, trainer.optimizer)
+        _sync(device)
+        if repeat:  # the first lease starts from a fresh state: not the steady case
+            costs.append((held - began) + (time.perf_counter() - trained))
+        copy_began = time.perf_counter()
+        scratch.copy_(theta)
+        copies.append(time.perf_counter() - copy_began)
+    commit, memcpy = statistics.median(costs), statistics.median(copies)
+    return {"commit_s": commit, "memcpy_theta_s": memcpy, "commit_memcpy_ratio": commit / memcpy,
+            "lease_s": lease_s, "commit_lease_fraction": commit / (commit + lease_s), "commit_samples": costs,
+            "commit_layouts": getattr(store, "laid_out", None)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                         "by 10x; 0 = torch's default)")
     parser.add_argument("--untimed", action="store_true",
                         help="also time the peer's loop without the per-step callback (what per-step timing costs it)")
+    parser.add_argument("--commitments", action="store_true",
+                        help="also time the inner-state commitments a lease adds (verification's default, carry)")
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--smoke", action="store_true", help="seconds of work: tiny, 2 timed leases of 2 steps of 4 × 16 "
                         "tokens, 1 thread (tests/test_bench_peer.py)")
@@ -215,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     if "untimed_ratio" in result:
         print(f"peer without the per-step callback: {result['peer_untimed_tokens_per_s']:.0f} tokens/s, "
               f"ratio {result['untimed_ratio']:.3f}")
+    if "commit_s" in result:
+        print(f"commitments per lease: {result['commit_s']:.3f} s = {result['commit_memcpy_ratio']:.1f} x a memcpy of θ "
+              f"({result['memcpy_theta_s'] * 1000:.1f} ms), {100 * result['commit_lease_fraction']:.1f} % of a lease of "
+              f"{result['steps_per_repeat']} steps ({result['lease_s']:.3f} s of training)")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_bench_peer_tiny_prints_and_writes_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_peer.py"), "--smoke", "--untimed", "--json", str(out)],
+        [sys.executable, str(REPO / "scripts" / "bench_peer.py"), "--smoke", "--untimed", "--commitments", "--json", str(out)],
         capture_output=True, text=True, timeout=200, cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr
@@ -27,6 +27,11 @@ def test_bench_peer_tiny_prints_and_writes_the_ratio(tmp_path: Path) -> None:
     assert result["peer_tokens_per_s"] > 0 and result["plain_tokens_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["peer_tokens_per_s"] / result["plain_tokens_per_s"])
     assert f"ratio peer / plain: {result['ratio']:.3f}" in completed.stdout
+    # the commitments: one layout per lease (the start of each is the previous end), 3 leases for 2 timed repeats
+    assert len(result["commit_samples"]) == 2 and result["commit_layouts"] == 1 + 3
+    assert result["commit_s"] == pytest.approx(sorted(result["commit_samples"])[0] / 2 + sorted(result["commit_samples"])[1] / 2)
+    assert result["commit_memcpy_ratio"] == pytest.approx(result["commit_s"] / result["memcpy_theta_s"])
+    assert result["commit_lease_fraction"] == pytest.approx(result["commit_s"] / (result["commit_s"] + result["lease_s"]))
 
 
 @pytest.mark.timeout(120)

@@ -430,6 +430,7 @@ def test_a_lease_lays_out_its_state_once_and_the_next_start_reuses_it() -> None:
         assert store.hold(f"L{index + 1}", trainer.optimizer) == end  # the next start: the same state
         assert store.get(f"L{index + 1}") is store.get_end(f"L{index}")  # the same buffer, kept once
     assert store.laid_out == 1 + 3  # one layout per lease end, none for the starts that followed
+    assert store.recycled == 0  # L0's end, also L1's start, was dropped only as L3 started: no layout since
     chunks = inner_state_chunks(trainer.optimizer)
     buffer = inner_state_buffer(trainer.optimizer)
     assert chunks is not None and buffer is not None and bytes(store.get("L3") or b"") == b"".join(chunks) == bytes(buffer)
@@ -438,6 +439,11 @@ def test_a_lease_lays_out_its_state_once_and_the_next_start_reuses_it() -> None:
     trainer.optimizer.state[param]["exp_avg"].mul_(2.0)
     changed = store.hold("L4", trainer.optimizer)
     assert store.laid_out == 5 and changed == trainer.state_digest() and changed != end
+    # that layout wrote into the dropped buffer of L0's end; every state still kept is intact
+    from asyncloco.train.commitments import revealed_digest
+    assert store.recycled == 1
+    assert revealed_digest(store.get("L3") or b"") == revealed_digest(store.get_end("L2") or b"") == end
+    assert revealed_digest(store.get("L4") or b"") == changed
     # a reset: the fresh state
     trainer.run(theta, 0, 0, 2, 0)
     store.hold_end("L4", trainer.optimizer)

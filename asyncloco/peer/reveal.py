@@ -35,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
+import numpy as np
 import torch
 
 from asyncloco.train.commitments import (
@@ -100,14 +101,27 @@ class RevealStore:
         self._states: "OrderedDict[str, Buffer]" = OrderedDict()
         self._ends: "OrderedDict[str, Buffer]" = OrderedDict()
         self._last: Optional[_LastEnd] = None  # the last end state held, to be the next start if nothing changed it
+        self._spare: Optional[np.ndarray] = None  # a dropped state's buffer, written into by the next layout
         self.laid_out = 0  # states laid out and hashed (a start recognised as the last end is not)
+        self.recycled = 0  # of those, laid out into a dropped state's buffer
 
-    @staticmethod
-    def _put(kept: "OrderedDict[str, Buffer]", lease_id: str, state: Buffer, keep: int) -> None:
+    def _put(self, kept: "OrderedDict[str, Buffer]", lease_id: str, state: Buffer, keep: int) -> None:
         kept[lease_id] = state
         kept.move_to_end(lease_id)
         while len(kept) > keep:
-            kept.popitem(last=False)
+            _, dropped = kept.popitem(last=False)
+            self._recycle(dropped)
+
+    def _recycle(self, dropped: Buffer) -> None:
+        """Keep a dropped layout's buffer for the next one, unless the store still holds it (a start that is an end).
+        Only with ``ends``, where :meth:`reveal` sends a copy (:func:`pack_parts`): without, it sends the kept state
+        itself, which may still be on its way when the next lease's layout would overwrite it."""
+        if not self.ends or not isinstance(dropped, memoryview) or not isinstance(dropped.obj, np.ndarray):
+            return
+        held = list(self._states.values()) + list(self._ends.values()) + ([self._last.inner] if self._last else [])
+        if any(state is dropped for state in held):
+            return
+        self._spare = dropped.obj
 
     def _layout(self, optimizer: Any) -> Optional[tuple[Buffer, str]]:
         """``optimizer``'s state in its canonical layout and its inner digest (None: it cannot be committed to)."""
@@ -115,7 +129,10 @@ class RevealStore:
         if last is not None and same_marks(last.marks, state_marks(optimizer)):
             return last.inner, last.digest
         self._last = None  # changed since (a reset): let its tensors go
-        inner = inner_state_buffer(optimizer)
+        inner = inner_state_buffer(optimizer, self._spare)
+        if inner is not None and self._spare is not None and inner.obj is self._spare:
+            self._spare = None
+            self.recycled += 1
         if inner is None:
             return None
         self.laid_out += 1

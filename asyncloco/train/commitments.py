@@ -76,10 +76,12 @@ def committable(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) is torch.optim.AdamW and not any(group.get("amsgrad") for group in optimizer.param_groups)
 
 
-def inner_state_buffer(optimizer: torch.optim.Optimizer) -> Optional[memoryview]:
+def inner_state_buffer(optimizer: torch.optim.Optimizer, spare: Optional[np.ndarray] = None) -> Optional[memoryview]:
     """:func:`inner_state_chunks` joined, built in one preallocated buffer: each moment copied once from its device
     into place, one tensor at a time (numpy's copies release the GIL; a join of ``tobytes`` chunks copies twice,
-    holding it). b"" for the fresh state, None when the state cannot be committed to."""
+    holding it). b"" for the fresh state, None when the state cannot be committed to. ``spare``: a uint8 array of
+    exactly the size to write into instead of a new one (a new one's pages fault in on first write, which costs more
+    than the copy)."""
     if not committable(optimizer):
         return None
     params = [param for group in optimizer.param_groups for param in group["params"]]
@@ -90,7 +92,9 @@ def inner_state_buffer(optimizer: torch.optim.Optimizer) -> Optional[memoryview]
         if state and (set(state) != {"step", "exp_avg", "exp_avg_sq"} or any(
                 state[key].dtype != torch.float32 or type(state[key]) is not torch.Tensor for key in ("exp_avg", "exp_avg_sq"))):
             return None
-    out = np.empty(sum(9 + 8 * param.numel() if state else 1 for param, state in zip(params, states)), dtype=np.uint8)
+    size = sum(9 + 8 * param.numel() if state else 1 for param, state in zip(params, states))
+    reuse = spare is not None and spare.dtype == np.uint8 and spare.ndim == 1 and spare.size == size
+    out = spare if reuse and spare is not None else np.empty(size, dtype=np.uint8)
     offset = 0
     for param, state in zip(params, states):
         if not state:
@@ -102,10 +106,10 @@ def inner_state_buffer(optimizer: torch.optim.Optimizer) -> Optional[memoryview]
         offset += 9
         for key in ("exp_avg", "exp_avg_sq"):
             tensor = state[key].detach()
-            size = 4 * tensor.numel()
-            host = tensor.cpu().contiguous().numpy().reshape(-1)
-            np.copyto(out[offset : offset + size].view("<f4"), host)
-            offset += size
+            length = 4 * tensor.numel()
+            host = tensor.cpu().contiguous().numpy().reshape(-1).astype("<f4", copy=False)
+            out[offset : offset + length] = host.view(np.uint8)
+            offset += length
     return out.data.cast("B")
 
 
