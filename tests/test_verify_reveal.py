@@ -300,6 +300,9 @@ def test_reveal_wire_and_store() -> None:
     revealed = store.reveal("L3")
     assert revealed is not None and split_parts(revealed) == (store.get("L3"), store.get_end("L3"))
     assert len(revealed) == 8 + 2 * size
+    parts = store.reveal_parts("L3")  # what the runner sends: the same bytes, not joined
+    assert parts is not None and parts[1] is store.get("L3") and b"".join(parts) == revealed
+    assert store.reveal_parts("L0") is None
     with pytest.raises(ValueError, match="reveal_keep >= 1"):
         RevealStore(keep=0)
 

@@ -30,6 +30,7 @@ bumps). So a lease costs one copy of its end state and one sha256 of it, both of
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -197,6 +198,15 @@ class RevealStore:
         end = self._ends.get(lease_id)
         return None if start is None or end is None else pack_parts(start, end)
 
+    def reveal_parts(self, lease_id: str) -> Optional[list[Buffer]]:
+        """:meth:`reveal` as the parts it joins (the start part's length, the start, the end), for sending one after
+        another without the joined copy (which holds the GIL for its whole length, gigabytes at 150m)."""
+        start = self._states.get(lease_id)
+        if not self.ends:
+            return None if start is None else [start]
+        end = self._ends.get(lease_id)
+        return None if start is None or end is None else [struct.pack("<Q", len(start)), start, end]
+
     def __len__(self) -> int:
         return len(self._states)
 
@@ -206,7 +216,7 @@ class RevealStore:
         return sum(unique.values())
 
 
-async def send_reveal(client: Any, lease_id: str, state: Optional[Buffer], digest: Optional[str], *,
+async def send_reveal(client: Any, lease_id: str, state: "Optional[Buffer | list[Buffer]]", digest: Optional[str], *,
                       retry_for: float = 0.0, wait: Optional[Callable[[float], Awaitable[None]]] = None,
                       now: Callable[[], float] = time.monotonic, aborted: Callable[[], bool] = lambda: False) -> bool:
     """Answer the coordinator's ``reveal`` request for ``lease_id`` with ``state`` (:meth:`RevealStore.reveal`); True

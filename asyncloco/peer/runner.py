@@ -562,7 +562,7 @@ class PeerRunner:
         """Reveal lease ``lease_id``'s start and end inner states (peer/reveal.py; commitments)."""
         from asyncloco.peer.reveal import send_reveal
 
-        state = self.reveals.reveal(lease_id) if self.reveals is not None else None
+        state = self.reveals.reveal_parts(lease_id) if self.reveals is not None else None
         # a lost reveal fails an honest check at reveal_timeout: resend for up to half of it
         retry_for = self._cfg.runtime.verify.reveal_timeout / 2 if self._cfg is not None else 0.0
         await send_reveal(client, lease_id, state, digest, retry_for=retry_for, wait=self._pause,

@@ -286,18 +286,23 @@ class CoordinatorClient:
         self.link.observe("up", nbytes, time.monotonic() - started)
         return ack
 
-    async def reveal(self, lease_id: str, state: bytes, *, timeout: Optional[float] = None) -> RevealReply:
+    async def reveal(self, lease_id: str, state: Any, *, timeout: Optional[float] = None) -> RevealReply:
         """Send the inner state this peer started lease ``lease_id`` from (its canonical layout, train/commitments.py), as an
-        :class:`Ack` with ``reveal`` asked (commitments)."""
-        header = RevealHeader(lease_id, len(state))
+        :class:`Ack` with ``reveal`` asked (commitments). ``state``: bytes-like, or a list of bytes-like parts sent one
+        after another as one body (peer/reveal.py ``RevealStore.reveal_parts``: no joined copy of gigabytes)."""
+        parts = list(state) if isinstance(state, (list, tuple)) else [state]
+        views = [memoryview(part).cast("B") for part in parts]
+        size = sum(view.nbytes for view in views)
+        header = RevealHeader(lease_id, size)
 
         async def call(frames_in: FrameReader, frames_out: FrameWriter) -> RevealReply:
             await frames_out.header(header.to_wire())
             frames_in.idle_timeout = None  # the service may queue for a body slot; the call timeout applies
             Ready.from_wire(await frames_in.read_header(allow_error=True))
-            if state:
-                await frames_out.body(state, self.chunk_bytes)
-            self.counters.reveal.payload_bytes_sent += len(state)
+            for view in views:
+                if view.nbytes:
+                    await frames_out.body(view, self.chunk_bytes)
+            self.counters.reveal.payload_bytes_sent += size
             return RevealReply.from_wire(await frames_in.read_header(allow_error=True))
 
         return await self._call("reveal", call, timeout if timeout is not None else self.timeouts["submit"])
