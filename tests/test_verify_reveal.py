@@ -459,3 +459,30 @@ def test_a_lease_lays_out_its_state_once_and_the_next_start_reuses_it() -> None:
     buffer = inner_state_buffer(trainer.optimizer)
     assert chunks is not None and chunks[0] == b"\x00" and buffer is not None and bytes(buffer) == b"".join(chunks)
     assert store.hold("L6", trainer.optimizer) == trainer.state_digest()
+
+
+@pytest.mark.parametrize("implementation", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+def test_every_adamw_implementation_s_step_is_seen(implementation: dict[str, bool]) -> None:
+    """The store recognises an unchanged state by its tensors' version counters: each of AdamW's implementations (the
+    for-loop, foreach — the default on CUDA — and fused, which leaves the moments' counters alone) bumps its step
+    tensor's, so a state one step on is always laid out and hashed afresh."""
+    from asyncloco.train.commitments import inner_state_digest
+
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.ones(3))]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, **implementation)
+    store = RevealStore(keep=2)
+
+    def step() -> None:
+        for param in params:
+            param.grad = torch.full_like(param, 0.5)
+        optimizer.step()
+
+    step()
+    digests = [store.hold_end("L0", optimizer)]
+    for index in range(1, 4):
+        assert store.hold(f"L{index}", optimizer) == digests[-1]  # unchanged: the last end
+        step()
+        digests.append(store.hold_end(f"L{index}", optimizer))
+        assert digests[-1] == inner_state_digest(optimizer) != digests[-2]
+    step()  # a step after the last end, no hold_end: the next start must see it
+    assert store.hold("L4", optimizer) == inner_state_digest(optimizer) != digests[-1]

@@ -22,8 +22,9 @@ sends ``8 + 2 S`` bytes (one part empty for a fresh start).
 
 Cost per lease: the end state is laid out once, straight from the optimizer's tensors into one buffer, and hashed from
 it; the next lease's start — unchanged since, unless the peer reset it — is that same buffer and digest, recognised
-without reading the state (each state tensor by identity and its in-place version counter, which every optimizer step
-bumps). So a lease costs one copy of its end state and one sha256 of it, both off the GIL (train/commitments.py
+without reading the state (each state tensor by identity and its in-place version counter: the step tensor's moves
+with every step in each of AdamW's implementations — fused leaves the moments' counters alone; a reset or a load
+replaces the tensors). So a lease costs one copy of its end state and one sha256 of it, both off the GIL (train/commitments.py
 ``inner_state_buffer``), instead of hashing the start twice and copying each state through bytes chunks.
 """
 
