@@ -14,7 +14,8 @@ machine slows both alike.
 
 ``--commitments`` also times what the inner-state commitments (``runtime.verify`` with ``inner_state: carry``, the
 default) add to every lease, as the peer runs them (peer/reveal.py ``RevealStore``: the start's digest, the lease's
-end state laid out and hashed), beside a memcpy of θ and the lease's own training time.
+end state laid out and hashed), beside a memcpy of θ and the lease's own training time; ``commit_path_s`` is the part
+on the training's path (the layouts; the peer hashes in a thread while its next lease trains).
 """
 
 from __future__ import annotations
@@ -192,19 +193,23 @@ def time_commitments(trainer: InnerTrainer, theta: torch.Tensor, device: torch.d
 
     store = RevealStore(keep=2)
     scratch = torch.empty_like(theta)
-    costs, copies = [], []
+    costs, paths, copies = [], [], []
     for repeat in range(repeats + 1):
         lease_id = f"lease-{repeat}"
         _sync(device)
         began = time.perf_counter()
-        store.hold(lease_id, trainer.optimizer)
+        start = store.hold_deferred(lease_id, trainer.optimizer)
         held = time.perf_counter()
         trainer.run(theta, 0, 0, 1, 0)
         _sync(device)
         trained = time.perf_counter()
-        store.hold_end(lease_id, trainer.optimizer)
+        end = store.hold_end_deferred(lease_id, trainer.optimizer)
         _sync(device)
+        laid = time.perf_counter()
+        assert start is not None and end is not None
+        start.result(), end.result()  # the hashing, which the runner leaves to run beside the next lease
         if repeat:  # the first lease starts from a fresh state: not the steady case
+            paths.append((held - began) + (laid - trained))
             costs.append((held - began) + (time.perf_counter() - trained))
         copy_began = time.perf_counter()
         scratch.copy_(theta)
@@ -212,7 +217,7 @@ def time_commitments(trainer: InnerTrainer, theta: torch.Tensor, device: torch.d
     commit, memcpy = statistics.median(costs), statistics.median(copies)
     return {"commit_s": commit, "memcpy_theta_s": memcpy, "commit_memcpy_ratio": commit / memcpy,
             "lease_s": lease_s, "commit_lease_fraction": commit / (commit + lease_s), "commit_samples": costs,
-            "commit_layouts": getattr(store, "laid_out", None)}
+            "commit_path_s": statistics.median(paths), "commit_path_samples": paths, "commit_layouts": store.laid_out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if "commit_s" in result:
         print(f"commitments per lease: {result['commit_s']:.3f} s = {result['commit_memcpy_ratio']:.1f} x a memcpy of θ "
               f"({result['memcpy_theta_s'] * 1000:.1f} ms), {100 * result['commit_lease_fraction']:.1f} % of a lease of "
-              f"{result['steps_per_repeat']} steps ({result['lease_s']:.3f} s of training)")
+              f"{result['steps_per_repeat']} steps ({result['lease_s']:.3f} s of training); on the training's path (the "
+              f"hash left to its thread): {result['commit_path_s']:.3f} s")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

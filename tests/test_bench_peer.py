@@ -31,6 +31,8 @@ def test_bench_peer_tiny_prints_and_writes_the_ratio(tmp_path: Path) -> None:
     assert len(result["commit_samples"]) == 2 and result["commit_layouts"] == 1 + 3
     assert result["commit_s"] == pytest.approx(sorted(result["commit_samples"])[0] / 2 + sorted(result["commit_samples"])[1] / 2)
     assert result["commit_memcpy_ratio"] == pytest.approx(result["commit_s"] / result["memcpy_theta_s"])
+    assert len(result["commit_path_samples"]) == 2
+    assert all(path <= total for path, total in zip(result["commit_path_samples"], result["commit_samples"]))
     assert result["commit_lease_fraction"] == pytest.approx(result["commit_s"] / (result["commit_s"] + result["lease_s"]))
 
 

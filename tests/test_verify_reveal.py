@@ -486,3 +486,13 @@ def test_every_adamw_implementation_s_step_is_seen(implementation: dict[str, boo
         assert digests[-1] == inner_state_digest(optimizer) != digests[-2]
     step()  # a step after the last end, no hold_end: the next start must see it
     assert store.hold("L4", optimizer) == inner_state_digest(optimizer) != digests[-1]
+    # the deferred forms the runner uses: the same digests, awaited once their hashing thread is done
+    import asyncio
+
+    from asyncloco.peer.reveal import settled
+
+    step()
+    end = store.hold_end_deferred("L4", optimizer)
+    start = store.hold_deferred("L5", optimizer)
+    assert end is not None and start is end  # the next start is the last end, its digest the same computation
+    assert asyncio.run(settled(end)) == inner_state_digest(optimizer) and asyncio.run(settled("ready")) == "ready"

@@ -255,7 +255,7 @@ class OverlappedRounds:
         self.inflight = _InFlight(lease, asyncio.ensure_future(self._upload(lease, encoded, digests, inner_loss)))
 
     async def _upload(
-        self, lease: LeaseGrant, encoded: Any, digests: tuple[Optional[str], Optional[str]], inner_loss: Optional[float]
+        self, lease: LeaseGrant, encoded: Any, digests: tuple[Any, Any], inner_loss: Optional[float]
     ) -> Optional[Ack]:
         runner = self.runner
         ack: Optional[Ack] = await runner._submit(

@@ -25,15 +25,20 @@ it; the next lease's start — unchanged since, unless the peer reset it — is 
 without reading the state (each state tensor by identity and its in-place version counter: the step tensor's moves
 with every step in each of AdamW's implementations — fused leaves the moments' counters alone; a reset or a load
 replaces the tensors). So a lease costs one copy of its end state and one sha256 of it, both off the GIL (train/commitments.py
-``inner_state_buffer``), instead of hashing the start twice and copying each state through bytes chunks.
+``inner_state_buffer``), instead of hashing the start twice and copying each state through bytes chunks. Only the copy
+is on the training's path (the optimizer moves on after it): the sha256 runs in a hashing thread while the next lease
+trains, and the submission that carries the digests awaits it (:func:`settled`); with error feedback the start's
+commitment, which covers the residual as it is then, is taken at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
@@ -45,7 +50,29 @@ from asyncloco.train.commitments import (
     revealed_digest,
 )
 
-__all__ = ["RevealStore", "send_reveal"]
+__all__ = ["RevealStore", "send_reveal", "settled"]
+
+async def settled(digest: "Optional[str | Future[str]]") -> Optional[str]:
+    """The digest, once its hashing is done (awaited without blocking the event loop)."""
+    if isinstance(digest, Future):
+        return await asyncio.wrap_future(digest)
+    return digest
+
+
+_HASHER: Optional[ThreadPoolExecutor] = None  # one thread for the process: digests in the order their layouts were made
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = ThreadPoolExecutor(1, thread_name_prefix="asyncloco-commit")
+    return _HASHER
+
+
+def _done(value: str) -> "Future[str]":
+    future: "Future[str]" = Future()
+    future.set_result(value)
+    return future
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +114,7 @@ def same_marks(old: Marks, new: Marks) -> bool:
 class _LastEnd:
     marks: Marks
     inner: Buffer  # the end state's canonical layout (train/commitments.py inner_state_buffer)
-    digest: str
+    digest: "Future[str]"
 
 
 class RevealStore:
@@ -106,6 +133,7 @@ class RevealStore:
         self._spare: Optional[np.ndarray] = None  # a dropped state's buffer, written into by the next layout
         self.laid_out = 0  # states laid out and hashed (a start recognised as the last end is not)
         self.recycled = 0  # of those, laid out into a dropped state's buffer
+        self._hashing: list["Future[str]"] = []  # digests still being computed (a buffer is not reused under one)
 
     def _put(self, kept: "OrderedDict[str, Buffer]", lease_id: str, state: Buffer, keep: int) -> None:
         kept[lease_id] = state
@@ -125,26 +153,44 @@ class RevealStore:
             return
         self._spare = dropped.obj
 
-    def _layout(self, optimizer: Any) -> Optional[tuple[Buffer, str]]:
-        """``optimizer``'s state in its canonical layout and its inner digest (None: it cannot be committed to)."""
+    def _hash(self, inner: Buffer) -> "Future[str]":
+        """sha256 of ``inner`` in the store's hashing thread (sha256 releases the GIL: training goes on meanwhile)."""
+        self._hashing = [future for future in self._hashing if not future.done()]
+        future = _hasher().submit(revealed_digest, inner)
+        self._hashing.append(future)
+        return future
+
+    def _layout(self, optimizer: Any) -> Optional[tuple[Buffer, "Future[str]"]]:
+        """``optimizer``'s state in its canonical layout and its inner digest, being hashed (None: it cannot be committed
+        to)."""
         last = self._last
         if last is not None and same_marks(last.marks, state_marks(optimizer)):
             return last.inner, last.digest
         self._last = None  # changed since (a reset): let its tensors go
-        inner = inner_state_buffer(optimizer, self._spare)
-        if inner is not None and self._spare is not None and inner.obj is self._spare:
+        spare = self._spare
+        if spare is not None:
+            for future in self._hashing:  # a buffer dropped while its digest was still being computed
+                future.result()
+        inner = inner_state_buffer(optimizer, spare)
+        if inner is not None and spare is not None and inner.obj is spare:
             self._spare = None
             self.recycled += 1
         if inner is None:
             return None
         self.laid_out += 1
-        return inner, revealed_digest(inner)
+        return inner, (self._hash(inner) if len(inner) else _done(revealed_digest(inner)))
 
     def hold(self, lease_id: str, optimizer: Any, residual: Optional[torch.Tensor] = None, feedback: bool = False
              ) -> Optional[str]:
         """Keep ``optimizer``'s state (and, with error feedback on, the residual) as lease ``lease_id`` starts from
         it — without ``ends``, nothing for a fresh state without a residual (with ``ends``: b""); returns its inner
         digest (train/commitments.py ``inner_state_digest``; None when it cannot be committed to)."""
+        digest = self.hold_deferred(lease_id, optimizer, residual, feedback)
+        return None if digest is None else digest.result()
+
+    def hold_deferred(self, lease_id: str, optimizer: Any, residual: Optional[torch.Tensor] = None, feedback: bool = False
+                      ) -> "Optional[Future[str]]":
+        """:meth:`hold`, its digest still being computed (:func:`settled` awaits it): the lease need not wait for it."""
         laid = self._layout(optimizer)
         if laid is None:
             return None
@@ -164,8 +210,15 @@ class RevealStore:
         """Keep ``optimizer``'s state as lease ``lease_id`` ends (with ``ends``); returns its inner digest (train/inner.py
         ``inner_state_digest``, None when it cannot be committed to). With error feedback call :meth:`end_residual`
         once the upload's residual is known."""
+        digest = self.hold_end_deferred(lease_id, optimizer)
+        return None if digest is None else digest.result()
+
+    def hold_end_deferred(self, lease_id: str, optimizer: Any) -> "Optional[Future[str]]":
+        """:meth:`hold_end` with the digest still being computed: the state is laid out before this returns (the
+        optimizer may move on), the sha256 runs in the store's hashing thread while the next lease trains."""
         if not self.ends:
-            return inner_state_digest(optimizer)
+            whole = inner_state_digest(optimizer)
+            return None if whole is None else _done(whole)
         self._last = None
         laid = self._layout(optimizer)
         if laid is None:

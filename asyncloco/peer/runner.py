@@ -35,6 +35,7 @@ import math
 import re
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
@@ -59,7 +60,7 @@ from asyncloco.train.group import GroupContext, GroupFailed
 from asyncloco.train.inner import InnerTrainer, LeaseAborted, probe_speed
 from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
 from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, time_split, update_idle, write_summary
-from asyncloco.peer.reveal import RevealStore
+from asyncloco.peer.reveal import RevealStore, settled
 from asyncloco.train.commitments import committed_digest
 from asyncloco.peer.upload import error_feedback, submit_with_retry
 from asyncloco.peer.waits import Aborted, Leave, pause, race
@@ -140,8 +141,9 @@ class PeerRunner:
         self._abort = asyncio.Event()  # second Ctrl+C: leave at once
         self._abort_flag = threading.Event()  # the same, for the training thread
         self._inner_loss: Optional[float] = None  # mean inner loss of the latest round (sent with its update)
-        self._digests: tuple[Optional[str], Optional[str]] = (None, None)  # inner-state commitments of the latest round
-        self._inner_end: Optional[str] = None  # the inner state's digest at the latest round's end (without the residual)
+        # inner-state commitments of the latest round: digests, or their hashing still running (peer/reveal.py settled)
+        self._digests: tuple[Optional["str | Future[str]"], Optional["str | Future[str]"]] = (None, None)
+        self._inner_end: Optional["str | Future[str]"] = None  # the inner state's digest at the latest round's end (no residual)
         self.reveals: Any = None  # peer/reveal.py RevealStore: start states of the last leases, revealed on request
         self._cfg: Optional[RunConfig] = None  # the run's config, once fetched
         self._closing = asyncio.Event()
@@ -478,14 +480,19 @@ class PeerRunner:
             return None
         if self._commits(trainer) and self.feedback.enabled and self._inner_end is not None:
             # with error feedback the lease's end state includes the residual this upload leaves (peer/reveal.py)
-            self._digests = (self._digests[0], self.reveals.end_residual(lease.lease_id, self._inner_end, self.feedback.pending))
+            inner_end = await settled(self._inner_end)
+            assert inner_end is not None
+            self._digests = (self._digests[0], self.reveals.end_residual(lease.lease_id, inner_end, self.feedback.pending))
         return encoded
 
     async def _submit(
         self, client: Any, trainer: InnerTrainer, lease: LeaseGrant, encoded: Any,
-        digests: tuple[Optional[str], Optional[str]], inner_loss: Optional[float], uploading: float,
+        digests: tuple[Optional["str | Future[str]"], Optional["str | Future[str]"]], inner_loss: Optional[float],
+        uploading: float,
     ) -> Optional[Ack]:
-        """Send ``encoded`` until acknowledged (peer/upload.py) and count the round (``uploading``: when it began)."""
+        """Send ``encoded`` until acknowledged (peer/upload.py) and count the round (``uploading``: when it began); the
+        commitments' digests are awaited here if their hashing is still running (off the training's path)."""
+        digests = (await settled(digests[0]), await settled(digests[1]))
         if self._stop.is_set():
             logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
         ack = await submit_with_retry(client, lease, encoded, inner_loss=inner_loss, digests=digests,
@@ -498,7 +505,7 @@ class PeerRunner:
 
     async def _settle(
         self, client: Any, lease: LeaseGrant, ack: Ack, counters: Any,
-        digests: Optional[tuple[Optional[str], Optional[str]]] = None, prefetch: bool = True,
+        digests: Optional[tuple[Optional["str | Future[str]"], Optional["str | Future[str]"]]] = None, prefetch: bool = True,
     ) -> None:
         """After an ack: prefetch the newest θ (--prefetch), reveal if asked, count the verdict, write the summary.
         ``digests``: the lease's commitments (default: the latest round's)."""
@@ -506,7 +513,7 @@ class PeerRunner:
             # the next lease most likely starts from the newest θ: fetch it while asking for the lease
             self._prefetch = asyncio.ensure_future(client.get_model(None))
         if ack.reveal:  # chosen for verification after the submission: send the lease's start and end states
-            await self._reveal(client, lease.lease_id, (digests or self._digests)[0])
+            await self._reveal(client, lease.lease_id, await settled((digests or self._digests)[0]))
         if ack.accepted:
             self.summary.accepted += 1
             self.summary.duplicates += int(ack.duplicate)
@@ -538,7 +545,7 @@ class PeerRunner:
         if self.group is not None:
             broadcast_command(self.group, Command(OP_TRAIN, shard, start, steps, lr_offset))
         commit = self._commits(trainer)  # runtime.verify with carried inner state: digests before and after
-        state_start = None
+        state_start: Optional["str | Future[str]"] = None
         if commit:
             assert self._cfg is not None
             # error feedback: the residual this lease's upload adds is committed and revealed with the inner state
@@ -546,13 +553,17 @@ class PeerRunner:
             residual = self.feedback.residual if feedback and self.feedback is not None else None
             if self.reveals is None:
                 self.reveals = RevealStore(self._cfg.runtime.verify.reveal_keep)
-            # the start's digest from the bytes kept for the reveal (the last lease's end when nothing changed it)
-            inner_start = self.reveals.hold(lease.lease_id, trainer.optimizer, residual, feedback=feedback)
+            # the start's digest from the bytes kept for the reveal (the last lease's end when nothing changed it),
+            # hashed meanwhile in the store's thread: the lease does not wait for it
+            inner_start = self.reveals.hold_deferred(lease.lease_id, trainer.optimizer, residual, feedback=feedback)
             commit = inner_start is not None
-            state_start = None if inner_start is None else committed_digest(inner_start, residual)
+            if inner_start is not None and residual is None:
+                state_start = inner_start  # the commitment is the inner digest itself
+            elif inner_start is not None:  # the residual changes as the feedback runs: committed to now
+                state_start = committed_digest(inner_start.result(), residual)
         result = trainer.run(theta, shard, start, steps, lr_offset, on_step=on_step, should_stop=self._abort_flag.is_set)
         # the end state is kept to be revealed with the start (peer/reveal.py), its digest taken from the same bytes
-        self._inner_end = self.reveals.hold_end(lease.lease_id, trainer.optimizer) if commit else None
+        self._inner_end = self.reveals.hold_end_deferred(lease.lease_id, trainer.optimizer) if commit else None
         self._digests = (state_start, self._inner_end)  # with feedback, _upload adds the residual to the end
         loss = float(result.mean_loss)
         self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
