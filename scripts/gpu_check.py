@@ -16,7 +16,8 @@ time leaves the others' results (its own "status" says "failed" or "timeout" and
    it), in bf16 and fp32, with and without deterministic algorithms, against an honest different lease and
    against the CPU's fp32 run: the figures behind ``runtime.verify.tolerance`` for GPU peers;
 4. ``bench`` — scripts/bench_peer.py (the peer's inner loop vs a plain transformers + torch loop on the same
-   batches, leases of H = 50 steps) for 20m, 60m and 150m in bf16: tokens/s, their ratio, and model FLOPs utilisation computed here
+   batches, leases of H = 50 steps) for 20m, 60m and 150m in bf16: tokens/s, their ratio, what the inner-state
+   commitments add to a lease (``--commitments``), and model FLOPs utilisation computed here
    from the parameter count (6 N + 12 L·d_attn·T FLOPs per token, N without the input-embedding lookup)
    and the GPU's dense bf16 peak (``--peak-tflops``, or known from the device's name);
 5. ``run`` — the paper's claim in the real runtime: a coordinator and 4 peer processes on this machine (the
@@ -98,7 +99,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan = Plan(
             tiny=True, device="cpu", precision="fp32", bench_models=["tiny"],
             bench_args=["--batch-size", "4", "--seq-len", "32", "--steps", "3", "--repeats", "3", "--warmup", "1",
-                        "--threads", "1"],
+                        "--threads", "1", "--commitments"],
             bench_limit=60.0, tests_limit=90.0,
             verify_runs={"tiny-cpu-fp32": ["--model", "tiny", "--device", "cpu", "--steps", "5", "--threads", "1"]},
             run_sizes=["tiny"], slowdowns=[1.0, 2.0], run_seconds=10.0,
@@ -113,7 +114,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             tiny=False, device="cuda", precision="bf16", bench_models=["20m", "60m", "150m"],
             # the paper's sequence length; batch 64 x 256 = 16k tokens per step; leases of the paper's H = 50 steps
             bench_args=["--batch-size", "64", "--seq-len", "256", "--steps", "50", "--repeats", "3", "--warmup", "1",
-                        "--untimed"],
+                        "--untimed", "--commitments"],
             bench_limit=90.0, tests_limit=180.0,
             # the 20m preset as peers run it (bf16), with the CPU fp32 run of the same lease; and in fp32
             verify_runs={
@@ -388,6 +389,10 @@ def run_bench(part: dict[str, Any], deadline: float, plan: Plan, work: Path, rep
                     "MFU %s", model, entry["peer_tokens_per_s"], entry["plain_tokens_per_s"], entry["ratio"],
                     f"{entry['untimed_ratio']:.3f}" if entry.get("untimed_ratio") is not None else "not timed",
                     f"{entry['peer_mfu']:.3f}" if entry["peer_mfu"] is not None else "n/a")
+        if entry.get("commit_path_s") is not None:
+            logger.info("bench %s: the inner-state commitments add %.3f s a lease on the training's path (%.3f s with "
+                        "the hash), %.1f %% of a lease", model, entry["commit_path_s"], entry["commit_s"],
+                        100 * entry["commit_lease_fraction"])
         report.save()
     if any(e.get("status") != "ok" for e in part["results"].values()):
         part["status"] = "partial" if any(e.get("status") == "ok" for e in part["results"].values()) else "failed"
