@@ -132,3 +132,22 @@ def test_methods_are_checked_before_anything_runs() -> None:
     assert gpu_check.make_plan(gpu_check.parse_args(["--out", "x", "--tiny"])).methods == ("async_dn_dylu", "sync_diloco")
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--out", "x", "--methods", "async_dn_dylu,nosuch"])
+
+
+@pytest.mark.timeout(60)
+def test_set_overrides_every_real_run_s_config(tmp_path: Path) -> None:
+    """``--set KEY.PATH=VALUE`` changes the real runs' config, validated like the coordinator's own ``--set``."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+
+    from asyncloco.config import load_config
+
+    args = gpu_check.parse_args(["--out", "x", "--tiny", "--set", "runtime.verify.inner_state=reset",
+                                 "--set", "outer.lr=0.3"])
+    plan = gpu_check.make_plan(args)
+    assert plan.sets == {"runtime.verify.inner_state": "reset", "outer.lr": 0.3}
+    cfg = load_config(gpu_check.run_config(plan, "tiny", "async_dn_dylu", tmp_path))
+    assert cfg.runtime.verify.inner_state == "reset" and cfg.outer.lr == 0.3
+    default = load_config(gpu_check.run_config(gpu_check.make_plan(gpu_check.parse_args(["--out", "x", "--tiny"])),
+                                               "tiny", "sync_diloco", tmp_path))
+    assert default.runtime.verify.inner_state == "carry" and default.outer.lr == 0.7

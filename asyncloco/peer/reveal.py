@@ -52,6 +52,9 @@ from asyncloco.train.commitments import (
 
 __all__ = ["RevealStore", "send_reveal", "settled"]
 
+logger = logging.getLogger(__name__)
+
+
 async def settled(digest: "Optional[str | Future[str]]") -> Optional[str]:
     """The digest, once its hashing is done (awaited without blocking the event loop)."""
     if isinstance(digest, Future):
@@ -74,7 +77,6 @@ def _done(value: str) -> "Future[str]":
     future.set_result(value)
     return future
 
-logger = logging.getLogger(__name__)
 
 # per parameter: None without state, else (key, the value when a tensor, its version counter or the value itself)
 Marks = list[Optional[tuple[tuple[str, Optional[torch.Tensor], Any], ...]]]

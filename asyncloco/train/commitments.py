@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -41,32 +41,40 @@ def inner_state_chunks(optimizer: torch.optim.Optimizer) -> Optional[list[bytes]
     return None if buffers is None else [bytes(buffer) for buffer in buffers]
 
 
+def _layout_states(optimizer: torch.optim.Optimizer) -> Optional[list[tuple[torch.Tensor, Optional[dict[str, Any]]]]]:
+    """Each parameter with its AdamW state (None: none yet), in ``param_groups`` order, once every state can be laid
+    out (step, float32 ``exp_avg`` and ``exp_avg_sq``); None when one cannot, or the optimizer is not
+    :func:`committable`."""
+    if not committable(optimizer):
+        return None
+    pairs = [(param, optimizer.state.get(param) or None) for group in optimizer.param_groups for param in group["params"]]
+    for _, state in pairs:
+        if state is not None and (set(state) != {"step", "exp_avg", "exp_avg_sq"} or any(
+                state[key].dtype != torch.float32 or type(state[key]) is not torch.Tensor for key in ("exp_avg", "exp_avg_sq"))):
+            return None
+    return pairs
+
+
+def _moment(tensor: torch.Tensor) -> np.ndarray:
+    """A moment as little-endian float32 on the host, flat (no copy for a contiguous CPU tensor)."""
+    return tensor.detach().cpu().contiguous().numpy().reshape(-1).astype("<f4", copy=False)
+
+
 def _state_buffers(optimizer: torch.optim.Optimizer) -> Optional[list[Buffer]]:
     """:func:`inner_state_chunks` as views (markers and step counts as bytes, the moments as the arrays' own memory
     where the tensor is a contiguous little-endian float32 on the CPU): what the digest hashes without a copy."""
-    if type(optimizer) is not torch.optim.AdamW:
+    pairs = _layout_states(optimizer)
+    if pairs is None:
         return None
-    chunks: list[Buffer] = []
-    for group in optimizer.param_groups:
-        if group.get("amsgrad"):
-            return None
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if not state:
-                chunks.append(b"\x00")
-                continue
-            if set(state) != {"step", "exp_avg", "exp_avg_sq"}:
-                return None
-            step = state["step"]
-            chunks.append(b"\x01" + struct.pack("<d", float(step)))
-            for key in ("exp_avg", "exp_avg_sq"):
-                tensor = state[key]
-                if tensor.dtype != torch.float32 or type(tensor) is not torch.Tensor:
-                    return None
-                array = tensor.detach().cpu().contiguous().numpy().astype("<f4", copy=False)
-                chunks.append(np.ascontiguousarray(array).data.cast("B"))
-    if all(isinstance(chunk, bytes) and chunk == b"\x00" for chunk in chunks):
+    if all(state is None for _, state in pairs):
         return []
+    chunks: list[Buffer] = []
+    for _, state in pairs:
+        if state is None:
+            chunks.append(b"\x00")
+            continue
+        chunks.append(b"\x01" + struct.pack("<d", float(state["step"])))
+        chunks.extend(_moment(state[key]).view(np.uint8).data for key in ("exp_avg", "exp_avg_sq"))
     return chunks
 
 
@@ -82,22 +90,17 @@ def inner_state_buffer(optimizer: torch.optim.Optimizer, spare: Optional[np.ndar
     holding it). b"" for the fresh state, None when the state cannot be committed to. ``spare``: a uint8 array of
     exactly the size to write into instead of a new one (a new one's pages fault in on first write, which costs more
     than the copy)."""
-    if not committable(optimizer):
+    pairs = _layout_states(optimizer)
+    if pairs is None:
         return None
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    states = [optimizer.state.get(param) for param in params]
-    if not any(states):
+    if all(state is None for _, state in pairs):
         return memoryview(b"")
-    for state in states:
-        if state and (set(state) != {"step", "exp_avg", "exp_avg_sq"} or any(
-                state[key].dtype != torch.float32 or type(state[key]) is not torch.Tensor for key in ("exp_avg", "exp_avg_sq"))):
-            return None
-    size = sum(9 + 8 * param.numel() if state else 1 for param, state in zip(params, states))
+    size = sum(9 + 8 * param.numel() if state is not None else 1 for param, state in pairs)
     reuse = spare is not None and spare.dtype == np.uint8 and spare.ndim == 1 and spare.size == size
     out = spare if reuse and spare is not None else np.empty(size, dtype=np.uint8)
     offset = 0
-    for param, state in zip(params, states):
-        if not state:
+    for _, state in pairs:
+        if state is None:
             out[offset] = 0
             offset += 1
             continue
@@ -105,11 +108,9 @@ def inner_state_buffer(optimizer: torch.optim.Optimizer, spare: Optional[np.ndar
         out[offset + 1 : offset + 9] = np.frombuffer(struct.pack("<d", float(state["step"])), dtype=np.uint8)
         offset += 9
         for key in ("exp_avg", "exp_avg_sq"):
-            tensor = state[key].detach()
-            length = 4 * tensor.numel()
-            host = tensor.cpu().contiguous().numpy().reshape(-1).astype("<f4", copy=False)
-            out[offset : offset + length] = host.view(np.uint8)
-            offset += length
+            moment = _moment(state[key]).view(np.uint8)
+            out[offset : offset + moment.size] = moment
+            offset += moment.size
     return out.data.cast("B")
 
 
