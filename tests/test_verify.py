@@ -922,10 +922,12 @@ def test_a_drawn_check_behind_a_busy_verifier_is_applied_first_and_checked_later
     check = actions[1]
     assert torch.equal(check.base, theta_before) and torch.equal(check.update, honest)
     assert "applied first: verifier behind" in check.reason and state.verification.pending[drawn["b"].lease_id] == "b"
+    kept = state.verification.applied_first[drawn["b"].lease_id]  # kept for a restart (its snapshot) until the verdict
+    assert kept.base is check.base and kept.update is check.update and list(state.verification.applied_first) == [drawn["b"].lease_id]
     actions = handle(state, Verified("b", drawn["b"].lease_id, False, "relative error 1"), 6.0)[1]
     expelled = [a for a in actions if isinstance(a, Expelled)]
     assert len(expelled) == 1 and expelled[0].repair is True  # its update is in θ: the repair takes it out
-    assert state.verification.pending == {drawn["a"].lease_id: "a"}
+    assert state.verification.pending == {drawn["a"].lease_id: "a"} and state.verification.applied_first == {}
 
 
 @pytest.mark.timeout(60)

@@ -373,8 +373,8 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     from asyncloco.coordinator.rerun import Rerunner
     from asyncloco.coordinator.verify import DaemonVerification
 
-    # the first life runs no verifier at all: every drawn check is held (not applied first behind the backlog, whose
-    # checks a restart from a snapshot cannot rebuild: they end Unverified, their updates being in θ already)
+    # the first life runs no verifier at all: every drawn check is held (not applied first behind the backlog: those
+    # are the next test's)
     verify = {"enabled": True, "inner_state": "reset", "fraction": 0.5, "probation_updates": 2, "horizon": 100000,
               "queue": 256, "hold_backlog": 1_000}
     # (int8 downloads, the default: a check whose peer decoded a delta re-runs from the anchor the download service kept
@@ -431,3 +431,58 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     # their updates were held meanwhile: each applied once its check agreed; the one without a verdict never
     applied = {a["lease_id"] for a in read_journal(run_dir, "applied")}
     assert not book.held and set(chosen) - {out["failing"]} <= applied and out["failing"] not in applied
+
+
+@pytest.mark.timeout(300)
+def test_checks_applied_first_are_run_after_a_restart_from_a_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drawn check behind a busy verifier has its update applied first and is checked later (``hold_backlog``).
+    The coordinator dies with such checks unjudged, after a snapshot that holds them (the replay does not meet
+    them): ``--resume`` re-runs each from the copies the snapshot kept (θ at its base, the update as submitted), so
+    an update that reached θ unchecked is never left unjudged across a restart — before, such checks ended
+    Unverified. The verdicts clear the kept copies."""
+    from asyncloco.coordinator.verify import DaemonVerification
+
+    verify = {"enabled": True, "inner_state": "reset", "fraction": 1.0, "probation_updates": 0, "horizon": 100000,
+              "queue": 256, "hold_backlog": 0}  # every lease drawn, every drawn check applied first
+    cfg = config(snapshot_every=100_000, verify=verify)
+    clock = FakeClock()
+    run_dir = tmp_path / "run"
+    original_start = DaemonVerification.start_worker
+    monkeypatch.setattr(DaemonVerification, "start_worker", lambda self: None)  # first life: no worker, checks stay queued
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        await transport.start()
+        try:
+            peers = {name: start_peer(transport, name, rounds=2) for name in HONEST}
+            await drive(clock, {name: task for name, (_, task) in peers.items()}, real_timeout=150.0)
+            first = transport.daemon
+            assert first is not None and first.node.state.verification.checked == 0
+            book = first.node.state.verification
+            chosen = dict(book.pending)
+            kept = sorted(book.applied_first)
+            version = first.node.state.version
+            async with first.node.lock:
+                await first.durability.save()
+            monkeypatch.setattr(DaemonVerification, "start_worker", original_start)
+            daemon = await transport.restart()
+            assert daemon.verification is not None and daemon.node.state.version == version
+            await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
+            return {"chosen": chosen, "kept": kept, "version": version, "book": daemon.node.state.verification,
+                    "after": daemon.node.state.version}
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    out = asyncio.run(asyncio.wait_for(scenario(), timeout=250.0))
+    chosen, book = out["chosen"], out["book"]
+    assert len(chosen) == 2 * len(HONEST) and out["kept"] == sorted(chosen)  # every update applied first, all kept
+    applied = {a["lease_id"] for a in read_journal(run_dir, "applied")}
+    assert set(chosen) <= applied and out["version"] == 2 * len(HONEST) and out["after"] == out["version"]
+    # after the restart every one was re-run from the snapshot's copies and agreed; nothing is left pending or kept
+    verdicts = read_journal(run_dir, "verdict")
+    assert sorted(v["lease_id"] for v in verdicts) == sorted(chosen) and all(v["ok"] for v in verdicts)
+    assert book.pending == {} and book.applied_first == {} and book.unverifiable == 0
+    assert book.checked == len(chosen) and sum(book.passed.values()) == len(chosen)
+    assert not read_journal(run_dir, "unverified")

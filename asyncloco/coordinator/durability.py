@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 INITIAL_SNAPSHOT = "initial-state.pt"  # in wal/archive/ when runtime.wal_archive is on
 RESUME_GRACE_S = 10.0  # after --resume, peers known from the checkpoint get this long to call again
-SHARED_PREFIX = "verification/held/"  # a snapshot's copy shares these tensors (snapshot_payload)
+# a snapshot's copy shares these tensors (snapshot_payload): a checked update's, kept unchanged until its verdict
+SHARED_PREFIX = ("verification/held/", "verification/applied_first/")
 SOFTWARE_STAMP = node_module.SOFTWARE_STAMP  # what --resume accepts (tests replace it here)
 
 

@@ -419,14 +419,16 @@ class DaemonVerification:
         checks = [check for lease_id, check in sorted(self.resumed_checks.items()) if pending.get(lease_id) == check.peer]
         self.resumed_checks.clear()
         queued = 0
-        # a check held before the snapshot the resume started from: the replay did not meet it, but its held update
-        # (with θ at its base version and the commitments) is in the snapshot — rebuilt from it
+        # a check held, or applied first, before the snapshot the resume started from: the replay did not meet it, but
+        # its update (with θ at its base version and the commitments) is in the snapshot — rebuilt from it
         found = {check.lease.lease_id for check in checks}
-        held = self.port.node.state.verification.held
+        book = self.port.node.state.verification
         for lease_id, peer in sorted(pending.items()):
-            record = held.get(lease_id)
+            held = book.held.get(lease_id)
+            record = held if held is not None else book.applied_first.get(lease_id)
             if lease_id not in found and record is not None and record.lease.peer == peer:
-                checks.append(Verify(peer, record.lease, record.base, record.update, record.lease.verify, "",
+                reason = record.lease.verify if held is not None else f"{record.lease.verify} (applied first: verifier behind)"
+                checks.append(Verify(peer, record.lease, record.base, record.update, reason, "",
                                      record.state_start, record.state_end, record.device_class, record.theta_codec,
                                      record.theta_anchor, record.theta_digest))
                 found.add(lease_id)
@@ -439,12 +441,12 @@ class DaemonVerification:
             else:
                 self._check(check)
                 queued += 1
-        # checks applied (before holding existed) before the snapshot the resume started from: their update and base θ
-        # are not at hand — ended, counted as unverifiable
+        # checks whose update and base θ are not at hand (a snapshot of an older version of the software, or a repair's
+        # replay that discarded the update) — ended, counted as unverifiable
         lost = sorted((lease_id, peer) for lease_id, peer in pending.items() if lease_id not in found)
         for lease_id, peer in lost:
             self._decide_later(self._unverified_id(peer, lease_id, "the coordinator restarted before this check ran "
-                                                   "(applied before the snapshot it resumed from)"))
+                                                   "(its update and base θ are not in the snapshot it resumed from)"))
         if checks or lost:
             logger.warning("%d verification check(s) found unjudged after the restart: %d queued again, %d ended "
                            "unverified", len(checks) + len(lost), queued, len(checks) + len(lost) - queued)

@@ -197,6 +197,9 @@ class VerificationState:
     unchecked: dict[str, int] = field(default_factory=dict)
     dropped: int = 0  # held updates never applied: their check failed, or ended without a verdict
     sketch: SketchState = field(default_factory=SketchState)  # per peer: its updates' residual sketch (sleepers)
+    # lease id -> a drawn check's update applied before its verdict (the verifier was behind: submit.py
+    # _apply_then_check), with θ at its base: kept until the verdict, so a restart re-runs the check from the snapshot
+    applied_first: dict[str, HeldUpdate] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -204,6 +207,7 @@ class VerificationState:
             "checked": self.checked, "failed": self.failed, "unverifiable": self.unverifiable, "chain": dict(self.chain),
             "held": {k: v.state_dict() for k, v in self.held.items()}, "unchecked": dict(self.unchecked),
             "dropped": self.dropped, "sketch": self.sketch.state_dict(),
+            "applied_first": {k: v.state_dict() for k, v in self.applied_first.items()},
         }
 
     @classmethod
@@ -215,6 +219,7 @@ class VerificationState:
             {k: HeldUpdate.from_state_dict(v) for k, v in state.get("held", {}).items()},
             {k: int(v) for k, v in state.get("unchecked", {}).items()}, int(state.get("dropped", 0)),
             SketchState.from_state_dict(state.get("sketch", {})),
+            {k: HeldUpdate.from_state_dict(v) for k, v in state.get("applied_first", {}).items()},
         )
 
 

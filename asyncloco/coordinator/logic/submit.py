@@ -292,6 +292,14 @@ def checked_after(state: CoordinatorState, event: SubmitUpdate) -> bool:
     return not holds(state, event) and not _dropped(state, lease) and base_theta(state, lease.base_version) is not None
 
 
+def _record(event: SubmitUpdate, lease: Lease, update: torch.Tensor, base: torch.Tensor, scale: float,
+            verdict: GateVerdict | None, now: float) -> HeldUpdate:
+    """A checked submission as the state keeps it until its verdict (held, or applied first), with all its check needs."""
+    return HeldUpdate(lease, update, base, scale, now, None if verdict is None else dataclasses.asdict(verdict),
+                      event.state_start or "", event.state_end or "", event.device_class or "",
+                      event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
+
+
 def _hold(
     state: CoordinatorState, event: SubmitUpdate, lease: Lease, base: torch.Tensor, update: torch.Tensor, scale: float,
     verdict: GateVerdict | None, now: float, sketch: float | None = None,
@@ -301,17 +309,11 @@ def _hold(
     ``base``/``update``: θ at the lease's base version and the update as submitted (copies that never change)."""
     book = state.verification
     if lease.verify.startswith(PROBATION_WAIT):  # no re-run: it waits for the peer's probation verdicts (verification.py)
-        book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
-                                               None if verdict is None else dataclasses.asdict(verdict),
-                                               event.state_start or "", event.state_end or "", event.device_class or "",
-                                               event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
+        book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now)
         drop_unused_base_params(state)
         held = [Held(event.peer, lease.lease_id, state.version, "held until the peer's probation checks agree", sketch)]
         return held + release_probation_wait(state, event.peer, now)  # (passed meanwhile: applied at once)
-    book.held[lease.lease_id] = HeldUpdate(lease, update, base, scale, now,
-                                           None if verdict is None else dataclasses.asdict(verdict),
-                                           event.state_start or "", event.state_end or "", event.device_class or "",
-                                           event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
+    book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now)
     book.pending[lease.lease_id] = event.peer
     drop_unused_base_params(state)
     return [
@@ -334,6 +336,9 @@ def _apply_then_check(
     if base is None or not any(isinstance(a, Applied) for a in actions):
         return actions  # not applied (dropped by the staleness policy) or no θ to re-run from: nothing to check
     state.verification.pending[lease.lease_id] = event.peer
+    # kept until its verdict with the check's θ and update (never changed: _verification_copy), so a restart that
+    # finds the check unjudged re-runs it from the snapshot — an update applied unchecked is never left unjudged
+    state.verification.applied_first[lease.lease_id] = _record(event, lease, copy, base, scale, verdict, now)
     return actions + [Verify(event.peer, lease, base, copy, f"{lease.verify} (applied first: verifier behind)", "",
                              event.state_start or "", event.state_end or "", event.device_class or "",
                              event.theta_codec or "", event.theta_anchor, event.theta_digest or "")]

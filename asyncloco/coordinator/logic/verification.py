@@ -13,7 +13,7 @@ from asyncloco.coordinator.logic.events import (
     ADOPTED_FIELDS, Action, Expelled, Rejected, Released, Repaired, Unverified, Verdict, Verified,
 )
 from asyncloco.coordinator.logic.leases import give_back, return_range
-from asyncloco.coordinator.logic.state import CoordinatorState, DerivedIndexes, HeldUpdate, Lease
+from asyncloco.coordinator.logic.state import CoordinatorState, DerivedIndexes, HeldUpdate, Lease, VerificationState
 from asyncloco.coordinator.logic.submit import apply_held, release_probation_wait
 from asyncloco.refusals import RefusalCode
 
@@ -27,6 +27,7 @@ def on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Ac
     where θ holds updates of it that were applied without a check (``Expelled.repair``)."""
     book = state.verification
     book.pending.pop(event.lease_id, None)
+    _judged(book, event.lease_id, event.peer)
     held = book.held.get(event.lease_id)
     if held is not None and held.lease.peer == event.peer:
         del book.held[event.lease_id]
@@ -70,6 +71,7 @@ def on_unverified(state: CoordinatorState, event: Unverified, now: float) -> lis
     if book.pending.get(event.lease_id) != event.peer and held is None:
         return []  # judged meanwhile, or cleared by a repair
     book.pending.pop(event.lease_id, None)
+    _judged(book, event.lease_id, event.peer)
     book.unverifiable += 1
     if held is None:
         return []
@@ -80,6 +82,13 @@ def on_unverified(state: CoordinatorState, event: Unverified, now: float) -> lis
     if held.lease.verify.startswith("probation ("):  # the updates waiting for that probation would wait for ever
         actions += drop_probation_wait(state, event.peer, "its peer's probation check ended without a verdict")
     return actions
+
+
+def _judged(book: VerificationState, lease_id: str, peer: str) -> None:
+    """An applied-first check has its verdict (or ended without one): its kept copies are no longer needed."""
+    record = book.applied_first.get(lease_id)
+    if record is not None and record.lease.peer == peer:
+        del book.applied_first[lease_id]
 
 
 # ---------------------------------------------------------------------- held updates never applied
