@@ -193,6 +193,10 @@ class SimConfig(StrictModel):
         "its update is submitted (so it starts from θ without its own last update), and DN's N counts two updates per "
         "worker on the way, as a real overlapped run's; off: the paper's serial rounds",
     )
+    upload_s: float = Field(
+        0.0, ge=0, description="with sim.overlap: simulated seconds from a lease's end to its update's arrival (its "
+        "upload; the next lease trains meanwhile, from θ without it), as a slow link's peer sees it; 0: instantaneous",
+    )
     rerun_seconds_per_step: float | None = Field(
         None, gt=0, description="the verifier's seconds per local step when sim.checks is on; default the fastest worker's"
     )
@@ -210,6 +214,9 @@ class SimConfig(StrictModel):
         if unknown:
             raise ValueError(f"unknown sim.methods {unknown}; choose from {sorted(METHOD_NAMES)}")
         worker_seconds_per_step(self.profile, self.workers)  # raises on a length mismatch
+        if self.upload_s > 0 and not self.overlap:
+            raise ValueError("sim.upload_s needs sim.overlap: true (in serial rounds a worker waits for its upload; "
+                             "set sim.overlap: true, or sim.upload_s: 0)")
         return self
 
 

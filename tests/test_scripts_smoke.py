@@ -229,9 +229,21 @@ def check_bench_wan(tmp: Path, _: str) -> None:
     assert (tmp / "wan" / "perplexity_vs_time.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def check_slow_link_sim(tmp: Path, _: str) -> None:
+    r = load(tmp)["runs"]
+    assert list(r) == ["instant", "upload", "upload_fp32", "upload_poly", "upload_momentum_0.8", "upload_eager"]
+    assert r["instant"]["upload_s"] == 0 and r["instant"]["final_vs_instant"] == 1.0
+    # an upload of half a lease (the fastest worker's 10 steps at 1 s) delays every update by it: staler updates
+    assert all(r[name]["upload_s"] == 5.0 for name in r if name != "instant")
+    assert all(r[name]["mean_staleness"] > r["instant"]["mean_staleness"] for name in r if name != "instant")
+    assert r["upload_fp32"]["codec"] == "none" and r["upload_poly"]["poly"] == 0.5 and r["upload_eager"]["eager"] is True
+    assert all(run["applied"] > 0 and finite(run["final"], run["max"]) for run in r.values())
+
+
 SMOKES: dict[str, Smoke] = {
     "bench_coordinator.py": Smoke(["--smoke", "--dir", "{tmp}", "--json", "{tmp}/out.json"], check_bench_coordinator, 150),
     "bench_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_sim, 60),
+    "slow_link_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_slow_link_sim, 90),
     "bench_transport.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_transport, 120),
     "wire_budget.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_wire_budget, 90),
     "compression_study.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_compression_study, 90),

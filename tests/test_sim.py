@@ -260,6 +260,44 @@ def test_with_re_runs_ahead_the_verifier_starts_each_chosen_lease_when_it_is_iss
 
 
 @pytest.mark.timeout(180)
+def test_upload_time_delays_each_update_while_the_next_lease_trains() -> None:
+    """sim.upload_s: a slow link's order — one upload at a time: an update's upload starts at its lease's end or, if
+    the worker's previous update is still on its way, when that one arrives; it arrives ``upload_s`` later (its
+    applied record's time), and the worker's next lease starts when its upload starts, from θ without it. The
+    staleness this adds is counted as any other (every applied update's staleness is its version gap), larger than
+    with instantaneous uploads. Asking for it without sim.overlap is a clear error."""
+    upload = 7.25
+    sections: dict[str, Any] = {"schedule": {"grace_period": 0.0}, "outer": {"buffer_size": 3}}
+    cfg = toy_config(**sections, sim={"profile": "very", "total_local_updates": 200, "overlap": True, "upload_s": upload})
+    simulation, trace = _run(cfg, "async_dn_dylu")
+    tasks = {r["lease_id"]: r for r in _records(trace, "task")}
+    applied = _records(trace, "applied")
+    assert len(applied) >= 10
+    assert all(r["staleness"] == r["version"] - 1 - tasks[r["lease_id"]]["base_version"] for r in applied)
+    arrived = {r["lease_id"]: r["time"] for r in applied}
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for record in _records(trace, "task"):
+        by_worker.setdefault(record["worker"], []).append(record)
+    waited = 0
+    for records in by_worker.values():
+        previous_arrival = -math.inf
+        for lease, following in zip(records, records[1:]):
+            if lease["lease_id"] not in arrived:
+                break  # the run ended with it on its way
+            start = max(lease["finish"], previous_arrival)  # its upload's start: the next lease starts then
+            waited += start > lease["finish"]
+            assert arrived[lease["lease_id"]] == start + upload and following["time"] == start
+            previous_arrival = arrived[lease["lease_id"]]
+    assert waited >= 1  # the fastest worker's leases are shorter than an upload: it waits for its link
+    instant, _ = _run(toy_config(**sections, sim={"profile": "very", "total_local_updates": 200, "overlap": True}),
+                      "async_dn_dylu")
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert mean(simulation.result.staleness) > mean(instant.result.staleness)
+    with pytest.raises(ValueError, match="sim.upload_s needs sim.overlap: true"):
+        toy_config(sim={"upload_s": 1.0})
+
+
+@pytest.mark.timeout(180)
 def test_overlap_asks_for_the_next_lease_before_the_update_is_in_and_doubles_dns_n() -> None:
     """sim.overlap: runtime.overlap's order with instantaneous transfers — each worker's next lease is issued the moment
     its lease ends, from θ without that lease's update (applied right after), and DN's N counts two updates per worker."""

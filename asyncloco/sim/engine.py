@@ -215,6 +215,7 @@ class Simulation:
         self._ahead_ready: dict[str, float] = {}
         self._on_arrival: list[tuple[str, str]] = []  # (lease id, worker): verdicts decided right after their submit
         self._queue: list[tuple[float, int, str, str]] = []
+        self._uploads: dict[str, list[tuple[SubmitUpdate, int]]] = {}  # per worker: updates on their way (sim.upload_s)
         self._seq = 0
         self._next_eval = cfg.sim.eval_every
         self._moved_at = (0, 0.0)  # (local updates θ contains, time) after the last update that moved θ
@@ -363,6 +364,27 @@ class Simulation:
             time, _, kind, worker = heapq.heappop(self._queue)
             yield time, kind, worker
 
+    def _upload(self, name: str, now: float) -> None:
+        """Start uploading the worker's oldest finished update (``sim.upload_s``) and ask for its next lease, as a
+        peer of a slow link does: its lease request names the lease still uploading (two leases at most)."""
+        submit, _ = self._uploads[name][0]
+        self._dispatch(handle(self.state, RequestWork(name, keep=submit.lease_id), now)[1], now)
+        self._push(now + self.cfg.sim.upload_s, "arrive", name)
+
+    def _arrive(self, name: str, submit: SubmitUpdate, steps: int, now: float) -> bool:
+        """An update reaches the coordinator (its lease's end, or ``sim.upload_s`` later); True: the run is over."""
+        worker = self.workers[name]
+        if self.state.local_updates + steps > self.cfg.sim.total_local_updates:
+            self._score_at_budget(now)  # this update would cross the budget: score θ before it
+        actions = handle(self.state, submit, now)[1]
+        if worker.feedback is not None:
+            worker.feedback.settle(any(isinstance(a, Applied) and a.lease_id == submit.lease_id for a in actions))
+        self._dispatch(actions, now)
+        while self._on_arrival:  # verdicts judged on arrival (coordinator/verify.py decide_on_arrival)
+            checked, peer = self._on_arrival.pop(0)
+            self._dispatch(handle(self.state, Verified(peer, checked, True, "simulated re-run"), now)[1], now)
+        return self._finished(now)
+
     def run(self, trace: TextIO | None = None) -> SimResult:
         self._trace = trace
         units = self.workload.units_per_step
@@ -385,23 +407,26 @@ class Simulation:
                 digests = (FRESH_STATE_DIGEST, f"sim:{worker.lease_id}") if self.cfg.sim.checks else (None, None)
                 submit = SubmitUpdate(name, worker.lease_id, worker.base_version, update,
                                       state_start=digests[0], state_end=digests[1])
-                if self.state.local_updates + worker.steps > self.cfg.sim.total_local_updates:
-                    self._score_at_budget(now)  # this update would cross the budget: score θ before it
-                lease_id = worker.lease_id
+                lease_id, steps = worker.lease_id, worker.steps
                 worker.result, worker.lease_id = None, None
+                if self.cfg.sim.upload_s > 0:  # the update arrives once uploaded; the next lease trains meanwhile
+                    uploads = self._uploads.setdefault(name, [])
+                    uploads.append((submit, steps))
+                    if len(uploads) == 1:
+                        self._upload(name, now)
+                    continue  # else it waits for the one on its way (one upload at a time, the next lease asked after)
                 if self.cfg.sim.overlap:  # runtime.overlap's order: the next lease is asked for before this update is in
                     self._dispatch(handle(self.state, RequestWork(name, keep=lease_id), now)[1], now)
-                actions = handle(self.state, submit, now)[1]
-                if worker.feedback is not None:
-                    worker.feedback.settle(any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions))
-                self._dispatch(actions, now)
-                while self._on_arrival:  # verdicts judged on arrival (coordinator/verify.py decide_on_arrival)
-                    checked, peer = self._on_arrival.pop(0)
-                    self._dispatch(handle(self.state, Verified(peer, checked, True, "simulated re-run"), now)[1], now)
-                if self._finished(now):
+                if self._arrive(name, submit, steps, now):
                     break
                 if not self.cfg.sim.overlap:
                     self._dispatch(handle(self.state, RequestWork(name), now)[1], now)
+            elif kind == "arrive":
+                submit, steps = self._uploads[name].pop(0)
+                if self._arrive(name, submit, steps, now):
+                    break
+                if self._uploads[name]:
+                    self._upload(name, now)
             elif kind.startswith("verdict:"):
                 self._dispatch(handle(self.state, Verified(name, kind.split(":", 1)[1], True, "simulated re-run"), now)[1], now)
                 if self._finished(now):

@@ -1,0 +1,161 @@
+"""The simulator over a slow link: what an upload's time does to Async DN + DyLU at link-covering leases.
+
+Over ``home150`` (docs/wan.md) real runs with leases of 150-1,000 steps diverged at mean staleness 4.5, with no
+verdict wait left to blame. This script asks the simulator, which shares the coordinator's logic, why: the tiny LM,
+three workers at 1, 1.5 and 4 s per step, overlapped rounds (``sim.overlap``), the fastest worker's lease
+``--steps`` long (DyLU sizes the others), inner state reset per lease (``runtime.verify.inner_state: reset``, what
+the link-tuned runs use), and each variant side by side on the same data:
+
+* ``instant``: uploads take no time (``sim.upload_s`` 0) — the reference;
+* ``upload``: each update arrives ``--upload-fraction`` of a lease after its lease ended (``sim.upload_s``), the next
+  lease training meanwhile from θ without it, int4 uploads (the link-tuned codec);
+* ``upload_fp32``: the same with fp32 uploads — is it the codec?;
+* ``upload_poly``: the same with each update weighted (1 + staleness)^-0.5 (the paper's "Poly", on top of DN);
+* ``upload_momentum_0.8``: the same with the outer momentum at 0.8 instead of 0.9;
+* ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
+  update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
+  delivered (a what-if: the runtime does not do this; ``Eager`` below).
+
+Prints, per variant, the perplexity (the toy's loss) at each evaluation, the mean staleness and the final value × the
+instant run's, and writes them as JSON.
+
+    python scripts/slow_link_sim.py --json docs/results/slow-link-sim-<date>.json      # ≈ 7 min a variant, 2 cores
+    python scripts/slow_link_sim.py --variants instant,upload --updates 8000
+    python scripts/slow_link_sim.py --smoke --json out.json                              # the toy task, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's asyncloco, installed or not
+
+import torch  # noqa: E402
+
+from asyncloco.algo.staleness import PolyDiscount  # noqa: E402
+from asyncloco.config import RunConfig  # noqa: E402
+from asyncloco.sim.engine import Simulation, _Worker  # noqa: E402
+from asyncloco.train.inner import RoundResult  # noqa: E402
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "instant": {"upload": False},
+    "upload": {},
+    "upload_fp32": {"codec": "none"},
+    "upload_poly": {"poly": 0.5},
+    "upload_momentum_0.8": {"momentum": 0.8},
+    "upload_eager": {"eager": True},
+}
+
+
+class Eager(Simulation):
+    """A worker whose update is still on its way trains its next lease from θ − (outer lr / N) · that update: the
+    part the coordinator will apply to θ at once when it arrives (Delayed Nesterov's g/N; its momentum is not
+    guessed). The pseudo-gradient is taken from that start, as a peer's always is from the θ it trained from."""
+
+    def _train(self, worker: _Worker, shard: int, start_offset: int, steps: int, lr_offset: int) -> RoundResult:
+        pending = self._uploads.get(worker.name) or []
+        if not pending:
+            return super()._train(worker, shard, start_offset, steps, lr_offset)
+        optimizer = self.state.optimizer
+        share = optimizer.lr / getattr(optimizer, "buffer_size", 1)
+        saved = self.state.params.clone()
+        try:
+            self.state.params.sub_(pending[0][0].pseudo_gradient, alpha=share)
+            return super()._train(worker, shard, start_offset, steps, lr_offset)
+        finally:
+            self.state.params.copy_(saved)
+
+
+def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
+    smoke = args.smoke
+    task: dict[str, Any] = (
+        {"kind": "toy", "dim": 16, "hidden": 16, "points": 2048, "eval_points": 256, "batch_size": 32, "num_shards": 4}
+        if smoke else
+        {"kind": "lm", "model": "tiny", "source": "embedded", "seq_len": 64, "batch_size": 8, "num_shards": 4,
+         "val_sequences": 64}
+    )
+    steps = 10 if smoke else args.steps
+    upload_s = 0.0 if variant.get("upload") is False else args.upload_fraction * steps  # the fastest: 1 s a step
+    return RunConfig.model_validate({
+        "name": "slow-link-sim", "seed": args.seed, "task": task,
+        "inner": {"lr": 1e-2 if smoke else 3e-3, "min_lr": 1e-3 if smoke else 3e-4, "warmup_steps": 2 if smoke else 20,
+                  "total_steps_per_shard": 10_000, "weight_decay": 0.1, "grad_clip": 1.0},
+        "outer": {"lr": 0.7, "momentum": variant.get("momentum", 0.9), "buffer_size": 3},
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": steps, "min_steps": 2, "grace_period": 1.0},
+        "sim": {"workers": 3, "profile": [1.0, 1.5, 4.0], "total_local_updates": 200 if smoke else args.updates,
+                "eval_every": 50 if smoke else args.eval_every, "overlap": True, "upload_s": upload_s,
+                "methods": ["async_dn_dylu"], "seed": args.seed},
+        "runtime": {"codec": variant.get("codec", "int4"),
+                    "verify": {"inner_state": "reset"}},
+    })
+
+
+def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    variant = VARIANTS[name]
+    cfg = config(args, variant)
+    simulation = (Eager if variant.get("eager") else Simulation)(cfg, "async_dn_dylu")
+    if "poly" in variant:
+        simulation.state.transforms.append(PolyDiscount(variant["poly"]))
+    started = time.perf_counter()
+    result = simulation.run()
+    staleness = result.staleness
+    metric = "perplexity" if "perplexity" in result.final else "loss"  # the toy task (--smoke) has a loss only
+    return {
+        "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "momentum": cfg.outer.momentum,
+        "poly": variant.get("poly"), "eager": bool(variant.get("eager")), "metric": metric,
+        "evals": [{"version": int(e["version"]), "local_updates": int(e["local_updates"]),
+                   metric: round(float(e[metric]), 4)} for e in result.evals],
+        "final": round(float(result.final[metric]), 4),
+        "max": round(max(float(e[metric]) for e in result.evals[1:]), 4),
+        "mean_staleness": round(sum(staleness) / len(staleness), 3) if staleness else None,
+        "applied": result.applied, "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=860, help="the fastest worker's lease (home150's: 820-940 steps)")
+    parser.add_argument("--upload-fraction", type=float, default=0.5,
+                        help="an upload's time in leases (home150: ≈ 15 s up, ≈ 30-40 s leases)")
+    parser.add_argument("--updates", type=int, default=14_000, help="local steps in all (sim.total_local_updates)")
+    parser.add_argument("--eval-every", type=int, default=1_500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--smoke", action="store_true", help="the toy task, 10-step leases, seconds of work")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runs: dict[str, Any] = {}
+    for name in names:
+        runs[name] = run_variant(args, name)
+        r = runs[name]
+        print(f"{name:22s} staleness {r['mean_staleness']}  final {r['metric']} {r['final']:>12,.2f}  max {r['max']:>12,.2f}"
+              f"  ({r['wall_s']:.0f} s)", flush=True)
+        print("    " + "  ".join(f"v{e['version']}:{e[r['metric']]:,.2f}" for e in r["evals"]), flush=True)
+    if "instant" in runs:
+        for name, r in runs.items():
+            r["final_vs_instant"] = round(r["final"] / runs["instant"]["final"], 3)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    out = {"script": "scripts/slow_link_sim.py", "argv": sys.argv[1:], "commit": commit,
+           "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+           "date": time.strftime("%Y-%m-%d"), "runs": runs}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
