@@ -236,11 +236,13 @@ def test_one_peer_does_not_become_the_consensus() -> None:
             submit("ab"[i % 2], basis((0, 0.5), (5, -0.8), (1 + i % 2, 0.6), (30 + i, 0.3)))
         return verdicts, state
 
-    # as it was (one peer may hold all of it): c became the consensus (79 %), its own eighth update was refused as an
-    # echo of the consensus, and all four honest updates after it as pointing away — counted toward quarantine
+    # as it was (one peer may hold all of it): c became the consensus (83 %), and all four honest updates after it
+    # were refused as pointing away — counted toward quarantine. (Its own eighth update, judged against the reference
+    # without its seventh, agrees at 0.9498, just under the echo bar; judged against the whole reference it was
+    # refused as an echo of the consensus it had become.)
     old, old_state = run(G.GatePolicy(reference_share=1.0))
-    assert old[:15] == [("ab"[i % 2], "accept", False) for i in range(8)] + [("c", "accept", False)] * 7
-    assert old[15:] == [("c", "reject", False)] + [("ab"[i % 2], "reject", False) for i in range(4)]
+    assert old[:16] == [("ab"[i % 2], "accept", False) for i in range(8)] + [("c", "accept", False)] * 8
+    assert old[16:] == [("ab"[i % 2], "reject", False) for i in range(4)]
     assert old_state.shares["c"] > 0.78
     # shared: c's share stops at the cap and creeps (0.604), every update is applied, a and b's with weak agreement
     new, state = run(G.GatePolicy())
@@ -446,6 +448,7 @@ def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
         good = with_cosine(0.4)
         G.record(policy, state, G.score(policy, state, good, 10, "old"), good, 10, "old", 0.0)
         state.reference = warm_state().reference  # keep the consensus at e0: the next cosine is exactly 0.4
+        state.own.clear()  # (and no last update of the peer's in it)
     assert state.weak["old"] == [False] * 6 and G.suspect(state, "old") == ""
     # a counted rejection marks it too (and takes precedence in the reason)
     fresh = warm_state()
@@ -506,3 +509,51 @@ def test_probe_noise_script_writes_the_changes_and_both_margin_rules(tmp_path: P
     assert linear["carried/1"]["margin_pct"] == pytest.approx(0.05 / 30)
     assert root_rule["carried/1"]["margin_pct"] == pytest.approx(0.05 * math.sqrt(1 / 30))
     assert linear["fresh/30"]["margin_pct"] == root_rule["fresh/30"]["margin_pct"] == pytest.approx(0.05)
+
+
+@pytest.mark.timeout(30)
+def test_an_update_is_judged_without_its_senders_last_one() -> None:
+    """With error feedback a peer's upload carries +β·e, its last upload's coding error, and the last upload carried
+    −e: judged against a reference that holds that last upload, honest sign-coded work agreed only weakly. The gate
+    keeps each peer's last update's part of the reference (unit vector × its weight, decayed by every later join) and
+    judges the peer's next update against the reference without it — exactly, in closed form here. Kept only up to
+    OWN_PARTS_MAX values of θ; a snapshot carries them (one written before them loads, judged as before)."""
+    policy = G.GatePolicy()
+    state = G.GateState()
+    d = 1.0 - policy.reference_decay  # 0.2: the weight of an update joining while no one holds half the reference
+
+    def book(peer: str, update: torch.Tensor) -> G.GateVerdict:
+        verdict = G.score(policy, state, update, 10, peer)
+        G.record(policy, state, verdict, None if verdict.action == "reject" else update * verdict.scale, 10, peer, 0.0)
+        return verdict
+
+    error = basis((7, 0.5))  # a's coding error on its first upload
+    a1 = basis((0, 1.0), (2, 0.3)) - error
+    book("a", a1)  # the run's first update: the reference is a1's unit vector, a holds all of it
+    b1 = basis((0, 1.0), (3, 0.3))
+    book("b", b1)
+    r = (1 - d) * a1 / a1.norm() + d * b1 / b1.norm()
+    assert torch.allclose(state.reference, r) and torch.allclose(state.own["a"], (1 - d) * a1 / a1.norm())
+    assert torch.allclose(state.own["b"], d * b1 / b1.norm())
+    a2 = basis((0, 1.0), (2, 0.3)) + 0.5 * error  # its next upload carries β·e (β = 0.5)
+    verdict = G.score(policy, state, a2, 10, "a")
+    others = r - (1 - d) * a1 / a1.norm()  # = b's part: the reference without a's last update
+    assert verdict.cosine == pytest.approx(float(a2 @ others / (a2.norm() * others.norm())), rel=1e-6)
+    whole = float(a2 @ r / (a2.norm() * r.norm()))
+    assert verdict.cosine > whole  # the anticorrelated term is gone
+    # a snapshot carries the parts; one written before them loads with none (the whole reference, as before)
+    restored = G.GateState.from_state_dict(state.state_dict())
+    assert set(restored.own) == {"a", "b"} and torch.equal(restored.own["a"], state.own["a"])
+    older = state.state_dict()
+    del older["own"]
+    assert G.score(policy, G.GateState.from_state_dict(older), a2, 10, "a").cosine == pytest.approx(whole, rel=1e-6)
+    # a peer alone in the reference is judged against all of it (nothing else is left)
+    alone = G.GateState()
+    G.record(policy, alone, G.score(policy, alone, a1, 10, "a"), a1, 10, "a", 0.0)
+    assert G.others_reference(alone, "a") is None
+    # above OWN_PARTS_MAX values no part is kept
+    big = G.GateState()
+    large = torch.zeros(G.OWN_PARTS_MAX + 1)
+    large[0] = 1.0
+    G.record(policy, big, G.score(policy, big, large, 10, "a"), large, 10, "a", 0.0)
+    assert big.own == {} and big.reference is not None

@@ -21,11 +21,12 @@ from tests.test_gate_probe import N, e0, warm_state, with_cosine  # noqa: E402
 
 def submit(policy: G.GatePolicy, state: G.GateState, peer: str, cosine: float) -> G.GateVerdict:
     """Score and book an update at ``cosine``; the consensus is put back to e0 (``record`` moves it towards every
-    accepted update) so the next cosine is exact."""
+    accepted update), with no peer's last update in it, so the next cosine is exact."""
     update = with_cosine(cosine)
     verdict = G.score(policy, state, update, 10, peer)
     G.record(policy, state, verdict, None if verdict.action == "reject" else update * verdict.scale, 10, peer, 0.0)
     state.reference, state.reference_norm = e0(), 1.0
+    state.own.clear()
     return verdict
 
 

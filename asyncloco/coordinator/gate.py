@@ -74,10 +74,13 @@ from typing import Literal
 
 import torch
 
-from asyncloco.coordinator.gate_state import GatePolicy, GateState, join_reference, reference_weight
+from asyncloco.coordinator.gate_state import (
+    OWN_PARTS_MAX, GatePolicy, GateState, join_reference, others_reference, reference_weight,
+)
 
 __all__ = [
     "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "probe_margin", "wants_probe", "needs_probe", "suspect", "close_bar", "reference_weight",
+    "others_reference", "OWN_PARTS_MAX",
 ]
 
 
@@ -258,7 +261,11 @@ def _prepare(
     probation = not proven and gate.peer_accepted.get(peer, 0) < policy.probation_updates
     cosine = None
     if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
-        cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
+        others = others_reference(gate, peer)  # the consensus without the peer's own part (gate_state.py)
+        if others is None:
+            cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
+        else:
+            cosine = float(torch.dot(update, others[0])) / (norm * others[1])
     return _Update(
         steps, norm, per_step, median(gate.norms), cosine, probation,
         policy.probation_tightening if probation else 1.0, " (peer on probation)" if probation else "",

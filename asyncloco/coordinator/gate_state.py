@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["GatePolicy", "GateState", "reference_weight", "join_reference"]
+__all__ = ["GatePolicy", "GateState", "OWN_PARTS_MAX", "reference_weight", "join_reference", "others_reference"]
+
+OWN_PARTS_MAX = 1 << 21  # θ values up to which the gate keeps each peer's part of its reference (4 bytes each per peer)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,9 @@ class GateState:
     close: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = close to an echo
     shares: dict[str, float] = field(default_factory=dict)  # each peer's weight in the reference (sums to <= 1)
     present: list[str] = field(default_factory=list)  # the peers of the last `window` applied updates, weak ones too
+    # each peer's last update in the reference (its unit vector × its weight there, decayed as the reference is since),
+    # kept for θ of at most OWN_PARTS_MAX values: a peer's next update is judged against the reference without it
+    own: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +91,7 @@ class GateState:
             "close": {k: list(v) for k, v in self.close.items()},
             "shares": dict(self.shares),
             "present": list(self.present),
+            "own": dict(self.own),
         }
 
     @classmethod
@@ -106,6 +112,7 @@ class GateState:
             # absent before the share cap: no shares known, every peer starts from none
             shares={k: float(v) for k, v in state.get("shares", {}).items()},
             present=[str(x) for x in state.get("present", [])],
+            own={k: v.clone() for k, v in state.get("own", {}).items()},  # absent before own parts: judged as before
         )
 
 
@@ -127,7 +134,8 @@ def reference_weight(policy: GatePolicy, gate: GateState, peer: str) -> float:
 
 
 def join_reference(policy: GatePolicy, gate: GateState, update: torch.Tensor, norm: float, peer: str) -> None:
-    """``r ← (1−w)·r + w·Δ/‖Δ‖`` with ``w`` from :func:`reference_weight`, and every peer's share with it."""
+    """``r ← (1−w)·r + w·Δ/‖Δ‖`` with ``w`` from :func:`reference_weight`, and every peer's share (and, for θ of at
+    most :data:`OWN_PARTS_MAX` values, its last update's part of ``r``: :func:`others_reference`) with it."""
     weight = reference_weight(policy, gate, peer)
     if gate.reference is None:
         gate.reference = update / norm
@@ -139,3 +147,31 @@ def join_reference(policy: GatePolicy, gate: GateState, update: torch.Tensor, no
             del gate.shares[other]
     gate.shares[peer] = gate.shares.get(peer, 0.0) + weight
     gate.reference_norm = float(torch.linalg.vector_norm(gate.reference))
+    if update.numel() > OWN_PARTS_MAX:
+        return
+    for other in list(gate.own):
+        if other not in gate.shares:
+            del gate.own[other]
+        elif other != peer:
+            gate.own[other].mul_(1.0 - weight)
+    gate.own[peer] = update * (weight / norm)
+
+
+def others_reference(gate: GateState, peer: str) -> tuple[torch.Tensor, float] | None:
+    """The reference without ``peer``'s last update in it, and its norm — what ``peer``'s next update is judged
+    against (None: none of it is kept, or nothing else is left: judged against the whole reference).
+
+    Why: with error feedback a peer's upload carries ``+β·e``, its last upload's coding error, and the reference holds
+    that last upload, which carried ``−e``; so each upload is anticorrelated with its sender's last one by about
+    ``β·‖e‖²`` — for a sign code, whose error is as large as the update, enough to put many honest sign-coded updates
+    below the cosine cap (docs/compression.md, "The gate and the sign code"). Earlier uploads' errors are independent
+    of the next one's and stay: only the last part is taken out, so a peer's own consistent direction still counts
+    (judged against the other peers' alone, an honest peer outweighed by a newcomer's direction was refused)."""
+    part = gate.own.get(peer)
+    if part is None or gate.reference is None:
+        return None
+    rest = gate.reference - part
+    rest_norm = float(torch.linalg.vector_norm(rest))
+    if not rest_norm > 1e-6 * max(gate.reference_norm, 1e-30):
+        return None
+    return rest, rest_norm
