@@ -240,10 +240,18 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
     assert all(run["applied"] > 0 and finite(run["final"], run["max"]) for run in r.values())
 
 
+def check_gate_own_update(tmp: Path, _: str) -> None:
+    r = load(tmp)["results"]["synthetic"]  # three sign-coded peers with error feedback, 40 rounds (6 left out)
+    assert r["updates"] == 3 * 40 - 3 - 6 and r["cosine_cap"] == 0.05
+    # judged without its sender's last update, an honest sign-coded update agrees more with the consensus
+    assert r["without_the_senders_last_update"]["median"] > r["whole_reference"]["median"] > 0
+
+
 SMOKES: dict[str, Smoke] = {
     "bench_coordinator.py": Smoke(["--smoke", "--dir", "{tmp}", "--json", "{tmp}/out.json"], check_bench_coordinator, 150),
     "bench_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_sim, 60),
     "slow_link_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_slow_link_sim, 90),
+    "gate_own_update.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_gate_own_update, 90),
     "bench_transport.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_transport, 120),
     "wire_budget.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_wire_budget, 90),
     "compression_study.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_compression_study, 90),
