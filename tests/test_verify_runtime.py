@@ -25,7 +25,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -362,6 +362,16 @@ def resume_from_anchor(cfg: RunConfig, run_dir: Path, out: Path, upto: Optional[
     return daemon
 
 
+def without_verifier_worker(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A coordinator life without a verification worker (its checks stay queued); call the result before the restart
+    to give the next life one."""
+    from asyncloco.coordinator.verify import DaemonVerification
+
+    original = DaemonVerification.start_worker
+    monkeypatch.setattr(DaemonVerification, "start_worker", lambda self: None)
+    return lambda: monkeypatch.setattr(DaemonVerification, "start_worker", original)
+
+
 @pytest.mark.parametrize("snapshot", [False, True], ids=["replayed", "before-snapshot"])
 def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot: bool) -> None:
     """A coordinator that dies with checks queued (their verdicts not yet in the log) queues them again after
@@ -371,7 +381,6 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     dropped probation checks counted as "on the way" forever. A check whose re-run fails ends ``Unverified`` (counted,
     journaled), its held update dropped."""
     from asyncloco.coordinator.rerun import Rerunner
-    from asyncloco.coordinator.verify import DaemonVerification
 
     # the first life runs no verifier at all: every drawn check is held (not applied first behind the backlog: those
     # are the next test's)
@@ -382,8 +391,7 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
     cfg = config(snapshot_every=100_000, verify=verify)  # the log holds every check (unless ``snapshot``)
     clock = FakeClock()
     run_dir = tmp_path / "run"
-    original_start = DaemonVerification.start_worker
-    monkeypatch.setattr(DaemonVerification, "start_worker", lambda self: None)  # first life: no worker, checks stay queued
+    second_life = without_verifier_worker(monkeypatch)  # first life: no worker, checks stay queued
 
     async def scenario() -> dict[str, Any]:
         transport = MemoryTransport(cfg, run_dir, clock=clock)
@@ -399,7 +407,7 @@ def test_checks_unjudged_at_a_restart_are_run_after_it(tmp_path: Path, monkeypat
             if snapshot:
                 async with first.node.lock:
                     await first.durability.save()
-            monkeypatch.setattr(DaemonVerification, "start_worker", original_start)
+            second_life()
             failing = sorted(chosen)[0]
             check = Rerunner.check
 
@@ -440,15 +448,13 @@ def test_checks_applied_first_are_run_after_a_restart_from_a_snapshot(tmp_path: 
     them): ``--resume`` re-runs each from the copies the snapshot kept (θ at its base, the update as submitted), so
     an update that reached θ unchecked is never left unjudged across a restart — before, such checks ended
     Unverified. The verdicts clear the kept copies."""
-    from asyncloco.coordinator.verify import DaemonVerification
 
     verify = {"enabled": True, "inner_state": "reset", "fraction": 1.0, "probation_updates": 0, "horizon": 100000,
               "queue": 256, "hold_backlog": 0}  # every lease drawn, every drawn check applied first
     cfg = config(snapshot_every=100_000, verify=verify)
     clock = FakeClock()
     run_dir = tmp_path / "run"
-    original_start = DaemonVerification.start_worker
-    monkeypatch.setattr(DaemonVerification, "start_worker", lambda self: None)  # first life: no worker, checks stay queued
+    second_life = without_verifier_worker(monkeypatch)  # first life: no worker, checks stay queued
 
     async def scenario() -> dict[str, Any]:
         transport = MemoryTransport(cfg, run_dir, clock=clock)
@@ -464,7 +470,7 @@ def test_checks_applied_first_are_run_after_a_restart_from_a_snapshot(tmp_path: 
             version = first.node.state.version
             async with first.node.lock:
                 await first.durability.save()
-            monkeypatch.setattr(DaemonVerification, "start_worker", original_start)
+            second_life()
             daemon = await transport.restart()
             assert daemon.verification is not None and daemon.node.state.version == version
             await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
