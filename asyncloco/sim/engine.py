@@ -22,6 +22,8 @@ only ever look at θ right after it moved, and report the local updates θ actua
 
 from __future__ import annotations
 
+import dataclasses
+
 import heapq
 import json
 import logging
@@ -367,7 +369,11 @@ class Simulation:
     def _upload(self, name: str, now: float) -> None:
         """Start uploading the worker's oldest finished update (``sim.upload_s``) and ask for its next lease, as a
         peer of a slow link does: its lease request names the lease still uploading (two leases at most)."""
-        submit, _ = self._uploads[name][0]
+        submit, steps = self._uploads[name][0]
+        feedback = self.workers[name].feedback
+        if feedback is not None:  # encoded now, after the previous upload settled its residual (in order, as a peer)
+            submit = dataclasses.replace(submit, pseudo_gradient=feedback.roundtrip(submit.pseudo_gradient))
+            self._uploads[name][0] = (submit, steps)
         self._dispatch(handle(self.state, RequestWork(name, keep=submit.lease_id), now)[1], now)
         self._push(now + self.cfg.sim.upload_s, "arrive", name)
 
@@ -399,7 +405,7 @@ class Simulation:
                 worker = self.workers[name]
                 assert worker.result is not None and worker.lease_id is not None
                 update = worker.result.pseudo_gradient
-                if worker.feedback is not None:
+                if worker.feedback is not None and not self.cfg.sim.upload_s > 0:  # (with upload_s: at its upload's start)
                     update = worker.feedback.roundtrip(update)
                 self.result.upload_bytes += self.upload_bytes
                 # with sim.checks the commitments are stand-ins: every lease starts from a fresh state (which always
