@@ -322,7 +322,8 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
             problem = validate_update(state, event, current)
             assert problem is None, problem
             if state.policy.gate is not None:
-                update_gate.score(state.policy.gate, state.gate, tensor, current.steps, peer.name, state.policy.norm_bound_per_step)
+                update_gate.score(state.policy.gate, state.gate, tensor, current.steps, peer.name, state.policy.norm_bound_per_step,
+                                  sketcher=state.own_sketcher())
 
         out["validate_s"] = median_time(validate, repeats)
         # the outer step on a copy of the optimizer's state: θ and its momentum stay the daemon's own

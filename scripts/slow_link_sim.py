@@ -12,9 +12,12 @@ the link-tuned runs use), and each variant side by side on the same data:
 * ``upload_fp32``: the same with fp32 uploads — is it the codec?;
 * ``upload_poly``: the same with each update weighted (1 + staleness)^-0.5 (the paper's "Poly", on top of DN);
 * ``upload_momentum_0.8``: the same with the outer momentum at 0.8 instead of 0.9;
+* ``upload_momentum_0.7``, ``upload_lr_0.35``: less outer momentum, half the outer lr;
+* ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
-  delivered (a what-if: the runtime does not do this; ``Eager`` below).
+  delivered (a what-if: the runtime does not do this; ``Eager`` below); ``upload_eager_lr``: a share of the outer
+  lr; ``upload_eager_whole``: all of it.
 
 Prints, per variant, the perplexity (the toy's loss) at each evaluation, the mean staleness and the final value × the
 instant run's, and writes them as JSON.
@@ -50,21 +53,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "upload_fp32": {"codec": "none"},
     "upload_poly": {"poly": 0.5},
     "upload_momentum_0.8": {"momentum": 0.8},
+    "upload_momentum_0.7": {"momentum": 0.7},
+    "upload_lr_0.35": {"lr": 0.35},
+    "upload_buffer_5": {"buffer": 5},
     "upload_eager": {"eager": True},
+    "upload_eager_lr": {"eager": "lr"},
+    "upload_eager_whole": {"eager": "whole"},
 }
 
 
 class Eager(Simulation):
     """A worker whose update is still on its way trains its next lease from θ − (outer lr / N) · that update: the
     part the coordinator will apply to θ at once when it arrives (Delayed Nesterov's g/N; its momentum is not
-    guessed). The pseudo-gradient is taken from that start, as a peer's always is from the θ it trained from."""
+    guessed). The pseudo-gradient is taken from that start, as a peer's always is from the θ it trained from.
+    ``eager = "lr"``: the share is the outer lr (its own update standing for the round's mean, as in "eager updates"
+    for overlapped DiLoCo); ``"whole"``: the whole update (the next lease continues from the last one's end)."""
+
+    eager: Any = True
 
     def _train(self, worker: _Worker, shard: int, start_offset: int, steps: int, lr_offset: int) -> RoundResult:
         pending = self._uploads.get(worker.name) or []
         if not pending:
             return super()._train(worker, shard, start_offset, steps, lr_offset)
         optimizer = self.state.optimizer
-        share = optimizer.lr / getattr(optimizer, "buffer_size", 1)
+        share = {"lr": optimizer.lr, "whole": 1.0}.get(self.eager, optimizer.lr / getattr(optimizer, "buffer_size", 1))
         saved = self.state.params.clone()
         try:
             self.state.params.sub_(pending[0][0].pseudo_gradient, alpha=share)
@@ -87,7 +99,8 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
         "name": "slow-link-sim", "seed": args.seed, "task": task,
         "inner": {"lr": 1e-2 if smoke else 3e-3, "min_lr": 1e-3 if smoke else 3e-4, "warmup_steps": 2 if smoke else 20,
                   "total_steps_per_shard": 10_000, "weight_decay": 0.1, "grad_clip": 1.0},
-        "outer": {"lr": 0.7, "momentum": variant.get("momentum", 0.9), "buffer_size": 3},
+        "outer": {"lr": variant.get("lr", 0.7), "momentum": variant.get("momentum", 0.9),
+                  "buffer_size": variant.get("buffer", 3)},
         "schedule": {"method": "async_dn_dylu", "max_local_steps": steps, "min_steps": 2, "grace_period": 1.0},
         "sim": {"workers": 3, "profile": [1.0, 1.5, 4.0], "total_local_updates": 200 if smoke else args.updates,
                 "eval_every": 50 if smoke else args.eval_every, "overlap": True, "upload_s": upload_s,
@@ -101,6 +114,8 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
     cfg = config(args, variant)
     simulation = (Eager if variant.get("eager") else Simulation)(cfg, "async_dn_dylu")
+    if isinstance(simulation, Eager):
+        simulation.eager = variant["eager"]
     if "poly" in variant:
         simulation.state.transforms.append(PolyDiscount(variant["poly"]))
     started = time.perf_counter()
@@ -109,7 +124,8 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     metric = "perplexity" if "perplexity" in result.final else "loss"  # the toy task (--smoke) has a loss only
     return {
         "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "momentum": cfg.outer.momentum,
-        "poly": variant.get("poly"), "eager": bool(variant.get("eager")), "metric": metric,
+        "outer_lr": cfg.outer.lr, "buffer_size": cfg.outer.buffer_size,
+        "poly": variant.get("poly"), "eager": variant.get("eager", False), "metric": metric,
         "evals": [{"version": int(e["version"]), "local_updates": int(e["local_updates"]),
                    metric: round(float(e[metric]), 4)} for e in result.evals],
         "final": round(float(result.final[metric]), 4),

@@ -380,7 +380,7 @@ def run_newcomer_and_attacker() -> None:
     policy = G.GatePolicy()
     state = G.GateState()
     probe = Probe(workload, model, 8)
-    assert torch.equal(probe.batch, workload.rows[workload.val_ids[-8:]])  # type: ignore[attr-defined]
+    assert torch.equal(probe.batch, workload.rows[workload.val_ids[-8:]])
     assert torch.equal(probe_batch(workload, 8), probe.batch)
     offsets = [0, 0, 0, 0]
     version = 0
@@ -557,3 +557,84 @@ def test_an_update_is_judged_without_its_senders_last_one() -> None:
     large[0] = 1.0
     G.record(policy, big, G.score(policy, big, large, 10, "a"), large, 10, "a", 0.0)
     assert big.own == {} and big.reference is not None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel, sampled", [(1 << 16, 1 << 20), (1 << 18, 1 << 16)])
+def test_above_own_parts_max_the_last_update_is_taken_out_by_a_secret_sketch(
+    monkeypatch: pytest.MonkeyPatch, numel: int, sampled: int
+) -> None:
+    """Above OWN_PARTS_MAX values of θ the gate keeps each peer's last part only as a secret count sketch and its
+    weight: Δ·p and r·p are estimated from the sketches (coordinator/sketch.py), ‖p‖ is the weight. The cosine it
+    gives is the exact one (the reference without the part, computed here in full) to within the sketch's spread,
+    which is small beside what taking the part out changes; with every coordinate sketched, and with a sample of
+    them (θ larger than the sketch reads). A snapshot carries the sketches; without a sketcher, the whole reference."""
+    from asyncloco.coordinator import gate_state
+    from asyncloco.coordinator.sketch import Sketcher
+
+    monkeypatch.setattr(gate_state, "OWN_PARTS_MAX", 0)  # every θ is "large"
+    sketcher = Sketcher(b"secret", numel, gate_state.OWN_BUCKETS, sampled)
+    policy, state = G.GatePolicy(), G.GateState()
+    generator = torch.Generator().manual_seed(0)
+
+    def dense(scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(numel, generator=generator) * scale
+
+    def book(peer: str, update: torch.Tensor) -> None:
+        verdict = G.score(policy, state, update, 10, peer, sketcher=sketcher)
+        G.record(policy, state, verdict, update * verdict.scale, 10, peer, 0.0, sketcher)
+
+    common, error = dense(), dense()
+    a1 = common + dense() - error  # a's first upload, with its coding error −e
+    book("a", a1)
+    b1 = common + dense()
+    book("b", b1)
+    d = 1.0 - policy.reference_decay
+    exact_part = (1 - d) * a1 / a1.norm()
+    assert state.own == {} and state.own_weight["a"] == pytest.approx(1 - d) and state.own_weight["b"] == pytest.approx(d)
+    assert torch.allclose(state.own_sketch["a"], sketcher(exact_part), rtol=1e-4, atol=1e-9)
+    a2 = common + dense() + error  # its next upload carries +e: anticorrelated with its last one
+    rest = state.reference - exact_part
+    exact = float(a2 @ rest / (a2.norm() * rest.norm()))
+    whole = float(a2 @ state.reference / (a2.norm() * state.reference.norm()))
+    sketched = G.score(policy, state, a2, 10, "a", sketcher=sketcher).cosine
+    assert sketched is not None and exact - whole > 0.1  # taking the part out matters here
+    # the spread is ≈ w / (√OWN_BUCKETS · ‖rest‖) ≈ 0.02 here (a's part is 0.8 of the reference); the effect ≈ 0.32
+    assert abs(sketched - exact) < 0.15 * (exact - whole)
+    # without the sketcher (or from a snapshot written before the sketches), the whole reference
+    assert G.score(policy, state, a2, 10, "a").cosine == pytest.approx(whole, rel=1e-5)
+    restored = G.GateState.from_state_dict(state.state_dict())
+    assert torch.equal(restored.own_sketch["a"], state.own_sketch["a"]) and restored.own_weight == state.own_weight
+    assert G.score(policy, restored, a2, 10, "a", sketcher=sketcher).cosine == sketched
+    older = state.state_dict()
+    del older["own_sketch"], older["own_weight"]
+    assert G.score(policy, G.GateState.from_state_dict(older), a2, 10, "a", sketcher=sketcher).cosine \
+        == pytest.approx(whole, rel=1e-5)
+    # a peer (nearly) alone in the reference: too little rest to judge against, the whole reference
+    alone = G.GateState()
+    G.record(policy, alone, G.score(policy, alone, a1, 10, "a", sketcher=sketcher), a1, 10, "a", 0.0, sketcher)
+    assert G.score(policy, alone, a2, 10, "a", sketcher=sketcher).cosine == pytest.approx(
+        float(a2 @ alone.reference / (a2.norm() * alone.reference.norm())), rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_builds_the_own_part_sketch_from_its_secret_only_for_large_models() -> None:
+    """CoordinatorState.own_sketcher: None up to OWN_PARTS_MAX values (the parts are kept whole); above, one built
+    from the run secret — the same one again for the same secret (a replay judges alike), another for another."""
+    from asyncloco.algo.outer import OuterSGD
+    from asyncloco.coordinator.gate_state import OWN_SAMPLED
+    from asyncloco.coordinator.logic import new_state
+    from asyncloco.coordinator.logic.state import CoordinatorPolicy, CoordinatorState
+
+    def state(numel: int, secret: bytes) -> CoordinatorState:
+        return new_state(torch.zeros(numel), OuterSGD(0.1), [], CoordinatorPolicy(max_local_steps=10), [4], 0,
+                         lease_secret=secret)
+
+    assert state(G.OWN_PARTS_MAX, b"x").own_sketcher() is None
+    one = state(G.OWN_PARTS_MAX + 1, b"x").own_sketcher()
+    again = state(G.OWN_PARTS_MAX + 1, b"x").own_sketcher()
+    other = state(G.OWN_PARTS_MAX + 1, b"y").own_sketcher()
+    assert one is not None and again is not None and other is not None
+    assert torch.equal(one.index, again.index) and torch.equal(one.sign, again.sign)
+    assert not torch.equal(one.index, other.index)
+    assert one.index.numel() == min(G.OWN_PARTS_MAX + 1, OWN_SAMPLED)

@@ -478,6 +478,29 @@ def test_ask_ahead_lead_follows_the_measured_download() -> None:
     assert ask_ahead_s(None, 9.0) is None and ask_ahead_s(6.0, float("inf")) == AHEAD_MARGIN * 6.0
 
 
+def test_the_ask_ahead_times_a_lease_by_its_own_steps() -> None:
+    """When to ask ahead: a lease on shared cores may run faster than the peer's average speed says (asked by the
+    average, its θ came after it ended); once AHEAD_RATE_STEPS of its steps are timed, their rate (the first step
+    apart: it warms up) and the emulated slowdown's pause say when it ends."""
+    from types import SimpleNamespace
+
+    from asyncloco.peer.pipeline import AHEAD_RATE_STEPS, OverlappedRounds
+
+    rounds = OverlappedRounds.__new__(OverlappedRounds)  # only the runner and the workload are read
+    runner = SimpleNamespace(speed=100.0, options=SimpleNamespace(slowdown=2.0), lease_step_seconds=("", []))
+    rounds.runner, rounds.workload = runner, SimpleNamespace(units_per_step=50)
+    lease: Any = SimpleNamespace(lease_id="L", steps=20)
+    by_speed = 20 * 50 / 100.0
+    runner.lease_step_seconds = ("previous", [0.25] * 20)  # another lease's steps do not count
+    assert rounds._training_s(lease) == by_speed
+    runner.lease_step_seconds = ("L", [3.0] + [0.25] * (AHEAD_RATE_STEPS - 2))  # too few timed yet
+    assert rounds._training_s(lease) == by_speed
+    runner.lease_step_seconds = ("L", [3.0] + [0.25] * (AHEAD_RATE_STEPS - 1))
+    assert rounds._training_s(lease) == (3.0 + 19 * 0.25) * 2.0  # first step + 19 at the timed rate, × slowdown
+    runner.lease_step_seconds = ("L", [3.0] + [0.25] * 19)  # all done (the slowdown's pause runs): the same
+    assert rounds._training_s(lease) == (3.0 + 19 * 0.25) * 2.0
+
+
 class SlowDownloadClient(MemoryClient):
     """A client whose link says a θ download takes 20 s (measured), so the runner asks ahead; it records the order of
     its grants and downloads. Training lease k (k < rounds) waits in its thread until lease k+1's θ is here."""

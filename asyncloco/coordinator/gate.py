@@ -75,12 +75,13 @@ from typing import Literal
 import torch
 
 from asyncloco.coordinator.gate_state import (
-    OWN_PARTS_MAX, GatePolicy, GateState, join_reference, others_reference, reference_weight,
+    OWN_PARTS_MAX, GatePolicy, GateState, join_reference, others_reference, own_cosine, reference_weight,
 )
+from asyncloco.coordinator.sketch import Sketcher
 
 __all__ = [
     "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "probe_margin", "wants_probe", "needs_probe", "suspect", "close_bar", "reference_weight",
-    "others_reference", "OWN_PARTS_MAX",
+    "others_reference", "own_cosine", "OWN_PARTS_MAX",
 ]
 
 
@@ -203,6 +204,7 @@ def score(
     bound_per_step: float | None = None,
     probe: tuple[float, float] | None = None,
     proven: bool = False,
+    sketcher: Sketcher | None = None,
 ) -> GateVerdict:
     """Judge ``update`` (flat fp32, not modified) from a lease of ``steps`` local steps.
 
@@ -217,11 +219,15 @@ def score(
     first leases re-run bitwise) — so it is judged as past the gate's probation, however few of its updates the gate
     has accepted (the gate's probation exists for peers that have shown nothing yet).
 
+    ``sketcher``: the run's secret sketch of each peer's last update in the reference, for θ above
+    ``OWN_PARTS_MAX`` values (gate_state.py :func:`own_cosine`; CoordinatorState.own_sketcher); without it such an
+    update is judged against the whole reference.
+
     The checks, in order, each its own function: finite and bounded norm (here), the norm against the recent
     median (:func:`_norm_check`), echoing the consensus (:func:`_echo_check`), the probe in the gray zone
     (:func:`_probe_check`), the direction against the consensus (:func:`_cosine_check`), then clipping
     (:func:`_clip_or_accept`). The first verdict wins."""
-    seen = _prepare(policy, gate, update, steps, peer, bound_per_step, proven)
+    seen = _prepare(policy, gate, update, steps, peer, bound_per_step, proven, sketcher)
     if isinstance(seen, GateVerdict):
         return seen
     verdict = _norm_check(policy, seen) or _echo_check(policy, gate, seen)
@@ -242,7 +248,7 @@ def score(
 
 def _prepare(
     policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None,
-    proven: bool = False,
+    proven: bool = False, sketcher: Sketcher | None = None,
 ) -> GateVerdict | _Update:
     """The verdicts that need no statistics (non-finite, above the absolute bound, the run's first update), or
     what the other checks read about the update."""
@@ -261,11 +267,9 @@ def _prepare(
     probation = not proven and gate.peer_accepted.get(peer, 0) < policy.probation_updates
     cosine = None
     if gate.reference is not None and gate.reference_norm > 0 and norm > 0:
-        others = others_reference(gate, peer)  # the consensus without the peer's own part (gate_state.py)
-        if others is None:
+        cosine = own_cosine(gate, peer, update, norm, sketcher)  # the consensus without the peer's own part (gate_state.py)
+        if cosine is None:
             cosine = float(torch.dot(update, gate.reference)) / (norm * gate.reference_norm)
-        else:
-            cosine = float(torch.dot(update, others[0])) / (norm * others[1])
     return _Update(
         steps, norm, per_step, median(gate.norms), cosine, probation,
         policy.probation_tightening if probation else 1.0, " (peer on probation)" if probation else "",
@@ -275,7 +279,7 @@ def _prepare(
 
 def needs_probe(
     policy: GatePolicy, gate: GateState, update: torch.Tensor, steps: int, peer: str, bound_per_step: float | None = None,
-    proven: bool = False,
+    proven: bool = False, sketcher: Sketcher | None = None,
 ) -> bool:
     """Whether :func:`score` with these arguments would read the probe: the update passes the checks before it
     and lies in the gray zone. For any other update the verdict is the same with or without the probe, so the
@@ -283,7 +287,7 @@ def needs_probe(
     coordinator they cost seconds under the lock; docs/threat-model.md). Costs two dot products over Δ."""
     if not policy.probe:
         return False
-    seen = _prepare(policy, gate, update, steps, peer, bound_per_step, proven)
+    seen = _prepare(policy, gate, update, steps, peer, bound_per_step, proven, sketcher)
     if isinstance(seen, GateVerdict) or _norm_check(policy, seen) or _echo_check(policy, gate, seen):
         return False
     return _in_gray_zone(policy, gate, seen)
@@ -502,7 +506,8 @@ def _clip_or_accept(policy: GatePolicy, seen: _Update, probed: str) -> GateVerdi
 
 
 def record(
-    policy: GatePolicy, gate: GateState, verdict: GateVerdict, update: torch.Tensor | None, steps: int, peer: str, now: float
+    policy: GatePolicy, gate: GateState, verdict: GateVerdict, update: torch.Tensor | None, steps: int, peer: str, now: float,
+    sketcher: Sketcher | None = None,
 ) -> str | None:
     """Book a verdict. ``update`` is the update as applied (after clipping), or None when it was rejected.
     Returns the reason when this verdict put ``peer`` into quarantine."""
@@ -540,7 +545,7 @@ def record(
         del gate.norms[: max(0, len(gate.norms) - policy.window)]
         del gate.cosines[: max(0, len(gate.cosines) - policy.window)]
         if norm > 0:
-            join_reference(policy, gate, update, norm, peer)
+            join_reference(policy, gate, update, norm, peer, sketcher)
         gate.accepted += 1
         gate.peer_accepted[peer] = gate.peer_accepted.get(peer, 0) + 1
         return None

@@ -7,11 +7,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import math
+
 import torch
 
-__all__ = ["GatePolicy", "GateState", "OWN_PARTS_MAX", "reference_weight", "join_reference", "others_reference"]
+from asyncloco.coordinator.sketch import Sketcher
+
+__all__ = [
+    "GatePolicy", "GateState", "OWN_PARTS_MAX", "OWN_BUCKETS", "OWN_SAMPLED", "OWN_REST_MIN", "reference_weight",
+    "join_reference", "others_reference", "own_cosine",
+]
 
 OWN_PARTS_MAX = 1 << 21  # θ values up to which the gate keeps each peer's part of its reference (4 bytes each per peer)
+# above it, a secret count sketch of each part (coordinator/sketch.py): OWN_BUCKETS float64 values per peer, from
+# OWN_SAMPLED coordinates; the cosine it gives spreads ≈ weight / √OWN_BUCKETS / ‖rest‖ (≈ 0.003 at the defaults)
+OWN_BUCKETS = 1 << 15
+OWN_SAMPLED = 1 << 20
+OWN_REST_MIN = 0.1  # sketched: judged against the rest only while it keeps this share of the reference's norm
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,10 @@ class GateState:
     # each peer's last update in the reference (its unit vector × its weight there, decayed as the reference is since),
     # kept for θ of at most OWN_PARTS_MAX values: a peer's next update is judged against the reference without it
     own: dict[str, torch.Tensor] = field(default_factory=dict)
+    # above OWN_PARTS_MAX values: the secret sketch of that part and its weight (the part's norm), decayed alike
+    own_sketch: dict[str, torch.Tensor] = field(default_factory=dict)
+    own_weight: dict[str, float] = field(default_factory=dict)
+    own_dot: dict[str, float] = field(default_factory=dict)  # r·p: exact when p joined, then updated with each join
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +108,9 @@ class GateState:
             "shares": dict(self.shares),
             "present": list(self.present),
             "own": dict(self.own),
+            "own_sketch": dict(self.own_sketch),
+            "own_weight": dict(self.own_weight),
+            "own_dot": dict(self.own_dot),
         }
 
     @classmethod
@@ -113,6 +132,9 @@ class GateState:
             shares={k: float(v) for k, v in state.get("shares", {}).items()},
             present=[str(x) for x in state.get("present", [])],
             own={k: v.clone() for k, v in state.get("own", {}).items()},  # absent before own parts: judged as before
+            own_sketch={k: v.clone() for k, v in state.get("own_sketch", {}).items()},
+            own_weight={k: float(v) for k, v in state.get("own_weight", {}).items()},
+            own_dot={k: float(v) for k, v in state.get("own_dot", {}).items()},
         )
 
 
@@ -133,9 +155,12 @@ def reference_weight(policy: GatePolicy, gate: GateState, peer: str) -> float:
     return min(full, max(capped, full / 4.0))
 
 
-def join_reference(policy: GatePolicy, gate: GateState, update: torch.Tensor, norm: float, peer: str) -> None:
-    """``r ← (1−w)·r + w·Δ/‖Δ‖`` with ``w`` from :func:`reference_weight`, and every peer's share (and, for θ of at
-    most :data:`OWN_PARTS_MAX` values, its last update's part of ``r``: :func:`others_reference`) with it."""
+def join_reference(
+    policy: GatePolicy, gate: GateState, update: torch.Tensor, norm: float, peer: str, sketcher: Sketcher | None = None
+) -> None:
+    """``r ← (1−w)·r + w·Δ/‖Δ‖`` with ``w`` from :func:`reference_weight`, and every peer's share (and its last
+    update's part of ``r``: kept whole for θ of at most :data:`OWN_PARTS_MAX` values, :func:`others_reference`; as the
+    secret ``sketcher``'s sketch above that, :func:`own_cosine`) with it."""
     weight = reference_weight(policy, gate, peer)
     if gate.reference is None:
         gate.reference = update / norm
@@ -148,6 +173,20 @@ def join_reference(policy: GatePolicy, gate: GateState, update: torch.Tensor, no
     gate.shares[peer] = gate.shares.get(peer, 0.0) + weight
     gate.reference_norm = float(torch.linalg.vector_norm(gate.reference))
     if update.numel() > OWN_PARTS_MAX:
+        if sketcher is not None:
+            # r·p of the other parts: [(1−w)·r + w·û]·[(1−w)·p] = (1−w)²·r·p + w·û·p', û·p' from the sketches
+            joined = sketcher(update) * (1.0 / norm)
+            for other in list(gate.own_sketch):
+                if other not in gate.shares or other not in gate.own_dot:
+                    gate.own_sketch.pop(other), gate.own_weight.pop(other, None), gate.own_dot.pop(other, None)
+                elif other != peer:
+                    gate.own_sketch[other].mul_(1.0 - weight)
+                    gate.own_weight[other] *= 1.0 - weight
+                    gate.own_dot[other] = ((1.0 - weight) ** 2 * gate.own_dot[other]
+                                           + weight * sketcher.dot(joined, gate.own_sketch[other]))
+            gate.own_sketch[peer] = joined * weight
+            gate.own_weight[peer] = weight
+            gate.own_dot[peer] = weight * float(torch.dot(gate.reference, update)) / norm  # exact: both are here
         return
     for other in list(gate.own):
         if other not in gate.shares:
@@ -175,3 +214,33 @@ def others_reference(gate: GateState, peer: str) -> tuple[torch.Tensor, float] |
     if not rest_norm > 1e-6 * max(gate.reference_norm, 1e-30):
         return None
     return rest, rest_norm
+
+
+def own_cosine(
+    gate: GateState, peer: str, update: torch.Tensor, norm: float, sketcher: Sketcher | None = None
+) -> float | None:
+    """The cosine of ``update`` (of norm ``norm``) with the reference without ``peer``'s last update in it
+    (:func:`others_reference`, whose docstring says why); None: judge it against the whole reference.
+
+    For θ above :data:`OWN_PARTS_MAX` values that part ``p`` is known only by its secret sketch and its weight ``w``
+    (= ‖p‖): ``Δ·(r − p) = Δ·r − Δ·p`` and ``‖r − p‖² = ‖r‖² − 2 r·p + w²``, with ``Δ·p`` estimated from the sketches
+    (an attacker cannot aim at buckets it does not know) and ``r·p`` tracked by :func:`join_reference` (exact when
+    the part joins; each later join adds a sketched term scaled by its weight). While the rest keeps less than
+    :data:`OWN_REST_MIN` of the reference's norm (a peer nearly alone in it) the estimate's spread would count:
+    judged against the whole reference, as without a part."""
+    if gate.reference is None or not gate.reference_norm > 0 or not norm > 0:
+        return None
+    others = others_reference(gate, peer)
+    if others is not None:
+        return float(torch.dot(update, others[0])) / (norm * others[1])
+    part = gate.own_sketch.get(peer)
+    if part is None or sketcher is None or sketcher.numel != update.numel() or part.numel() != sketcher.ends.numel():
+        return None
+    weight, reference_part = gate.own_weight.get(peer), gate.own_dot.get(peer)
+    if weight is None or reference_part is None:
+        return None
+    update_part = sketcher.dot(sketcher(update), part)
+    rest_squared = gate.reference_norm**2 - 2.0 * reference_part + weight**2
+    if not rest_squared >= (OWN_REST_MIN * gate.reference_norm) ** 2:
+        return None
+    return (float(torch.dot(update, gate.reference)) - update_part) / (norm * math.sqrt(rest_squared))

@@ -115,7 +115,7 @@ def _replay_excluded(
     update = _substitute(state, event, bases, substitute)
     if update is not None and gate is not None:
         own = update_gate.score(gate, state.gate, update, lease.steps, event.peer, state.policy.norm_bound_per_step,
-                                proven=gate_proven(state, lease))
+                                proven=gate_proven(state, lease), sketcher=state.own_sketcher())
         update = None if own.action == "reject" else update if own.scale == 1.0 else update * own.scale
     if update is None:
         handle(state, Discard(event.peer, event.lease_id, event.state_end), now)
@@ -129,7 +129,8 @@ def _replay_excluded(
         finally:
             state.policy = policy
     if verdict is not None and gate is not None and not dropped:
-        update_gate.record(gate, state.gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now)
+        update_gate.record(gate, state.gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now,
+                           state.own_sketcher())
     return "discarded" if update is None else "substituted"
 
 

@@ -229,7 +229,7 @@ class Serving:
             return None, None
         # only where score() will read it: an update outside the gray zone gets the same verdict without it
         if not update_gate.needs_probe(gate, state.gate, update, lease.steps, peer_id, state.policy.norm_bound_per_step,
-                                       proven=gate_proven(state, lease)):
+                                       proven=gate_proven(state, lease), sketcher=state.own_sketcher()):
             return None, None
         if self._probe is None:
             self._probe = Probe(self.workload, self.model, self.cfg.runtime.gate.probe_sequences, self.cfg.runtime.eval_device)

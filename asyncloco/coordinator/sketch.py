@@ -38,23 +38,27 @@ SAMPLED = 1 << 18  # coordinates read per update (all of them for smaller models
 
 
 class Sketcher:
-    """The count sketch of run secret ``secret`` for θ of ``numel`` values (derived data: rebuilt, never saved)."""
+    """The count sketch of run secret ``secret`` for θ of ``numel`` values (derived data: rebuilt, never saved):
+    ``buckets`` numbers from ``sampled`` coordinates (all of them for a smaller θ). :meth:`dot` estimates the inner
+    product of two vectors from their sketches, without bias over the secret draws. The gate uses a larger one
+    (gate_state.py, ``OWN_BUCKETS``) to take a peer's last update out of its reference."""
 
-    def __init__(self, secret: bytes, numel: int) -> None:
+    def __init__(self, secret: bytes, numel: int, buckets: int = BUCKETS, sampled: int = SAMPLED) -> None:
         seed = int.from_bytes(hashlib.sha256(b"asyncloco sketch v1:" + secret).digest()[:8], "little") & ((1 << 63) - 1)
         generator = torch.Generator().manual_seed(seed)
         self.numel = numel
-        if numel <= SAMPLED:
+        if numel <= sampled:
             index = torch.arange(numel)
         else:
-            index = torch.randint(0, numel, (SAMPLED,), generator=generator)
-        bucket = torch.randint(0, BUCKETS, (index.numel(),), generator=generator)
+            index = torch.randint(0, numel, (sampled,), generator=generator)
+        self.scale = numel / index.numel()  # sampled coordinates stand for all: inner products scale up by this
+        bucket = torch.randint(0, buckets, (index.numel(),), generator=generator)
         sign = torch.randint(0, 2, (index.numel(),), generator=generator).to(torch.float64) * 2.0 - 1.0
         order = torch.argsort(bucket, stable=True)
         self.index = index[order]
         self.sign = sign[order]
         # one past the last position of each bucket in the sorted order (equal to the previous one's: an empty bucket)
-        self.ends = torch.cumsum(torch.bincount(bucket, minlength=BUCKETS), 0)
+        self.ends = torch.cumsum(torch.bincount(bucket, minlength=buckets), 0)
 
     def __call__(self, update: torch.Tensor) -> torch.Tensor:
         """The sketch of ``update`` (float64, ``BUCKETS`` values)."""
@@ -62,6 +66,11 @@ class Sketcher:
         running = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(values, 0)])  # sequential: same bits every run
         totals = running[self.ends]
         return totals - torch.cat([torch.zeros(1, dtype=torch.float64), totals[:-1]])
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        """The inner product of the two vectors whose sketches are ``a`` and ``b`` (an estimate: exact in
+        expectation over the secret signs and samples, spread ≈ ‖x‖‖y‖ / √buckets)."""
+        return self.scale * float(torch.dot(a, b))
 
 
 @dataclass

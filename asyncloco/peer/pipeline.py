@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 AHEAD_MARGIN = 1.5  # the next lease is asked for this many expected downloads before the training ends
 AHEAD_MIN_S = 1.0  # a lead shorter than this (a fast link) is not worth asking ahead: ask after training
+AHEAD_RATE_STEPS = 4  # once this many steps of the lease in training are timed, its own rate says when it ends
+AHEAD_RECHECK = 0.25  # the wait to ask ahead is re-estimated after this share of it (at least AHEAD_MIN_S)
 
 
 def ask_ahead_s(download_s: Optional[float], observed_s: Optional[float] = None) -> Optional[float]:
@@ -208,13 +210,18 @@ class OverlappedRounds:
             ack = previous.result()
             if not (ack is not None and ack.accepted) and runner._commits(self.trainer):
                 return None  # N+1 will not be submitted (trained from a refused state): ask after it
-        expected = training.steps * self.workload.units_per_step / float(runner.speed or 1.0)
-        wait = started + expected - lead - runner.clock.monotonic()
-        if wait > 0 and not self.trained.is_set():
-            await pause(runner.clock, wait, self.trained)  # (a second Ctrl+C ends the training: this task is cancelled)
+        while not self.trained.is_set():
+            wait = started + self._training_s(training) - lead - runner.clock.monotonic()
+            if wait <= 0:
+                break
+            # re-estimated as the lease's own steps are timed (a second Ctrl+C ends the training: this task is cancelled)
+            await pause(runner.clock, max(min(wait, AHEAD_MIN_S), AHEAD_RECHECK * wait), self.trained)
         if runner._stop.is_set():
             return None
         asked = runner.clock.monotonic()
+        left = started + self._training_s(training) - asked
+        logger.info("lease %s: asking for the next one %.1f s before its training ends (lead %.1f s)",
+                    training.lease_id, left, lead)
         lease = await runner._ask(self.client, self.publisher, training.lease_id, timing="assign_ahead")
         if lease is None:
             return None
@@ -223,6 +230,20 @@ class OverlappedRounds:
             return None
         self.observed_ahead_s = runner.clock.monotonic() - asked  # the next lead covers it (ask_ahead_s)
         return lease, theta
+
+    def _training_s(self, training: LeaseGrant) -> float:
+        """Expected seconds of ``training`` from its start, the emulated slowdown's pause included: from the lease's
+        own step rate once :data:`AHEAD_RATE_STEPS` steps are timed (a lease on shared cores runs faster or slower
+        than the peer's average: asked by the average, a faster lease ended before its θ came), else from the
+        peer's speed."""
+        runner = self.runner
+        lease_id, steps = runner.lease_step_seconds  # appended by the training thread
+        done = len(steps)
+        if lease_id == training.lease_id and AHEAD_RATE_STEPS <= done <= training.steps:
+            timed = list(steps[1:done])  # the first step warms up (allocations, compilation)
+            per_step = sum(timed) / len(timed)
+            return (steps[0] + per_step * (training.steps - 1)) * max(1.0, runner.options.slowdown)
+        return training.steps * self.workload.units_per_step / float(runner.speed or 1.0)
 
     async def _take_ahead(self) -> "Optional[tuple[LeaseGrant, Any]]":
         """The lease asked for ahead and its θ (None: none, or it failed: ask now); the wait for it counts as

@@ -135,6 +135,9 @@ class PeerRunner:
         self.coordinator_id = options.coordinator_id or coordinator_id_from(options.initial_peers[0])
         self.summary = PeerSummary(slowdown=options.slowdown)
         self.speed: Optional[float] = None
+        # each step's seconds of the lease in training, as the training thread takes them (peer/pipeline.py reads
+        # them to time its ask ahead from this lease's own rate); a fresh list per lease
+        self.lease_step_seconds: tuple[str, list[float]] = ("", [])  # (lease id, seconds)
         self.group = group
         self.summary.world_size = group.world_size if group is not None else 1
         self._stop = asyncio.Event()  # first Ctrl+C: finish and submit the current lease, then leave
@@ -535,6 +538,7 @@ class PeerRunner:
         :class:`LeaseAborted` after a second Ctrl+C, :class:`GroupFailed` when a rank is gone."""
         started = time.perf_counter()  # times the computation (the speed measurement's seconds), not a wait
         step_seconds: list[float] = []
+        self.lease_step_seconds = (lease.lease_id, step_seconds)
 
         def on_step(seconds: float) -> None:
             step_seconds.append(seconds)

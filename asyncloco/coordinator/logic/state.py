@@ -13,6 +13,7 @@ import torch
 from asyncloco.algo.outer import OuterOptimizer
 from asyncloco.algo.staleness import StalenessTransform
 from asyncloco.coordinator.gate import GatePolicy, GateState
+from asyncloco.coordinator.gate_state import OWN_BUCKETS, OWN_PARTS_MAX, OWN_SAMPLED
 from asyncloco.coordinator.sketch import Sketcher, SketchState
 
 
@@ -259,6 +260,7 @@ class DerivedIndexes:
     lease_book: "LeaseBook | None" = None
     speed_heap: tuple[dict[str, PeerInfo], list[tuple[float, str]]] | None = None
     sketcher: Sketcher | None = None  # the run's update sketch (coordinator/sketch.py), built on first use
+    own_sketcher: Sketcher | None = None  # the gate's sketch of each peer's last update (CoordinatorState.own_sketcher)
 
 
 @dataclass
@@ -288,6 +290,19 @@ class CoordinatorState:
     verification: VerificationState = field(default_factory=VerificationState)
     incompatible: dict[str, str] = field(default_factory=dict)  # peer id -> why its fingerprint was refused (Fingerprint)
     indexes: DerivedIndexes = field(default_factory=DerivedIndexes, repr=False, compare=False)  # derived, not state
+
+    def own_sketcher(self) -> Sketcher | None:
+        """The gate's secret sketch of each peer's last update in its reference, for θ above ``OWN_PARTS_MAX`` values
+        (gate_state.py :func:`own_cosine`; below, the parts are kept whole: None). Derived from the run secret, like
+        the lease ids: a peer cannot aim at its buckets; a replay builds the same one."""
+        numel = self.params.numel()
+        if numel <= OWN_PARTS_MAX:
+            return None
+        sketcher = self.indexes.own_sketcher
+        if sketcher is None or sketcher.numel != numel:
+            secret = self.lease_secret + b"/gate-own/" + str(self.seed).encode()
+            sketcher = self.indexes.own_sketcher = Sketcher(secret, numel, OWN_BUCKETS, OWN_SAMPLED)
+        return sketcher
 
     @property
     def needs_base_params(self) -> bool:

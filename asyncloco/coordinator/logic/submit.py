@@ -162,7 +162,7 @@ def gate_verdict(state: CoordinatorState, event: SubmitUpdate, lease: Lease, gat
     """The gate's verdict on the update as sent, with the probe losses the daemon logged in the event (pure)."""
     probe = None if event.probe_before is None or event.probe_after is None else (event.probe_before, event.probe_after)
     return update_gate.score(gate, state.gate, event.pseudo_gradient, lease.steps, event.peer, state.policy.norm_bound_per_step,
-                             probe, proven=gate_proven(state, lease))
+                             probe, proven=gate_proven(state, lease), sketcher=state.own_sketcher())
 
 
 def _checked_instead(state: CoordinatorState, lease: Lease, verdict: GateVerdict) -> tuple[GateVerdict, Lease] | None:
@@ -394,7 +394,7 @@ def _after_step(
     policy = state.policy
     gate_note = ""
     if verdict is not None and policy.gate is not None:
-        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, lease.peer, now)
+        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, lease.peer, now, state.own_sketcher())
         gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
     drop_unused_base_params(state)
     return gate_note
