@@ -105,6 +105,10 @@ class Result:
     rises: dict[str, Any] = field(default_factory=dict)
     held_staleness: float = math.nan  # mean staleness of the updates that waited for their check (all peers)
     staleness: float = math.nan  # mean staleness of the other applied updates
+    # the perplexity of the θ this same run would have had without the attackers' submissions (its log replayed with
+    # them discarded, every other decision as live: without_attackers), and this run's × that (its trace on θ)
+    without_perplexity: Optional[float] = None
+    trace: Optional[float] = None
 
 
 # the compute class a row ending in "@foreign" claims (its checks then get the cross-device tolerance, not bitwise)
@@ -129,6 +133,7 @@ def write_config(base: Path, directory: Path, gate: bool, verify: bool = False, 
     runtime.setdefault("gate", {})["enabled"] = gate
     # verification is on by default (the carried inner state); without --verify the gate is measured alone
     runtime["verify"] = {**runtime.get("verify", {}), "enabled": verify}
+    runtime["wal_archive"] = True  # the whole log stays: without_attackers replays it from the run's start
     if verify and runtime.get("error_feedback"):
         # the hostile client (asyncloco/testing/hostile.py) keeps no error-feedback residual: it would be expelled for
         # a malformed reveal, not for its attack
@@ -383,6 +388,52 @@ def signals_table(directories: list[Path]) -> list[str]:
     return lines
 
 
+def without_attackers(config: Path, checkpoint_dir: Path, attackers: set[str]) -> Optional[float]:
+    """The validation perplexity of the θ this run would have ended with had the attackers' submissions been left
+    out: its write-ahead log replayed from the oldest repair anchor (the run's start; a warm run's is the warm-up's)
+    through the repair machinery with ``discard`` (asyncloco/coordinator/repair.py: every other decision as live —
+    the same leases, holds, verdicts and honest updates — only θ differs). A caught attacker that left no trace gives
+    the live θ bitwise (tests/test_verify_runtime.py asserts it for one caught on probation), so the run's
+    × this is its trace on θ with the schedule's noise taken out. None: no anchor or log to replay."""
+    import tempfile
+
+    from asyncloco.config import load_config
+    from asyncloco.coordinator.checkpoint import load_snapshot, snapshot_wal_seq
+    from asyncloco.coordinator.daemon import EVENT_TYPES, CoordinatorDaemon
+    from asyncloco.coordinator.logic import handle
+    from asyncloco.coordinator.repair import ANCHOR_DIR, log_events, repair
+    from asyncloco.coordinator.wal import WAL_DIR, read_records
+    from asyncloco.models.workload import load_flat_params
+    from asyncloco.workloads import build_workload
+
+    anchors = sorted((checkpoint_dir / ANCHOR_DIR).iterdir()) if (checkpoint_dir / ANCHOR_DIR).is_dir() else []
+    if not attackers or not anchors:
+        return None
+    cfg = load_config(config)
+    with tempfile.TemporaryDirectory(prefix="bench-without-") as scratch:
+        daemon = CoordinatorDaemon(cfg, checkpoint_dir=Path(scratch))
+        assert daemon.verification is not None, "without_attackers needs runtime.verify (its fresh state)"
+        anchor = load_snapshot(anchors[0])
+        wal = checkpoint_dir / WAL_DIR
+        last = max(r.seq for directory in (wal / "archive", wal) if directory.is_dir() for r in read_records(directory, 0))
+        try:
+            events = list(log_events(wal, snapshot_wal_seq(anchor), last, EVENT_TYPES, daemon.numel))
+        except ValueError as error:  # segments pruned: nothing to replay from that anchor
+            logger.warning("without_attackers: %s", error)
+            return None
+        fresh = daemon.verification.fresh_state()
+        fresh.load_state_dict(anchor["coordinator"])
+        live = daemon.verification.fresh_state()
+        live.load_state_dict(anchor["coordinator"])
+        for event, now in events:
+            handle(live, event, now)
+        without = repair(fresh, events, attackers, live.version).state
+    workload = build_workload(cfg)
+    model = workload.build_model(cfg.seed)
+    load_flat_params(model, without.params.float())
+    return float(workload.evaluate(model).get("perplexity", math.nan))
+
+
 def final_perplexity(config: Path, checkpoint_dir: Path) -> tuple[float, float]:
     perplexity, max_abs, _, _ = final_metrics(config, checkpoint_dir)
     return perplexity, max_abs
@@ -533,6 +584,7 @@ def run_one(
     perplexity, max_abs, cosine, trigger = final_metrics(config, cluster.checkpoint_dir,
                                                          warm.checkpoint_dir if warm is not None else None)
     hostile_ids.discard("")
+    without = without_attackers(config, cluster.checkpoint_dir, hostile_ids) if verify and hostile_ids else None
     return Result(
         attack=row,
         gate=gate,
@@ -555,6 +607,8 @@ def run_one(
         rises=own_history_rises(workdir / "run", hostile_ids) if verify else {},
         held_staleness=held["held_staleness"],
         staleness=held["staleness"],
+        without_perplexity=without,
+        trace=None if without is None else perplexity / without,
     )
 
 
@@ -562,8 +616,8 @@ def table(results: list[Result]) -> str:
     lines = [
         "| extra peer | gate | final perplexity | × clean | updates | honest steps | wall s | hostile applied/rejected/clipped "
         "| honest rejected/clipped | cos(θ−θ₀, hidden) | trigger loss | verification failed/checked, expelled "
-        "| caught after | repairs: remedy, loss before → after |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|",
+        "| caught after | repairs: remedy, loss before → after | × without its submissions |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|---:|",
     ]
     for r in results:
         hostile = "/".join(str(r.hostile.get(k, 0)) for k in ("applied", "rejected", "clipped")) if r.hostile else "—"
@@ -576,9 +630,10 @@ def table(results: list[Result]) -> str:
                             if x.get("loss_before") is not None and x.get("loss_after") is not None else str(x.get("remedy"))
                             for x in r.repairs) or "none"
         caught = "—" if r.caught_after is None else str(r.caught_after)
+        trace = "—" if r.trace is None else f"{r.trace:.4g}"
         lines.append(f"| {r.attack} | {'on' if r.gate else 'off'} | {r.perplexity:.4g} | {ratio} | {r.version} | "
                      f"{r.honest_steps} | {r.duration_s:.0f} | {hostile} | {honest} | {r.hidden_cosine:+.3f} | {r.trigger_loss:.3f} | {checked} "
-                     f"| {caught} | {repairs} |")
+                     f"| {caught} | {repairs} | {trace} |")
     return "\n".join(lines)
 
 
@@ -692,6 +747,10 @@ def acceptance16(results: list[Result]) -> list[str]:
         bar = 1.25 if runs[0].identities > 1 else 1.1
         worst_cos = max(abs(r.hidden_cosine) for r in runs)
         line = f"{row}: × clean {ratio:.3g} (≤ {bar}: {'yes' if ratio <= bar else 'NO'}), max |cos| {worst_cos:.3f}"
+        traces = [t for t in (r.trace for r in runs) if t is not None]
+        if traces:
+            line += (f", × the same run without its submissions {geometric_mean(traces):.4g} (worst {max(traces):.4g}; "
+                     f"≤ {bar}: {'yes' if max(traces) <= bar else 'NO'})")
         if parse_row(row, 1)[0] in ("hidden", "tailored"):
             line += f" (≤ 0.05: {'yes' if worst_cos <= 0.05 else 'NO'})"
         if parse_row(row, 1)[0] == "poison" and clean:

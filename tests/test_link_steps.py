@@ -79,6 +79,30 @@ def test_the_logic_sizes_a_lease_to_its_peers_link() -> None:
     # 10 s + 40 s = 50 s → 500 steps, capped at 200; with H_max 1000: 500
     up_only = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=100_000.0)]
     assert steps_for(policy(download_upload_ratio=4.0, max_auto_steps=1000), up_only, "slow")[0] == 500
+    # before its first upload, only a download rate: the upload at that rate (a lower bound on a home link's):
+    # 1 MB + 4 MB at 1 MB/s = 5 s → 50 steps
+    down_only = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_down=1_000_000.0)]
+    steps, reason = steps_for(policy(), down_only, "slow")
+    assert steps == 50 and "50 to cover 5 s of transfers" in reason
+
+
+def test_a_lease_request_states_the_link_rates_it_measured() -> None:
+    """The link rates travel with the lease request too (transport/wire.py AssignRequest, bounded like a DHT record's):
+    the lease asked for right after a peer's first θ download — before its DHT record is read — is sized by them."""
+    from asyncloco.transport.errors import MessageError
+    from asyncloco.transport.wire import AssignRequest
+
+    request = AssignRequest("lease", tokens_per_s=1000.0, link_up=2.5e5, link_down=1e6)
+    assert AssignRequest.from_wire(request.to_wire()) == request
+    for bad in (float("nan"), -1.0, 1e16):
+        with pytest.raises(MessageError, match="link_down"):
+            AssignRequest("lease", link_down=bad)
+    state = new_state(torch.zeros(4), OuterSGD(0.5), (), policy(), (100_000,), 0)
+    handle(state, SpeedReport("fast", 2000.0), 0.0)
+    handle(state, SpeedReport("slow", 1000.0), 0.0)  # no link in its record (yet)
+    _, actions = handle(state, RequestWork("slow", link_down=1_000_000.0), 1.0)
+    assert next(a for a in actions if isinstance(a, Assign)).lease.steps == 50  # 5 s at 1 MB/s both ways (above)
+    assert state.peers["slow"].link_down == 1_000_000.0 and state.peers["slow"].link_up is None
 
 
 def test_link_sizing_caps_the_claim_by_the_looser_link_factor() -> None:

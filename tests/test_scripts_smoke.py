@@ -326,6 +326,11 @@ def test_bench_attacks_then_repair_quality_smoke(tmp_path: Path) -> None:
     caught = runs["hidden:0.05"]["verification"]  # its probation check failed: expelled
     assert caught["failed"] >= 1 and caught["expelled"] == 1, caught
     assert any(line.startswith("honest refusals") for line in r["acceptance_issue16"])
+    # the same run's log replayed without the attacker's submissions: caught before any was applied, θ is the same
+    attacked = runs["hidden:0.05"]
+    assert finite(attacked["without_perplexity"]) and runs["clean"]["without_perplexity"] is None
+    if attacked["hostile"].get("applied", 0) == 0:
+        assert attacked["trace"] == 1.0, attacked
 
     run_script("repair_quality.py", [str(out / "hidden_0.05-gate-on"), "--json", "{tmp}/repair.json"], tmp_path, 200)
     q = load(tmp_path, "repair.json")

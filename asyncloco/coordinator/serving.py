@@ -167,7 +167,8 @@ class Serving:
             loop = asyncio.get_running_loop()
             waiter = Waiter(loop.create_future(), node.clock.time())
             waiters[peer_id] = waiter
-            actions = await node.decide(RequestWork(peer_id, getattr(request, "keep", None) or ""))
+            actions = await node.decide(RequestWork(peer_id, getattr(request, "keep", None) or "",
+                                                    request.link_up, request.link_down))
             for action in actions:
                 if isinstance(action, Rejected) and action.peer == peer_id:
                     waiters.pop(peer_id, None)

@@ -178,9 +178,10 @@ class CoordinatorClient:
     ) -> LeaseReply:
         """Ask for a lease (the coordinator may hold the answer for a grace period); ``keep``: the lease whose update
         this peer is still uploading (overlapped rounds: it stays active)."""
+        measured = self.link.measured if self.link is not None else {}
         request = AssignRequest(
             "lease", tokens_per_s=None if tokens_per_s is None else float(tokens_per_s), name=name, token=token,
-            signer=signer, keep=keep,
+            signer=signer, keep=keep, link_up=measured.get("up"), link_down=measured.get("down"),
         )
         reply = await self._request("assign", request, LeaseReply, timeout, hold=True)
         assert isinstance(reply, LeaseReply)

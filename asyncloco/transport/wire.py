@@ -79,6 +79,7 @@ MAX_TOKEN_CHARS = 1024  # admission tokens (coordinator/admission.py) are ~250 c
 MAX_VERSION = 2**62
 MAX_COUNT = 2**62
 MAX_TOKENS_PER_S = 1e15
+MAX_LINK_BYTES_PER_S = 1e15  # as transport/records.py bounds a DHT record's link rates
 MAX_REVEAL_BYTES = 2**40  # the wire's own cap; the service bounds each reveal by the model's inner-state size first
 MAX_TIME = 1e11  # seconds since the epoch (year ~5138): any real timestamp, no inf
 
@@ -178,6 +179,10 @@ class AssignRequest(_Message):
     token: Optional[str] = None  # admission token (runtime.admission: token; see coordinator/admission.py)
     signer: Optional[str] = None  # the peer's DHT signing key id, bound to its peer id by the coordinator
     keep: Optional[str] = None  # overlapped rounds: the lease this peer still holds, uploading or training (kept active)
+    # the peer's link rates, bytes/s, measured on its real transfers (transport/linkspeed.py), as in its DHT speed
+    # record: sent with the request, the lease after a first θ download is sized by them (schedule.local_steps: auto)
+    link_up: Optional[float] = None
+    link_down: Optional[float] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("kind",)
 
     def __post_init__(self) -> None:
@@ -187,6 +192,8 @@ class AssignRequest(_Message):
         self._str("token", MAX_TOKEN_CHARS, optional=True)  # admission: format and signature checked by the coordinator
         self._str("signer", MAX_TOKEN_CHARS, optional=True)
         self._str("keep", MAX_ID_CHARS, optional=True)
+        self._float("link_up", 0.0, MAX_LINK_BYTES_PER_S, optional=True)
+        self._float("link_down", 0.0, MAX_LINK_BYTES_PER_S, optional=True)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class RequestWork:
 
     peer: str
     keep: str = ""
+    # the peer's link rates (bytes/s) as its request stated them, like a speed report's (None: not stated)
+    link_up: float | None = None
+    link_down: float | None = None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ def on_request(state: CoordinatorState, event: RequestWork, now: float) -> list[
     if info is None or not info.alive:
         return [Rejected(peer, "", "no speed report from this peer yet; it must publish its throughput first", RefusalCode.NO_SPEED)]
     info.last_seen = now
+    note_link(info, event.link_up, event.link_down)
     if update_gate.is_quarantined(state.gate, peer, now):
         until = state.gate.quarantined_until[peer]
         return [Rejected(peer, "", f"quarantined until {until:.0f} after repeated rejected updates", RefusalCode.QUARANTINED)]
@@ -269,11 +270,23 @@ def _dylu_reference(state: CoordinatorState, now: float) -> float:
     return max(counted) if counted else min(claims[-1], cap)
 
 
+def note_link(info: PeerInfo, link_up: float | None, link_down: float | None) -> None:
+    """Keep the link rates a speed report or a lease request states (finite and positive, else the known ones)."""
+    for name, rate in (("link_up", link_up), ("link_down", link_down)):
+        if rate is not None and math.isfinite(rate) and rate > 0:
+            setattr(info, name, float(rate))
+
+
 def transfer_seconds(policy: CoordinatorPolicy, info: PeerInfo) -> float | None:
     """A peer's seconds on the wire per round, t_up + t_down: one upload and one θ download at its reported link rates;
-    without a reported upload rate, its last upload as the coordinator measured it; without a download rate, the
-    upload's time scaled by the bytes' ratio. None until something is known."""
+    without a reported upload rate, its last upload as the coordinator measured it; before its first upload, the upload
+    at its download rate (a home link is rarely faster up than down: a lower bound on the upload's time, so the lease
+    in training while the first upload runs covers that much of it instead of DyLU's few steps — on `home150` the
+    training waited ≈ 15 s for the first upload, docs/wan.md); without a download rate, the upload's time scaled by
+    the bytes' ratio. None until something is known."""
     up = policy.upload_bytes / info.link_up if info.link_up and policy.upload_bytes else info.transfer_s
+    if up is None and info.link_down and policy.upload_bytes:
+        up = policy.upload_bytes / info.link_down
     if up is None:
         return None
     down = policy.download_bytes / info.link_down if info.link_down and policy.download_bytes else up * policy.download_upload_ratio

@@ -8,7 +8,7 @@ import math
 
 from asyncloco.coordinator.logic.events import Action, Hello, Left, Notice, PeerLeft, Released, Restarted, SpeedReport
 from asyncloco.coordinator.logic.indexes import note_speed
-from asyncloco.coordinator.logic.leases import expire, give_back
+from asyncloco.coordinator.logic.leases import expire, give_back, note_link
 from asyncloco.coordinator.logic.state import CoordinatorState, PeerInfo
 
 
@@ -49,10 +49,7 @@ def on_speed(state: CoordinatorState, event: SpeedReport, now: float) -> list[Ac
 
 def _note_link(info: PeerInfo, event: SpeedReport) -> None:
     """Keep the link rates and time split a speed report carries (finite and positive / non-negative, else kept)."""
-    for name in ("link_up", "link_down"):
-        rate = getattr(event, name)
-        if rate is not None and math.isfinite(rate) and rate > 0:
-            setattr(info, name, float(rate))
+    note_link(info, event.link_up, event.link_down)
     split = event.time_split
     if split is not None and len(split) == 4 and all(math.isfinite(s) and s >= 0 for s in split):
         info.time_split = (float(split[0]), float(split[1]), float(split[2]), float(split[3]))
