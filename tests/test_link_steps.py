@@ -217,3 +217,17 @@ def test_a_real_peer_reports_its_link_and_split_into_status_json(tmp_path: Path)
     split = row["time_split"]
     assert split is not None and set(split) == {"computing", "uploading", "downloading", "waiting"}
     assert all(0.0 <= share for share in split.values()) and split["computing"] > 0
+
+
+def test_the_first_lease_replaces_the_speed_a_peer_joined_with() -> None:
+    """peer/summary.py next_speed: the join measurement (a few steps while the peer starts up) is replaced by the first
+    lease's warm steps; later leases are averaged in with schedule.speed_ema. observed_speed leaves the first step out
+    and counts the emulated slowdown."""
+    from asyncloco.peer.summary import next_speed, observed_speed
+
+    observed = observed_speed([0.5, 0.04, 0.04, 0.04, 0.04], 512, 1.0, 7086.0)
+    assert observed == pytest.approx(512 / 0.04)  # the warm steps: 12,800 units/s
+    assert observed_speed([0.5, 0.04, 0.04], 512, 2.0, None) == pytest.approx(512 / 0.08)
+    assert next_speed(7086.0, 12800.0, 0, 0.5) == 12800.0  # the first lease: replaced
+    assert next_speed(12800.0, 6400.0, 1, 0.5) == 9600.0  # then smoothed: 0.5 × 12,800 + 0.5 × 6,400
+    assert next_speed(None, 6400.0, 3, 0.5) == 6400.0

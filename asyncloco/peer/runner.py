@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
 import torch
 
 from asyncloco import __version__
-from asyncloco.algo.dylu import ema
 from asyncloco.clock import SYSTEM_CLOCK, Clock
 from asyncloco.config import RunConfig
 from asyncloco.peer.distributed import (
@@ -59,7 +58,9 @@ from asyncloco.peer.distributed import (
 from asyncloco.train.group import GroupContext, GroupFailed
 from asyncloco.train.inner import InnerTrainer, LeaseAborted, probe_speed
 from asyncloco.peer.joining import PeerError, RunJoiner, ask_for_lease, coordinator_id_from, refused_admission
-from asyncloco.peer.summary import PeerSummary, add_timing, observed_speed, time_split, update_idle, write_summary
+from asyncloco.peer.summary import (
+    PeerSummary, add_timing, next_speed, observed_speed, time_split, update_idle, write_summary,
+)
 from asyncloco.peer.reveal import RevealStore, settled
 from asyncloco.train.commitments import committed_digest
 from asyncloco.peer.upload import error_feedback, submit_with_retry
@@ -135,6 +136,7 @@ class PeerRunner:
         self.coordinator_id = options.coordinator_id or coordinator_id_from(options.initial_peers[0])
         self.summary = PeerSummary(slowdown=options.slowdown)
         self.speed: Optional[float] = None
+        self._speed_samples = 0  # leases whose steps measured the speed (next_speed)
         # each step's seconds of the lease in training, as the training thread takes them (peer/pipeline.py reads
         # them to time its ask ahead from this lease's own rate); a fresh list per lease
         self.lease_step_seconds: tuple[str, list[float]] = ("", [])  # (lease id, seconds)
@@ -444,7 +446,8 @@ class PeerRunner:
             self.crash_hook("trained")
         observed = observed_speed(step_seconds, workload.units_per_step, self.options.slowdown, self.speed)
         if observed is not None:
-            self.speed = ema(self.speed, observed, cfg.schedule.speed_ema)
+            self.speed = next_speed(self.speed, observed, self._speed_samples, cfg.schedule.speed_ema)
+            self._speed_samples += 1
         if self.speed is not None:  # always: serve() measured it (or was given it) before the first round
             self.summary.tokens_per_s = self.speed
         return pseudo_gradient
