@@ -109,6 +109,9 @@ def main() -> int:
     print(f"{'t (s)':>8} {'version':>8} {'val ppl':>10}")
     for e in result["evals"]:
         print(f"{e['t']:8.1f} {e['version']:8} {e['perplexity']:10.2f}")
+    for spec, share in zip(result["peers"], result["utilisation"]):
+        print(f"{spec['profile']} ×{spec['slowdown']:g}: computing {share['computing']} of its wall time "
+              f"({share['computing_to_stop']} up to the stop)")
     print(f"applied {result['applied']}, expired {result['expired']}; details in {Path(args.out) / 'result.json'}")
     return 0
 

@@ -231,3 +231,26 @@ def test_the_first_lease_replaces_the_speed_a_peer_joined_with() -> None:
     assert next_speed(7086.0, 12800.0, 0, 0.5) == 12800.0  # the first lease: replaced
     assert next_speed(12800.0, 6400.0, 1, 0.5) == 9600.0  # then smoothed: 0.5 × 12,800 + 0.5 × 6,400
     assert next_speed(None, 6400.0, 3, 0.5) == 6400.0
+
+
+def test_a_stop_records_the_split_up_to_it_and_the_wan_result_reports_both() -> None:
+    """A measured run ends with a stop (scripts/wan.py's budget): the peer records its wall and training seconds at the
+    first stop request, the lease in training included; the WAN result gives each peer's computing share over its whole
+    run and up to the stop (asyncloco/wan/run.py utilisation)."""
+    from asyncloco.clock import FakeClock
+    from asyncloco.peer.runner import PeerOptions, PeerRunner
+    from asyncloco.wan.run import utilisation
+
+    clock = FakeClock()
+    runner = PeerRunner(PeerOptions(initial_peers=["x"], coordinator_id="c", run_id="r", progress=False), clock=clock)
+    runner.stop()  # before its first lease request: nothing to record
+    assert runner.summary.stop_wall_s is None
+    runner = PeerRunner(PeerOptions(initial_peers=["x"], coordinator_id="c", run_id="r", progress=False), clock=clock)
+    runner._loop_started = clock.monotonic() - 100.0
+    runner.summary.timing["train"] = 80.0
+    runner.stop()
+    runner.stop()  # a second request changes nothing
+    assert runner.summary.stop_wall_s == 100.0 and runner.summary.stop_train_s == 80.0
+    summary = {"timing": {"train": 90.0}, "wall_seconds": 120.0, "stop_train_s": 80.0, "stop_wall_s": 100.0}
+    assert utilisation(summary) == {"computing": 0.75, "computing_to_stop": 0.8}
+    assert utilisation({}) == {"computing": None, "computing_to_stop": None}

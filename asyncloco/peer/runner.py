@@ -137,6 +137,7 @@ class PeerRunner:
         self.summary = PeerSummary(slowdown=options.slowdown)
         self.speed: Optional[float] = None
         self._speed_samples = 0  # leases whose steps measured the speed (next_speed)
+        self._training_since: Optional[float] = None  # perf_counter at the start of the lease in training
         # each step's seconds of the lease in training, as the training thread takes them (peer/pipeline.py reads
         # them to time its ask ahead from this lease's own rate); a fresh list per lease
         self.lease_step_seconds: tuple[str, list[float]] = ("", [])  # (lease id, seconds)
@@ -163,6 +164,12 @@ class PeerRunner:
 
     def stop(self) -> None:
         """Finish the current lease (train it, submit it), then leave."""
+        if not self._stop.is_set() and self._loop_started is not None:
+            # the split up to here: a measured run (scripts/wan.py's budget) ends with a stop whose last upload is
+            # not part of the rounds it measures
+            training = 0.0 if self._training_since is None else time.perf_counter() - self._training_since
+            self.summary.stop_wall_s = self.clock.monotonic() - self._loop_started
+            self.summary.stop_train_s = self.summary.timing.get("train", 0.0) + training
         self._stop.set()
 
     def abort(self) -> None:
@@ -411,6 +418,7 @@ class PeerRunner:
         computing, which a fake clock does not see) plus the emulated pause (on the runner's clock)."""
         bar = self._progress_bar(lease)
         self.summary.training = lease.lease_id
+        self._training_since = time.perf_counter()
         self._write_summary()
         training = time.perf_counter()  # times a computation (the training thread), not a wait
         computed: Optional[float] = None
@@ -433,6 +441,7 @@ class PeerRunner:
             ) from error
         finally:
             self.summary.training = ""
+            self._training_since = None
             computed = time.perf_counter() - training if computed is None else computed
             paused = 0.0 if pausing is None else self.clock.monotonic() - pausing
             add_timing(self.summary, "train", computed + paused)

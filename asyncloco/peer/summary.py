@@ -37,6 +37,10 @@ class PeerSummary:
     # wall seconds from the first lease request on, split by what the peer waited for; idle = 1 - train / wall
     timing: dict[str, float] = field(default_factory=dict)
     wall_seconds: float = 0.0
+    # at the first stop request (Ctrl+C, a measured run's end): wall seconds since the first lease request and the
+    # training seconds by then, the lease in training included (None: not stopped)
+    stop_wall_s: Optional[float] = None
+    stop_train_s: Optional[float] = None
     idle_fraction: float = 0.0
     prefetch_hits: int = 0
     swarm_downloads: int = 0  # --swarm: θ bodies taken from the swarm (transport/swarm.py)

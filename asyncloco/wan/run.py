@@ -233,6 +233,18 @@ def _stop_all(net: WanNetwork, coordinator: Any, peer_processes: list[Any]) -> N
     net.stop(coordinator, timeout=60)
 
 
+def utilisation(summary: dict[str, Any]) -> dict[str, Optional[float]]:
+    """A peer's share of its wall time spent training: over its whole run (from its first lease request to its exit)
+    and up to the stop that ended the measured budget (its last lease's upload and the exit are not rounds of the
+    run; None without a stop or a summary)."""
+    train, wall = summary.get("timing", {}).get("train"), summary.get("wall_seconds")
+    stop_train, stop_wall = summary.get("stop_train_s"), summary.get("stop_wall_s")
+    return {
+        "computing": round(train / wall, 4) if train is not None and wall else None,
+        "computing_to_stop": round(stop_train / stop_wall, 4) if stop_train is not None and stop_wall else None,
+    }
+
+
 def _results(
     out: Path, checkpoint_dir: Path, peers: Sequence[PeerSpec], budget_s: float, parameters: Optional[int], t0: float
 ) -> dict[str, Any]:
@@ -258,6 +270,7 @@ def _results(
         "applied": sum(1 for e in events if e["type"] == "applied"),
         "expired": sum(1 for e in events if e["type"] == "expired"),
         "peer_summaries": summaries,
+        "utilisation": [utilisation(s) for s in summaries],
     }
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
