@@ -233,7 +233,7 @@ def test_the_first_lease_replaces_the_speed_a_peer_joined_with() -> None:
     assert next_speed(None, 6400.0, 3, 0.5) == 6400.0
 
 
-def test_a_stop_records_the_split_up_to_it_and_the_wan_result_reports_both() -> None:
+def test_a_stop_records_the_split_up_to_it_and_the_wan_result_reports_both(tmp_path: Path) -> None:
     """A measured run ends with a stop (scripts/wan.py's budget): the peer records its wall and training seconds at the
     first stop request, the lease in training included; the WAN result gives each peer's computing share over its whole
     run and up to the stop (asyncloco/wan/run.py utilisation)."""
@@ -245,12 +245,17 @@ def test_a_stop_records_the_split_up_to_it_and_the_wan_result_reports_both() -> 
     runner = PeerRunner(PeerOptions(initial_peers=["x"], coordinator_id="c", run_id="r", progress=False), clock=clock)
     runner.stop()  # before its first lease request: nothing to record
     assert runner.summary.stop_wall_s is None
-    runner = PeerRunner(PeerOptions(initial_peers=["x"], coordinator_id="c", run_id="r", progress=False), clock=clock)
+    runner = PeerRunner(PeerOptions(initial_peers=["x"], coordinator_id="c", run_id="r", progress=False,
+                                    summary_path=tmp_path / "peer.json"), clock=clock)
     runner._loop_started = clock.monotonic() - 100.0
     runner.summary.timing["train"] = 80.0
     runner.stop()
     runner.stop()  # a second request changes nothing
     assert runner.summary.stop_wall_s == 100.0 and runner.summary.stop_train_s == 80.0
+    import json  # written at once: a peer killed while it finishes its lease still leaves the split on disk
+
+    written = json.loads((tmp_path / "peer.json").read_text())
+    assert (written["stop_wall_s"], written["stop_train_s"], written["wall_seconds"]) == (100.0, 80.0, 100.0)
     summary = {"timing": {"train": 90.0}, "wall_seconds": 120.0, "stop_train_s": 80.0, "stop_wall_s": 100.0}
     assert utilisation(summary) == {"computing": 0.75, "computing_to_stop": 0.8}
     assert utilisation({}) == {"computing": None, "computing_to_stop": None}

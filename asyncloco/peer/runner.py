@@ -170,6 +170,8 @@ class PeerRunner:
             training = 0.0 if self._training_since is None else time.perf_counter() - self._training_since
             self.summary.stop_wall_s = self.clock.monotonic() - self._loop_started
             self.summary.stop_train_s = self.summary.timing.get("train", 0.0) + training
+            self._update_idle()
+            self._write_summary()  # on disk now: a peer killed while it finishes still leaves this split
         self._stop.set()
 
     def abort(self) -> None:
