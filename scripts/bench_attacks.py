@@ -389,12 +389,14 @@ def signals_table(directories: list[Path]) -> list[str]:
 
 
 def without_attackers(config: Path, checkpoint_dir: Path, attackers: set[str]) -> Optional[float]:
-    """The validation perplexity of the θ this run would have ended with had the attackers' submissions been left
-    out: its write-ahead log replayed from the oldest repair anchor (the run's start; a warm run's is the warm-up's)
-    through the repair machinery with ``discard`` (asyncloco/coordinator/repair.py: every other decision as live —
-    the same leases, holds, verdicts and honest updates — only θ differs). A caught attacker that left no trace gives
-    the live θ bitwise (tests/test_verify_runtime.py asserts it for one caught on probation), so the run's
-    × this is its trace on θ with the schedule's noise taken out. None: no anchor or log to replay."""
+    """The validation perplexity of the θ this run would have ended with had the attackers' unchecked submissions been
+    left out: its write-ahead log replayed from the oldest repair anchor (the run's start; a warm run's is the
+    warm-up's) through the repair machinery with ``discard`` (asyncloco/coordinator/repair.py: a submission held for
+    its check is judged as live — applied where its re-run agreed, honest work —, one that reached θ unchecked is
+    discarded, every other decision as live: the same leases, holds, verdicts and honest updates; only θ differs).
+    A caught attacker that left no trace gives the live θ bitwise (tests/test_verify_runtime.py asserts it for one
+    caught on probation), so the run's × this is its trace on θ with the schedule's noise taken out. None: no anchor
+    or log to replay."""
     import tempfile
 
     from asyncloco.config import load_config
