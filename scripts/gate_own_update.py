@@ -168,7 +168,11 @@ def main() -> None:
     for run in args.runs:
         if not (run / "coordinator" / "events.jsonl").is_file():
             parser.error(f"{run} is not a demo output directory (no coordinator/events.jsonl): run asyncloco demo --out {run}")
-        results[str(run)] = {**measure(run_updates(run), args.warmup), **journal_counts(run)}
+        try:
+            results[str(run)] = {**measure(run_updates(run), args.warmup), **journal_counts(run)}
+        except statistics.StatisticsError:
+            parser.error(f"{run}: too few applied updates in its write-ahead log — the log before its last snapshot is "
+                         "pruned; run the demo with --set runtime.wal_archive=true to keep all of it")
     for name, r in results.items():
         w, o = r["whole_reference"], r["without_the_senders_last_update"]
         live = (f"; live: {r['applied']} applied, {r['weak_agreement']} with weak agreement, {r['refused_by_the_gate']} "
