@@ -231,12 +231,18 @@ def check_bench_wan(tmp: Path, _: str) -> None:
 
 def check_slow_link_sim(tmp: Path, _: str) -> None:
     r = load(tmp)["runs"]
-    assert list(r) == ["instant", "upload", "upload_fp32", "upload_poly", "upload_momentum_0.8", "upload_eager"]
-    assert r["instant"]["upload_s"] == 0 and r["instant"]["final_vs_instant"] == 1.0
+    assert list(r) == ["instant", "upload", "upload_fp32", "upload_poly", "upload_momentum_0.8", "upload_momentum_0.7",
+                       "upload_momentum_0.75", "instant_momentum_0.7", "upload_lr_0.35", "upload_buffer_5", "upload_eager",
+                       "upload_eager_lr", "upload_eager_whole"]
+    instant = ("instant", "instant_momentum_0.7")
+    assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
     # an upload of half a lease (the fastest worker's 10 steps at 1 s) delays every update by it: staler updates
-    assert all(r[name]["upload_s"] == 5.0 for name in r if name != "instant")
-    assert all(r[name]["mean_staleness"] > r["instant"]["mean_staleness"] for name in r if name != "instant")
+    assert all(r[name]["upload_s"] == 5.0 for name in r if name not in instant)
+    assert all(r[name]["mean_staleness"] > r["instant"]["mean_staleness"] for name in r if name not in instant)
     assert r["upload_fp32"]["codec"] == "none" and r["upload_poly"]["poly"] == 0.5 and r["upload_eager"]["eager"] is True
+    assert [r[name]["momentum"] for name in ("upload_momentum_0.7", "instant_momentum_0.7", "upload")] == [0.7, 0.7, 0.9]
+    assert r["upload_lr_0.35"]["outer_lr"] == 0.35 and r["upload_buffer_5"]["buffer_size"] == 5
+    assert (r["upload_eager_lr"]["eager"], r["upload_eager_whole"]["eager"]) == ("lr", "whole")
     assert all(run["applied"] > 0 and finite(run["final"], run["max"]) for run in r.values())
 
 
