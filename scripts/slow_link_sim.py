@@ -14,6 +14,7 @@ the link-tuned runs use), and each variant side by side on the same data:
 * ``upload_momentum_0.8``: the same with the outer momentum at 0.8 instead of 0.9;
 * ``upload_momentum_0.7``, ``upload_momentum_0.75``, ``upload_lr_0.35``: less outer momentum, half the outer lr;
   ``instant_momentum_0.7``: the reference with less momentum (is it the uploads, or the momentum at long leases?);
+  ``upload_momentum_0.5``, ``instant_momentum_0.5``: less still;
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
@@ -57,6 +58,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "upload_momentum_0.7": {"momentum": 0.7},
     "upload_momentum_0.75": {"momentum": 0.75},
     "instant_momentum_0.7": {"upload": False, "momentum": 0.7},
+    "upload_momentum_0.5": {"momentum": 0.5},
+    "instant_momentum_0.5": {"upload": False, "momentum": 0.5},
     "upload_lr_0.35": {"lr": 0.35},
     "upload_buffer_5": {"buffer": 5},
     "upload_eager": {"eager": True},

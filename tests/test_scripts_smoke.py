@@ -232,9 +232,10 @@ def check_bench_wan(tmp: Path, _: str) -> None:
 def check_slow_link_sim(tmp: Path, _: str) -> None:
     r = load(tmp)["runs"]
     assert list(r) == ["instant", "upload", "upload_fp32", "upload_poly", "upload_momentum_0.8", "upload_momentum_0.7",
-                       "upload_momentum_0.75", "instant_momentum_0.7", "upload_lr_0.35", "upload_buffer_5", "upload_eager",
+                       "upload_momentum_0.75", "instant_momentum_0.7", "upload_momentum_0.5", "instant_momentum_0.5",
+                       "upload_lr_0.35", "upload_buffer_5", "upload_eager",
                        "upload_eager_lr", "upload_eager_whole"]
-    instant = ("instant", "instant_momentum_0.7")
+    instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5")
     assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
     # an upload of half a lease (the fastest worker's 10 steps at 1 s) delays every update by it: staler updates
     assert all(r[name]["upload_s"] == 5.0 for name in r if name not in instant)
