@@ -444,7 +444,10 @@ def run_config(plan: Plan, size: str, method: str, work: Path) -> Path:
         "sim": {"workers": peers},
         "runtime": {
             "run_id": f"gpu-check-{size}-{method.replace('_', '-')}-{os.getpid()}",
-            "codec": "int8",
+            # the presets' upload codec (configs/lm-*.yaml): signs with error feedback, 33× fewer bytes than fp32
+            "codec": "sgn15of16",
+            "error_feedback": True,
+            "error_feedback_decay": 0.5,
             "eval_every": plan.eval_every,
             "speed_report_period": 2.0,
             "lease_timeout_factor": 3.0,

@@ -29,7 +29,7 @@ from asyncloco.models.presets import count_parameters
 from asyncloco.transport.codecs import decode, encode, wire_bytes
 from asyncloco.transport.delta import relative_error
 
-UPLOADS = ("none", "bf16", "int8", "int4")
+UPLOADS = ("none", "bf16", "int8", "int4", "sgn15of16")  # sgn15of16: the shipped configs' upload
 UPLOADS_EF = ("none", "bf16", "int8", "int4", "int2", "topk32b2", "grp4b2", "sgn1of1", "sgn15of16", "sgn7of8", "grp4b1",
               "topk16b4", "sgn3of4", "grp8b2", "topk16b2", "sgn5of8", "sgn1of2", "topk8b2", "topk4b2", "topk2b2")
 

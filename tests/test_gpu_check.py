@@ -143,9 +143,9 @@ def test_set_overrides_every_real_run_s_config(tmp_path: Path) -> None:
     from asyncloco.config import load_config
 
     args = gpu_check.parse_args(["--out", "x", "--tiny", "--set", "runtime.verify.inner_state=reset",
-                                 "--set", "outer.lr=0.3"])
+                                 "--set", "runtime.error_feedback=false", "--set", "outer.lr=0.3"])
     plan = gpu_check.make_plan(args)
-    assert plan.sets == {"runtime.verify.inner_state": "reset", "outer.lr": 0.3}
+    assert plan.sets == {"runtime.verify.inner_state": "reset", "runtime.error_feedback": False, "outer.lr": 0.3}
     cfg = load_config(gpu_check.run_config(plan, "tiny", "async_dn_dylu", tmp_path))
     assert cfg.runtime.verify.inner_state == "reset" and cfg.outer.lr == 0.3
     default = load_config(gpu_check.run_config(gpu_check.make_plan(gpu_check.parse_args(["--out", "x", "--tiny"])),
