@@ -236,6 +236,16 @@ def test_rerun_from_a_revealed_carried_state() -> None:
     assert not verdict.ok and verdict.detail == "the revealed inner state does not match its commitment"
     verdict = rerunner.check_revealed(Verify("p", lease, theta, submitted, "sampled", "", start, A, own), revealed)
     assert not verdict.ok and verdict.detail == "the revealed end state does not match its commitment"
+    # the start alone (Ack reveal_end: false), from the verifier's class: the re-run's end digest stands for the end
+    alone = pack_parts(start_part, b"")
+    verdict = rerunner.check_revealed(honest, alone)
+    assert verdict.ok and verdict.bitwise, verdict.detail
+    verdict = rerunner.check_revealed(Verify("p", lease, theta, submitted, "sampled", "", start, A, own), alone)
+    assert not verdict.ok and verdict.detail == "the re-run's inner state at the lease's end differs from the committed one"
+    assert not rerunner.check_revealed(lie, alone).ok
+    # ... but not from another class, whose end state must be revealed to be compared within the state tolerance
+    verdict = rerunner.check_revealed(Verify("p", lease, theta, submitted, "sampled", "", start, end, "cuda/x"), alone)
+    assert not verdict.ok and verdict.detail.startswith("the reveal has no end state, which a peer of another compute")
     # another compute class (a GPU peer, a CPU with other kernels; or one that names none) cannot be re-run bitwise:
     # the fp32 default bound is a relative error of 0.01 with cosine 0.9999 (config.py CROSS_DEVICE_BOUNDS), which
     # takes the 0.1 % lie — the slack any peer gets by naming a foreign class (docs/threat-model.md) — and refuses 2 %

@@ -86,12 +86,12 @@ class LiarRunner(PeerRunner):
 
     revealed = 0
 
-    async def _reveal(self, client: Any, lease_id: str, digest: Any) -> None:
+    async def _reveal(self, client: Any, lease_id: str, digest: Any, end: bool = True) -> None:
         self.revealed += 1
         if self.revealed <= PROBATION:
-            await super()._reveal(client, lease_id, digest)
+            await super()._reveal(client, lease_id, digest, end)
             return
-        state = self.reveals.reveal(lease_id)
+        state = self.reveals.reveal(lease_id, end)
         assert state
         tampered = bytearray(state)
         tampered[8 + 20] ^= 1  # past the start part's length field: in the start state
@@ -105,10 +105,10 @@ class SilentRunner(PeerRunner):
 
     revealed = 0
 
-    async def _reveal(self, client: Any, lease_id: str, digest: Any) -> None:
+    async def _reveal(self, client: Any, lease_id: str, digest: Any, end: bool = True) -> None:
         self.revealed += 1
         if self.revealed <= PROBATION:
-            await super()._reveal(client, lease_id, digest)
+            await super()._reveal(client, lease_id, digest, end)
 
 
 def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: Any = PeerRunner) -> tuple[PeerRunner, "asyncio.Task[Any]"]:
@@ -205,6 +205,9 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     assert reveals["asked"] == reveals["received"] + reveals["late"] + reveals["moot"]
     assert reveals["late"] >= 1 and reveals["refused"] == 1  # the intruder's
     assert reveals["received"] >= 3
+    # every peer here is of the verifier's compute class and only the coordinator re-runs: each was asked for its start
+    # state alone (its end is the re-run's, compared with the committed digest) and sent nothing more
+    assert reveals["start_only"] == reveals["received"]
     assert out["status"]["verification"]["reveals"]["awaiting"] == 0
     # the reveal's bound is the exact size of two full inner states, the start's and the end's (each with feedback:
     # its length field and the residual), and the length field of the start part
@@ -269,6 +272,10 @@ def test_reveal_wire_and_store() -> None:
     assert Ack.from_wire(ack.to_wire()).reveal is True and "reveal" not in Ack(True, 3, "x").to_wire()
     with pytest.raises(MessageError, match="Ack.reveal"):
         Ack.from_wire({**ack.to_wire(), "reveal": 1})
+    start_only = Ack(True, 3, "applied", False, True, reveal_end=False)
+    assert Ack.from_wire(start_only.to_wire()).reveal_end is False and "reveal_end" not in ack.to_wire()
+    with pytest.raises(MessageError, match="Ack.reveal_end"):
+        Ack.from_wire({**ack.to_wire(), "reveal_end": "no"})
     # the store without end states (as before end states were revealed): nothing for a fresh state, the last `keep` start states
     # otherwise, each the exact canonical bytes
     cfg = config()
@@ -303,6 +310,10 @@ def test_reveal_wire_and_store() -> None:
     parts = store.reveal_parts("L3")  # what the runner sends: the same bytes, not joined
     assert parts is not None and parts[1] is store.get("L3") and b"".join(parts) == revealed
     assert store.reveal_parts("L0") is None
+    # asked for the start alone (Ack reveal_end: false): the start part and an empty end part
+    alone = store.reveal("L3", end=False)
+    assert alone is not None and split_parts(alone) == (store.get("L3"), b"") and len(alone) == 8 + size
+    assert b"".join(store.reveal_parts("L3", end=False) or []) == alone
     with pytest.raises(ValueError, match="reveal_keep >= 1"):
         RevealStore(keep=0)
 

@@ -294,11 +294,16 @@ class Serving:
                 self._decode_buffers.append(update)
         if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
             self.monitoring.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
+        reveal = needs_reveal(actions, lease_id)  # commitments (verify.py): the start state, and the end when needed
+        reveal_end = None if not reveal or verification is None else (
+            None if verification.needs_end(getattr(header, "device_class", None)) else False)
         for action in actions:
-            if isinstance(action, Applied) and action.lease_id == lease_id:  # reveal: commitments (verify.py)
-                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=needs_reveal(actions, lease_id) or None)
+            if isinstance(action, Applied) and action.lease_id == lease_id:
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=reveal or None,
+                           reveal_end=reveal_end)
             if isinstance(action, Held) and action.lease_id == lease_id:  # accepted; applied once its check agrees
-                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=needs_reveal(actions, lease_id) or None)
+                return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=reveal or None,
+                           reveal_end=reveal_end)
             if isinstance(action, Duplicate) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], True)
             if isinstance(action, Rejected) and action.lease_id == lease_id:

@@ -352,7 +352,8 @@ class DaemonVerification:
         # carried-state checks waiting for the peer's reveal (lease id -> check, when it was asked, its deadline task)
         self.awaiting: dict[str, tuple[Verify, float, "asyncio.Task[None]"]] = {}
         self._state_size: Optional[int] = None
-        self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0}  # moot: its peer was expelled
+        # moot: its peer was expelled; start_only: received without the end state (Ack reveal_end: false, needs_end)
+        self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0, "start_only": 0}
         # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
         self.desk = ValidatorDesk(self)
         # the honest re-runs a repair applies in an expelled peer's place (runtime.verify.repair: rerun)
@@ -504,6 +505,14 @@ class DaemonVerification:
             **self.verifier.stats.as_dict(),
         }
 
+    def needs_end(self, device_class: Optional[str]) -> bool:
+        """Must a reveal carry the lease's end state too? Not when only this coordinator re-runs checks
+        (``runtime.verify.local`` and no validators) and the peer names the verifier's compute class: the re-run's end
+        state is then compared with the committed end digest bitwise (Rerunner.check_revealed), and the peer's own end
+        state — as large as the start — would travel unused. A validator may be of another class, which needs it."""
+        own = bool(device_class) and device_class == self.verifier.rerunner.compute_class
+        return not (own and self.knobs.local and not self.knobs.validators)
+
     def reveal_limit(self, lease_id: str, peer: str) -> int:
         """The most bytes the reveal of ``lease_id`` may carry (the lease's start and end states: twice the model's
         inner-state size, with error feedback plus its residual, and a length field); raises ValueError naming
@@ -538,6 +547,8 @@ class DaemonVerification:
         task, asked_at, deadline = self.awaiting.pop(lease_id)
         deadline.cancel()
         self.reveals["received"] += 1
+        if len(state) >= 8 and int.from_bytes(state[:8], "little") == len(state) - 8:  # train/commitments.py pack_parts
+            self.reveals["start_only"] += 1
         self.start_worker()
         if not self.verifier.offer(task, state, offered_at=asked_at):
             self._decide_later(self._unverified(task, "the verification queue was full", overflow=True))

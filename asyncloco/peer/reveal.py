@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from asyncloco.train.commitments import (
-    FRESH_STATE_DIGEST, Buffer, committed_digest, inner_state_buffer, inner_state_digest, pack_parts, pack_reveal,
+    FRESH_STATE_DIGEST, Buffer, committed_digest, inner_state_buffer, inner_state_digest, pack_reveal,
     revealed_digest,
 )
 
@@ -245,23 +245,25 @@ class RevealStore:
     def get_end(self, lease_id: str) -> Optional[Buffer]:
         return self._ends.get(lease_id)
 
-    def reveal(self, lease_id: str) -> Optional[Buffer]:
-        """What the ``reveal`` RPC sends for ``lease_id``: with ``ends`` both parts (:func:`pack_parts`), else the start
-        state; None when what it needs is no longer kept."""
-        start = self._states.get(lease_id)
-        if not self.ends:
-            return start
-        end = self._ends.get(lease_id)
-        return None if start is None or end is None else pack_parts(start, end)
+    def reveal(self, lease_id: str, end: bool = True) -> Optional[Buffer]:
+        """What the ``reveal`` RPC sends for ``lease_id``: with ``ends`` both parts (:func:`pack_parts`; ``end`` false:
+        an empty end part, as the coordinator's Ack ``reveal_end: false`` asks), else the start state; None when what it
+        needs is no longer kept."""
+        parts = self.reveal_parts(lease_id, end)
+        return None if parts is None else (parts[0] if len(parts) == 1 else b"".join(parts))
 
-    def reveal_parts(self, lease_id: str) -> Optional[list[Buffer]]:
+    def reveal_parts(self, lease_id: str, end: bool = True) -> Optional[list[Buffer]]:
         """:meth:`reveal` as the parts it joins (the start part's length, the start, the end), for sending one after
         another without the joined copy (which holds the GIL for its whole length, gigabytes at 150m)."""
         start = self._states.get(lease_id)
         if not self.ends:
             return None if start is None else [start]
-        end = self._ends.get(lease_id)
-        return None if start is None or end is None else [struct.pack("<Q", len(start)), start, end]
+        if start is None:
+            return None
+        if not end:
+            return [struct.pack("<Q", len(start)), start]
+        ending = self._ends.get(lease_id)
+        return None if ending is None else [struct.pack("<Q", len(start)), start, ending]
 
     def __len__(self) -> int:
         return len(self._states)

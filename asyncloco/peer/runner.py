@@ -529,8 +529,9 @@ class PeerRunner:
         if prefetch and self.options.prefetch and not self._stop.is_set():
             # the next lease most likely starts from the newest θ: fetch it while asking for the lease
             self._prefetch = asyncio.ensure_future(client.get_model(None))
-        if ack.reveal:  # chosen for verification after the submission: send the lease's start and end states
-            await self._reveal(client, lease.lease_id, await settled((digests or self._digests)[0]))
+        if ack.reveal:  # chosen for verification after the submission: send the lease's start (and end) states
+            await self._reveal(client, lease.lease_id, await settled((digests or self._digests)[0]),
+                               end=ack.reveal_end is not False)
         if ack.accepted:
             self.summary.accepted += 1
             self.summary.duplicates += int(ack.duplicate)
@@ -587,11 +588,11 @@ class PeerRunner:
         self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
 
-    async def _reveal(self, client: Any, lease_id: str, digest: Optional[str]) -> None:
-        """Reveal lease ``lease_id``'s start and end inner states (peer/reveal.py; commitments)."""
+    async def _reveal(self, client: Any, lease_id: str, digest: Optional[str], end: bool = True) -> None:
+        """Reveal lease ``lease_id``'s start and (``end``) end inner states (peer/reveal.py; commitments)."""
         from asyncloco.peer.reveal import send_reveal
 
-        state = self.reveals.reveal_parts(lease_id) if self.reveals is not None else None
+        state = self.reveals.reveal_parts(lease_id, end) if self.reveals is not None else None
         # a lost reveal fails an honest check at reveal_timeout: resend for up to half of it
         retry_for = self._cfg.runtime.verify.reveal_timeout / 2 if self._cfg is not None else 0.0
         await send_reveal(client, lease_id, state, digest, retry_for=retry_for, wait=self._pause,

@@ -17,7 +17,7 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
 | :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``?, ``device_class``?, ``theta_codec``?, ``theta_anchor``?, ``theta_digest``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
-| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``? |
+| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``?, ``reveal_end``? |
 | :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
 | :class:`RevealReply` | reveal, reply | ``accepted``, ``reason`` |
 | :class:`CheckRequest` | verify_task, validator → coordinator | ``wait_s`` |
@@ -371,7 +371,10 @@ class Ready(_Message):
 class Ack(_Message):
     """The coordinator's verdict on a submission (``duplicate``: an already applied lease, resent). ``reveal``
     (commitments): the lease was chosen for verification after its submission — send its start inner state
-    with the ``reveal`` RPC (:class:`RevealHeader`) before ``runtime.verify.reveal_timeout``; absent otherwise."""
+    with the ``reveal`` RPC (:class:`RevealHeader`) before ``runtime.verify.reveal_timeout``; absent otherwise.
+    ``reveal_end`` false: the start state alone (an empty end part) — the coordinator re-runs the check itself on the
+    peer's compute class, so its re-run's end state is compared with the committed digest bitwise and the peer's end
+    state would be unused bytes; absent: both parts."""
 
     accepted: bool
     version: int
@@ -379,6 +382,7 @@ class Ack(_Message):
     duplicate: bool = False
     reveal: Optional[bool] = None
     code: Optional[str] = None  # a refused submission: a asyncloco/refusals.py RefusalCode value
+    reveal_end: Optional[bool] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "version", "reason", "duplicate")
 
     def __post_init__(self) -> None:
@@ -388,6 +392,8 @@ class Ack(_Message):
         self._bool("duplicate")
         if self.reveal is not None:
             self._bool("reveal")
+        if self.reveal_end is not None:
+            self._bool("reveal_end")
         _check_code(self, "Ack")
 
 
