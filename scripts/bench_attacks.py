@@ -1,6 +1,6 @@
 """Attack benchmark: final validation perplexity of the demo run under each attack, gate on and off.
 
-Every run is the demo config (``configs/demo.yaml``: tiny Llama, embedded corpus, async DN + DyLU, int8)
+Every run is the demo config (``configs/demo.yaml``: tiny Llama, embedded corpus, async DN + DyLU, its upload codec)
 with three honest peers at slowdowns 1, 1.5 and 4 as real processes on 127.0.0.1, plus for each attack
 one extra peer — :mod:`asyncloco.testing.hostile`, admitted (the demo's admission is ``open``: an
 insider, so admission is no defence here) — for the same wall time (``--duration`` seconds from the
@@ -134,11 +134,8 @@ def write_config(base: Path, directory: Path, gate: bool, verify: bool = False, 
     # verification is on by default (the carried inner state); without --verify the gate is measured alone
     runtime["verify"] = {**runtime.get("verify", {}), "enabled": verify}
     runtime["wal_archive"] = True  # the whole log stays: without_attackers replays it from the run's start
-    if verify and runtime.get("error_feedback"):
-        # the hostile client (asyncloco/testing/hostile.py) keeps no error-feedback residual: it would be expelled for
-        # a malformed reveal, not for its attack
-        logger.info("--verify: uploads in int8 without error feedback (the hostile client does none)")
-        runtime.update(codec="int8", error_feedback=False)
+    # the base config's upload codec stands: the hostile client (asyncloco/testing/hostile.py) keeps an error-feedback
+    # residual as a peer does, committed and revealed with its inner state
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -264,7 +264,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
     overrides = {
         "schedule.grace_period": 0.0,
         "outer.buffer_size": 4,
-        "runtime.codec": "int8",
+        "runtime.codec": "int8", "runtime.error_feedback": False,  # the benchmark peer uploads int8 without feedback
         "runtime.eval_every": 10**9,
         "runtime.snapshot_every": 10**9,
         "runtime.snapshot_every_s": 1e9,
@@ -455,7 +455,7 @@ def bench_codecs(size: str, codecs: list[str], repeats: int, workdir: Path) -> d
     measured interleaved in one process."""
     from asyncloco.transport.codecs import decodes_into
 
-    overrides = {"schedule.grace_period": 0.0, "outer.buffer_size": 4, "runtime.codec": "int8", "runtime.eval_every": 10**9,
+    overrides = {"schedule.grace_period": 0.0, "outer.buffer_size": 4, "runtime.codec": "int8", "runtime.error_feedback": False, "runtime.eval_every": 10**9,
                  "runtime.snapshot_every": 10**9, "runtime.snapshot_every_s": 1e9, "runtime.gate.probe": False}
     cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=workdir, workload=SizedWorkload(size))

@@ -20,7 +20,7 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import yaml
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_attacks import assert_all_gone, read_json, start_hostile  # noqa: E402
 
 
-def write_config(directory: Path, **verify: Any) -> Path:
+def write_config(directory: Path, upload: Optional[dict[str, Any]] = None, **verify: Any) -> Path:
     """The run: two shards of the toy task, gate off, verification of the carried state on probation only;
-    ``verify``: more runtime.verify keys (tests/test_validator.py adds validators)."""
+    ``upload``: runtime codec keys; ``verify``: more runtime.verify keys (tests/test_validator.py adds validators)."""
     config = {
         "name": "verify-hostile",
         "seed": 0,
@@ -48,15 +48,22 @@ def write_config(directory: Path, **verify: Any) -> Path:
         "runtime": {"run_id": f"vh-{uuid.uuid4().hex[:12]}", "eval_every": 1000, "speed_report_period": 1.0,
                     "lease_slack": 30.0, "gate": {"enabled": False},
                     "verify": {"enabled": True, "inner_state": "carry", "fraction": 0.0, "probation_updates": 2,
-                               **verify}},
+                               **verify}, **(upload or {})},
     }
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
-def test_hostile_client_commits_reveals_and_is_caught_by_the_rerun(tmp_path: Path) -> None:
-    cluster = LocalCluster(write_config(tmp_path), tmp_path / "run", threads=1)
+SIGN_FEEDBACK = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5}  # the shipped configs'
+
+
+@pytest.mark.parametrize("upload", [None, SIGN_FEEDBACK], ids=["fp32", "sgn15of16-feedback"])
+def test_hostile_client_commits_reveals_and_is_caught_by_the_rerun(tmp_path: Path, upload: Optional[dict[str, Any]]) -> None:
+    """With the shipped configs' sign code and error feedback, the hostile client keeps its residual as a peer does
+    (its commitments cover it, its reveals carry it): its honest lease passes bitwise and the lie is caught by the
+    re-run, not by a malformed reveal."""
+    cluster = LocalCluster(write_config(tmp_path, upload), tmp_path / "run", threads=1)
     try:
         cluster.start_coordinator()
         cluster.start_peer("honest", 1.0)
@@ -92,7 +99,10 @@ def test_hostile_client_commits_reveals_and_is_caught_by_the_rerun(tmp_path: Pat
     verdicts = {e["lease_id"]: e for e in events if e.get("type") == "verdict"}
     assert verdicts[honest_lease]["ok"] is True and verdicts[hidden_lease]["ok"] is False, verdicts
     # the re-run from the revealed state is its honest update h; it sent h + 2‖h‖u (u a unit vector): ‖sent − h‖ / ‖h‖ = 2
-    assert verdicts[hidden_lease]["detail"].startswith("relative error 2 (cosine "), verdicts[hidden_lease]
+    # (through a sign code and the residual the decoded difference is not exactly 2 × its norm: compared as decoded)
+    detail = verdicts[hidden_lease]["detail"]
+    assert detail.startswith("relative error 2 (cosine ") if upload is None else detail.startswith("relative error "), detail
+    assert verdicts[honest_lease]["detail"] == "bitwise equal to the re-run", verdicts[honest_lease]
     out = [e for e in events if e.get("type") == "expelled"]
     assert [(e["peer"], e["lease_id"]) for e in out] == [(mallory, hidden_lease)], out
     honest_verdicts = [v for v in verdicts.values() if v["peer"] != mallory]

@@ -38,7 +38,9 @@ codec and (where the attack says so) the norm of an honest update:
 
 In a run that verifies carried inner state (``runtime.verify``, on by default) a submission without commitments is
 refused at the door, so the update attackers commit as an honest peer does — to the state they really trained from —
-and reveal their start and end states when the Ack asks: what stops them is the re-run itself. ``--device-class``
+and reveal their start (and, when the Ack asks, end) states: what stops them is the re-run itself. In a run whose
+uploads carry error feedback (the shipped configs) what they send goes through a residual kept as a peer keeps it,
+which their commitments cover and their reveals carry. ``--device-class``
 names another compute class than its own (the verifier then allows the cross-device tolerances, not bitwise equality).
 
 A comma-separated list of update attacks runs one per round, in turn. ``--token`` (and
@@ -117,6 +119,8 @@ class _Run:
     trainer: Any
     units_per_step: int
     reveals: Any  # peer/reveal.py RevealStore when the run verifies carried inner state (commitments), else None
+    feedback: Any = None  # train/feedback.py ErrorFeedback when the run's uploads carry error feedback, else None
+    inner_end: Optional[str] = None  # the inner digest of the lease's end state (its commitment adds the residual)
     speed: float = 2000.0  # a modest first claim (a generous deadline); its measured speed from the first round on
     first_lease: Optional[dict[str, Any]] = None
     own: set[str] = field(default_factory=set)
@@ -319,8 +323,15 @@ class Hostile:
         # peer (to the state it really trained from) and reveal on request, so the re-run is what catches it
         verify = cfg.runtime.verify
         commits = verify.enabled and verify.inner_state == "carry" and trainer.state_digest() is not None
+        # error feedback as a peer keeps it (peer/upload.py): what it sends goes through the residual, which its
+        # commitments cover and its reveals carry — a consistent liar, checked by the re-run like any peer
+        feedback = None
+        if cfg.runtime.uses_error_feedback:
+            from asyncloco.train.feedback import ErrorFeedback
+
+            feedback = ErrorFeedback(cfg.runtime.codec, True, cfg.runtime.error_feedback_decay)
         return _Run(hello, self._client(p2p, hello.model_numel), trainer, int(workload.units_per_step),
-                    RevealStore(verify.reveal_keep) if commits else None)
+                    RevealStore(verify.reveal_keep) if commits else None, feedback)
 
     async def _next_lease(self, run: _Run) -> Any:
         """``(lease, θ)``; None to try again; ``"stop"`` once refused for good (expelled, not admitted)."""
@@ -350,10 +361,13 @@ class Hostile:
 
     async def _work(self, run: _Run, lease: Any, theta: torch.Tensor, attack: str) -> torch.Tensor:
         """The lease's honest pseudo-gradient (zeros for a free-rider past its first lease), and this round's commitments."""
+        from asyncloco.train.commitments import committed_digest
+
         self.digests, start_digest = (None, None), None
         if run.reveals is not None:
-            run.reveals.hold(lease.lease_id, run.trainer.optimizer)
-            start_digest = run.trainer.state_digest()
+            residual = None if run.feedback is None else run.feedback.residual
+            inner = run.reveals.hold(lease.lease_id, run.trainer.optimizer, residual, feedback=run.feedback is not None)
+            start_digest = None if inner is None else committed_digest(inner, residual)
         if attack == "freeride" and self.first_norm is not None and len(self.history) > 1:
             honest = torch.zeros_like(theta)  # no training: its claimed speed stays the one it measured honestly
         else:
@@ -373,7 +387,8 @@ class Hostile:
             if attack == "forge-state":  # before its end is committed (and kept to be revealed as it is)
                 forge_moment(run.trainer.optimizer, self._hidden(theta.numel()), self.o.scale or DEFAULT_SCALE[attack],
                              list(run.trainer.model.parameters()))  # θ's flat order: colluders push the same way
-            self.digests = (start_digest, run.reveals.hold_end(lease.lease_id, run.trainer.optimizer))
+            run.inner_end = run.reveals.hold_end(lease.lease_id, run.trainer.optimizer)
+            self.digests = (start_digest, run.inner_end)  # with feedback the residual joins once the upload is encoded
         return honest
 
     async def _send(self, run: _Run, lease: Any, honest: torch.Tensor, attack: str) -> None:
@@ -394,15 +409,22 @@ class Hostile:
         own_submit = "honest" if attack in ("replay", "other-lease") else attack
         if lease_id != lease.lease_id:
             await self._submit(client, codec, lease_id, base_version, update, honest, "other-lease", victim=True)
-            await self._submit(client, codec, lease.lease_id, lease.base_version, honest, honest, "honest")
+            ack = await self._submit(client, codec, lease.lease_id, lease.base_version, honest, honest, "honest",
+                                     run=run if run.feedback is not None else None)
+            if run.feedback is not None:
+                run.feedback.settle(ack is not None and ack.accepted)
         else:
-            ack = await self._submit(client, codec, lease_id, base_version, update, honest, own_submit)
+            ack = await self._submit(client, codec, lease_id, base_version, update, honest, own_submit,
+                                     run=run if run.feedback is not None and own_submit != "nan" else None)
+            if run.feedback is not None:
+                run.feedback.settle(ack is not None and ack.accepted)  # a refused upload's residual is dropped
             if run.first_lease is None and ack is not None and ack.accepted and not ack.duplicate:
                 run.first_lease = {"lease_id": lease.lease_id, "base_version": lease.base_version, "version": ack.version}
             if run.reveals is not None and not (ack is not None and ack.accepted):
                 run.trainer.reset_inner_state()  # only applied leases advance the commitment chain
             if run.reveals is not None and ack is not None and ack.reveal:
-                revealed = await send_reveal(client, lease_id, run.reveals.reveal(lease_id), self.digests[0])
+                revealed = await send_reveal(client, lease_id, run.reveals.reveal(lease_id, ack.reveal_end is not False),
+                                             self.digests[0])
                 self._note("reveal", revealed, lease_id=lease_id)
         if attack == "replay":
             # its own first applied lease again; without one (its own work was refused), another peer's
@@ -413,10 +435,16 @@ class Hostile:
                                    -1000.0 * honest, honest, "replay", first_version=target["version"])
 
     async def _submit(self, client: Any, codec: str, lease_id: str, base_version: int, update: torch.Tensor,
-                      honest: torch.Tensor, attack: str, **details: Any) -> Any:
+                      honest: torch.Tensor, attack: str, run: Optional[_Run] = None, **details: Any) -> Any:
+        """``run``: encode through its error feedback (its own lease's upload) and commit to the residual it leaves."""
         from asyncloco.transport.errors import TransportError
 
-        encoded = await asyncio.to_thread(self._encode, codec, update, attack)
+        if run is not None and run.feedback is not None:
+            encoded = await asyncio.to_thread(run.feedback.encode, update)
+            if run.reveals is not None and run.inner_end is not None:
+                self.digests = (self.digests[0], run.reveals.end_residual(lease_id, run.inner_end, run.feedback.pending))
+        else:
+            encoded = await asyncio.to_thread(self._encode, codec, update, attack)
         details["attack"] = attack
         norms = {"norm_sent": float(torch.linalg.vector_norm(torch.nan_to_num(update))),
                  "norm_honest": float(torch.linalg.vector_norm(honest))}
