@@ -295,8 +295,9 @@ class Serving:
         if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
             self.monitoring.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
         reveal = needs_reveal(actions, lease_id)  # commitments (verify.py): the start state, and the end when needed
-        reveal_end = None if not reveal or verification is None else (
-            None if verification.needs_end(getattr(header, "device_class", None)) else False)
+        device_class = getattr(header, "device_class", None)
+        start_only = reveal and verification is not None and not verification.needs_end(device_class)
+        reveal_end = False if start_only else None
         for action in actions:
             if isinstance(action, Applied) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=reveal or None,

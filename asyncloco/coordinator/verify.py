@@ -513,6 +513,16 @@ class DaemonVerification:
         own = bool(device_class) and device_class == self.verifier.rerunner.compute_class
         return not (own and self.knobs.local and not self.knobs.validators)
 
+    @staticmethod
+    def _start_only(state: bytes) -> bool:
+        """A reveal whose end part is empty (train/commitments.py ``pack_parts``; a malformed one is judged by the re-run)."""
+        from asyncloco.train.commitments import split_parts
+
+        try:
+            return len(split_parts(state)[1]) == 0
+        except ValueError:
+            return False
+
     def reveal_limit(self, lease_id: str, peer: str) -> int:
         """The most bytes the reveal of ``lease_id`` may carry (the lease's start and end states: twice the model's
         inner-state size, with error feedback plus its residual, and a length field); raises ValueError naming
@@ -547,7 +557,7 @@ class DaemonVerification:
         task, asked_at, deadline = self.awaiting.pop(lease_id)
         deadline.cancel()
         self.reveals["received"] += 1
-        if len(state) >= 8 and int.from_bytes(state[:8], "little") == len(state) - 8:  # train/commitments.py pack_parts
+        if self._start_only(state):
             self.reveals["start_only"] += 1
         self.start_worker()
         if not self.verifier.offer(task, state, offered_at=asked_at):

@@ -409,15 +409,14 @@ class Hostile:
         own_submit = "honest" if attack in ("replay", "other-lease") else attack
         if lease_id != lease.lease_id:
             await self._submit(client, codec, lease_id, base_version, update, honest, "other-lease", victim=True)
-            ack = await self._submit(client, codec, lease.lease_id, lease.base_version, honest, honest, "honest",
-                                     run=run if run.feedback is not None else None)
-            if run.feedback is not None:
-                run.feedback.settle(ack is not None and ack.accepted)
+            ack = await self._submit(client, codec, lease.lease_id, lease.base_version, honest, honest, "honest", run=run)
         else:
+            # its own lease's upload goes through the residual (a NaN one is encoded as the attack needs, and refused)
             ack = await self._submit(client, codec, lease_id, base_version, update, honest, own_submit,
-                                     run=run if run.feedback is not None and own_submit != "nan" else None)
-            if run.feedback is not None:
-                run.feedback.settle(ack is not None and ack.accepted)  # a refused upload's residual is dropped
+                                     run=None if own_submit == "nan" else run)
+        if run.feedback is not None:
+            run.feedback.settle(ack is not None and ack.accepted)  # a refused upload's residual is dropped
+        if lease_id == lease.lease_id:
             if run.first_lease is None and ack is not None and ack.accepted and not ack.duplicate:
                 run.first_lease = {"lease_id": lease.lease_id, "base_version": lease.base_version, "version": ack.version}
             if run.reveals is not None and not (ack is not None and ack.accepted):
