@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -38,6 +39,7 @@ from asyncloco.coordinator.logic import (
     RequestWork,
     SpeedReport,
     SubmitUpdate,
+    Tick,
     Verdict,
     Verified,
     Verify,
@@ -974,6 +976,37 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
                    for a in actions)
         expelled = [a for a in actions if isinstance(a, Expelled)]
         assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
+
+
+def _established(state: CoordinatorState, peer: str, now: float) -> Any:
+    """A peer past its probation (``fraction`` 0 draws nothing: its updates are applied on arrival) and its first lease."""
+    state.verification.passed[peer] = 1
+    handle(state, SpeedReport(peer, 10.0), now)
+    return lease_of(handle(state, RequestWork(peer), now)[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_freed_by_theta_moving_joins_the_grace_window() -> None:
+    """A newcomer whose update from the current θ awaits its check is held until θ moves; when it does while another
+    update is expected within the grace period, the newcomer joins a grace window as a fresh request would, and starts
+    with the peer finishing then from the same θ — not at once from the θ of the moment, a version behind it."""
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=1)
+    handle(state, SpeedReport("n", 10.0), 0.0)
+    lease_n = lease_of(handle(state, RequestWork("n"), 0.0)[1])
+    lease_o = _established(state, "o", 0.0)
+    state.verification.passed["b"] = 1
+    handle(state, SpeedReport("b", 0.2), 0.0)
+    lease_b = lease_of(handle(state, RequestWork("b"), 0.0)[1])
+    assert lease_b.expected_finish == 5.0  # one step (DyLU) at 0.2 steps/s
+    state.policy = dataclasses.replace(state.policy, grace_period=1.0)
+    assert handle(state, SubmitUpdate("n", lease_n.lease_id, 0, torch.full((DIM,), 0.1)), 0.5)[1][1].lease_id == lease_n.lease_id
+    (stacked,) = handle(state, RequestWork("n"), 0.6)[1]
+    assert stacked.until == math.inf and "awaits its check" in stacked.reason
+    actions = handle(state, SubmitUpdate("o", lease_o.lease_id, 0, torch.full((DIM,), 0.1)), 4.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Applied", "Hold"] and state.version == 1
+    assert actions[1] == Hold("n", 5.5, (lease_b.lease_id,), actions[1].reason)
+    actions = handle(state, SubmitUpdate("b", lease_b.lease_id, 0, torch.full((DIM,), 0.1)), 5.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Applied", "Assign"] and actions[1].lease.base_version == 2
 
 
 @pytest.mark.timeout(60)

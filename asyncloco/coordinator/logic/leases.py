@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from asyncloco.algo.dylu import dylu_steps, link_steps
-from asyncloco.algo.grace import hold_decision
+from asyncloco.algo.grace import HoldDecision, hold_decision
 from asyncloco.algo.sampler import sample_shard
 from asyncloco.coordinator import gate as update_gate
 from asyncloco.coordinator.logic.draws import must_check, verify_reason
@@ -75,8 +75,7 @@ def on_request(state: CoordinatorState, event: RequestWork, now: float) -> list[
             return [_issue(state, peer, now, "finished inside a settled grace window: starts from its newest θ")]
         state.held[peer] = now
         return [Hold(peer, state.window_end, waiting, "joined the open grace window")]
-    soon = [lid for lid in expected_in_window(state, now + policy.grace_period) if lid != kept]  # O(k + log n)
-    decision = hold_decision(now, ((lid, state.leases[lid].expected_finish) for lid in soon), policy.grace_period)
+    decision = _grace_decision(state, now, kept)
     if decision.hold_until is None:
         return [_issue(state, peer, now, decision.reason)]
     state.window_end = decision.hold_until
@@ -130,11 +129,21 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
             "grace window closed" if pending else "every update expected in the grace window has been applied"
         )
     held = sorted(state.held.items(), key=lambda item: (item[1], item[0]))
-    state.held.clear()
+    stacked: set[str] = set()
     if not state.policy.barrier:  # a peer whose update from this θ awaits its check waits on (on_request)
         stacked = {h.lease.peer for h in state.verification.held.values() if h.lease.base_version == state.version}
-        state.held.update((peer, since) for peer, since in held if peer in stacked)
-        held = [item for item in held if item[0] not in stacked]
+        free = [peer for peer, _ in held if peer not in stacked]
+        if free and state.window_end is None:
+            # Peers held while their own update awaited its check, free now that θ moved: answered as their request
+            # would have been — held in a grace window while updates are expected within the grace period (Alg. 2),
+            # not each at once from the θ of the moment, a version or two apart from the peers finishing with them.
+            decision = _grace_decision(state, now, "")
+            if decision.hold_until is not None:
+                state.window_end = decision.hold_until
+                return [Hold(peer, decision.hold_until, decision.waiting_for, decision.reason) for peer in free]
+    state.held.clear()
+    state.held.update((peer, since) for peer, since in held if peer in stacked)
+    held = [item for item in held if item[0] not in stacked]
     if state.policy.barrier or pending:
         state.window_end = None
     # Otherwise the window stays open (settled) until its end, so that peers whose updates were
@@ -146,6 +155,13 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
             continue
         actions.append(_issue(state, peer, now, reason))
     return actions
+
+
+def _grace_decision(state: CoordinatorState, now: float, kept: str) -> HoldDecision:
+    """Whether a peer asking now is held (Alg. 2): while another lease is expected to finish within the grace period
+    (``kept``, the asking peer's own lease in upload, aside)."""
+    soon = [lid for lid in expected_in_window(state, now + state.policy.grace_period) if lid != kept]  # O(k + log n)
+    return hold_decision(now, ((lid, state.leases[lid].expected_finish) for lid in soon), state.policy.grace_period)
 
 
 def held_at_version(state: CoordinatorState, peer: str) -> tuple[str, ...]:
