@@ -980,7 +980,8 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
 
 def _established(state: CoordinatorState, peer: str, now: float) -> Any:
     """A peer past its probation (``fraction`` 0 draws nothing: its updates are applied on arrival) and its first lease."""
-    state.verification.passed[peer] = 1
+    assert state.policy.verify is not None
+    state.verification.passed[peer] = max(1, state.policy.verify.probation_updates)
     handle(state, SpeedReport(peer, 10.0), now)
     return lease_of(handle(state, RequestWork(peer), now)[1])
 
@@ -1007,6 +1008,29 @@ def test_a_peer_freed_by_theta_moving_joins_the_grace_window() -> None:
     assert actions[1] == Hold("n", 5.5, (lease_b.lease_id,), actions[1].reason)
     actions = handle(state, SubmitUpdate("b", lease_b.lease_id, 0, torch.full((DIM,), 0.1)), 5.0)[1]
     assert [type(a).__name__ for a in actions] == ["Applied", "Assign"] and actions[1].lease.base_version == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_newcomer_asking_ahead_gets_no_second_lease_from_the_theta_of_its_probation_lease() -> None:
+    """Overlapped rounds: a peer asks for its next lease while its last update uploads (``keep``). A probation lease's
+    update will be held for its check, so a lease from the same θ would be a second step from one point — at a cold
+    start every newcomer's two probation leases from θ₀, applied in one burst; the request waits for θ to move. A peer
+    past probation asking ahead gets its lease at once (whether its lease in upload was drawn stays secret)."""
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=2)
+    handle(state, SpeedReport("n", 10.0), 0.0)
+    first = lease_of(handle(state, RequestWork("n"), 0.0)[1])
+    assert first.verify.startswith("probation (")
+    (hold,) = handle(state, RequestWork("n", keep=first.lease_id), 0.4)[1]
+    assert isinstance(hold, Hold) and hold.until == math.inf and hold.waiting_for == (first.lease_id,)
+    assert "awaits its check" in hold.reason and first.lease_id in state.leases  # its upload goes on
+    actions = move_theta(state, 0.5)
+    assert [type(a).__name__ for a in actions] == ["Applied", "Assign"] and state.version == 1
+    assert actions[1].peer == "n" and actions[1].lease.base_version == 1 and first.lease_id in state.leases
+    # past probation: asking ahead is answered from the same θ at once
+    lease_o = _established(state, "o", 1.0)
+    assert lease_o.verify == "" and lease_o.base_version == 1
+    (assign,) = handle(state, RequestWork("o", keep=lease_o.lease_id), 1.2)[1]
+    assert isinstance(assign, Assign) and assign.lease.base_version == 1 and lease_o.lease_id in state.leases
 
 
 @pytest.mark.timeout(60)

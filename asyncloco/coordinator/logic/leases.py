@@ -48,15 +48,15 @@ def on_request(state: CoordinatorState, event: RequestWork, now: float) -> list[
     if peer in state.held:
         return []
     policy = state.policy
-    stacked = held_at_version(state, peer)
+    stacked = held_at_version(state, peer) or _probation_in_upload(state, peer)
     if stacked and not policy.barrier:
         # Its update from this very θ waits for its check (probation, a draw): a lease from the same θ again would
         # be a second step from one point, and both would reach θ (probation at a cold start: every peer's first
         # leases, all from θ₀, applied in one burst). It gets its lease once θ moves — at the next applied update,
         # its own or another's (release_held) — or its held update is dropped.
         state.held[peer] = now
-        return [Hold(peer, math.inf, stacked, f"its update from θ(v{state.version}) awaits its check: the next lease "
-                     "starts from a newer θ")]
+        return [Hold(peer, math.inf, stacked, f"its update from θ(v{state.version}) awaits its check (held, or a probation "
+                     "update on its way): the next lease starts from a newer θ")]
     if policy.barrier:
         # a round ends when its every update is in θ: a lease still out, or an update held for its check
         if state.verification.held or any(lease.base_version < state.version for lease in state.leases.values()):
@@ -132,6 +132,7 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
     stacked: set[str] = set()
     if not state.policy.barrier:  # a peer whose update from this θ awaits its check waits on (on_request)
         stacked = {h.lease.peer for h in state.verification.held.values() if h.lease.base_version == state.version}
+        stacked.update(peer for peer, _ in held if _probation_in_upload(state, peer))
         free = [peer for peer, _ in held if peer not in stacked]
         if free and state.window_end is None:
             # Peers held while their own update awaited its check, free now that θ moved: answered as their request
@@ -162,6 +163,15 @@ def _grace_decision(state: CoordinatorState, now: float, kept: str) -> HoldDecis
     (``kept``, the asking peer's own lease in upload, aside)."""
     soon = [lid for lid in expected_in_window(state, now + state.policy.grace_period) if lid != kept]  # O(k + log n)
     return hold_decision(now, ((lid, state.leases[lid].expected_finish) for lid in soon), state.policy.grace_period)
+
+
+def _probation_in_upload(state: CoordinatorState, peer: str) -> tuple[str, ...]:
+    """The probation lease from θ's current version that ``peer``, asking for its next lease, is still uploading (the
+    one it keeps: overlapped rounds). Its update will be held for its check like one already submitted: a lease from the
+    same θ now would be a second step from one point — at a cold start every newcomer's first two leases from θ₀,
+    applied in one burst."""
+    return tuple(lease.lease_id for lease in peer_leases(state, peer)
+                 if lease.base_version == state.version and lease.verify.startswith("probation"))
 
 
 def held_at_version(state: CoordinatorState, peer: str) -> tuple[str, ...]:
