@@ -426,6 +426,8 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         out["verification"] = {k: status[k] for k in ("checked", "failed", "passed", "dropped", "unverifiable", "rerun_steps",
                                                       "busy_s", "latency_median_s", "compute_fraction")}
         out["verification"]["reveals"] = peer.revealed
+        # checks re-run without a reveal: started fresh, or from the end state kept from the peer's previous check
+        out["verification"]["chained"] = {k: status["chained"][k] for k in ("fresh", "kept", "waited")}
         out["verification"]["expelled"] = len(status["expelled"])
         refused = [ack for _, ack in peer.submitted if not ack.accepted]
         out["submitted"], out["refused"] = len(peer.submitted), len(refused)

@@ -106,7 +106,7 @@ def test_the_wire_carries_keep() -> None:
 # ---------------------------------------------------------------------------------------------- the runtime
 
 
-def config(**runtime: Any) -> RunConfig:
+def config(verify: Optional[dict[str, Any]] = None, **runtime: Any) -> RunConfig:
     return RunConfig.model_validate({
         "task": {"kind": "toy", "dim": 8, "hidden": 4, "points": 512, "eval_points": 64, "num_shards": 2, "batch_size": 8},
         "inner": {"lr": 1e-2},
@@ -117,7 +117,7 @@ def config(**runtime: Any) -> RunConfig:
             "snapshot_every": 3, "wal_archive": True, "eval_every": 100000, "lease_slack": 30.0,
             "speed_report_period": 600.0, "gate": {"enabled": False},
             "verify": {"enabled": True, "inner_state": "carry", "fraction": 1.0, "probation_updates": 0,
-                       "horizon": 100000, "queue": 256},
+                       "horizon": 100000, "queue": 256, **(verify or {})},
             **runtime,
         },
     })
@@ -278,7 +278,8 @@ def _verdicts_ok(run_dir: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("feedback", [False, True], ids=["int8", "sgn15of16-feedback"])
 def test_reveals_go_out_while_the_next_lease_trains_and_every_check_passes(tmp_path: Path, feedback: bool) -> None:
     upload = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5} if feedback else {"codec": "int8"}
-    cfg, clock, gates, rounds = config(**upload), FakeClock(), Gates(4), 4
+    # no end state kept (coordinator/chained.py): every check but the first (a fresh start) asks its peer for a reveal
+    cfg, clock, gates, rounds = config(verify={"keep_states_mb": 0}, **upload), FakeClock(), Gates(4), 4
 
     async def scenario() -> GatedPeer:
         transport = MemoryTransport(cfg, tmp_path / "run", clock=clock)
@@ -301,15 +302,59 @@ def test_reveals_go_out_while_the_next_lease_trains_and_every_check_passes(tmp_p
     assigned = [a["lease_id"] for a in journal(run_dir, "assign")]
     assert sorted(assigned) == sorted(applied)
     assert peer.client.keeps[0] is None and peer.client.keeps[1:] == assigned[:-1]
+    order = gates.order
     for k in range(1, rounds):
-        order = gates.order
-        assert order.index(f"train {k + 1} starts") < order.index(f"submit {k}") < order.index(f"reveal {k}") \
-            < order.index(f"train {k + 1} ends"), order
-    # every lease was checked, each from the state its predecessor left (revealed while the next one trained)
-    assert peer.client.reveals == assigned
+        assert order.index(f"train {k + 1} starts") < order.index(f"submit {k}") < order.index(f"train {k + 1} ends"), order
+        if k > 1:
+            assert order.index(f"submit {k}") < order.index(f"reveal {k}") < order.index(f"train {k + 1} ends"), order
+    # every lease was checked, each from the state its predecessor left (revealed while the next one trained); the
+    # first started fresh: nothing to reveal
+    assert f"reveal 1" not in order and peer.client.reveals == assigned[1:]
     verdicts = _verdicts_ok(run_dir)
     assert sorted(v["lease_id"] for v in verdicts) == sorted(applied)
     assert all(v["detail"] == "bitwise equal to the re-run" for v in verdicts)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("feedback", [False, True], ids=["int8", "sgn15of16-feedback"])
+def test_a_checked_lease_after_a_checked_lease_is_re_run_from_the_end_state_the_coordinator_kept(
+        tmp_path: Path, feedback: bool) -> None:
+    """Every lease checked, the default ``keep_states_mb``: the first starts fresh, each later one from the end state its
+    predecessor's re-run left (coordinator/chained.py) — the peer is asked for no reveal, every check is bitwise, and
+    θ ends exactly where the same run with every start state revealed ends."""
+    upload = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5} if feedback else {"codec": "int8"}
+    rounds = 4
+
+    async def scenario(keep_mb: int, run_dir: Path) -> tuple[GatedPeer, torch.Tensor, dict[str, Any]]:
+        cfg, clock, gates = config(verify={"keep_states_mb": keep_mb}, **upload), FakeClock(), Gates(rounds)
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        await transport.start()
+        try:
+            peer = GatedPeer(transport, "a", rounds, gates)
+            await drive(clock, {"a": peer.task}, real_timeout=60.0)
+            peer.task.result()
+            await _finish(transport)
+            daemon = transport.daemon
+            assert daemon is not None and daemon.verification is not None
+            return peer, daemon.node.state.params.clone(), daemon.verification.status()
+        finally:
+            await _close(transport)
+
+    peer, theta, status = asyncio.run(asyncio.wait_for(scenario(2048, tmp_path / "kept"), timeout=80.0))
+    _, revealed_theta, revealed = asyncio.run(asyncio.wait_for(scenario(0, tmp_path / "revealed"), timeout=80.0))
+    applied, back = _every_lease_applied_once_or_given_back(tmp_path / "kept")
+    assert len(applied) == rounds and back == [] and peer.runner.summary.accepted == rounds
+    assert peer.client.reveals == [] and not any(ack.reveal for _, ack in peer.client.acks)
+    assert status["reveals"]["asked"] == 0 and status["reveals"]["refused"] == 0
+    chained = status["chained"]
+    assert chained["fresh"] == 1 and chained["kept"] + chained["waited"] == rounds - 1 and chained["moot"] == 0
+    assert chained["states"] == 1 and chained["waiting"] == 0
+    verdicts = _verdicts_ok(tmp_path / "kept")
+    assert sorted(v["lease_id"] for v in verdicts) == sorted(applied)
+    assert all(v["detail"] == "bitwise equal to the re-run" for v in verdicts)
+    # the same run asking for every start state: its peer revealed all but the fresh first one, and θ is the same
+    assert revealed["reveals"]["asked"] == rounds - 1 and revealed["chained"]["fresh"] == 1
+    assert torch.equal(theta, revealed_theta)
 
 
 @pytest.mark.timeout(120)
@@ -353,7 +398,7 @@ def test_a_coordinator_restart_while_an_upload_is_in_flight_applies_it_once(tmp_
     # the restart from the anchor the download service kept on disk (download-anchors/) and passes like any other
     cfg, clock, gates, rounds = config(codec="int8", verify={
         "enabled": True, "inner_state": "carry", "fraction": 1.0 if checked else 0.0, "probation_updates": 0,
-        "horizon": 100000, "queue": 256}), FakeClock(), Gates(4), 4
+        "horizon": 100000, "queue": 256, "keep_states_mb": 0}), FakeClock(), Gates(4), 4
     reloaded: list[tuple[str, int]] = []  # the anchors the restarted coordinator took back from disk
 
     async def scenario() -> GatedPeer:
@@ -403,7 +448,9 @@ def test_a_coordinator_restart_while_an_upload_is_in_flight_applies_it_once(tmp_
         unverified = journal(run_dir, "unverified")
         assert [u["lease_id"] for u in unverified] == [second] and "restarted" in unverified[0]["reason"]
         others = sorted(lid for lid in applied if lid != second)
-        assert sorted(peer.client.reveals) == others == sorted(v["lease_id"] for v in _verdicts_ok(run_dir))
+        assert sorted(v["lease_id"] for v in _verdicts_ok(run_dir)) == others
+        # (no end state kept: each asked its peer for a reveal, but the first, which started fresh)
+        assert sorted(peer.client.reveals) == sorted(lid for lid in others if lid != peer.client.leases[0])
 
 
 @pytest.mark.timeout(120)

@@ -294,7 +294,8 @@ def wan_config(directory: Path, *, lease_slack: float = 5.0, max_local_steps: in
         config["runtime"]["gate"] = {"enabled": False}  # type: ignore[index]
     # verification (on by default) sends a checked lease's start state up (8 bytes per parameter) between the uploads
     # these tests cut at byte counts; its own reset: test_a_reveal_reset_mid_upload_is_sent_again
-    config["runtime"]["verify"] = {"enabled": verify}  # type: ignore[index]
+    # (no end state kept, coordinator/chained.py: every check but a fresh start's asks for its reveal, which is cut)
+    config["runtime"]["verify"] = {"enabled": verify, **({"keep_states_mb": 0} if verify else {})}  # type: ignore[index]
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -491,9 +492,10 @@ def test_reset_mid_upload_and_mid_download(wan: Wan) -> None:
 def test_a_reveal_reset_mid_upload_is_sent_again(wan: Wan) -> None:
     """With verification on (the default) a checked lease's start and end states go up in a reveal, 8 bytes per
     parameter each; a reveal lost to a reset used to fail the honest peer's check at reveal_timeout and expel it.
-    Upstream, in order: the hello and lease requests (a few kB), lease 1's upload and its reveal (a probation check
-    from the fresh state: its end state only), lease 2's upload and its reveal (start and end) — the reset is armed
-    halfway into that reveal. The peer sends it again, the check passes bitwise, nobody is expelled."""
+    Upstream: the hello and lease requests (a few kB), lease 1's upload (a probation check from the fresh state:
+    nothing to reveal), then uploads and the reveals of the checked leases' start states, 8 bytes per parameter each
+    (no end state kept here, so none is chained) — the reset is armed past two uploads and two such states' worth,
+    where a reveal is under way. The peer sends it again, the check passes bitwise, nobody is expelled."""
     from asyncloco.transport.codecs import wire_bytes
 
     wan.configure(verify=True)

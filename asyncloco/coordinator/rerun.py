@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -31,6 +31,10 @@ class Comparison:
     rel_error: float  # ‖submitted − rerun‖ / ‖rerun‖
     cosine: float
     detail: str
+    # a passed carried-state check of the verifier's own compute class: the lease's end state as the re-run left it (the
+    # single-state layout of train/commitments.py ``pack_reveal``, the inner layout alone without error feedback), whose
+    # commitment the peer's equals — what its next lease starts from (coordinator/verify.py "Chained reveals")
+    end_state: Optional[bytes] = field(default=None, repr=False, compare=False)
 
 
 def compare(rerun: torch.Tensor, submitted: torch.Tensor, tolerance: float = 0.0, min_cosine: float = -1.0) -> Comparison:
@@ -211,6 +215,8 @@ class Rerunner:
         self.device = device
         self.compute_class = compute_class(device)
         self._trainer: Optional["InnerTrainer"] = None
+        # a passed carried-state check of the own compute class returns the lease's end state (Comparison.end_state)
+        self.keep_end = False
 
     def bounds(self, task: "Verify") -> tuple[float, float]:
         """(tolerance, min_cosine) for ``task``: ``runtime.verify.tolerance`` / ``min_cosine`` (bitwise by default) when
@@ -390,6 +396,7 @@ class Rerunner:
         inner_end = inner_state_digest(trainer.optimizer)
         end = None if inner_end is None else committed_digest(inner_end, left)
         ours = None if own_class else state_moments(trainer.optimizer)
+        kept = self._end_state(left) if own_class and self.keep_end and end == task.state_end else None
         trainer.reset_inner_state()
         comparison = compare(rerun, task.update, *self.bounds(task))
         if not comparison.ok:
@@ -398,7 +405,7 @@ class Rerunner:
             if end != task.state_end:
                 return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine,
                                   "the re-run's inner state at the lease's end differs from the committed one")
-            return comparison
+            return comparison if kept is None else replace(comparison, end_state=kept)
         assert ours is not None
         # another compute class: the re-run's end state differs from the peer's in the last bits, so its digest cannot
         # be compared; the revealed end (which hashes to the committed one) must be within the state tolerance of it
@@ -409,6 +416,16 @@ class Rerunner:
         return Comparison(True, comparison.bitwise, comparison.rel_error, comparison.cosine,
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
                           f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)")
+
+    def _end_state(self, residual: Optional[torch.Tensor]) -> Optional[bytes]:
+        """The trainer's inner state (and the residual ``residual``, with error feedback) in the single-state layout a
+        reveal's part has (train/commitments.py ``pack_reveal``): the end state of the lease just re-run."""
+        from asyncloco.train.commitments import inner_state_buffer, pack_reveal
+
+        inner = inner_state_buffer(self.trainer.optimizer)
+        if inner is None:
+            return None
+        return pack_reveal(inner, residual) if self.cfg.runtime.uses_error_feedback else bytes(inner)
 
     def _end_state_failure(self, ours: StateMoments, end_inner: "Buffer", left: Optional[torch.Tensor],
                            end_residual: Optional[torch.Tensor], scale: Optional[float]) -> str:

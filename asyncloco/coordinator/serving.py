@@ -294,7 +294,8 @@ class Serving:
                 self._decode_buffers.append(update)
         if header.inner_loss is not None and any(isinstance(a, Applied) and a.lease_id == lease_id for a in actions):
             self.monitoring.stats.peer(peer_id).last_inner_loss = float(header.inner_loss)
-        reveal = needs_reveal(actions, lease_id)  # commitments (verify.py): the start state, and the end when needed
+        # commitments (verify.py): the start state, and the end when needed — unless its start is at hand (chained.py)
+        reveal = needs_reveal(actions, lease_id) and verification is not None and verification.asks_reveal(lease_id)
         device_class = getattr(header, "device_class", None)
         start_only = reveal and verification is not None and not verification.needs_end(device_class)
         reveal_end = False if start_only else None

@@ -64,6 +64,7 @@ from asyncloco.coordinator.logic import (
 )
 
 from asyncloco.coordinator.ahead import Ahead, AheadResult, AheadRun
+from asyncloco.coordinator.chained import ChainedStates
 from asyncloco.coordinator.rerun import Comparison, Rerunner
 from asyncloco.coordinator.repair import Anchors, RepairResult, log_events, repair
 from asyncloco.coordinator.substitute import RepairReruns
@@ -352,6 +353,9 @@ class DaemonVerification:
         # carried-state checks waiting for the peer's reveal (lease id -> check, when it was asked, its deadline task)
         self.awaiting: dict[str, tuple[Verify, float, "asyncio.Task[None]"]] = {}
         self._state_size: Optional[int] = None
+        # start states a check needs no reveal for (coordinator/chained.py): fresh ones, and end states of checked leases
+        self.chained = ChainedStates(self.knobs.keep_states_mb * 2**20 if self.knobs.local else 0)
+        self.verifier.rerunner.keep_end = self.chained.budget > 0
         # moot: its peer was expelled; start_only: received without the end state (Ack reveal_end: false, needs_end)
         self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0, "start_only": 0}
         # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
@@ -393,6 +397,7 @@ class DaemonVerification:
                     deadline.cancel()
                     del self.awaiting[lease_id]
                     self.reveals["moot"] += 1
+            self.chained.forget(action.peer)  # and its checks waiting for a start state (moot too)
             journal.write("expelled", peer=action.peer, lease_id=action.lease_id, reason=action.reason, anchor=action.anchor,
                           repair=action.repair)
             logger.warning("peer %s expelled: %s", action.peer[-8:], action.reason)
@@ -433,8 +438,11 @@ class DaemonVerification:
                                      record.state_start, record.state_end, record.device_class, record.theta_codec,
                                      record.theta_anchor, record.theta_digest))
                 found.add(lease_id)
+        from asyncloco.train.commitments import FRESH_STATE_DIGEST
+
         for check in checks:
-            if not check.failed and check.state_start and needs_reveal([check], check.lease.lease_id):
+            fresh = check.state_start == FRESH_STATE_DIGEST and not self.needs_end(check.device_class)  # nothing to reveal
+            if not check.failed and check.state_start and needs_reveal([check], check.lease.lease_id) and not fresh:
                 # the ack that asked for it is gone: the coordinator's loss, not the peer's — a held update is applied
                 self._decide_later(self._unverified_id(check.peer, check.lease.lease_id,
                                                        "the coordinator restarted while the check awaited the peer's reveal",
@@ -496,6 +504,7 @@ class DaemonVerification:
             "repairs_pending": [action.peer for action in self.pending_repairs],  # expelled, θ not repaired yet
             "anchors": self.anchors.seqs(),
             "reveals": {**self.reveals, "awaiting": len(self.awaiting)},
+            "chained": self.chained.status(),  # checks re-run without a reveal (coordinator/chained.py)
             "validators": self.desk.status(),
             "ahead": self.verifier.ahead.stats.as_dict(),  # re-runs made while their leases trained (coordinator/ahead.py)
             # the local worker's re-run seconds over wall seconds, last whole window (None: not yet), and whether saturated
@@ -730,6 +739,14 @@ class DaemonVerification:
             action = dataclasses.replace(action, anchor_body=body)
         self.start_worker()
         if action.state_start and needs_reveal([action], action.lease.lease_id):
+            if not self.needs_end(action.device_class):  # a start-only reveal: maybe its start is at hand
+                how, start = self.chained.start(action)
+                if how == "wait":  # the peer's previous lease's check leaves it (:meth:`_chain_on`)
+                    return
+                if start is not None:
+                    if not self.verifier.offer(action, start):
+                        self._decide_later(self._unverified(action, "the verification queue was full", overflow=True))
+                    return
             self._await_reveal(action)
             return
         # inner_state reset: θ at the base version and the data suffice
@@ -748,6 +765,28 @@ class DaemonVerification:
         from asyncloco.coordinator.logic import must_check
 
         await self._unverified_id(task.peer, task.lease.lease_id, reason, apply=overflow and not must_check(task.lease))
+        self._chain_on(task, None)
+
+    def asks_reveal(self, lease_id: str) -> bool:
+        """Does the check of ``lease_id`` wait for its peer's reveal (the submit's Ack asks for it)? Not when it was
+        never queued, or its start state is at hand without one (coordinator/chained.py)."""
+        return lease_id in self.awaiting
+
+    def _chain_on(self, task: Verify, end_state: Optional[bytes]) -> None:
+        """``task`` ended (``end_state``: its end state, when it passed with one): keep it for the peer's next lease
+        (coordinator/chained.py), and start the check waiting on it — moot once its peer is expelled, unverified
+        without a start state."""
+        following = self.chained.finished(task, end_state)
+        if following is None:
+            return
+        check, start = following
+        if check.peer in self.port.node.state.verification.expelled:
+            self.chained.counts["moot"] += 1
+        elif start is None:
+            self._decide_later(self._unverified(check, "the check of the peer's previous lease, whose end state this "
+                                                "lease starts from, ended without a verdict", overflow=True))
+        elif not self.verifier.offer(check, start):
+            self._decide_later(self._unverified(check, "the verification queue was full", overflow=True))
 
     async def _unverified_id(self, peer: str, lease_id: str, reason: str, apply: bool = False) -> None:
         """End a check without a verdict: an :class:`~asyncloco.coordinator.logic.Unverified` event through the
@@ -797,6 +836,7 @@ class DaemonVerification:
             await self.port.decide(Verified(task.peer, task.lease.lease_id, comparison.ok, comparison.detail[:300], anchor))
         finally:
             self.anchors.unpin(anchor)
+        self._chain_on(task, comparison.end_state if comparison.ok else None)
 
     def fresh_state(self) -> CoordinatorState:
         """A new coordinator state of this run's shape — θ's size, the run's outer optimizer, staleness transforms,

@@ -1,0 +1,127 @@
+"""Chained reveals (docs/threat-model.md, "Commitments"): start states of checked leases the coordinator already has.
+
+With ``runtime.verify.inner_state: carry`` a drawn lease is re-run from its start inner state, which its peer reveals
+(with error feedback 3 × θ's fp32 bytes: AdamW's two moments and the residual) — by far the largest thing a verified
+peer uploads. Two start states need no reveal:
+
+* a **fresh** one (the commitment :data:`~asyncloco.train.commitments.FRESH_STATE_DIGEST`: a peer's first lease, one
+  after a reset): it is empty;
+* the **end state of the peer's previous lease, when that lease was checked too**. A passed check of the verifier's own
+  compute class re-runs the lease bitwise to the end state the peer committed to (coordinator/rerun.py
+  ``Rerunner.check_revealed``), so the coordinator holds those exact bytes; the next lease commits to starting from
+  them (the commitment chain, logic/submit.py), and its digest is checked again when it is re-run. With
+  ``runtime.verify.fraction`` 0.45 the previous lease was checked for 45 % of the drawn ones, and for every probation
+  lease after the first.
+
+A check of the next lease may arrive before the previous one's re-run has finished (a peer trains its next lease
+while the last one's check runs): it waits for that verdict here. A passed verdict hands it its start state; a failed
+one expels the peer (the wait is moot); one that ends without a verdict ends the waiting check without one too.
+
+Only checks whose reveal would be start-only qualify (coordinator/verify.py ``DaemonVerification.needs_end``: this
+coordinator re-runs them itself and the peer names its compute class); the end states kept are bounded by
+``runtime.verify.keep_states_mb`` (one per peer, the least recently kept dropped first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from asyncloco.coordinator.logic import Verify
+
+__all__ = ["ChainedStates"]
+
+
+@dataclass(frozen=True)
+class _Kept:
+    digest: str  # the committed end state (the lease's ``state_end``)
+    state: bytes  # in a reveal part's layout (train/commitments.py pack_reveal; the inner layout alone without feedback)
+
+
+class ChainedStates:
+    """The end states of checked leases (one per peer, within ``budget`` bytes) and the checks waiting for one."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.kept: "OrderedDict[str, _Kept]" = OrderedDict()  # peer -> end state of its last passed check
+        self.bytes = 0
+        # peer -> (lease id, committed end) of its newest check in progress, whose verdict will leave its end state
+        self.expected: dict[str, tuple[str, str]] = {}
+        self.waiting: dict[str, "Verify"] = {}  # lease id of a check in progress -> the next lease's check waiting on it
+        # fresh: started fresh, nothing to reveal; kept: re-run from a kept end state; waited: from one kept later;
+        # moot: a waiting check whose peer was expelled; evicted: kept states dropped for the budget
+        self.counts = {"fresh": 0, "kept": 0, "waited": 0, "moot": 0, "evicted": 0}
+
+    def start(self, check: "Verify") -> tuple[str, Optional[bytes]]:
+        """Where ``check``'s start state comes from without a reveal: ("fresh" | "kept", the reveal bytes to re-run it
+        with — train/commitments.py ``pack_parts`` of the start and an empty end), ("wait", None) when it waits for the
+        verdict of the check in progress of the peer's previous lease (:meth:`finished` hands it over), or ("", None):
+        its peer must reveal it. Every check that does not ask its peer is noted as :meth:`expected` too."""
+        from asyncloco.train.commitments import FRESH_STATE_DIGEST, pack_parts
+
+        how, start = "", None
+        if check.state_start == FRESH_STATE_DIGEST:
+            how, start = "fresh", pack_parts(b"", b"")
+        elif self.budget > 0:
+            kept = self.kept.get(check.peer)
+            expected = self.expected.get(check.peer)
+            if kept is not None and kept.digest == check.state_start:
+                how, start = "kept", pack_parts(kept.state, b"")
+                self.kept.move_to_end(check.peer)
+            elif expected is not None and expected[1] == check.state_start and expected[0] not in self.waiting:
+                how = "wait"
+                self.waiting[expected[0]] = check
+        if how:
+            self.counts["waited" if how == "wait" else how] += 1
+        self.expect(check)
+        return how, start
+
+    def expect(self, check: "Verify") -> None:
+        """``check`` is in progress: its verdict (:meth:`finished`) may leave its end state for the peer's next lease."""
+        if self.budget > 0 and check.state_end:
+            self.expected[check.peer] = (check.lease.lease_id, check.state_end)
+
+    def finished(self, check: "Verify", end_state: Optional[bytes]) -> Optional[tuple["Verify", Optional[bytes]]]:
+        """``check`` ended: ``end_state`` its end state when it passed with one (Comparison.end_state), else None. Keeps it,
+        and returns the check waiting on this one with its start (None: it cannot have one — it ends unverified), or None."""
+        from asyncloco.train.commitments import pack_parts
+
+        peer, lease_id = check.peer, check.lease.lease_id
+        if self.expected.get(peer, ("",))[0] == lease_id:
+            del self.expected[peer]
+        if end_state is not None and check.state_end:
+            self._keep(peer, _Kept(check.state_end, end_state))
+        waiting = self.waiting.pop(lease_id, None)
+        if waiting is None:
+            return None
+        if end_state is None or waiting.state_start != check.state_end:
+            return waiting, None
+        return waiting, pack_parts(end_state, b"")
+
+    def forget(self, peer: str) -> list["Verify"]:
+        """``peer`` was expelled: its kept state goes, and the checks of its waiting on another (moot now) are returned."""
+        old = self.kept.pop(peer, None)
+        if old is not None:
+            self.bytes -= len(old.state)
+        self.expected.pop(peer, None)
+        moot = [lease_id for lease_id, check in self.waiting.items() if check.peer == peer]
+        self.counts["moot"] += len(moot)
+        return [self.waiting.pop(lease_id) for lease_id in moot]
+
+    def _keep(self, peer: str, kept: _Kept) -> None:
+        old = self.kept.pop(peer, None)
+        if old is not None:
+            self.bytes -= len(old.state)
+        if len(kept.state) > self.budget:
+            return
+        self.kept[peer] = kept
+        self.bytes += len(kept.state)
+        while self.bytes > self.budget:
+            _, evicted = self.kept.popitem(last=False)
+            self.bytes -= len(evicted.state)
+            self.counts["evicted"] += 1
+
+    def status(self) -> dict[str, Any]:
+        return {**self.counts, "states": len(self.kept), "bytes": self.bytes, "waiting": len(self.waiting)}

@@ -1,0 +1,84 @@
+"""coordinator/chained.py: which checks need no reveal — a fresh start, the end state kept from the peer's previous
+check, or one that check will leave — and the bound on what is kept. The runs that use it: tests/test_overlap_runtime.py
+(``test_a_checked_lease_after_a_checked_lease_is_re_run_from_the_end_state_the_coordinator_kept``) and
+tests/test_verify_hostile.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncloco.coordinator.chained import ChainedStates
+from asyncloco.coordinator.logic import Lease, Verify
+from asyncloco.train.commitments import FRESH_STATE_DIGEST, pack_parts, split_parts
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def check(peer: str, lease_id: str, start: str, end: str) -> Verify:
+    lease = Lease(lease_id, peer, 0, 0, 5, 0, 0, 0.0, 1.0, 2.0)
+    return Verify(peer, lease, torch.empty(0), torch.empty(0), "probation", state_start=start, state_end=end)
+
+
+def test_a_fresh_start_needs_no_reveal_even_with_nothing_kept() -> None:
+    chained = ChainedStates(0)
+    how, start = chained.start(check("a", "L1", FRESH_STATE_DIGEST, "d1"))
+    assert how == "fresh" and start == pack_parts(b"", b"") and split_parts(start) == (b"", b"")
+    assert chained.expected == {}  # nothing is kept with a budget of 0
+    assert chained.finished(check("a", "L1", FRESH_STATE_DIGEST, "d1"), b"end-1") is None and chained.kept == {}
+    assert chained.start(check("a", "L2", "d1", "d2")) == ("", None)  # the peer reveals it
+
+
+def test_the_next_lease_starts_from_the_end_state_kept_or_waits_for_it() -> None:
+    chained = ChainedStates(1000)
+    first = check("a", "L1", FRESH_STATE_DIGEST, "d1")
+    assert chained.start(first)[0] == "fresh" and chained.expected == {"a": ("L1", "d1")}
+    # lease 2's check comes before lease 1's verdict: it waits for it
+    second = check("a", "L2", "d1", "d2")
+    assert chained.start(second) == ("wait", None) and chained.waiting == {"L1": second}
+    # lease 1 passes with its end state: kept, and handed to lease 2 as its start (an empty end part)
+    following = chained.finished(first, b"end-1")
+    assert following == (second, pack_parts(b"end-1", b"")) and chained.waiting == {}
+    assert chained.kept["a"].digest == "d1" and chained.bytes == 5
+    assert chained.expected == {"a": ("L2", "d2")}
+    # lease 2 passes; lease 3 (checked after the verdict) starts from lease 2's end, kept
+    assert chained.finished(second, b"end-two") is None and chained.kept["a"].state == b"end-two" and chained.bytes == 7
+    third = check("a", "L3", "d2", "d3")
+    assert chained.start(third) == ("kept", pack_parts(b"end-two", b""))
+    # a lease whose start is not the kept end (its predecessor was not checked) is revealed by its peer
+    assert chained.start(check("a", "L5", "d4", "d5")) == ("", None)
+    assert chained.counts == {"fresh": 1, "kept": 1, "waited": 1, "moot": 0, "evicted": 0}
+
+
+def test_a_check_ended_without_a_verdict_leaves_its_follower_without_a_start() -> None:
+    chained = ChainedStates(1000)
+    first, second = check("a", "L1", "d0", "d1"), check("a", "L2", "d1", "d2")
+    assert chained.start(first) == ("", None)  # revealed by its peer; its end state will be kept
+    assert chained.start(second) == ("wait", None)
+    assert chained.finished(first, None) == (second, None)  # failed or unverified: no end state to start from
+    assert "a" not in chained.kept
+
+
+def test_an_expelled_peer_leaves_nothing_kept_and_its_waiting_checks_moot() -> None:
+    chained = ChainedStates(1000)
+    chained.start(check("a", "L1", "d0", "d1"))
+    chained.finished(check("a", "L1", "d0", "d1"), b"xyz")
+    chained.start(check("a", "L2", "d1", "d2"))
+    waiting = check("a", "L3", "d2", "d3")
+    assert chained.start(waiting) == ("wait", None)
+    assert chained.forget("a") == [waiting]
+    assert chained.kept == {} and chained.bytes == 0 and chained.expected == {} and chained.waiting == {}
+    assert chained.counts["moot"] == 1
+
+
+def test_the_budget_keeps_the_most_recently_used_states() -> None:
+    chained = ChainedStates(10)
+    for peer, state in (("a", b"aaaa"), ("b", b"bbbb")):
+        chained.start(check(peer, f"{peer}1", "s", f"{peer}-end"))
+        chained.finished(check(peer, f"{peer}1", "s", f"{peer}-end"), state)
+    assert chained.start(check("a", "a2", "a-end", "a2-end"))[0] == "kept"  # a used last: b goes first
+    chained.start(check("c", "c1", "s", "c-end"))
+    chained.finished(check("c", "c1", "s", "c-end"), b"cccc")
+    assert list(chained.kept) == ["a", "c"] and chained.bytes == 8 and chained.counts["evicted"] == 1
+    chained.finished(check("d", "d1", "s", "d-end"), b"d" * 11)  # larger than the whole budget: not kept
+    assert "d" not in chained.kept and chained.bytes == 8
