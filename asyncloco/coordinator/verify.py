@@ -355,7 +355,13 @@ class DaemonVerification:
         self._state_size: Optional[int] = None
         # start states a check needs no reveal for (coordinator/chained.py): fresh ones, and end states of checked leases
         self.chained = ChainedStates(self.knobs.keep_states_mb * 2**20 if self.knobs.local else 0)
-        self.verifier.rerunner.keep_end = self.chained.budget > 0
+        # a re-run copies out its end state only when one fits the budget (at 150m one is 1.8 GB with error feedback)
+        carry = self.knobs.inner_state == "carry"
+        self.verifier.rerunner.keep_end = carry and 0 < self.state_part_size() <= self.chained.budget
+        if carry and self.chained.budget and not self.verifier.rerunner.keep_end:
+            logger.warning("runtime.verify.keep_states_mb (%d) is less than one inner state of this model (%.0f MB): "
+                           "every check asks its peer to reveal its start state; raise it to keep a state per peer",
+                           self.knobs.keep_states_mb, self.state_part_size() / 2**20)
         # moot: its peer was expelled; start_only: received without the end state (Ack reveal_end: false, needs_end)
         self.reveals = {"asked": 0, "received": 0, "late": 0, "moot": 0, "refused": 0, "start_only": 0}
         # validator peers (asyncloco/validator.py): the checks lent to them (coordinator/validators.py)
@@ -542,6 +548,11 @@ class DaemonVerification:
             raise ValueError(f"no reveal of lease {lease_id[:40]} is awaited from this peer (not chosen, already "
                              "revealed, or past runtime.verify.reveal_timeout)")
         return self.reveal_bound()
+
+    def state_part_size(self) -> int:
+        """The bytes of one full inner state in a reveal part's layout (with error feedback its residual too): what a
+        kept end state takes (coordinator/chained.py)."""
+        return (self.reveal_bound() - 8) // 2
 
     def reveal_bound(self) -> int:
         """The most bytes any reveal of this run may carry (:meth:`reveal_limit` without the check of who reveals)."""
