@@ -76,7 +76,7 @@ TABLE = ["honest", "huge", "signflip", "signflip-honest", "random", "ghost"]
 NEW = ["hidden:0.5", "hidden:1", "hidden:2", "poison", "sandbag", "sleeper", "forge-state", "forge-state@foreign", "alie",
        "tailored", "freeride", "hidden:2x3"]
 DIRECTION_SEED, TRIGGER_SEED = 1234, 4321  # asyncloco.testing.hostile's defaults
-SLOWDOWNS = (1.0, 1.5, 4.0)
+SLOWDOWNS: tuple[float, ...] = (1.0, 1.5, 4.0)
 
 
 @dataclass
@@ -378,8 +378,8 @@ def signals_table(directories: list[Path]) -> list[str]:
                          + ", ".join(f"{c['latency_median_s']:.1f} / {c['latency_max_s']:.1f}" for c in group) + " |")
     honest = [c for whos in rows.values() for who, c in whos.items() if who == "honest" and c.get("updates")]
     clean = [rows[r]["honest"] for r in rows if r == "clean" and rows[r]["honest"].get("updates")]
-    for name, group in (("clean runs", clean), ("all runs", honest)):
-        n, marked = sum(c["updates"] for c in group), sum(c["any"] for c in group)
+    for name, counted in (("clean runs", clean), ("all runs", honest)):
+        n, marked = sum(c["updates"] for c in counted), sum(c["any"] for c in counted)
         if n:
             lines.append(f"false positives on honest updates, {name}: {marked} of {n} ({100 * marked / n:.2f} %)")
     return lines
@@ -680,9 +680,9 @@ def probe_cost(preset: str, seq_len: int, sequences: int, repeats: int, threads:
         started = time.perf_counter()
         theta.clone()
         copy_s.append(time.perf_counter() - started)
+    probe_median, copy_median = sorted(probe_s)[len(probe_s) // 2], sorted(copy_s)[len(copy_s) // 2]
     result = {"preset": preset, "numel": theta.numel(), "sequences": sequences, "seq_len": seq_len, "threads": threads,
-              "probe_s": sorted(probe_s)[len(probe_s) // 2], "theta_copy_s": sorted(copy_s)[len(copy_s) // 2]}
-    result["ratio"] = result["probe_s"] / max(result["theta_copy_s"], 1e-9)
+              "probe_s": probe_median, "theta_copy_s": copy_median, "ratio": probe_median / max(copy_median, 1e-9)}
     return result
 
 
