@@ -10,7 +10,7 @@ import torch
 
 from asyncloco.coordinator.chained import ChainedStates
 from asyncloco.coordinator.logic import Lease, Verify
-from asyncloco.train.commitments import FRESH_STATE_DIGEST, pack_parts, split_parts
+from asyncloco.train.commitments import FRESH_STATE_DIGEST
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,7 +23,9 @@ def check(peer: str, lease_id: str, start: str, end: str) -> Verify:
 def test_a_fresh_start_needs_no_reveal_even_with_nothing_kept() -> None:
     chained = ChainedStates(0)
     how, start = chained.start(check("a", "L1", FRESH_STATE_DIGEST, "d1"))
-    assert how == "fresh" and start == pack_parts(b"", b"") and split_parts(start) == (b"", b"")
+    assert how == "fresh" and start == b""
+    # a check whose end its peer reveals anyway has its fresh (empty) start revealed with it
+    assert chained.start(check("a", "L0", FRESH_STATE_DIGEST, "d0"), full=True) == ("", None)
     assert chained.expected == {}  # nothing is kept with a budget of 0
     assert chained.finished(check("a", "L1", FRESH_STATE_DIGEST, "d1"), b"end-1") is None and chained.kept == {}
     assert chained.start(check("a", "L2", "d1", "d2")) == ("", None)  # the peer reveals it
@@ -38,13 +40,13 @@ def test_the_next_lease_starts_from_the_end_state_kept_or_waits_for_it() -> None
     assert chained.start(second) == ("wait", None) and chained.waiting == {"L1": second}
     # lease 1 passes with its end state: kept, and handed to lease 2 as its start (an empty end part)
     following = chained.finished(first, b"end-1")
-    assert following == (second, pack_parts(b"end-1", b"")) and chained.waiting == {}
+    assert following == (second, b"end-1") and chained.waiting == {}
     assert chained.kept["a"].digest == "d1" and chained.bytes == 5
     assert chained.expected == {"a": ("L2", "d2")}
     # lease 2 passes; lease 3 (checked after the verdict) starts from lease 2's end, kept
     assert chained.finished(second, b"end-two") is None and chained.kept["a"].state == b"end-two" and chained.bytes == 7
     third = check("a", "L3", "d2", "d3")
-    assert chained.start(third) == ("kept", pack_parts(b"end-two", b""))
+    assert chained.start(third) == ("kept", b"end-two")
     # a lease whose start is not the kept end (its predecessor was not checked) is revealed by its peer
     assert chained.start(check("a", "L5", "d4", "d5")) == ("", None)
     assert chained.counts == {"fresh": 1, "kept": 1, "waited": 1, "moot": 0, "evicted": 0}

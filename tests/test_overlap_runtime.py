@@ -180,6 +180,7 @@ class GatedClient(MemoryClient):
         self.acks: list[tuple[str, Ack]] = []
         self.keeps: list[Optional[str]] = []
         self.reveals: list[str] = []
+        self.revealed_bytes: list[int] = []
 
     async def assign(self, *args: Any, keep: Optional[str] = None, **kwargs: Any) -> Any:
         self.keeps.append(keep)
@@ -211,6 +212,7 @@ class GatedClient(MemoryClient):
         try:
             reply = await super().reveal(lease_id, state, **kwargs)
             self.reveals.append(lease_id)
+            self.revealed_bytes.append(sum(len(part) for part in state) if isinstance(state, list) else len(state))
             self.gates.order.append(f"reveal {k}")
             return reply
         finally:
@@ -256,12 +258,17 @@ async def _close(transport: MemoryTransport) -> None:
     await transport.close()
 
 
-async def _one_gated_peer(cfg: RunConfig, run_dir: Path, gates: Gates) -> tuple[GatedPeer, torch.Tensor, dict[str, Any]]:
+async def _one_gated_peer(cfg: RunConfig, run_dir: Path, gates: Gates, verifier_class: str = ""
+                          ) -> tuple[GatedPeer, torch.Tensor, dict[str, Any]]:
     """One gated peer through ``gates.rounds`` rounds against a fresh coordinator, every check decided: the peer, θ at
-    the end, and verification's status."""
+    the end, and verification's status. ``verifier_class``: the compute class the coordinator's re-runs name (the peer's
+    own when empty; another makes the peer one of another class, which reveals its end states)."""
     clock = FakeClock()
     transport = MemoryTransport(cfg, run_dir, clock=clock)
     await transport.start()
+    if verifier_class:
+        assert transport.daemon is not None and transport.daemon.verification is not None
+        transport.daemon.verification.verifier.rerunner.compute_class = verifier_class
     try:
         peer = GatedPeer(transport, "a", gates.rounds, gates)
         await drive(clock, {"a": peer.task}, real_timeout=60.0)
@@ -350,6 +357,41 @@ def test_a_checked_lease_after_a_checked_lease_is_re_run_from_the_end_state_the_
     # the same run asking for every start state: its peer revealed all but the fresh first one
     assert revealed["reveals"]["asked"] == revealed["reveals"]["received"] == rounds - 1
     assert revealed["chained"]["fresh"] == 1 and revealed["checked"] == revealed["passed"] == rounds
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_of_another_class_reveals_the_end_alone_when_the_coordinator_has_its_start(tmp_path: Path) -> None:
+    """Every lease checked, the peer of another compute class than the verifier's (its end states are compared within
+    the state tolerance, so it reveals them): the first lease reveals its empty fresh start and its end; each later one
+    its end alone (the Ack's ``reveal_start: false``) — the coordinator puts the end the previous check kept in front of
+    it (coordinator/chained.py) — and every check passes. Without kept states each reveals both."""
+    upload, rounds = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5}, 4
+
+    def run(keep_mb: int, run_dir: Path) -> tuple[GatedPeer, torch.Tensor, dict[str, Any]]:
+        cfg = config(verify={"keep_states_mb": keep_mb}, **upload)
+        return asyncio.run(asyncio.wait_for(_one_gated_peer(cfg, run_dir, Gates(rounds), "another-class"), timeout=80.0))
+
+    peer, _, status = run(2048, tmp_path / "kept")
+    full, _, revealed = run(0, tmp_path / "revealed")
+    applied, back = _every_lease_applied_once_or_given_back(tmp_path / "kept")
+    assert len(applied) == rounds and back == [] and peer.runner.summary.accepted == rounds
+    acks = dict(peer.client.acks)
+    assigned = [a["lease_id"] for a in journal(tmp_path / "kept", "assign")]
+    assert [acks[lid].reveal for lid in assigned] == [True] * rounds and [acks[lid].reveal_end for lid in assigned] == [None] * rounds
+    assert [acks[lid].reveal_start for lid in assigned] == [None] + [False] * (rounds - 1)
+    assert peer.client.reveals == assigned and status["reveals"]["asked"] == status["reveals"]["received"] == rounds
+    chained = status["chained"]
+    assert chained["fresh"] == 0 and chained["kept"] + chained["waited"] == rounds - 1 and chained["waiting"] == 0
+    verdicts = _verdicts_ok(tmp_path / "kept")
+    assert sorted(v["lease_id"] for v in verdicts) == sorted(applied)
+    assert all(v["detail"].startswith("bitwise equal to the re-run (peer's compute class") for v in verdicts), verdicts
+    # what the end-only reveals saved: the start part of each, a whole state (its 8-byte length field stays)
+    assert [ack.reveal_start for _, ack in full.client.acks] == [None] * rounds
+    assert revealed["chained"]["kept"] == revealed["chained"]["waited"] == 0
+    sizes, full_sizes = peer.client.revealed_bytes, full.client.revealed_bytes
+    assert sizes[0] == full_sizes[0] and full_sizes[0] < full_sizes[1]  # the fresh start is empty in both
+    state = full_sizes[1] - full_sizes[0]  # a carried start (inner state and residual) in a reveal part's layout
+    assert sizes[1:] == [size - state for size in full_sizes[1:]]
 
 
 @pytest.mark.timeout(120)

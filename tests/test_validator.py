@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -51,7 +51,8 @@ class _Verification:
     async def _never(self, task: Any, comparison: Any) -> None:
         raise AssertionError("the local worker does not run here")
 
-    async def judged(self, task: Verify, ok: bool, bitwise: bool, rel: float, cosine: float, detail: str) -> None:
+    async def judged(self, task: Verify, ok: bool, bitwise: bool, rel: float, cosine: float, detail: str,
+                     revealed: Optional[bytes] = None) -> None:
         self.decided.append((task.lease.lease_id, ok, detail))
 
     def unverified_later(self, task: Verify, reason: str) -> None:

@@ -86,12 +86,12 @@ class LiarRunner(PeerRunner):
 
     revealed = 0
 
-    async def _reveal(self, client: Any, lease_id: str, digest: Any, end: bool = True) -> None:
+    async def _reveal(self, client: Any, lease_id: str, digest: Any, end: bool = True, start: bool = True) -> None:
         self.revealed += 1
         if self.revealed <= PROBATION:
-            await super()._reveal(client, lease_id, digest, end)
+            await super()._reveal(client, lease_id, digest, end, start)
             return
-        state = self.reveals.reveal(lease_id, end)
+        state = self.reveals.reveal(lease_id, end, start)
         assert state
         tampered = bytearray(state)
         tampered[8 + 20] ^= 1  # past the start part's length field: in the start state
@@ -105,10 +105,10 @@ class SilentRunner(PeerRunner):
 
     revealed = 0
 
-    async def _reveal(self, client: Any, lease_id: str, digest: Any, end: bool = True) -> None:
+    async def _reveal(self, client: Any, lease_id: str, digest: Any, end: bool = True, start: bool = True) -> None:
         self.revealed += 1
         if self.revealed <= PROBATION:
-            await super()._reveal(client, lease_id, digest, end)
+            await super()._reveal(client, lease_id, digest, end, start)
 
 
 def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: Any = PeerRunner) -> tuple[PeerRunner, "asyncio.Task[Any]"]:

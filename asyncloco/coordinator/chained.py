@@ -17,9 +17,12 @@ A check of the next lease may arrive before the previous one's re-run has finish
 while the last one's check runs): it waits for that verdict here. A passed verdict hands it its start state; a failed
 one expels the peer (the wait is moot); one that ends without a verdict ends the waiting check without one too.
 
-Only checks whose reveal would be start-only qualify (coordinator/verify.py ``DaemonVerification.needs_end``: this
-coordinator re-runs them itself and the peer names its compute class); the end states kept are bounded by
-``runtime.verify.keep_states_mb`` (one per peer, the least recently kept dropped first).
+Where the coordinator re-runs a check itself for a peer of its compute class (coordinator/verify.py
+``DaemonVerification.needs_end``), the end state kept is the re-run's and such a check asks for nothing. Otherwise —
+a peer of another class, or validators (who may be of another class) — the peer reveals its end state with every
+check; a passed one's revealed end is kept, and the peer's next check asks for the end alone (the Ack's
+``reveal_start: false``): the coordinator puts the kept start in front of it. The end states kept are bounded by
+``runtime.verify.keep_states_mb`` (one per peer, the least recently used dropped first).
 """
 
 from __future__ import annotations
@@ -54,21 +57,22 @@ class ChainedStates:
         # moot: a waiting check whose peer was expelled; evicted: kept states dropped for the budget
         self.counts = {"fresh": 0, "kept": 0, "waited": 0, "moot": 0, "evicted": 0}
 
-    def start(self, check: "Verify") -> tuple[str, Optional[bytes]]:
-        """Where ``check``'s start state comes from without a reveal: ("fresh" | "kept", the reveal bytes to re-run it
-        with — train/commitments.py ``pack_parts`` of the start and an empty end), ("wait", None) when it waits for the
-        verdict of the check in progress of the peer's previous lease (:meth:`finished` hands it over), or ("", None):
-        its peer must reveal it. Every check that does not ask its peer is noted as :meth:`expected` too."""
-        from asyncloco.train.commitments import FRESH_STATE_DIGEST, pack_parts
+    def start(self, check: "Verify", full: bool = False) -> tuple[str, Optional[bytes]]:
+        """Where ``check``'s start state comes from without its peer revealing it: ("fresh" | "kept", the start part — a
+        reveal part's layout, b"" fresh), ("wait", None) when it waits for the verdict of the check in progress of the
+        peer's previous lease (:meth:`finished` hands it over), or ("", None): its peer must reveal it. ``full``: a check
+        whose end its peer reveals anyway (another compute class, or validators) — a fresh start is then revealed with
+        it, empty. Every check is noted as :meth:`expected` too."""
+        from asyncloco.train.commitments import FRESH_STATE_DIGEST
 
         how, start = "", None
         if check.state_start == FRESH_STATE_DIGEST:
-            how, start = "fresh", pack_parts(b"", b"")
+            how, start = ("", None) if full else ("fresh", b"")
         elif self.budget > 0:
             kept = self.kept.get(check.peer)
             expected = self.expected.get(check.peer)
             if kept is not None and kept.digest == check.state_start:
-                how, start = "kept", pack_parts(kept.state, b"")
+                how, start = "kept", kept.state
                 self.kept.move_to_end(check.peer)
             elif expected is not None and expected[1] == check.state_start and expected[0] not in self.waiting:
                 how = "wait"
@@ -85,9 +89,7 @@ class ChainedStates:
 
     def finished(self, check: "Verify", end_state: Optional[bytes]) -> Optional[tuple["Verify", Optional[bytes]]]:
         """``check`` ended: ``end_state`` its end state when it passed with one (Comparison.end_state), else None. Keeps it,
-        and returns the check waiting on this one with its start (None: it cannot have one — it ends unverified), or None."""
-        from asyncloco.train.commitments import pack_parts
-
+        and returns the check waiting on this one with its start part (None: it cannot have one), or None."""
         peer, lease_id = check.peer, check.lease.lease_id
         if self.expected.get(peer, ("",))[0] == lease_id:
             del self.expected[peer]
@@ -98,7 +100,7 @@ class ChainedStates:
             return None
         if end_state is None or waiting.state_start != check.state_end:
             return waiting, None
-        return waiting, pack_parts(end_state, b"")
+        return waiting, end_state
 
     def forget(self, peer: str) -> list["Verify"]:
         """``peer`` was expelled: its kept state goes, and the checks of its waiting on another (moot now) are returned."""

@@ -413,9 +413,14 @@ class Rerunner:
         failed = self._end_state_failure(ours, end_inner, left, end_residual, scale)
         if failed:
             return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine, failed)
+        from asyncloco.train.commitments import split_parts
+
+        # its revealed end (which hashes to the committed one) is where its next lease starts (coordinator/chained.py)
+        kept = bytes(split_parts(revealed)[1]) if self.keep_end else None
         return Comparison(True, comparison.bitwise, comparison.rel_error, comparison.cosine,
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
-                          f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)")
+                          f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)",
+                          end_state=kept)
 
     def _end_state(self, residual: Optional[torch.Tensor]) -> Optional[bytes]:
         """The trainer's inner state (and the residual ``residual``, with error feedback) in the single-state layout a

@@ -299,13 +299,14 @@ class Serving:
         device_class = getattr(header, "device_class", None)
         start_only = reveal and verification is not None and not verification.needs_end(device_class)
         reveal_end = False if start_only else None
+        reveal_start = False if reveal and verification is not None and not verification.asks_start(lease_id) else None
         for action in actions:
             if isinstance(action, Applied) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=reveal or None,
-                           reveal_end=reveal_end)
+                           reveal_end=reveal_end, reveal_start=reveal_start)
             if isinstance(action, Held) and action.lease_id == lease_id:  # accepted; applied once its check agrees
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], False, reveal=reveal or None,
-                           reveal_end=reveal_end)
+                           reveal_end=reveal_end, reveal_start=reveal_start)
             if isinstance(action, Duplicate) and action.lease_id == lease_id:
                 return Ack(True, action.version, action.reason[:MAX_REASON_CHARS], True)
             if isinstance(action, Rejected) and action.lease_id == lease_id:

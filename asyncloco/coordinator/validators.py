@@ -160,7 +160,7 @@ class ValidatorDesk:
         rel = math.inf if header.rel_error is None else float(header.rel_error)
         try:
             await self.verification.judged(loan.task, bool(header.ok), bool(header.bitwise), rel, float(header.cosine),
-                                           f"{header.detail} (validator {peer[-8:]})")
+                                           f"{header.detail} (validator {peer[-8:]})", loan.revealed)
         finally:
             verifier._done()
         return VerdictReply(True, "decided")

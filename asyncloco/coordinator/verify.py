@@ -323,6 +323,16 @@ class VerificationPort:
         return True
 
 
+@dataclass
+class _Partial:
+    """A check whose peer reveals its end alone: the start the coordinator has (None: coming with the verdict on the
+    peer's previous check) and the end once revealed."""
+
+    check: Verify
+    start: Optional[bytes]
+    end: Optional[bytes] = None
+
+
 class DaemonVerification:
     """What the coordinator daemon does for verification, behind four hooks it calls (coordinator/daemon.py):
     :meth:`record` for the actions Verify / Verdict / Expelled (live and in ``--resume`` replay alike, with
@@ -354,7 +364,10 @@ class DaemonVerification:
         self.awaiting: dict[str, tuple[Verify, float, "asyncio.Task[None]"]] = {}
         self._state_size: Optional[int] = None
         # start states a check needs no reveal for (coordinator/chained.py): fresh ones, and end states of checked leases
-        self.chained = ChainedStates(self.knobs.keep_states_mb * 2**20 if self.knobs.local else 0)
+        self.chained = ChainedStates(self.knobs.keep_states_mb * 2**20)
+        # checks whose peer reveals the end alone (Ack reveal_start: false): the start kept, or coming with the verdict
+        # of the peer's previous check, and the end once revealed — offered when both are in (coordinator/chained.py)
+        self.partial: dict[str, _Partial] = {}
         # a re-run copies out its end state only when one fits the budget (at 150m one is 1.8 GB with error feedback)
         carry = self.knobs.inner_state == "carry"
         self.verifier.rerunner.keep_end = carry and 0 < self.state_part_size() <= self.chained.budget
@@ -404,6 +417,8 @@ class DaemonVerification:
                     del self.awaiting[lease_id]
                     self.reveals["moot"] += 1
             self.chained.forget(action.peer)  # and its checks waiting for a start state (moot too)
+            for lease_id in [lease_id for lease_id, part in self.partial.items() if part.check.peer == action.peer]:
+                del self.partial[lease_id]
             journal.write("expelled", peer=action.peer, lease_id=action.lease_id, reason=action.reason, anchor=action.anchor,
                           repair=action.repair)
             logger.warning("peer %s expelled: %s", action.peer[-8:], action.reason)
@@ -579,6 +594,19 @@ class DaemonVerification:
         self.reveals["received"] += 1
         if self._start_only(state):
             self.reveals["start_only"] += 1
+        part = self.partial.get(lease_id)
+        if part is not None:  # the end alone was asked for: the start is the coordinator's (coordinator/chained.py)
+            from asyncloco.train.commitments import pack_parts, split_parts
+
+            try:
+                part.end = bytes(split_parts(state)[1])
+            except ValueError:  # malformed: offered as sent, the re-run names what is wrong with it
+                del self.partial[lease_id]
+            else:
+                if part.start is None:
+                    return RevealReply(True, "kept until the check of the lease it starts from is decided")
+                del self.partial[lease_id]
+                state = pack_parts(part.start, part.end)
         self.start_worker()
         if not self.verifier.offer(task, state, offered_at=asked_at):
             self._decide_later(self._unverified(task, "the verification queue was full", overflow=True))
@@ -750,14 +778,17 @@ class DaemonVerification:
             action = dataclasses.replace(action, anchor_body=body)
         self.start_worker()
         if action.state_start and needs_reveal([action], action.lease.lease_id):
-            if not self.needs_end(action.device_class):  # a start-only reveal: maybe its start is at hand
-                how, start = self.chained.start(action)
-                if how == "wait":  # the peer's previous lease's check leaves it (:meth:`_chain_on`)
-                    return
-                if start is not None:
-                    if not self.verifier.offer(action, start):
-                        self._decide_later(self._unverified(action, "the verification queue was full", overflow=True))
-                    return
+            # maybe its start is at hand (coordinator/chained.py): then a start-only reveal is not asked for at all, a
+            # full one (another compute class, validators) for the end alone
+            full = self.needs_end(action.device_class)
+            how, start = self.chained.start(action, full)
+            if how and full:
+                self.partial[action.lease.lease_id] = _Partial(action, start)
+            elif how == "wait":  # the peer's previous lease's check leaves it (:meth:`_chain_on`)
+                return
+            elif start is not None:
+                self._offer_with_start(action, start, b"")
+                return
             self._await_reveal(action)
             return
         # inner_state reset: θ at the base version and the data suffice
@@ -778,6 +809,18 @@ class DaemonVerification:
         await self._unverified_id(task.peer, task.lease.lease_id, reason, apply=overflow and not must_check(task.lease))
         self._chain_on(task, None)
 
+    def asks_start(self, lease_id: str) -> bool:
+        """Must the reveal of ``lease_id`` carry its start state (else the Ack's ``reveal_start: false``: the coordinator
+        has it, or will at the verdict on the peer's previous lease)?"""
+        return lease_id not in self.partial
+
+    def _offer_with_start(self, check: Verify, start: bytes, end: bytes) -> None:
+        """Queue ``check``'s re-run from ``start`` (and the revealed ``end``, b"" for none): a reveal in its layout."""
+        from asyncloco.train.commitments import pack_parts
+
+        if not self.verifier.offer(check, pack_parts(start, end)):
+            self._decide_later(self._unverified(check, "the verification queue was full", overflow=True))
+
     def asks_reveal(self, lease_id: str) -> bool:
         """Does the check of ``lease_id`` wait for its peer's reveal (the submit's Ack asks for it)? Not when it was
         never queued, or its start state is at hand without one (coordinator/chained.py)."""
@@ -791,13 +834,26 @@ class DaemonVerification:
         if following is None:
             return
         check, start = following
+        lease_id = check.lease.lease_id
+        part = self.partial.get(lease_id)
         if check.peer in self.port.node.state.verification.expelled:
             self.chained.counts["moot"] += 1
+            self.partial.pop(lease_id, None)
         elif start is None:
+            if part is not None:  # its peer was told to leave the start out: the check cannot be had
+                del self.partial[lease_id]
+                waiting = self.awaiting.pop(lease_id, None)
+                if waiting is not None:
+                    waiting[2].cancel()
             self._decide_later(self._unverified(check, "the check of the peer's previous lease, whose end state this "
                                                 "lease starts from, ended without a verdict", overflow=True))
-        elif not self.verifier.offer(check, start):
-            self._decide_later(self._unverified(check, "the verification queue was full", overflow=True))
+        elif part is None:
+            self._offer_with_start(check, start, b"")
+        elif part.end is None:  # its end is still to be revealed
+            part.start = start
+        else:
+            del self.partial[lease_id]
+            self._offer_with_start(check, start, part.end)
 
     async def _unverified_id(self, peer: str, lease_id: str, reason: str, apply: bool = False) -> None:
         """End a check without a verdict: an :class:`~asyncloco.coordinator.logic.Unverified` event through the
@@ -819,6 +875,7 @@ class DaemonVerification:
             if self.awaiting.get(lease_id, (None,))[0] is not action:
                 return
             del self.awaiting[lease_id]
+            self.partial.pop(lease_id, None)
             self.reveals["late"] += 1
             detail = f"the lease's start inner state was not revealed within runtime.verify.reveal_timeout ({timeout:g} s)"
             await self._verdict(action, Comparison(False, False, math.inf, -1.0, detail))
@@ -834,9 +891,17 @@ class DaemonVerification:
             self._stop = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self.verifier.run(self._stop))
 
-    async def judged(self, task: Verify, ok: bool, bitwise: bool, rel_error: float, cosine: float, detail: str) -> None:
-        """A validator peer's verdict (coordinator/validators.py), decided like the worker's own."""
-        await self._verdict(task, Comparison(ok, bitwise, rel_error, cosine, detail))
+    async def judged(self, task: Verify, ok: bool, bitwise: bool, rel_error: float, cosine: float, detail: str,
+                     revealed: Optional[bytes] = None) -> None:
+        """A validator peer's verdict (coordinator/validators.py), decided like the worker's own; ``revealed``: what the
+        check was lent with, whose end part a pass leaves for the peer's next check (coordinator/chained.py)."""
+        end_state = None
+        if ok and revealed and self.verifier.rerunner.keep_end:
+            from asyncloco.train.commitments import split_parts
+
+            with contextlib.suppress(ValueError):
+                end_state = bytes(split_parts(revealed)[1]) or None
+        await self._verdict(task, Comparison(ok, bitwise, rel_error, cosine, detail, end_state=end_state))
 
     def unverified_later(self, task: Verify, reason: str) -> None:
         self._decide_later(self._unverified(task, reason))

@@ -245,25 +245,28 @@ class RevealStore:
     def get_end(self, lease_id: str) -> Optional[Buffer]:
         return self._ends.get(lease_id)
 
-    def reveal(self, lease_id: str, end: bool = True) -> Optional[Buffer]:
+    def reveal(self, lease_id: str, end: bool = True, start: bool = True) -> Optional[Buffer]:
         """What the ``reveal`` RPC sends for ``lease_id``: with ``ends`` both parts (:func:`pack_parts`; ``end`` false:
-        an empty end part, as the coordinator's Ack ``reveal_end: false`` asks), else the start state; None when what it
-        needs is no longer kept."""
-        parts = self.reveal_parts(lease_id, end)
+        an empty end part, as the coordinator's Ack ``reveal_end: false`` asks; ``start`` false: an empty start part, as
+        ``reveal_start: false`` asks), else the start state; None when what it needs is no longer kept."""
+        parts = self.reveal_parts(lease_id, end, start)
         return None if parts is None else (parts[0] if len(parts) == 1 else b"".join(parts))
 
-    def reveal_parts(self, lease_id: str, end: bool = True) -> Optional[list[Buffer]]:
+    def reveal_parts(self, lease_id: str, end: bool = True, start: bool = True) -> Optional[list[Buffer]]:
         """:meth:`reveal` as the parts it joins (the start part's length, the start, the end), for sending one after
         another without the joined copy (which holds the GIL for its whole length, gigabytes at 150m)."""
-        start = self._states.get(lease_id)
+        state = self._states.get(lease_id)
         if not self.ends:
-            return None if start is None else [start]
-        if start is None:
+            return None if state is None else [state]
+        if not start and end:  # the coordinator has the start: the end alone, after an empty start part
+            ending = self._ends.get(lease_id)
+            return None if ending is None else [struct.pack("<Q", 0), ending]
+        if state is None:
             return None
         if not end:
-            return [struct.pack("<Q", len(start)), start]
+            return [struct.pack("<Q", len(state)), state]
         ending = self._ends.get(lease_id)
-        return None if ending is None else [struct.pack("<Q", len(start)), start, ending]
+        return None if ending is None else [struct.pack("<Q", len(state)), state, ending]
 
     def __len__(self) -> int:
         return len(self._states)

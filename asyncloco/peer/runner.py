@@ -531,7 +531,7 @@ class PeerRunner:
             self._prefetch = asyncio.ensure_future(client.get_model(None))
         if ack.reveal:  # chosen for verification after the submission: send the lease's start (and end) states
             await self._reveal(client, lease.lease_id, await settled((digests or self._digests)[0]),
-                               end=ack.reveal_end is not False)
+                               end=ack.reveal_end is not False, start=ack.reveal_start is not False)
         if ack.accepted:
             self.summary.accepted += 1
             self.summary.duplicates += int(ack.duplicate)
@@ -588,11 +588,11 @@ class PeerRunner:
         self._inner_loss = loss if math.isfinite(loss) and 0.0 <= loss <= 1e6 else None  # the wire's bounds
         return result.pseudo_gradient, time.perf_counter() - started, step_seconds
 
-    async def _reveal(self, client: Any, lease_id: str, digest: Optional[str], end: bool = True) -> None:
-        """Reveal lease ``lease_id``'s start and (``end``) end inner states (peer/reveal.py; commitments)."""
+    async def _reveal(self, client: Any, lease_id: str, digest: Optional[str], end: bool = True, start: bool = True) -> None:
+        """Reveal lease ``lease_id``'s (``start``) start and (``end``) end inner states (peer/reveal.py; commitments)."""
         from asyncloco.peer.reveal import send_reveal
 
-        state = self.reveals.reveal_parts(lease_id, end) if self.reveals is not None else None
+        state = self.reveals.reveal_parts(lease_id, end, start) if self.reveals is not None else None
         # a lost reveal fails an honest check at reveal_timeout: resend for up to half of it
         retry_for = self._cfg.runtime.verify.reveal_timeout / 2 if self._cfg is not None else 0.0
         await send_reveal(client, lease_id, state, digest, retry_for=retry_for, wait=self._pause,

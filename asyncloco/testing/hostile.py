@@ -422,7 +422,8 @@ class Hostile:
             if run.reveals is not None and not (ack is not None and ack.accepted):
                 run.trainer.reset_inner_state()  # only applied leases advance the commitment chain
             if run.reveals is not None and ack is not None and ack.reveal:
-                revealed = await send_reveal(client, lease_id, run.reveals.reveal(lease_id, ack.reveal_end is not False),
+                revealed = await send_reveal(client, lease_id, run.reveals.reveal(lease_id, ack.reveal_end is not False,
+                                                                                 ack.reveal_start is not False),
                                              self.digests[0])
                 self._note("reveal", revealed, lease_id=lease_id)
         if attack == "replay":

@@ -17,7 +17,7 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
 | :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``?, ``device_class``?, ``theta_codec``?, ``theta_anchor``?, ``theta_digest``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
-| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``?, ``reveal_end``? |
+| :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``?, ``reveal_end``?, ``reveal_start``? |
 | :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
 | :class:`RevealReply` | reveal, reply | ``accepted``, ``reason`` |
 | :class:`CheckRequest` | verify_task, validator → coordinator | ``wait_s`` |
@@ -374,7 +374,9 @@ class Ack(_Message):
     with the ``reveal`` RPC (:class:`RevealHeader`) before ``runtime.verify.reveal_timeout``; absent otherwise.
     ``reveal_end`` false: the start state alone (an empty end part) — the coordinator re-runs the check itself on the
     peer's compute class, so its re-run's end state is compared with the committed digest bitwise and the peer's end
-    state would be unused bytes; absent: both parts."""
+    state would be unused bytes; absent: both parts. ``reveal_start`` false: an empty start part — the coordinator
+    has that state already (the end state of the peer's previous lease, revealed or re-run for its own check:
+    coordinator/chained.py); absent: the start part."""
 
     accepted: bool
     version: int
@@ -383,6 +385,7 @@ class Ack(_Message):
     reveal: Optional[bool] = None
     code: Optional[str] = None  # a refused submission: a asyncloco/refusals.py RefusalCode value
     reveal_end: Optional[bool] = None
+    reveal_start: Optional[bool] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "version", "reason", "duplicate")
 
     def __post_init__(self) -> None:
@@ -394,6 +397,8 @@ class Ack(_Message):
             self._bool("reveal")
         if self.reveal_end is not None:
             self._bool("reveal_end")
+        if self.reveal_start is not None:
+            self._bool("reveal_start")
         _check_code(self, "Ack")
 
 
