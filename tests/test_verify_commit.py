@@ -363,3 +363,19 @@ def test_a_reveal_is_read_through_views_not_copies() -> None:
     assert inner_state_chunks(fresh) == chunks
     from asyncloco.train.commitments import inner_state_digest
     assert inner_state_digest(fresh) == inner_state_digest(optimizer) == expected
+
+
+def test_the_numpy_built_layouts_equal_the_joined_ones() -> None:
+    """train/commitments.py ``join_parts`` / ``pack_reveal_buffer`` / ``copy_buffer`` (the coordinator builds reveals from
+    kept states with them: no GIL-held copy of a state's length) give exactly :func:`pack_parts` / :func:`pack_reveal`."""
+    from asyncloco.train.commitments import copy_buffer, join_parts, pack_parts, pack_reveal, pack_reveal_buffer
+
+    inner = bytes(range(256)) * 3
+    residual = torch.linspace(-1.0, 1.0, 17)
+    for start, end in ((inner, b""), (b"", inner), (inner, inner[:5]), (b"", b"")):
+        assert bytes(join_parts(start, end)) == pack_parts(start, end)
+    for state, left in ((inner, residual), (inner, None), (b"", residual), (b"", None)):
+        assert bytes(pack_reveal_buffer(state, left)) == pack_reveal(state, left)
+    view = memoryview(inner)[3:40]
+    copied = copy_buffer(view)
+    assert bytes(copied) == inner[3:40] and copied.obj is not inner and bytes(copy_buffer(b"")) == b""

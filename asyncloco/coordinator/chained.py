@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from asyncloco.coordinator.logic import Verify
+    from asyncloco.train.commitments import Buffer
 
 __all__ = ["ChainedStates"]
 
@@ -40,7 +41,7 @@ __all__ = ["ChainedStates"]
 @dataclass(frozen=True)
 class _Kept:
     digest: str  # the committed end state (the lease's ``state_end``)
-    state: bytes  # in a reveal part's layout (train/commitments.py pack_reveal; the inner layout alone without feedback)
+    state: "Buffer"  # in a reveal part's layout (train/commitments.py pack_reveal; the inner layout alone without feedback)
 
 
 class ChainedStates:
@@ -57,7 +58,7 @@ class ChainedStates:
         # moot: a waiting check whose peer was expelled; evicted: kept states dropped for the budget
         self.counts = {"fresh": 0, "kept": 0, "waited": 0, "moot": 0, "evicted": 0}
 
-    def start(self, check: "Verify", full: bool = False) -> tuple[str, Optional[bytes]]:
+    def start(self, check: "Verify", full: bool = False) -> tuple[str, Optional["Buffer"]]:
         """Where ``check``'s start state comes from without its peer revealing it: ("fresh" | "kept", the start part — a
         reveal part's layout, b"" fresh), ("wait", None) when it waits for the verdict of the check in progress of the
         peer's previous lease (:meth:`finished` hands it over), or ("", None): its peer must reveal it. ``full``: a check
@@ -65,9 +66,11 @@ class ChainedStates:
         it, empty. Every check is noted as :meth:`expected` too."""
         from asyncloco.train.commitments import FRESH_STATE_DIGEST
 
-        how, start = "", None
+        how = ""
+        start: Optional[Buffer] = None
         if check.state_start == FRESH_STATE_DIGEST:
-            how, start = ("", None) if full else ("fresh", b"")
+            if not full:
+                how, start = "fresh", b""
         elif self.budget > 0:
             kept = self.kept.get(check.peer)
             expected = self.expected.get(check.peer)
@@ -87,7 +90,7 @@ class ChainedStates:
         if self.budget > 0 and check.state_end:
             self.expected[check.peer] = (check.lease.lease_id, check.state_end)
 
-    def finished(self, check: "Verify", end_state: Optional[bytes]) -> Optional[tuple["Verify", Optional[bytes]]]:
+    def finished(self, check: "Verify", end_state: Optional["Buffer"]) -> Optional[tuple["Verify", Optional["Buffer"]]]:
         """``check`` ended: ``end_state`` its end state when it passed with one (Comparison.end_state), else None. Keeps it,
         and returns the check waiting on this one with its start part (None: it cannot have one), or None."""
         peer, lease_id = check.peer, check.lease.lease_id

@@ -34,7 +34,7 @@ class Comparison:
     # a passed carried-state check of the verifier's own compute class: the lease's end state as the re-run left it (the
     # single-state layout of train/commitments.py ``pack_reveal``, the inner layout alone without error feedback), whose
     # commitment the peer's equals — what its next lease starts from (coordinator/verify.py "Chained reveals")
-    end_state: Optional[bytes] = field(default=None, repr=False, compare=False)
+    end_state: Optional["Buffer"] = field(default=None, repr=False, compare=False)
 
 
 def compare(rerun: torch.Tensor, submitted: torch.Tensor, tolerance: float = 0.0, min_cosine: float = -1.0) -> Comparison:
@@ -338,7 +338,7 @@ class Rerunner:
         knob = self.cfg.runtime.verify.cross_device_state_tolerance
         return CROSS_DEVICE_STATE_TOLERANCE[self.cfg.inner.precision] if knob is None else knob
 
-    def _parts(self, task: Verify, revealed: bytes) -> tuple[Optional[tuple["Buffer", Optional[torch.Tensor], "Buffer",
+    def _parts(self, task: Verify, revealed: "Buffer") -> tuple[Optional[tuple["Buffer", Optional[torch.Tensor], "Buffer",
                                                                              Optional[torch.Tensor]]], str]:
         """The revealed start and end states (train/commitments.py ``pack_parts``), each an inner layout and a residual, once
         each hashes to its commitment; else None and why. An empty end part (the Ack's ``reveal_end: false``) is taken
@@ -364,7 +364,7 @@ class Rerunner:
             return None, "the revealed end state does not match its commitment"
         return (start_inner, start_residual, end_inner, end_residual), ""
 
-    def check_revealed(self, task: Verify, revealed: bytes) -> Comparison:
+    def check_revealed(self, task: Verify, revealed: "Buffer") -> Comparison:
         """Commitments (``inner_state: carry``): ``revealed`` is the peer's inner state at the lease's start and at its
         end (train/commitments.py ``pack_parts``; each in the canonical layout of train/commitments.py ``inner_state_chunks``, with
         error feedback followed by the residual, ``pack_reveal``). Each must hash to its commitment (``state_start``,
@@ -413,24 +413,25 @@ class Rerunner:
         failed = self._end_state_failure(ours, end_inner, left, end_residual, scale)
         if failed:
             return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine, failed)
-        from asyncloco.train.commitments import split_parts
+        from asyncloco.train.commitments import copy_buffer, split_parts
 
         # its revealed end (which hashes to the committed one) is where its next lease starts (coordinator/chained.py)
-        kept = bytes(split_parts(revealed)[1]) if self.keep_end else None
+        kept = copy_buffer(split_parts(revealed)[1]) if self.keep_end else None
         return Comparison(True, comparison.bitwise, comparison.rel_error, comparison.cosine,
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
                           f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)",
                           end_state=kept)
 
-    def _end_state(self, residual: Optional[torch.Tensor]) -> Optional[bytes]:
+    def _end_state(self, residual: Optional[torch.Tensor]) -> Optional["Buffer"]:
         """The trainer's inner state (and the residual ``residual``, with error feedback) in the single-state layout a
-        reveal's part has (train/commitments.py ``pack_reveal``): the end state of the lease just re-run."""
-        from asyncloco.train.commitments import inner_state_buffer, pack_reveal
+        reveal's part has (train/commitments.py ``pack_reveal``, built without a GIL-held copy): the end state of the
+        lease just re-run."""
+        from asyncloco.train.commitments import inner_state_buffer, pack_reveal_buffer
 
-        inner = inner_state_buffer(self.trainer.optimizer)
+        inner = inner_state_buffer(self.trainer.optimizer)  # its own buffer, laid out by numpy
         if inner is None:
             return None
-        return pack_reveal(inner, residual) if self.cfg.runtime.uses_error_feedback else bytes(inner)
+        return pack_reveal_buffer(inner, residual) if self.cfg.runtime.uses_error_feedback else inner
 
     def _end_state_failure(self, ours: StateMoments, end_inner: "Buffer", left: Optional[torch.Tensor],
                            end_residual: Optional[torch.Tensor], scale: Optional[float]) -> str:

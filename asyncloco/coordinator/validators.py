@@ -16,9 +16,12 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from asyncloco.train.commitments import Buffer
 
 __all__ = ["ValidatorDesk"]
 
@@ -31,7 +34,7 @@ class _Loan:
 
     task: Any  # logic.Verify
     queued_at: float
-    revealed: Optional[bytes]
+    revealed: "Optional[Buffer]"
     validator: str
     expiry: Optional["asyncio.Task[None]"] = None
 

@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from asyncloco.coordinator.journal import Journal
     from asyncloco.coordinator.node import CoordinatorNode
     from asyncloco.models.workload import Workload
+    from asyncloco.train.commitments import Buffer
 
 __all__ = ["Verifier", "VerifyStats", "DaemonVerification", "VerificationPort", "needs_reveal", "live_base"]
 
@@ -159,7 +160,7 @@ class Verifier:
         self.moot = moot  # a queued check no longer needed (its peer was expelled meanwhile): dropped unrun
         self.clock = clock
         # (check, when it was offered, the revealed start and end states: None for a reset-state lease re-run from θ alone)
-        self.queue: "asyncio.Queue[tuple[Verify, float, Optional[bytes]]]" = asyncio.Queue(maxsize=capacity)
+        self.queue: "asyncio.Queue[tuple[Verify, float, Optional[Buffer]]]" = asyncio.Queue(maxsize=capacity)
         self.stats = VerifyStats()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -167,7 +168,7 @@ class Verifier:
         self.ahead = Ahead(ahead)
         self._wake = asyncio.Event()  # something was planned ahead
 
-    def offer(self, task: Verify, revealed: Optional[bytes] = None, offered_at: Optional[float] = None) -> bool:
+    def offer(self, task: Verify, revealed: "Optional[Buffer]" = None, offered_at: Optional[float] = None) -> bool:
         """Queue a re-run (``revealed``: the start inner state for a carried-state lease, b"" for a fresh one)."""
         try:
             self.queue.put_nowait((task, self.clock() if offered_at is None else offered_at, revealed))
@@ -329,8 +330,8 @@ class _Partial:
     peer's previous check) and the end once revealed."""
 
     check: Verify
-    start: Optional[bytes]
-    end: Optional[bytes] = None
+    start: Optional["Buffer"]
+    end: Optional["Buffer"] = None
 
 
 class DaemonVerification:
@@ -544,7 +545,7 @@ class DaemonVerification:
         return not (own and self.knobs.local and not self.knobs.validators)
 
     @staticmethod
-    def _start_only(state: bytes) -> bool:
+    def _start_only(state: "Buffer") -> bool:
         """A reveal whose end part is empty (train/commitments.py ``pack_parts``; a malformed one is judged by the re-run)."""
         from asyncloco.train.commitments import split_parts
 
@@ -582,7 +583,7 @@ class DaemonVerification:
                                              self.port.cfg.runtime.uses_error_feedback)
         return self._state_size
 
-    def reveal(self, lease_id: str, state: bytes, peer: str) -> Any:
+    def reveal(self, lease_id: str, state: "Buffer", peer: str) -> Any:
         """The peer's revealed start and end states of ``lease_id``: queued for the re-run (Rerunner.check_revealed judges
         its digest, the re-run and the end digest)."""
         from asyncloco.transport.wire import RevealReply
@@ -596,17 +597,17 @@ class DaemonVerification:
             self.reveals["start_only"] += 1
         part = self.partial.get(lease_id)
         if part is not None:  # the end alone was asked for: the start is the coordinator's (coordinator/chained.py)
-            from asyncloco.train.commitments import pack_parts, split_parts
+            from asyncloco.train.commitments import copy_buffer, join_parts, split_parts
 
             try:
-                part.end = bytes(split_parts(state)[1])
+                part.end = copy_buffer(split_parts(state)[1])
             except ValueError:  # malformed: offered as sent, the re-run names what is wrong with it
                 del self.partial[lease_id]
             else:
                 if part.start is None:
                     return RevealReply(True, "kept until the check of the lease it starts from is decided")
                 del self.partial[lease_id]
-                state = pack_parts(part.start, part.end)
+                state = join_parts(part.start, part.end)
         self.start_worker()
         if not self.verifier.offer(task, state, offered_at=asked_at):
             self._decide_later(self._unverified(task, "the verification queue was full", overflow=True))
@@ -814,11 +815,11 @@ class DaemonVerification:
         has it, or will at the verdict on the peer's previous lease)?"""
         return lease_id not in self.partial
 
-    def _offer_with_start(self, check: Verify, start: bytes, end: bytes) -> None:
+    def _offer_with_start(self, check: Verify, start: "Buffer", end: "Buffer") -> None:
         """Queue ``check``'s re-run from ``start`` (and the revealed ``end``, b"" for none): a reveal in its layout."""
-        from asyncloco.train.commitments import pack_parts
+        from asyncloco.train.commitments import join_parts
 
-        if not self.verifier.offer(check, pack_parts(start, end)):
+        if not self.verifier.offer(check, join_parts(start, end)):
             self._decide_later(self._unverified(check, "the verification queue was full", overflow=True))
 
     def asks_reveal(self, lease_id: str) -> bool:
@@ -826,7 +827,7 @@ class DaemonVerification:
         never queued, or its start state is at hand without one (coordinator/chained.py)."""
         return lease_id in self.awaiting
 
-    def _chain_on(self, task: Verify, end_state: Optional[bytes]) -> None:
+    def _chain_on(self, task: Verify, end_state: Optional["Buffer"]) -> None:
         """``task`` ended (``end_state``: its end state, when it passed with one): keep it for the peer's next lease
         (coordinator/chained.py), and start the check waiting on it — moot once its peer is expelled, unverified
         without a start state."""
@@ -892,15 +893,16 @@ class DaemonVerification:
             self._task = asyncio.get_running_loop().create_task(self.verifier.run(self._stop))
 
     async def judged(self, task: Verify, ok: bool, bitwise: bool, rel_error: float, cosine: float, detail: str,
-                     revealed: Optional[bytes] = None) -> None:
+                     revealed: "Optional[Buffer]" = None) -> None:
         """A validator peer's verdict (coordinator/validators.py), decided like the worker's own; ``revealed``: what the
         check was lent with, whose end part a pass leaves for the peer's next check (coordinator/chained.py)."""
         end_state = None
         if ok and revealed and self.verifier.rerunner.keep_end:
-            from asyncloco.train.commitments import split_parts
+            from asyncloco.train.commitments import copy_buffer, split_parts
 
             with contextlib.suppress(ValueError):
-                end_state = bytes(split_parts(revealed)[1]) or None
+                end = split_parts(revealed)[1]
+                end_state = copy_buffer(end) if len(end) else None
         await self._verdict(task, Comparison(ok, bitwise, rel_error, cosine, detail, end_state=end_state))
 
     def unverified_later(self, task: Verify, reason: str) -> None:

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "FRESH_STATE_DIGEST", "committable", "inner_state_buffer", "inner_state_chunks", "inner_state_digest", "inner_state_size", "load_inner_state",
     "revealed_digest", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts", "split_parts",
+    "copy_buffer", "join_parts", "pack_reveal_buffer",
 ]
 
 
@@ -228,6 +229,42 @@ def pack_parts(start: Buffer, end: Buffer) -> bytes:
     fresh state), the end part — each part in the single-state layout (the canonical inner layout, with error feedback
     :func:`pack_reveal`'s)."""
     return b"".join((struct.pack("<Q", len(start)), start, end))
+
+
+# ---------------------------------------------- the same layouts built by numpy (no GIL held for a state's length)
+#
+# The coordinator builds reveals out of states it kept (coordinator/chained.py) on its event loop or in its verifier's
+# thread: at 150m a state is 1.8 GB, and a bytes join or copy of it would stall every RPC for seconds (above).
+
+
+def copy_buffer(data: Buffer) -> memoryview:
+    """A copy of ``data`` (its own memory, so that ``data`` may be freed), made by numpy."""
+    out = np.empty(len(data), dtype=np.uint8)
+    if len(data):
+        out[:] = np.frombuffer(data, dtype=np.uint8)
+    return out.data.cast("B")
+
+
+def join_parts(start: Buffer, end: Buffer) -> memoryview:
+    """:func:`pack_parts` built by numpy."""
+    out = np.empty(8 + len(start) + len(end), dtype=np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(start)), dtype=np.uint8)
+    for offset, part in ((8, start), (8 + len(start), end)):
+        if len(part):
+            out[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+    return out.data.cast("B")
+
+
+def pack_reveal_buffer(inner: Buffer, residual: Optional[torch.Tensor]) -> memoryview:
+    """:func:`pack_reveal` built by numpy."""
+    tail = np.empty(0, dtype=np.uint8) if residual is None else \
+        residual.detach().cpu().contiguous().numpy().astype("<f4", copy=False).reshape(-1).view(np.uint8)
+    out = np.empty(8 + len(inner) + tail.size, dtype=np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(inner)), dtype=np.uint8)
+    if len(inner):
+        out[8 : 8 + len(inner)] = np.frombuffer(inner, dtype=np.uint8)
+    out[8 + len(inner) :] = tail
+    return out.data.cast("B")
 
 
 def split_parts(data: Buffer) -> tuple[memoryview, memoryview]:
