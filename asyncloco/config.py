@@ -307,10 +307,13 @@ class VerifyConfig(StrictModel):
         "becomes a suspect: its next sketch_checks leases are all re-run (1: never, the default)"
     )
     sketch_checks: int = Field(2, ge=0, description="leases re-run after a peer's sketch score passed sketch_threshold")
+    # 0 by default: in the simulator holding drawn checks cost 661-863 vs 173-187 perplexity with a verifier as fast as
+    # the fastest peer (the held update of the fastest peer misses every lockstep round); in the demo 94/110 vs 89/111
+    # (docs/threat-model.md, "Checked work waits for its verdict"; results/sim-held-checks-decomposition-2026-11-29.json)
     hold_backlog: int = Field(
-        2, ge=0, description="a drawn check holds its update until its verdict only while fewer checks than this await "
-        "theirs; beyond, the update is applied at once and checked later (a failed check repairs θ), so a verifier "
-        "that falls behind never makes held work stale (probation and suspects' checks are always held)"
+        0, ge=0, description="a drawn check holds its update until its verdict only while fewer checks than this await "
+        "theirs; otherwise the update is applied at once and checked later (a failed check repairs θ). 0, the default: "
+        "drawn checks are applied first; probation and suspects' checks are always held"
     )
     tolerance: float = Field(
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ for a peer of the verifier's own compute "
