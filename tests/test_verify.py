@@ -195,7 +195,10 @@ def verify_state(optimizer: OuterOptimizer, fraction: float = 0.0, probation: in
                  secret: bytes = b"s" * 32) -> CoordinatorState:
     policy = CoordinatorPolicy(
         max_local_steps=4, grace_period=grace, lease_timeout_factor=3.0, lease_slack=100.0,
-        verify=VerifyPolicy(fraction=fraction, probation_updates=probation, suspect_fraction=0.5),
+        # drawn checks held while fewer than two await (hold_backlog 2, the default until 2026-11-29): what these tests
+        # of the held path were written for; test_a_drawn_check_behind_a_busy_verifier_is_applied_first_and_checked_later
+        # sets its own
+        verify=VerifyPolicy(fraction=fraction, probation_updates=probation, suspect_fraction=0.5, hold_backlog=2),
     )
     return new_state(torch.zeros(DIM), optimizer, [], policy, [10_000], seed=3, lease_secret=secret)
 
@@ -336,7 +339,7 @@ def test_a_pending_check_never_costs_a_peer_its_lease(probation: bool) -> None:
     A probation check is never dropped (a deliberately slow client would skip its probation): that lease goes back."""
     policy = CoordinatorPolicy(
         max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=1e6, max_retained_versions=2,
-        verify=VerifyPolicy(fraction=1.0, probation_updates=100 if probation else 0),
+        verify=VerifyPolicy(fraction=1.0, probation_updates=100 if probation else 0, hold_backlog=2),
     )
     state = new_state(torch.zeros(DIM), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=0, lease_secret=b"k" * 32)
     from asyncloco.coordinator.logic import Fetched

@@ -133,10 +133,10 @@ class VerifyPolicy:
     commit: bool = False  # inner_state "carry": submissions carry chained digests of the inner state (Commitments)
     sketch_threshold: float = 1.0  # a persistent residual beyond this cosine makes a suspect (coordinator/sketch.py; 1: off)
     sketch_checks: int = 2  # its next leases re-run, this many
-    # a sampled (drawn) check holds its update only while fewer checks than this await their verdicts; beyond, the
-    # update is applied at once and checked later (a failed check then repairs θ): a verifier that falls behind never
-    # makes held work stale. Probation and suspects' checks are always held.
-    hold_backlog: int = 2
+    # a sampled (drawn) check holds its update only while fewer checks than this await their verdicts; otherwise the
+    # update is applied at once and checked later (a failed check then repairs θ). 0 (config.py's default): drawn checks
+    # are applied first. Probation and suspects' checks are always held.
+    hold_backlog: int = 0
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
