@@ -177,7 +177,7 @@ def test_held_checks_apply_each_chosen_update_when_one_verifiers_rerun_of_it_end
     arrive. Nothing chosen: the run is the unchecked run, bit for bit."""
     rerun = 0.25
     cfg = toy_config(sim={"profile": "very", "total_local_updates": 200, "checks": True, "rerun_seconds_per_step": rerun},
-                     runtime={"verify": {"fraction": 0.45, "probation_updates": 2}})
+                     runtime={"verify": {"fraction": 0.45, "probation_updates": 2, "hold_backlog": 2}})  # drawn ones held too
     simulation, trace = _run(cfg, "async_dn_dylu")
     finish = {r["lease_id"]: (r["finish"], r["steps"], r["worker"]) for r in _records(trace, "task")}
     applied = {r["lease_id"]: r["time"] for r in _records(trace, "applied")}
@@ -217,7 +217,7 @@ def test_with_re_runs_ahead_the_verifier_starts_each_chosen_lease_when_it_is_iss
     when it is issued, not when its update arrives, and the update's verdict comes at its arrival or when that re-run
     ends, whichever is later; the same run without it queues at arrival."""
     rerun = 0.25
-    verify = {"fraction": 0.45, "probation_updates": 2, "inner_state": "reset"}
+    verify = {"fraction": 0.45, "probation_updates": 2, "inner_state": "reset", "hold_backlog": 2}  # drawn ones held too
     cfg = toy_config(sim={"profile": "very", "total_local_updates": 200, "checks": True, "rerun_seconds_per_step": rerun},
                      runtime={"verify": verify})
     assert cfg.runtime.verify.ahead > 0
