@@ -364,9 +364,9 @@ class VerifyConfig(StrictModel):
         300.0, gt=0, description="inner_state carry: seconds a peer has to reveal a checked lease's start state; then the check fails"
     )
     reveal_keep: int = Field(2, ge=1, description="inner_state carry: start and end states of its last N leases a peer keeps to reveal")
-    # a passed check of the verifier's own compute class leaves the coordinator the lease's end state, which the peer's
-    # next lease starts from: kept, that lease is re-run from it if drawn, and its peer reveals nothing (coordinator/
-    # verify.py "Chained reveals"); a reveal is 3 × θ's fp32 bytes with error feedback, 2 × without
+    # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that
+    # lease is re-run from it if drawn, and its peer reveals nothing, or its end alone (coordinator/chained.py); a
+    # state is 3 × θ's fp32 bytes with error feedback, 2 × without
     keep_states_mb: int = Field(
         2048, ge=0, description="inner_state carry: memory (MB) for the end states of checked leases the coordinator keeps, "
         "one per peer, so that the peer's next lease, if drawn, needs no reveal (0: every check asks its peer)"

@@ -368,7 +368,8 @@ def test_a_reveal_is_read_through_views_not_copies() -> None:
 def test_the_numpy_built_layouts_equal_the_joined_ones() -> None:
     """train/commitments.py ``join_parts`` / ``pack_reveal_buffer`` / ``copy_buffer`` (the coordinator builds reveals from
     kept states with them: no GIL-held copy of a state's length) give exactly :func:`pack_parts` / :func:`pack_reveal`."""
-    from asyncloco.train.commitments import copy_buffer, join_parts, pack_parts, pack_reveal, pack_reveal_buffer
+    from asyncloco.train.commitments import (copy_buffer, join_parts, pack_parts, pack_reveal, pack_reveal_buffer,
+                                             revealed_end)
 
     inner = bytes(range(256)) * 3
     residual = torch.linspace(-1.0, 1.0, 17)
@@ -379,3 +380,6 @@ def test_the_numpy_built_layouts_equal_the_joined_ones() -> None:
     view = memoryview(inner)[3:40]
     copied = copy_buffer(view)
     assert bytes(copied) == inner[3:40] and copied.obj is not inner and bytes(copy_buffer(b"")) == b""
+    end = revealed_end(pack_parts(inner[:7], inner))  # what a pass keeps of a reveal with an end part
+    assert end is not None and bytes(end) == inner
+    assert revealed_end(pack_parts(inner, b"")) is None and revealed_end(b"\x05") is None  # none, malformed

@@ -31,9 +31,10 @@ class Comparison:
     rel_error: float  # ‖submitted − rerun‖ / ‖rerun‖
     cosine: float
     detail: str
-    # a passed carried-state check of the verifier's own compute class: the lease's end state as the re-run left it (the
-    # single-state layout of train/commitments.py ``pack_reveal``, the inner layout alone without error feedback), whose
-    # commitment the peer's equals — what its next lease starts from (coordinator/verify.py "Chained reveals")
+    # a passed carried-state check (with Rerunner.keep_end): the lease's end state whose digest is the committed one — the
+    # re-run's for the verifier's own compute class, the peer's revealed end for another — in a reveal part's layout
+    # (train/commitments.py ``pack_reveal``; the inner layout alone without error feedback): where the peer's next lease
+    # starts (coordinator/chained.py)
     end_state: Optional["Buffer"] = field(default=None, repr=False, compare=False)
 
 
@@ -215,7 +216,7 @@ class Rerunner:
         self.device = device
         self.compute_class = compute_class(device)
         self._trainer: Optional["InnerTrainer"] = None
-        # a passed carried-state check of the own compute class returns the lease's end state (Comparison.end_state)
+        # a passed carried-state check returns the lease's end state (Comparison.end_state; coordinator/chained.py)
         self.keep_end = False
 
     def bounds(self, task: "Verify") -> tuple[float, float]:
@@ -413,10 +414,10 @@ class Rerunner:
         failed = self._end_state_failure(ours, end_inner, left, end_residual, scale)
         if failed:
             return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine, failed)
-        from asyncloco.train.commitments import copy_buffer, split_parts
+        from asyncloco.train.commitments import revealed_end
 
         # its revealed end (which hashes to the committed one) is where its next lease starts (coordinator/chained.py)
-        kept = copy_buffer(split_parts(revealed)[1]) if self.keep_end else None
+        kept = revealed_end(revealed) if self.keep_end else None
         return Comparison(True, comparison.bitwise, comparison.rel_error, comparison.cosine,
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
                           f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)",

@@ -896,13 +896,9 @@ class DaemonVerification:
                      revealed: "Optional[Buffer]" = None) -> None:
         """A validator peer's verdict (coordinator/validators.py), decided like the worker's own; ``revealed``: what the
         check was lent with, whose end part a pass leaves for the peer's next check (coordinator/chained.py)."""
-        end_state = None
-        if ok and revealed and self.verifier.rerunner.keep_end:
-            from asyncloco.train.commitments import copy_buffer, split_parts
+        from asyncloco.train.commitments import revealed_end
 
-            with contextlib.suppress(ValueError):
-                end = split_parts(revealed)[1]
-                end_state = copy_buffer(end) if len(end) else None
+        end_state = revealed_end(revealed) if ok and revealed and self.verifier.rerunner.keep_end else None
         await self._verdict(task, Comparison(ok, bitwise, rel_error, cosine, detail, end_state=end_state))
 
     def unverified_later(self, task: Verify, reason: str) -> None:

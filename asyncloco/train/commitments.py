@@ -16,7 +16,7 @@ import torch
 __all__ = [
     "FRESH_STATE_DIGEST", "committable", "inner_state_buffer", "inner_state_chunks", "inner_state_digest", "inner_state_size", "load_inner_state",
     "revealed_digest", "committed_digest", "pack_reveal", "unpack_reveal", "revealed_size", "pack_parts", "split_parts",
-    "copy_buffer", "join_parts", "pack_reveal_buffer",
+    "copy_buffer", "join_parts", "pack_reveal_buffer", "revealed_end",
 ]
 
 
@@ -265,6 +265,15 @@ def pack_reveal_buffer(inner: Buffer, residual: Optional[torch.Tensor]) -> memor
         out[8 : 8 + len(inner)] = np.frombuffer(inner, dtype=np.uint8)
     out[8 + len(inner) :] = tail
     return out.data.cast("B")
+
+
+def revealed_end(data: Buffer) -> Optional[memoryview]:
+    """A copy of the end part of a reveal (:func:`pack_parts`; by numpy), or None when it has none or is malformed."""
+    try:
+        end = split_parts(data)[1]
+    except ValueError:
+        return None
+    return copy_buffer(end) if len(end) else None
 
 
 def split_parts(data: Buffer) -> tuple[memoryview, memoryview]:
