@@ -140,8 +140,8 @@ class ScheduleConfig(StrictModel):
     speed_ema: float = Field(0.5, ge=0, lt=1, description="smoothing of reported throughputs")
     local_steps: Literal["fixed", "auto"] = Field(
         "fixed", description="fixed: the method's steps (DyLU's, up to max_local_steps); auto: at least enough that a "
-        "peer's compute covers its transfers, H = min(max_auto_steps, max(H_dylu, ceil(transfer_cover × (t_up + t_down) "
-        "/ t_step))) from its measured link (docs/algorithm.md)"
+        "peer's compute covers its transfers, H = min(max_auto_steps, max(H_dylu, ceil(transfer_cover × (t_up + 1.5 × "
+        "t_down) / t_step))) from its measured link: the previous upload and the next lease's ask-ahead lead (docs/algorithm.md)"
     )
     transfer_cover: float = Field(1.0, gt=0, le=100, description="local_steps auto: k, compute time ≥ k × transfer time")
     max_auto_steps: int | None = Field(

@@ -2,9 +2,10 @@
 
 The rule, closed form (algo/dylu.py ``link_steps``):
 
-    H = min(H_max, max(H_dylu, ceil(k · (t_up + t_down) / t_step)))
+    H = min(H_max, max(H_dylu, ceil(k · (t_up + m · t_down) / t_step)))
 
-with t_up = upload bytes / the peer's measured upload rate, t_down likewise for a θ download, t_step = units per
+with t_up = upload bytes / the peer's measured upload rate, t_down likewise for a θ download, m = 1.5 the ask-ahead
+margin (an overlapped lease covers the previous upload and the next lease's ask-ahead lead), t_step = units per
 step / its speed. Pinned with exact values: the rule itself; the logic's leases for peers with reported links (and
 DyLU's steps unchanged where transfers are negligible, or where ``local_steps`` is ``fixed``); the fallbacks (the
 coordinator's measured upload time, the bytes' ratio); the status split of a peer's time (coordinator/status.py).
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncloco.algo.dylu import link_steps
+from asyncloco.algo.dylu import ASK_AHEAD_MARGIN, link_steps, pipeline_seconds
 from asyncloco.algo.outer import OuterSGD
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.logic import Assign, CoordinatorPolicy, RequestWork, SpeedReport, handle, new_state
@@ -41,6 +42,10 @@ def test_the_rule_in_closed_form() -> None:
     assert link_steps(20, 2.01, 0.1, 1.0, 200) == 21
     assert link_steps(7, 0.0, 0.1, 1.0, 200) == 7
     assert link_steps(7, float("nan"), 0.1, 1.0, 200) == 7  # nothing usable measured: DyLU's
+    # what an overlapped lease must cover: the previous upload and the ask-ahead lead of the next (the peer's margin)
+    from asyncloco.peer.pipeline import AHEAD_MARGIN
+
+    assert ASK_AHEAD_MARGIN == AHEAD_MARGIN == 1.5 and pipeline_seconds(10.0, 4.0) == 16.0
 
 
 def policy(**overrides: object) -> CoordinatorPolicy:
@@ -62,28 +67,30 @@ def steps_for(pol: CoordinatorPolicy, reports: list[SpeedReport], peer: str) -> 
 
 def test_the_logic_sizes_a_lease_to_its_peers_link() -> None:
     # "slow": 1000 units/s, 100 units a step: t_step = 0.1 s; uploads 1 MB at 100 kB/s (10 s), downloads 4 MB at
-    # 1 MB/s (4 s): 14 s on the wire → 140 steps. "fast" (2000 units/s) sets DyLU's scale: the slow one's DyLU steps are 10
+    # 1 MB/s (4 s): 10 s + 1.5 × 4 s = 16 s to cover → 160 steps. "fast" (2000 units/s) sets DyLU's scale: the slow
+    # one's DyLU steps are 10
     reports = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=100_000.0, link_down=1_000_000.0)]
     steps, reason = steps_for(policy(), reports, "slow")
-    assert steps == 140 and "140 to cover 14 s of transfers (k = 1)" in reason
-    # k = 2: 280, capped at H_max 200
+    assert steps == 160 and "160 to cover 16 s of transfers (k = 1)" in reason
+    # k = 2: 320, capped at H_max 200
     assert steps_for(policy(transfer_cover=2.0), reports, "slow")[0] == 200
     # local_steps: fixed — DyLU's steps, whatever the link
     assert steps_for(policy(link_steps=False), reports, "slow")[0] == 10
-    # a fast link: 1 MB at 10 MB/s + 4 MB at 40 MB/s = 0.2 s, 2 steps' worth < DyLU's 10: the paper's rule unchanged
+    # a fast link: 1 MB at 10 MB/s + 1.5 × 4 MB at 40 MB/s = 0.25 s, 3 steps' worth < DyLU's 10: the paper's rule unchanged
     quick = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=1e7, link_down=4e7)]
     assert steps_for(policy(), quick, "slow")[0] == 10
     # the fastest peer, no link reported and no upload measured yet: H
     assert steps_for(policy(), reports, "fast")[0] == 20
     # a reported upload rate without a download rate: the download is the upload's time × the bytes' ratio (4):
-    # 10 s + 40 s = 50 s → 500 steps, capped at 200; with H_max 1000: 500
+    # 10 s + 1.5 × 40 s = 70 s → 700 steps, capped at 200; with H_max 1000: 700
     up_only = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_up=100_000.0)]
-    assert steps_for(policy(download_upload_ratio=4.0, max_auto_steps=1000), up_only, "slow")[0] == 500
+    assert steps_for(policy(download_upload_ratio=4.0), up_only, "slow")[0] == 200
+    assert steps_for(policy(download_upload_ratio=4.0, max_auto_steps=1000), up_only, "slow")[0] == 700
     # before its first upload, only a download rate: the upload at that rate (a lower bound on a home link's):
-    # 1 MB + 4 MB at 1 MB/s = 5 s → 50 steps
+    # 1 MB at 1 MB/s + 1.5 × 4 MB at 1 MB/s = 7 s → 70 steps
     down_only = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_down=1_000_000.0)]
     steps, reason = steps_for(policy(), down_only, "slow")
-    assert steps == 50 and "50 to cover 5 s of transfers" in reason
+    assert steps == 70 and "70 to cover 7 s of transfers" in reason
 
 
 def test_a_lease_request_states_the_link_rates_it_measured() -> None:
@@ -101,7 +108,7 @@ def test_a_lease_request_states_the_link_rates_it_measured() -> None:
     handle(state, SpeedReport("fast", 2000.0), 0.0)
     handle(state, SpeedReport("slow", 1000.0), 0.0)  # no link in its record (yet)
     _, actions = handle(state, RequestWork("slow", link_down=1_000_000.0), 1.0)
-    assert next(a for a in actions if isinstance(a, Assign)).lease.steps == 50  # 5 s at 1 MB/s both ways (above)
+    assert next(a for a in actions if isinstance(a, Assign)).lease.steps == 70  # 1 MB + 1.5 × 4 MB at 1 MB/s (above)
     assert state.peers["slow"].link_down == 1_000_000.0 and state.peers["slow"].link_up is None
 
 
@@ -118,11 +125,11 @@ def test_link_sizing_caps_the_claim_by_the_looser_link_factor() -> None:
     state.peers["fast"].observed = 2000.0
     _, actions = handle(state, RequestWork("slow"), 1.0)
     lease = next(a for a in actions if isinstance(a, Assign)).lease
-    assert lease.steps == 112  # 14 s of transfers / (100 units / 800 units/s) = 112 (at 300 units/s: 42)
+    assert lease.steps == 128  # 16 s to cover / (100 units / 800 units/s) = 128 (at 300 units/s: 48)
     # a claim below 4 × delivered counts whole
     state.peers["slow"].observed = 400.0
     _, actions = handle(state, RequestWork("slow"), 2.0)
-    assert next(a for a in actions if isinstance(a, Assign)).lease.steps == 140
+    assert next(a for a in actions if isinstance(a, Assign)).lease.steps == 160
 
 
 def test_the_config_key_and_its_bounds() -> None:

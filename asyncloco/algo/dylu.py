@@ -38,15 +38,28 @@ def dylu_steps(speeds: Mapping[str, float], peer: str, max_steps: int, min_steps
     return max(min_steps, min(max_steps, steps))
 
 
+ASK_AHEAD_MARGIN = 1.5
+"""An overlapped peer asks for its next lease this many expected θ downloads before its training ends
+(peer/pipeline.py ``ask_ahead_s``), and only once its previous update's ack is in (two leases at most): the lease in
+training must cover the previous upload *and* that lead — t_up + ASK_AHEAD_MARGIN · t_down (:func:`pipeline_seconds`)."""
+
+
+def pipeline_seconds(up_s: float, down_s: float) -> float:
+    """What a lease's training must last for an overlapped peer never to wait: the previous update's upload, which
+    starts with it, plus the lead of the next lease's request and θ download (:data:`ASK_AHEAD_MARGIN` downloads)."""
+    return up_s + ASK_AHEAD_MARGIN * down_s
+
+
 def link_steps(base_steps: int, transfer_s: float, step_s: float, cover: float, max_steps: int) -> int:
     """Lease steps sized to a peer's link (``schedule.local_steps: auto``, docs/algorithm.md):
 
-        H = min(H_max, max(H_dylu, ceil(k · (t_up + t_down) / t_step)))
+        H = min(H_max, max(H_dylu, ceil(k · (t_up + m · t_down) / t_step)))
 
-    ``base_steps`` (H_dylu) is what the method gives without links (DyLU's Eq. 6, or H), ``transfer_s`` the peer's
-    time on the wire per round (t_up + t_down, from its measured rates), ``step_s`` its seconds per local step
-    (t_step = units per step / its speed), ``cover`` k (≥ 1: its computing lasts at least k × its transfers) and
-    ``max_steps`` H_max. Where transfers are negligible (k · t_transfer ≤ H_dylu · t_step) it is H_dylu: the paper's
+    ``base_steps`` (H_dylu) is what the method gives without links (DyLU's Eq. 6, or H), ``transfer_s`` the seconds
+    the lease must cover per round (t_up + m · t_down, :func:`pipeline_seconds`, m = :data:`ASK_AHEAD_MARGIN`, from the
+    peer's measured rates), ``step_s`` its seconds per local step
+    (t_step = units per step / its speed), ``cover`` k (≥ 1: its computing lasts at least k × that) and
+    ``max_steps`` H_max. Where transfers are negligible (k · transfer_s ≤ H_dylu · t_step) it is H_dylu: the paper's
     rule unchanged; otherwise long enough that the peer's compute covers its transfers, at most H_max, never fewer
     than H_dylu."""
     if base_steps < 1 or max_steps < 1:

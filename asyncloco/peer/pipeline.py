@@ -45,6 +45,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
+from asyncloco.algo.dylu import ASK_AHEAD_MARGIN
 from asyncloco.config import BARRIER_METHODS, RunConfig
 from asyncloco.peer.summary import add_timing
 from asyncloco.peer.waits import Leave, pause
@@ -56,7 +57,7 @@ __all__ = ["OverlappedRounds", "ask_ahead_s"]
 
 logger = logging.getLogger(__name__)
 
-AHEAD_MARGIN = 1.5  # the next lease is asked for this many expected downloads before the training ends
+AHEAD_MARGIN = ASK_AHEAD_MARGIN  # the next lease is asked for this many expected downloads before the training ends
 AHEAD_MIN_S = 1.0  # a lead shorter than this (a fast link) is not worth asking ahead: ask after training
 AHEAD_RATE_STEPS = 4  # once this many steps of the lease in training are timed, its own rate says when it ends
 AHEAD_RECHECK = 0.25  # the wait to ask ahead is re-estimated after this share of it (at least AHEAD_MIN_S)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from asyncloco.algo.dylu import dylu_steps, link_steps
+from asyncloco.algo.dylu import dylu_steps, link_steps, pipeline_seconds
 from asyncloco.algo.grace import HoldDecision, hold_decision
 from asyncloco.algo.sampler import sample_shard
 from asyncloco.coordinator import gate as update_gate
@@ -304,7 +304,8 @@ def note_link(info: PeerInfo, link_up: float | None, link_down: float | None) ->
 
 
 def transfer_seconds(policy: CoordinatorPolicy, info: PeerInfo) -> float | None:
-    """A peer's seconds on the wire per round, t_up + t_down: one upload and one θ download at its reported link rates;
+    """The seconds a peer's lease must cover per round, t_up + m · t_down (algo/dylu.py ``pipeline_seconds``: its
+    previous upload and the next lease's ask-ahead lead): one upload and one θ download at its reported link rates;
     without a reported upload rate, its last upload as the coordinator measured it; before its first upload, the upload
     at its download rate (a home link is rarely faster up than down: a lower bound on the upload's time, so the lease
     in training while the first upload runs covers that much of it instead of DyLU's few steps — on `home150` the
@@ -316,7 +317,7 @@ def transfer_seconds(policy: CoordinatorPolicy, info: PeerInfo) -> float | None:
     if up is None:
         return None
     down = policy.download_bytes / info.link_down if info.link_down and policy.download_bytes else up * policy.download_upload_ratio
-    return up + down
+    return pipeline_seconds(up, down)
 
 
 def _next_uniform(state: CoordinatorState) -> float:
