@@ -368,8 +368,12 @@ class VerifyConfig(StrictModel):
     # lease is re-run from it if drawn, and its peer reveals nothing, or its end alone (coordinator/chained.py); a
     # state is 3 × θ's fp32 bytes with error feedback, 2 × without
     keep_states_mb: int = Field(
-        2048, ge=0, description="inner_state carry: memory (MB) for the end states of checked leases the coordinator keeps, "
-        "one per peer, so that the peer's next lease, if drawn, needs no reveal (0: every check asks its peer)"
+        8192, ge=0, description="inner_state carry: the MB of end states of checked leases the coordinator keeps, one per "
+        "peer, so that the peer's next lease, if drawn, needs no reveal (0: every check asks its peer)"
+    )
+    keep_states_on: Literal["disk", "memory"] = Field(
+        "disk", description="where kept end states live: disk = files under the checkpoint directory's kept-states/, "
+        "mapped (the page cache holds what memory allows); memory = the coordinator's memory"
     )
     # --- validator peers (asyncloco/validator.py): organiser-run machines that take checks over the verify_task RPC
     validators: list[str] = Field(

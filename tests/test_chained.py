@@ -5,10 +5,12 @@ tests/test_verify_hostile.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from asyncloco.coordinator.chained import ChainedStates
+from asyncloco.coordinator.chained import ChainedStates, StateStore
 from asyncloco.coordinator.logic import Lease, Verify
 from asyncloco.train.commitments import FRESH_STATE_DIGEST
 
@@ -84,3 +86,54 @@ def test_the_budget_keeps_the_most_recently_used_states() -> None:
     assert list(chained.kept) == ["a", "c"] and chained.bytes == 8 and chained.counts["evicted"] == 1
     chained.finished(check("d", "d1", "s", "d-end"), b"d" * 11)  # larger than the whole budget: not kept
     assert "d" not in chained.kept and chained.bytes == 8
+
+
+def test_kept_states_on_disk_are_files_that_go_when_dropped(tmp_path: Path) -> None:
+    """``keep_states_on: disk`` (the default): each kept state is a file under kept-states/, mapped read-only; replaced,
+    evicted, refused by the budget or forgotten, its file goes; the store empties its directory at open and close."""
+    directory = tmp_path / "kept-states"
+    directory.mkdir()
+    (directory / "Lold.state").write_bytes(b"from an earlier process")
+    (directory / "keep.txt").write_bytes(b"not ours")
+    store = StateStore(directory)
+    assert sorted(p.name for p in directory.iterdir()) == ["keep.txt"]  # the earlier process's state is gone
+    chained = ChainedStates(10, store)
+
+    def kept_files() -> list[str]:
+        return sorted(p.name for p in directory.glob("*.state"))
+
+    state = store.put("L1", b"end-1")
+    assert bytes(state) == b"end-1" and kept_files() == ["L1.state"] and (directory / "L1.state").read_bytes() == b"end-1"
+    chained.start(check("a", "L1", FRESH_STATE_DIGEST, "d1"))
+    chained.finished(check("a", "L1", FRESH_STATE_DIGEST, "d1"), state)
+    assert chained.status()["on"] == "disk" and chained.bytes == 5
+    # a's next end replaces it: the old file goes
+    chained.finished(check("a", "L2", "d1", "d2"), store.put("L2", b"end-2"))
+    assert kept_files() == ["L2.state"] and bytes(chained.start(check("a", "L3", "d2", "d3"))[1] or b"") == b"end-2"
+    # b's pushes the 10-byte budget over: the least recently used (a's) is evicted with its file
+    chained.finished(check("b", "L7", "e0", "e1"), store.put("L7", b"end-b1"))
+    assert list(chained.kept) == ["b"] and kept_files() == ["L7.state"] and chained.counts["evicted"] == 1
+    # larger than the whole budget: never kept, its file dropped at once
+    chained.finished(check("c", "L9", "f0", "f1"), store.put("L9", b"x" * 11))
+    assert "c" not in chained.kept and kept_files() == ["L7.state"]
+    # a failed or unverified check's end (a verdict never keeps one) is dropped too
+    chained.finished(check("d", "L4", "g0", ""), store.put("L4", b"end-d"))
+    assert kept_files() == ["L7.state"]
+    # an expelled peer's state goes; a view handed out before stays readable (the mapping outlives the name)
+    view = chained.kept["b"].state
+    chained.forget("b")
+    assert kept_files() == [] and bytes(view) == b"end-b1" and store.files() == 0
+    store.put("L10", b"end-10")
+    store.clear()
+    assert kept_files() == [] and sorted(p.name for p in directory.iterdir()) == ["keep.txt"]
+    with pytest.raises(ValueError, match="lease id"):
+        store.put("../escape", b"x")
+    # a file that cannot be written (here: its directory gone) keeps nothing; the check it came from stands
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()
+    assert store.put("L12", b"end-12") is None and store.files() == 0
+    # in memory: the buffer itself, no file
+    memory = StateStore(None)
+    data = bytearray(b"end")
+    assert memory.put("L1", data) is data and ChainedStates(10, memory).status()["on"] == "memory"

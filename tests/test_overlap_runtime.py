@@ -336,13 +336,16 @@ def test_a_checked_lease_after_a_checked_lease_is_re_run_from_the_end_state_the_
     re-run from the kept state gave the peer's update bit for bit, as in the same run with every start state revealed.
     (θ itself may differ between the two: a held update is applied at its verdict, whose timing is the worker's.)"""
     upload = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5} if feedback else {"codec": "int8"}
-    rounds = 4
+    rounds, on = 4, "memory" if feedback else "disk"  # both stores (coordinator/chained.py StateStore), one each
 
     def run(keep_mb: int, run_dir: Path) -> tuple[GatedPeer, torch.Tensor, dict[str, Any]]:
-        cfg = config(verify={"keep_states_mb": keep_mb}, **upload)
+        cfg = config(verify={"keep_states_mb": keep_mb, "keep_states_on": on}, **upload)
         return asyncio.run(asyncio.wait_for(_one_gated_peer(cfg, run_dir, Gates(rounds)), timeout=80.0))
 
     peer, _, status = run(2048, tmp_path / "kept")
+    assert status["chained"]["on"] == on and status["chained"]["bytes"] > 0
+    assert [p.name for p in (tmp_path / "kept").rglob("kept-states")] == (["kept-states"] if on == "disk" else [])
+    assert list((tmp_path / "kept").rglob("*.state")) == []  # the files of the states kept went with the coordinator
     _, _, revealed = run(0, tmp_path / "revealed")
     applied, back = _every_lease_applied_once_or_given_back(tmp_path / "kept")
     assert len(applied) == rounds and back == [] and peer.runner.summary.accepted == rounds

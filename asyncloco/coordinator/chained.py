@@ -22,24 +22,97 @@ Where the coordinator re-runs a check itself for a peer of its compute class (co
 a peer of another class, or validators (who may be of another class) — the peer reveals its end state with every
 check; a passed one's revealed end is kept, and the peer's next check asks for the end alone (the Ack's
 ``reveal_start: false``): the coordinator puts the kept start in front of it. The end states kept are bounded by
-``runtime.verify.keep_states_mb`` (one per peer, the least recently used dropped first).
+``runtime.verify.keep_states_mb`` (one per peer, the least recently used dropped first) and live where
+``runtime.verify.keep_states_on`` says (:class:`StateStore`): in files under the checkpoint directory (``disk``, the
+default: at 150m a state is 1.8 GB, and the page cache holds what memory allows) or in the process's memory.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
 
 if TYPE_CHECKING:
     from asyncloco.coordinator.logic import Verify
     from asyncloco.train.commitments import Buffer
 
-__all__ = ["ChainedStates"]
+__all__ = ["ChainedStates", "StateStore"]
+
+logger = logging.getLogger(__name__)
+
+_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class StateStore:
+    """Where kept end states live, by lease id. ``directory`` None: in memory (:meth:`put` returns the buffer it is
+    given, which is the caller's own copy). Else one file per state under ``directory``, mapped read-only
+    (``np.memmap``): what the process holds is page cache the kernel may write back and drop. :meth:`put` is called by
+    the verifier's worker thread (the write releases the GIL), :meth:`drop` on the event loop; the directory is emptied
+    when the store opens and when it closes (kept states do not outlive the coordinator process: after a restart each
+    peer's next check asks for its reveal)."""
+
+    def __init__(self, directory: Optional[Path]) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._files: dict[str, Path] = {}
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.clear()
+
+    def put(self, key: str, data: "Buffer") -> "Optional[Buffer]":
+        """``data`` kept under ``key`` (a lease id): a read-only view of its file, or ``data`` itself in memory; None
+        when the file cannot be written (a full disk: logged, and the state is not kept — the check it came from stands)."""
+        if self.directory is None or not len(data):
+            return data
+        if not _KEY.match(key):
+            raise ValueError(f"a kept state's key must be a lease id ([A-Za-z0-9_-], at most 64), got {key[:80]!r}")
+        path = self.directory / f"{key}.state"
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+            os.replace(tmp, path)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            logger.warning("could not keep the end state of lease %s under %s (%s): its peer's next check asks for a "
+                           "reveal; free disk space or set runtime.verify.keep_states_on: memory", key, self.directory, error)
+            return None
+        with self._lock:
+            self._files[key] = path
+        return np.memmap(path, dtype=np.uint8, mode="r").data.cast("B")
+
+    def drop(self, key: str) -> None:
+        """Forget ``key``'s file (a view handed out stays readable until it is released: the mapping outlives the name)."""
+        with self._lock:
+            path = self._files.pop(key, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        """Remove every kept state's file (at open: those of an earlier process; at close)."""
+        with self._lock:
+            self._files.clear()
+        if self.directory is not None and self.directory.is_dir():
+            for path in self.directory.iterdir():
+                if path.suffix in (".state", ".tmp"):
+                    path.unlink(missing_ok=True)
+
+    def files(self) -> int:
+        with self._lock:
+            return len(self._files)
 
 
 @dataclass(frozen=True)
 class _Kept:
+    lease_id: str  # the lease whose end it is (the store's key)
     digest: str  # the committed end state (the lease's ``state_end``)
     state: "Buffer"  # in a reveal part's layout (train/commitments.py pack_reveal; the inner layout alone without feedback)
 
@@ -47,8 +120,9 @@ class _Kept:
 class ChainedStates:
     """The end states of checked leases (one per peer, within ``budget`` bytes) and the checks waiting for one."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, store: Optional[StateStore] = None) -> None:
         self.budget = budget
+        self.store = store if store is not None else StateStore(None)
         self.kept: "OrderedDict[str, _Kept]" = OrderedDict()  # peer -> end state of its last passed check
         self.bytes = 0
         # peer -> (lease id, committed end) of its newest check in progress, whose verdict will leave its end state
@@ -91,13 +165,16 @@ class ChainedStates:
             self.expected[check.peer] = (check.lease.lease_id, check.state_end)
 
     def finished(self, check: "Verify", end_state: Optional["Buffer"]) -> Optional[tuple["Verify", Optional["Buffer"]]]:
-        """``check`` ended: ``end_state`` its end state when it passed with one (Comparison.end_state), else None. Keeps it,
-        and returns the check waiting on this one with its start part (None: it cannot have one), or None."""
+        """``check`` ended: ``end_state`` its end state when it passed with one (Comparison.end_state, put in the
+        :attr:`store` under the lease's id), else None. Keeps it (or drops it from the store), and returns the check
+        waiting on this one with its start part (None: it cannot have one), or None."""
         peer, lease_id = check.peer, check.lease.lease_id
         if self.expected.get(peer, ("",))[0] == lease_id:
             del self.expected[peer]
         if end_state is not None and check.state_end:
-            self._keep(peer, _Kept(check.state_end, end_state))
+            self._keep(peer, _Kept(lease_id, check.state_end, end_state))
+        elif end_state is not None:
+            self.store.drop(lease_id)
         waiting = self.waiting.pop(lease_id, None)
         if waiting is None:
             return None
@@ -110,6 +187,7 @@ class ChainedStates:
         old = self.kept.pop(peer, None)
         if old is not None:
             self.bytes -= len(old.state)
+            self.store.drop(old.lease_id)
         self.expected.pop(peer, None)
         moot = [lease_id for lease_id, check in self.waiting.items() if check.peer == peer]
         self.counts["moot"] += len(moot)
@@ -119,14 +197,18 @@ class ChainedStates:
         old = self.kept.pop(peer, None)
         if old is not None:
             self.bytes -= len(old.state)
+            self.store.drop(old.lease_id)
         if len(kept.state) > self.budget:
+            self.store.drop(kept.lease_id)
             return
         self.kept[peer] = kept
         self.bytes += len(kept.state)
         while self.bytes > self.budget:
             _, evicted = self.kept.popitem(last=False)
             self.bytes -= len(evicted.state)
+            self.store.drop(evicted.lease_id)
             self.counts["evicted"] += 1
 
     def status(self) -> dict[str, Any]:
-        return {**self.counts, "states": len(self.kept), "bytes": self.bytes, "waiting": len(self.waiting)}
+        return {**self.counts, "states": len(self.kept), "bytes": self.bytes, "waiting": len(self.waiting),
+                "on": "memory" if self.store.directory is None else "disk"}

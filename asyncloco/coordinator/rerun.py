@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from asyncloco.coordinator.chained import StateStore
+
 if TYPE_CHECKING:
     from asyncloco.config import RunConfig
     from asyncloco.coordinator.logic import Lease, Verify
@@ -216,8 +218,10 @@ class Rerunner:
         self.device = device
         self.compute_class = compute_class(device)
         self._trainer: Optional["InnerTrainer"] = None
-        # a passed carried-state check returns the lease's end state (Comparison.end_state; coordinator/chained.py)
+        # a passed carried-state check returns the lease's end state (Comparison.end_state; coordinator/chained.py),
+        # put in this store (the coordinator's: on disk by default, runtime.verify.keep_states_on)
         self.keep_end = False
+        self.store = StateStore(None)
 
     def bounds(self, task: "Verify") -> tuple[float, float]:
         """(tolerance, min_cosine) for ``task``: ``runtime.verify.tolerance`` / ``min_cosine`` (bitwise by default) when
@@ -397,7 +401,7 @@ class Rerunner:
         inner_end = inner_state_digest(trainer.optimizer)
         end = None if inner_end is None else committed_digest(inner_end, left)
         ours = None if own_class else state_moments(trainer.optimizer)
-        kept = self._end_state(left) if own_class and self.keep_end and end == task.state_end else None
+        kept = self._end_state(task, left) if own_class and self.keep_end and end == task.state_end else None
         trainer.reset_inner_state()
         comparison = compare(rerun, task.update, *self.bounds(task))
         if not comparison.ok:
@@ -417,22 +421,26 @@ class Rerunner:
         from asyncloco.train.commitments import revealed_end
 
         # its revealed end (which hashes to the committed one) is where its next lease starts (coordinator/chained.py)
-        kept = revealed_end(revealed) if self.keep_end else None
+        kept = self.keep(task, revealed_end(revealed)) if self.keep_end else None
         return Comparison(True, comparison.bitwise, comparison.rel_error, comparison.cosine,
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
                           f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)",
                           end_state=kept)
 
-    def _end_state(self, residual: Optional[torch.Tensor]) -> Optional["Buffer"]:
+    def _end_state(self, task: Verify, residual: Optional[torch.Tensor]) -> Optional["Buffer"]:
         """The trainer's inner state (and the residual ``residual``, with error feedback) in the single-state layout a
         reveal's part has (train/commitments.py ``pack_reveal``, built without a GIL-held copy): the end state of the
-        lease just re-run."""
+        lease just re-run, put in :attr:`store`."""
         from asyncloco.train.commitments import inner_state_buffer, pack_reveal_buffer
 
         inner = inner_state_buffer(self.trainer.optimizer)  # its own buffer, laid out by numpy
         if inner is None:
             return None
-        return pack_reveal_buffer(inner, residual) if self.cfg.runtime.uses_error_feedback else inner
+        return self.keep(task, pack_reveal_buffer(inner, residual) if self.cfg.runtime.uses_error_feedback else inner)
+
+    def keep(self, task: Verify, state: Optional["Buffer"]) -> Optional["Buffer"]:
+        """``task``'s end state put in :attr:`store` under its lease id (coordinator/chained.py ``StateStore``; None: none)."""
+        return None if state is None else self.store.put(task.lease.lease_id, state)
 
     def _end_state_failure(self, ours: StateMoments, end_inner: "Buffer", left: Optional[torch.Tensor],
                            end_residual: Optional[torch.Tensor], scale: Optional[float]) -> str:

@@ -64,7 +64,7 @@ from asyncloco.coordinator.logic import (
 )
 
 from asyncloco.coordinator.ahead import Ahead, AheadResult, AheadRun
-from asyncloco.coordinator.chained import ChainedStates
+from asyncloco.coordinator.chained import ChainedStates, StateStore
 from asyncloco.coordinator.rerun import Comparison, Rerunner
 from asyncloco.coordinator.repair import Anchors, RepairResult, log_events, repair
 from asyncloco.coordinator.substitute import RepairReruns
@@ -324,6 +324,10 @@ class VerificationPort:
         return True
 
 
+_INLINE_JOIN = 64 * 2**20
+"""A kept start and a revealed end joined larger than this are joined in a worker thread, not on the event loop."""
+
+
 @dataclass
 class _Partial:
     """A check whose peer reveals its end alone: the start the coordinator has (None: coming with the verdict on the
@@ -365,7 +369,10 @@ class DaemonVerification:
         self.awaiting: dict[str, tuple[Verify, float, "asyncio.Task[None]"]] = {}
         self._state_size: Optional[int] = None
         # start states a check needs no reveal for (coordinator/chained.py): fresh ones, and end states of checked leases
-        self.chained = ChainedStates(self.knobs.keep_states_mb * 2**20)
+        on_disk = self.knobs.keep_states_on == "disk" and self.knobs.inner_state == "carry" and self.knobs.keep_states_mb > 0
+        store = StateStore(Path(port.dir) / "kept-states" if on_disk else None)
+        self.chained = ChainedStates(self.knobs.keep_states_mb * 2**20, store)
+        self.verifier.rerunner.store = store
         # checks whose peer reveals the end alone (Ack reveal_start: false): the start kept, or coming with the verdict
         # of the peer's previous check, and the end once revealed — offered when both are in (coordinator/chained.py)
         self.partial: dict[str, _Partial] = {}
@@ -626,6 +633,7 @@ class DaemonVerification:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self.chained.store.clear()  # kept states do not outlive the process (coordinator/chained.py StateStore)
 
     async def drain(self) -> None:
         """Wait until every queued re-run has its verdict and every expulsion its repair (tests, benchmarks)."""
@@ -819,8 +827,16 @@ class DaemonVerification:
         """Queue ``check``'s re-run from ``start`` (and the revealed ``end``, b"" for none): a reveal in its layout."""
         from asyncloco.train.commitments import join_parts
 
-        if not self.verifier.offer(check, join_parts(start, end)):
+        if len(start) + len(end) > _INLINE_JOIN:  # a 60m/150m state (0.7–1.8 GB, maybe read back from disk): off the loop
+            self._decide_later(self._offer_joined(check, start, end))
+        elif not self.verifier.offer(check, join_parts(start, end)):
             self._decide_later(self._unverified(check, "the verification queue was full", overflow=True))
+
+    async def _offer_joined(self, check: Verify, start: "Buffer", end: "Buffer") -> None:
+        from asyncloco.train.commitments import join_parts
+
+        if not self.verifier.offer(check, await asyncio.to_thread(join_parts, start, end)):
+            await self._unverified(check, "the verification queue was full", overflow=True)
 
     def asks_reveal(self, lease_id: str) -> bool:
         """Does the check of ``lease_id`` wait for its peer's reveal (the submit's Ack asks for it)? Not when it was
@@ -898,7 +914,10 @@ class DaemonVerification:
         check was lent with, whose end part a pass leaves for the peer's next check (coordinator/chained.py)."""
         from asyncloco.train.commitments import revealed_end
 
-        end_state = revealed_end(revealed) if ok and revealed and self.verifier.rerunner.keep_end else None
+        rerunner = self.verifier.rerunner
+        end_state = None
+        if ok and revealed and rerunner.keep_end:  # copied (and written, on disk) off the event loop
+            end_state = await asyncio.to_thread(lambda: rerunner.keep(task, revealed_end(revealed)))
         await self._verdict(task, Comparison(ok, bitwise, rel_error, cosine, detail, end_state=end_state))
 
     def unverified_later(self, task: Verify, reason: str) -> None:
