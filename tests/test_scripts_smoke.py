@@ -107,6 +107,15 @@ def check_wire_budget(tmp: Path, _: str) -> None:
         assert row["max_abs_error"] <= row["bound"] and finite(row["relative_l2"]), codec
 
 
+def check_bench_kept_states(tmp: Path, _: str) -> None:
+    r = load(tmp)
+    # tiny with the embedded tokenizer's 4096: 12 bytes a weight (two AdamW moments and the residual) and a length field
+    assert r["preset"] == "tiny" and r["state_bytes"] == 12 * r["numel"] + 8 and r["numel"] > 0
+    for key in ("memcpy_s", "put_s", "fsync_write_s", "join_cached_s", "join_cold_s"):
+        assert finite(r[key]) and r[key] > 0, key
+    assert finite(r["put_vs_memcpy"], r["join_cold_vs_memcpy"]) and r["put_vs_memcpy"] == r["put_s"] / r["memcpy_s"]
+
+
 def check_compression_study(tmp: Path, _: str) -> None:
     runs = load(tmp)["runs"]
     assert {(run["method"], run["codec"]) for run in runs} >= {("sync_diloco", "none"), ("async_dn_dylu", "none"),
@@ -262,6 +271,7 @@ SMOKES: dict[str, Smoke] = {
     "gate_own_update.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_gate_own_update, 90),
     "bench_transport.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_transport, 120),
     "wire_budget.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_wire_budget, 90),
+    "bench_kept_states.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_kept_states, 90),
     "compression_study.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_compression_study, 90),
     "verify_inner_state.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_verify_inner_state, 120),
     "train_tokenizer.py": Smoke(["--smoke", "--out", "{tmp}/tokenizer", "--json", "{tmp}/out.json"], check_train_tokenizer, 90),
