@@ -330,13 +330,25 @@ def test_reveals_go_out_while_the_next_lease_trains_and_every_check_passes(tmp_p
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("feedback", [False, True], ids=["int8", "sgn15of16-feedback"])
 def test_a_checked_lease_after_a_checked_lease_is_re_run_from_the_end_state_the_coordinator_kept(
-        tmp_path: Path, feedback: bool) -> None:
+        tmp_path: Path, feedback: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every lease checked, the default ``keep_states_mb``: the first starts fresh, each later one from the end state its
     predecessor's re-run left (coordinator/chained.py) — the peer is asked for no reveal and every check is bitwise: the
     re-run from the kept state gave the peer's update bit for bit, as in the same run with every start state revealed.
     (θ itself may differ between the two: a held update is applied at its verdict, whose timing is the worker's.)"""
     upload = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5} if feedback else {"codec": "int8"}
     rounds, on = 4, "memory" if feedback else "disk"  # both stores (coordinator/chained.py StateStore), one each
+    joined_in_a_thread: list[str] = []
+    if not feedback:  # a kept start joined in a worker thread, as a 60m/150m state is (coordinator/verify.py)
+        from asyncloco.coordinator.verify import DaemonVerification
+
+        offer_joined = DaemonVerification._offer_joined
+
+        async def spy(self: DaemonVerification, check: Any, *args: Any) -> None:
+            joined_in_a_thread.append(check.lease.lease_id)
+            await offer_joined(self, check, *args)
+
+        monkeypatch.setattr("asyncloco.coordinator.verify._INLINE_JOIN", 0)
+        monkeypatch.setattr(DaemonVerification, "_offer_joined", spy)
 
     def run(keep_mb: int, run_dir: Path) -> tuple[GatedPeer, torch.Tensor, dict[str, Any]]:
         cfg = config(verify={"keep_states_mb": keep_mb, "keep_states_on": on}, **upload)
@@ -354,6 +366,7 @@ def test_a_checked_lease_after_a_checked_lease_is_re_run_from_the_end_state_the_
     chained = status["chained"]
     assert chained["fresh"] == 1 and chained["kept"] + chained["waited"] == rounds - 1 and chained["moot"] == 0
     assert chained["states"] == 1 and chained["waiting"] == 0
+    assert len(joined_in_a_thread) == (0 if feedback else rounds - 1)  # every kept start, when joined off the loop
     verdicts = _verdicts_ok(tmp_path / "kept")
     assert sorted(v["lease_id"] for v in verdicts) == sorted(applied)
     assert all(v["detail"] == "bitwise equal to the re-run" for v in verdicts)
@@ -363,12 +376,14 @@ def test_a_checked_lease_after_a_checked_lease_is_re_run_from_the_end_state_the_
 
 
 @pytest.mark.timeout(180)
-def test_a_peer_of_another_class_reveals_the_end_alone_when_the_coordinator_has_its_start(tmp_path: Path) -> None:
+def test_a_peer_of_another_class_reveals_the_end_alone_when_the_coordinator_has_its_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every lease checked, the peer of another compute class than the verifier's (its end states are compared within
     the state tolerance, so it reveals them): the first lease reveals its empty fresh start and its end; each later one
     its end alone (the Ack's ``reveal_start: false``) — the coordinator puts the end the previous check kept in front of
     it (coordinator/chained.py) — and every check passes. Without kept states each reveals both."""
     upload, rounds = {"codec": "sgn15of16", "error_feedback": True, "error_feedback_decay": 0.5}, 4
+    monkeypatch.setattr("asyncloco.coordinator.verify._INLINE_JOIN", 0)  # kept start + revealed end joined in a thread
 
     def run(keep_mb: int, run_dir: Path) -> tuple[GatedPeer, torch.Tensor, dict[str, Any]]:
         cfg = config(verify={"keep_states_mb": keep_mb}, **upload)

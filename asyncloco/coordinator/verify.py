@@ -607,14 +607,19 @@ class DaemonVerification:
             from asyncloco.train.commitments import copy_buffer, join_parts, split_parts
 
             try:
-                part.end = copy_buffer(split_parts(state)[1])
+                end = split_parts(state)[1]
             except ValueError:  # malformed: offered as sent, the re-run names what is wrong with it
                 del self.partial[lease_id]
             else:
                 if part.start is None:
+                    part.end = copy_buffer(end)
                     return RevealReply(True, "kept until the check of the lease it starts from is decided")
                 del self.partial[lease_id]
-                state = join_parts(part.start, part.end)
+                if len(part.start) + len(end) > _INLINE_JOIN:  # joined in a worker thread (_offer_with_start)
+                    self.start_worker()
+                    self._offer_with_start(task, part.start, end, offered_at=asked_at)
+                    return RevealReply(True, "queued for verification")
+                state = join_parts(part.start, end)
         self.start_worker()
         if not self.verifier.offer(task, state, offered_at=asked_at):
             self._decide_later(self._unverified(task, "the verification queue was full", overflow=True))
@@ -823,19 +828,19 @@ class DaemonVerification:
         has it, or will at the verdict on the peer's previous lease)?"""
         return lease_id not in self.partial
 
-    def _offer_with_start(self, check: Verify, start: "Buffer", end: "Buffer") -> None:
+    def _offer_with_start(self, check: Verify, start: "Buffer", end: "Buffer", offered_at: Optional[float] = None) -> None:
         """Queue ``check``'s re-run from ``start`` (and the revealed ``end``, b"" for none): a reveal in its layout."""
         from asyncloco.train.commitments import join_parts
 
         if len(start) + len(end) > _INLINE_JOIN:  # a 60m/150m state (0.7–1.8 GB, maybe read back from disk): off the loop
-            self._decide_later(self._offer_joined(check, start, end))
-        elif not self.verifier.offer(check, join_parts(start, end)):
+            self._decide_later(self._offer_joined(check, start, end, offered_at))
+        elif not self.verifier.offer(check, join_parts(start, end), offered_at=offered_at):
             self._decide_later(self._unverified(check, "the verification queue was full", overflow=True))
 
-    async def _offer_joined(self, check: Verify, start: "Buffer", end: "Buffer") -> None:
+    async def _offer_joined(self, check: Verify, start: "Buffer", end: "Buffer", offered_at: Optional[float]) -> None:
         from asyncloco.train.commitments import join_parts
 
-        if not self.verifier.offer(check, await asyncio.to_thread(join_parts, start, end)):
+        if not self.verifier.offer(check, await asyncio.to_thread(join_parts, start, end), offered_at=offered_at):
             await self._unverified(check, "the verification queue was full", overflow=True)
 
     def asks_reveal(self, lease_id: str) -> bool:

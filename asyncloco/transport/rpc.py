@@ -514,7 +514,8 @@ class CoordinatorService:
         async with self._body_slot(peer_id, "reveal"):
             frames_in.extend(self.limits.transfer_timeout(header.size))
             await frames_out.header(Ready().to_wire())
-            state = bytes(await frames_in.read_body(header.size)) if header.size else b""
+            # a read-only view of the body, ours alone: no copy of it (1.8–3.6 GB at 150m) with the GIL held on the loop
+            state = memoryview(await frames_in.read_body(header.size)).toreadonly() if header.size else b""
             traffic.payload_bytes_received += header.size
             reply = await self._call_handler(self.handler.reveal(header, state, peer_id))  # type: ignore[attr-defined]
             if not isinstance(reply, RevealReply):
