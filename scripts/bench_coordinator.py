@@ -222,10 +222,13 @@ class BenchPeer:
 
         _, theta = await self.daemon.serving.get_model(lease_.base_version, self.name)
         started = time.perf_counter()
-        start = committed_digest(self.trainer.state_digest(), None)
+        digest = self.trainer.state_digest()
+        assert digest is not None, "a plain AdamW trainer's state can be committed to"
+        start = committed_digest(digest, None)
         self.reveals.hold(lease_.lease_id, self.trainer.optimizer, None, feedback=False)
         result = self.trainer.run(theta, lease_.shard, lease_.start_offset, lease_.steps, lease_.lr_offset)
         end = self.reveals.hold_end(lease_.lease_id, self.trainer.optimizer)
+        assert end is not None
         encoded = encode("int8", result.pseudo_gradient)
         self.peer_s += time.perf_counter() - started
         return encoded, start, end
@@ -281,6 +284,8 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
     cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
     assert cfg.runtime.verify.enabled and cfg.runtime.verify.inner_state == "carry", "the defaults verify carried state"
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=workdir, workload=SizedWorkload(size))
+    verification = daemon.verification
+    assert verification is not None, "the benchmark runs with runtime.verify.enabled"
     numel = daemon.numel
     theta_bytes = 4 * numel
     state = daemon.node.state
@@ -356,7 +361,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         out["fsync_update_s"] = statistics.median(fsync_samples)
         out["lease_latency_s"] = statistics.median(leases)
         out["lease_bytes_written"] = max(lease_bytes)
-        await daemon.verification.drain()  # the probation checks' verdicts: the peer is proven from here on
+        await verification.drain()  # the probation checks' verdicts: the peer is proven from here on
 
         # a background snapshot: the copy under the lock, the write in a thread; acks go on meanwhile
         async with daemon.node.lock:
@@ -396,7 +401,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         async with daemon.node.lock:
             out["snapshot_copy_s"] = median_time(lambda: daemon.durability.snapshot_payload(copy=True, reuse=True), repeats)
         out["ack_during_snapshot_s"] = statistics.median(during) if during else None
-        await daemon.verification.drain()
+        await verification.drain()
 
         # sustained: lease + train + submit cycles, background snapshots every `snapshot_every` updates, the checked
         # leases revealed and re-run by the coordinator; the peer's own seconds are left out of the elapsed time
@@ -411,7 +416,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         while time.perf_counter() - begin - (peer.peer_s - peer_before) < sustain_s or rounds < 3:
             await peer.round()
             rounds += 1
-        await daemon.verification.drain()  # held updates are applied once their re-run agrees
+        await verification.drain()  # held updates are applied once their re-run agrees
         await daemon.durability.wait_for_snapshot()
         elapsed = time.perf_counter() - begin - (peer.peer_s - peer_before)
         updates = state.version - updates_before
@@ -422,7 +427,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         out["sustained_snapshot_every"] = snapshot_every
         out["storage_per_update_theta"] = (daemon.node.wal.bytes_written + daemon.durability.snapshot_bytes - written_before) / max(1, updates) / theta_bytes
         out["peers_at_60s_round"] = int(out["updates_per_s"] * 60)
-        status = daemon.verification.status()
+        status = verification.status()
         out["verification"] = {k: status[k] for k in ("checked", "failed", "passed", "dropped", "unverifiable", "rerun_steps",
                                                       "busy_s", "latency_median_s", "compute_fraction")}
         out["verification"]["reveals"] = peer.revealed
@@ -436,7 +441,7 @@ def bench_size(size: str, repeats: int, sustain_s: float, workdir: Path) -> dict
         cosines = sorted(state.gate.cosines)  # the applied updates' cosines with the consensus (the echo bar: 0.95)
         out["gate_cosine_median"] = cosines[len(cosines) // 2] if cosines else None
         out["gate_cosine_max"] = cosines[-1] if cosines else None
-        await daemon.verification.close()
+        await verification.close()
 
     asyncio.run(scenario())
     daemon.monitoring.journal.close()
@@ -466,7 +471,7 @@ def bench_codecs(size: str, codecs: list[str], repeats: int, workdir: Path) -> d
     update = torch.randn(numel, generator=generator).mul_(0.05 * cfg.inner.lr * 10)
     wires = {codec: encode(codec, update) for codec in codecs}
     buffer = torch.empty(numel)
-    cycle = cfg.outer.buffer_size
+    cycle = cfg.outer.buffer_size or cfg.sim.workers  # DN's N (config.py: the number of workers by default)
     samples: dict[str, dict[str, list[float]]] = {c: {"decode": [], "apply": [], "decode_apply": []} for c in codecs}
     scratch = torch.empty_like(state.params)
     memcpy = median_time(lambda: scratch.copy_(state.params), repeats)

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peer_rates, plain_rates, peer_cpu, plain_cpu, untimed_rates = [], [], [], [], []
     for repeat in range(args.repeats):
         # alternate which goes first, so a slow phase of a shared machine hits both alike
-        order = ("peer", "plain") if repeat % 2 == 0 else ("plain", "peer")
+        order: tuple[str, ...] = ("peer", "plain") if repeat % 2 == 0 else ("plain", "peer")
         if args.untimed:
             order = (*order, "untimed") if repeat % 2 == 0 else ("untimed", *order)
         for which in order:

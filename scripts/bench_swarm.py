@@ -387,7 +387,8 @@ def run_with_training(args: argparse.Namespace, wan: Optional[Dict[str, Any]] = 
             encoding = wire_bytes(codec, numel)
             context = mp.get_context("spawn")
             results: Any = context.Queue()
-            procs, queues = [], []
+            procs: list[Any] = []
+            queues: list[Any] = []
             for first in range(0, total, per):
                 commands: Any = context.Queue()
                 node = wan["clients"][len(procs)] if wan is not None else None

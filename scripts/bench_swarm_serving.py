@@ -125,7 +125,8 @@ class Training:
         self.device = torch.device(device)
         self.precision = precision
         self.vocab = PRESETS[preset].vocab_size or 4096
-        self.model = build_causal_lm(preset, vocab_size=self.vocab, seq_len=seq_len, seed=0).to(self.device)
+        model: Any = build_causal_lm(preset, vocab_size=self.vocab, seq_len=seq_len, seed=0)
+        self.model = model.to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
         rows = torch.randint(0, self.vocab, (8, batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
         self.rows = rows.to(self.device)
@@ -220,7 +221,7 @@ async def run(args: argparse.Namespace) -> Dict[str, Any]:
             for phase in phases:
                 name = "alone" if phase == "alone" else label(phase)  # type: ignore[arg-type]
                 if phase != "alone":
-                    bandwidth = None if phase is None else float(phase) * 125_000.0  # type: ignore[arg-type]
+                    bandwidth = None if phase is None else float(phase) * 125_000.0
                     server.limits = ServeLimits(bandwidth=bandwidth)
                     server._bucket = _TokenBucket(bandwidth)
                     commands.put("go")

@@ -48,6 +48,7 @@ def measure(run: Path) -> dict[str, Any]:
     coordinator = run / "run" / "coordinator"
     daemon = CoordinatorDaemon(cfg, checkpoint_dir=Path(tempfile.mkdtemp(prefix="repair-quality-")))
     verification = daemon.verification
+    assert verification is not None, "the run's config must have runtime.verify.enabled"
     anchors = sorted((coordinator / ANCHOR_DIR).iterdir())
     anchor = load_snapshot(anchors[0])
     wal = coordinator / WAL_DIR
@@ -70,7 +71,9 @@ def measure(run: Path) -> dict[str, Any]:
     live = fresh()
     for event, now in records:
         handle(live, event, now)
-    expelled = records[-1][0].peer
+    failed = records[-1][0]
+    assert isinstance(failed, Verified)
+    expelled = failed.peer
     submissions = Counter(event.peer for event, _ in records if isinstance(event, SubmitUpdate))
     result: dict[str, Any] = {"run": str(run), "anchor": anchors[0].name, "live_version": live.version,
                               "live_perplexity": perplexity(live.params), "expelled": expelled, "discards": []}

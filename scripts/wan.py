@@ -19,6 +19,7 @@ import json
 import logging
 import sys
 import tempfile
+from typing import Any
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,17 +90,17 @@ def main() -> int:
     try:
         if args.command == "check":
             profile = PROFILES[args.profile]
-            result = check(args.profile)
-            rtt = min(result["rtt_s"])  # type: ignore[call-overload]
-            print(f"{profile.describe()}: measured up {result['up_mbit']:.1f} Mbit/s, down {result['down_mbit']:.1f} Mbit/s, "
+            checked = check(args.profile)
+            rtt = min(checked["rtt_s"])  # type: ignore[call-overload]
+            print(f"{profile.describe()}: measured up {checked['up_mbit']:.1f} Mbit/s, down {checked['down_mbit']:.1f} Mbit/s, "
                   f"RTT {rtt * 1000:.0f} ms (configured {2 * profile.latency_ms:.0f} ms)")  # fmt: skip
             if args.json:
                 args.json.write_text(json.dumps({"profile": args.profile, "up_mbit_configured": profile.up_mbit,
                                                  "down_mbit_configured": profile.down_mbit,
-                                                 "latency_ms_configured": profile.latency_ms, **result}, indent=1))
+                                                 "latency_ms_configured": profile.latency_ms, **checked}, indent=1))
             return 0
         peers = parse_peers(args.peers)
-        result = run_wan(Path(args.config), peers, args.budget, Path(args.out), threads=args.threads, seed=args.seed)
+        result: Any = run_wan(Path(args.config), peers, args.budget, Path(args.out), threads=args.threads, seed=args.seed)
     except KeyboardInterrupt:
         print("interrupted; everything was removed", file=sys.stderr)
         return 130
