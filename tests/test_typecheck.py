@@ -1,4 +1,4 @@
-"""The library type-checks: ``python -m mypy`` with the ``[tool.mypy]`` settings of pyproject.toml."""
+"""The library and its scripts type-check: ``python -m mypy`` with the ``[tool.mypy]`` settings of pyproject.toml."""
 
 from __future__ import annotations
 
