@@ -316,3 +316,27 @@ def test_a_forged_residual_fails_in_a_foreign_class() -> None:
     verdict = rerunner.check_revealed(task, pack_parts(split_parts(revealed)[0], forged_end))
     assert not verdict.ok and "error-feedback residual differs from the re-run's by 0.1 of the upload's norm" in \
         verdict.detail, verdict.detail
+
+
+def test_only_a_passed_check_leaves_its_end_state_in_the_store(tmp_path: Any) -> None:
+    """coordinator/chained.py ``StateStore`` on disk (the default): a passed own-class check writes the lease's end state
+    (the re-run's, equal to the committed layout), a foreign-class pass the revealed end, a failed check nothing."""
+    import dataclasses
+
+    from asyncloco.coordinator.chained import StateStore
+
+    cfg = config()
+    exact = Lease(cfg)
+    rerunner = Rerunner(cfg, exact.workload)
+    rerunner.keep_end, rerunner.store = True, StateStore(tmp_path / "kept-states")
+    files = lambda: sorted(p.name for p in (tmp_path / "kept-states").glob("*.state"))  # noqa: E731
+    # an update off the re-run (the lease's end state is still the committed one): failed, nothing written
+    off = dataclasses.replace(exact.task(rerunner.compute_class), update=exact.update * 1.5)
+    verdict = rerunner.check_revealed(off, exact.revealed())
+    assert not verdict.ok and verdict.end_state is None and files() == []
+    verdict = rerunner.check_revealed(exact.task(rerunner.compute_class), exact.revealed())
+    assert verdict.ok and verdict.end_state is not None and files() == ["L1.state"]
+    assert bytes(verdict.end_state) == exact.end and (tmp_path / "kept-states" / "L1.state").read_bytes() == exact.end
+    rerunner.store.drop("L1")
+    verdict = rerunner.check_revealed(exact.task(FOREIGN), exact.revealed())
+    assert verdict.ok and bytes(verdict.end_state or b"") == exact.end and files() == ["L1.state"]

@@ -401,9 +401,11 @@ class Rerunner:
         inner_end = inner_state_digest(trainer.optimizer)
         end = None if inner_end is None else committed_digest(inner_end, left)
         ours = None if own_class else state_moments(trainer.optimizer)
-        kept = self._end_state(task, left) if own_class and self.keep_end and end == task.state_end else None
-        trainer.reset_inner_state()
         comparison = compare(rerun, task.update, *self.bounds(task))
+        # kept (written to the store) only for a check that passes: a failed one leaves no file behind
+        keep = comparison.ok and own_class and self.keep_end and end == task.state_end
+        kept = self._end_state(task, left) if keep else None
+        trainer.reset_inner_state()
         if not comparison.ok:
             return comparison
         if own_class:
