@@ -361,7 +361,9 @@ class VerifyConfig(StrictModel):
         "trained on top of the removed ones no longer fit: measured 173 -> 1.1e6 perplexity for 85 removed)"
     )
     reveal_timeout: float = Field(
-        300.0, gt=0, description="inner_state carry: seconds a peer has to reveal a checked lease's start state; then the check fails"
+        300.0, gt=0, description="inner_state carry: seconds a peer has to reveal a checked lease's states, plus their "
+        "transfer at half the upload rate measured on its last update (at most at the RPC floor, 64 KiB/s); then the "
+        "check fails"
     )
     reveal_keep: int = Field(2, ge=1, description="inner_state carry: start and end states of its last N leases a peer keeps to reveal")
     # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that

@@ -340,3 +340,73 @@ def test_only_a_passed_check_leaves_its_end_state_in_the_store(tmp_path: Any) ->
     rerunner.store.drop("L1")
     verdict = rerunner.check_revealed(exact.task(FOREIGN), exact.revealed())
     assert verdict.ok and bytes(verdict.end_state or b"") == exact.end and files() == ["L1.state"]
+
+
+def test_a_reveal_is_awaited_for_its_transfer_and_no_longer_than_the_floor_allows(tmp_path: Any) -> None:
+    """The deadline of a reveal (coordinator/verify.py ``reveal_window``): ``reveal_timeout`` plus the states' transfer at
+    half the upload rate the coordinator measured (a fixed 300 s expelled honest peers at 150m on a home uplink), at
+    most at the RPC service's floor rate; a body still arriving stretches it, up to that cap, then the check fails."""
+    import asyncio
+    import dataclasses
+    from types import SimpleNamespace
+
+    from asyncloco.clock import FakeClock
+    from asyncloco.coordinator.node import EVENT_TYPES
+    from asyncloco.coordinator.verify import DaemonVerification, VerificationPort
+    from asyncloco.transport.rpc import ServiceLimits
+
+    def unused(*_: Any) -> Any:
+        raise AssertionError("not used by the reveal's deadline")
+
+    cfg = config()
+    honest = Lease(cfg)
+    clock = FakeClock()
+    peer = SimpleNamespace(transfer_s=None)
+    node = SimpleNamespace(clock=clock, state=SimpleNamespace(peers={"p": peer}, policy=SimpleNamespace(upload_bytes=1000)))
+    port = VerificationPort(cfg=cfg, dir=tmp_path, workload=build_workload(cfg), model=honest.peer.model,
+                            node=node, journal=unused, eval_model=unused, bookkeep=unused, write_status=unused,
+                            wait_for_snapshot=unused)  # type: ignore[arg-type]
+    desk = DaemonVerification(port, EVENT_TYPES)
+    verdicts: list[tuple[float, str]] = []
+
+    async def record(task: Verify, comparison: Any) -> None:
+        verdicts.append((clock.monotonic(), comparison.detail))
+
+    desk._verdict = record  # type: ignore[method-assign]
+    check = honest.task(desk.verifier.rerunner.compute_class)  # the verifier's own class: the start state alone
+    size, base = 8 + desk.state_part_size(), cfg.runtime.verify.reveal_timeout
+    cap = base + ServiceLimits().transfer_timeout(size)
+    assert desk.reveal_window(check) == (cap, cap)  # no upload measured yet: the floor's window
+    peer.transfer_s = 10.0 * 1000 / (2 * size)  # its last update (1000 bytes) at a rate that sends the state in 5 s
+    window, _ = desk.reveal_window(check)
+    assert window == pytest.approx(base + 10.0) and window < cap
+    # another class reveals both states: twice the bytes
+    assert desk.reveal_window(honest.task(FOREIGN))[0] == pytest.approx(base + 10.0 * (8 + 2 * (size - 8)) / size)
+    peer.transfer_s = 1e9  # a crawling uplink: never beyond the floor's window
+    assert desk.reveal_window(check) == (cap, cap)
+    peer.transfer_s = 10.0 * 1000 / (2 * size)
+
+    async def scenario() -> None:
+        desk._await_reveal(check)
+        await asyncio.sleep(0)
+        await clock.advance(window - 1.0)
+        assert verdicts == [] and "L1" in desk.awaiting
+        desk.reveal_limit("L1", "p", size)  # its body starts arriving: the deadline waits for its transfer
+        await clock.advance(2.0)
+        assert verdicts == [] and "L1" in desk.awaiting  # past the window, the body still on its way
+        await clock.advance(cap)  # the transfer never completes: failed at the cap
+        (at, detail), = verdicts
+        assert at == pytest.approx(cap) and "L1" not in desk.awaiting and desk.reveals["late"] == 1
+        assert detail == (f"the lease's inner states were not revealed within {cap:.0f} s "
+                          f"(runtime.verify.reveal_timeout {base:g} s and their transfer)")
+        verdicts.clear()
+        # a silent peer: failed at its window
+        silent = dataclasses.replace(check, lease=logic.Lease("L2", "p", 1, 5, 6, 3, 0, 0.0, 1.0, 10.0))
+        desk._await_reveal(silent)
+        await asyncio.sleep(0)
+        start = clock.monotonic()
+        await clock.advance(cap)
+        (at, _), = verdicts
+        assert at - start == pytest.approx(window)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30.0))

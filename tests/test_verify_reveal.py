@@ -19,6 +19,8 @@ model's inner-state size). What this pins, with two honest peers, one liar and o
 
 from __future__ import annotations
 
+import re
+
 import asyncio
 import dataclasses
 import json
@@ -38,6 +40,7 @@ from asyncloco.coordinator.substitute import Substitutes
 from asyncloco.coordinator.repair import ANCHOR_DIR, log_events, repair
 from asyncloco.coordinator.verify import live_base
 from asyncloco.peer.reveal import RevealStore, send_reveal
+from asyncloco.transport.rpc import ServiceLimits
 from asyncloco.peer.runner import PeerError, PeerOptions, PeerRunner
 from asyncloco.testing.memory import MemoryClient, MemoryTransport, as_actor, drive
 from tests.test_verify_runtime import re_run
@@ -158,7 +161,17 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
             # unless fake time already passed its deadline during the run, only the silent peer's reveal is awaited
             if verification.awaiting:
                 assert {task.peer for task, _, _ in verification.awaiting.values()} == {SILENT}
-                await clock.advance(REVEAL_TIMEOUT)
+                # its window: reveal_timeout and the start state's transfer at half its measured upload rate, at most
+                # at the RPC service's floor (coordinator/verify.py reveal_window)
+                windows = [verification.reveal_window(check) for check, _, _ in verification.awaiting.values()]
+                size = 8 + verification.state_part_size()  # the verifier's own class: the start state alone
+                cap = REVEAL_TIMEOUT + ServiceLimits().transfer_timeout(size)
+                info, policy = daemon.node.state.peers[SILENT], daemon.node.state.policy
+                measured = REVEAL_TIMEOUT + 2 * size * (info.transfer_s or 0.0) / policy.upload_bytes
+                assert windows == [(min(cap, measured) if info.transfer_s else cap, cap)] * len(windows)
+                assert windows[0][0] > REVEAL_TIMEOUT
+                # each window was set when its reveal was asked, from the upload measured then: at most the cap
+                await clock.advance(cap)
             # (the repair re-runs the silent peer's unchecked leases: on a loaded machine that took over 30 s)
             deadline = asyncio.get_running_loop().time() + 120.0
             while verification.awaiting or not any(r["peer"] == SILENT for r in verification.repairs):  # expelled, repaired
@@ -197,7 +210,10 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     failed = {v["peer"]: v["detail"] for v in verdicts if not v["ok"]}
     assert set(failed) == {LIAR, SILENT}
     assert failed[LIAR] == "the revealed inner state does not match its commitment"
-    assert failed[SILENT] == f"the lease's start inner state was not revealed within runtime.verify.reveal_timeout ({REVEAL_TIMEOUT:g} s)"
+    # awaited for reveal_timeout plus its states' transfer (coordinator/verify.py reveal_window), then failed
+    silent = re.fullmatch(r"the lease's inner states were not revealed within (\d+) s \(runtime.verify.reveal_timeout "
+                          + f"{REVEAL_TIMEOUT:g}" + r" s and their transfer\)", failed[SILENT])
+    assert silent is not None and int(silent.group(1)) >= REVEAL_TIMEOUT, failed[SILENT]
     # honest peers: every chosen applied lease got a bitwise match; the carried ones were revealed and re-run from it
     honest = [v for v in verdicts if v["peer"] in HONEST]
     assert honest and all(v["ok"] and v["detail"] == "bitwise equal to the re-run" for v in honest)

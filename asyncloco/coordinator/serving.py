@@ -339,7 +339,7 @@ class Serving:
     async def reveal_limit(self, header: Any, peer_id: str) -> int:
         """The ``reveal`` RPC's size bound (commitments), before its body is read."""
         await self.check_admitted(peer_id)
-        return int(self._verification_on("nothing to reveal").reveal_limit(header.lease_id, peer_id))
+        return int(self._verification_on("nothing to reveal").reveal_limit(header.lease_id, peer_id, int(header.size)))
 
     async def reveal(self, header: Any, state: bytes, peer_id: str) -> Any:
         return self._verification_on("nothing to reveal").reveal(header.lease_id, state, peer_id)

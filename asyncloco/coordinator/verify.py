@@ -367,6 +367,7 @@ class DaemonVerification:
         self._decided: set["asyncio.Task[None]"] = set()  # verdicts known without a re-run, being decided
         # carried-state checks waiting for the peer's reveal (lease id -> check, when it was asked, its deadline task)
         self.awaiting: dict[str, tuple[Verify, float, "asyncio.Task[None]"]] = {}
+        self._receiving: dict[str, float] = {}  # lease id -> when the reveal body being received must be in (clock)
         self._state_size: Optional[int] = None
         # start states a check needs no reveal for (coordinator/chained.py): fresh ones, and end states of checked leases
         on_disk = self.knobs.keep_states_on == "disk" and self.knobs.inner_state == "carry" and self.knobs.keep_states_mb > 0
@@ -561,16 +562,23 @@ class DaemonVerification:
         except ValueError:
             return False
 
-    def reveal_limit(self, lease_id: str, peer: str) -> int:
+    def reveal_limit(self, lease_id: str, peer: str, size: Optional[int] = None) -> int:
         """The most bytes the reveal of ``lease_id`` may carry (the lease's start and end states: twice the model's
         inner-state size, with error feedback plus its residual, and a length field); raises ValueError naming
-        the problem when no reveal of it by ``peer`` is awaited (checked before any byte of the body is read)."""
+        the problem when no reveal of it by ``peer`` is awaited (checked before any byte of the body is read).
+        ``size``: the body's declared size, about to be received — the check's deadline waits for its transfer
+        (:meth:`receiving`, within the RPC service's transfer deadline for it)."""
         waiting = self.awaiting.get(lease_id)
         if waiting is None or waiting[0].peer != peer:
             self.reveals["refused"] += 1
             raise ValueError(f"no reveal of lease {lease_id[:40]} is awaited from this peer (not chosen, already "
-                             "revealed, or past runtime.verify.reveal_timeout)")
-        return self.reveal_bound()
+                             "revealed, or past its deadline: runtime.verify.reveal_timeout and its transfer)")
+        bound = self.reveal_bound()
+        if size is not None and 0 <= size <= bound:
+            from asyncloco.transport.rpc import ServiceLimits
+
+            self.receiving(lease_id, ServiceLimits().transfer_timeout(size))
+        return bound
 
     def state_part_size(self) -> int:
         """The bytes of one full inner state in a reveal part's layout (with error feedback its residual too): what a
@@ -599,6 +607,7 @@ class DaemonVerification:
             raise ValueError(f"revealed state of {len(state)} bytes exceeds this model's inner-state size")
         task, asked_at, deadline = self.awaiting.pop(lease_id)
         deadline.cancel()
+        self._receiving.pop(lease_id, None)
         self.reveals["received"] += 1
         if self._start_only(state):
             self.reveals["start_only"] += 1
@@ -885,21 +894,54 @@ class DaemonVerification:
         self.port.journal().write("unverified", peer=peer, lease_id=lease_id, reason=reason)
         logger.warning("lease %s of %s is not verified: %s", lease_id, peer[-8:], reason)
 
+    def reveal_window(self, action: Verify) -> tuple[float, float]:
+        """(seconds, cap): how long the peer has to reveal ``action``'s states — ``reveal_timeout`` to send them plus
+        their transfer at half the upload rate the coordinator measured on the peer's last update (a reveal shares the
+        uplink with the next update), never more than at the transfer floor the RPC service enforces on a body
+        (transport/rpc.py ``ServiceLimits.transfer_timeout``) — and ``cap``, that floor's window, which a reveal still
+        arriving may stretch it to. A fixed 300 s expelled honest peers: a 150m state (1.8 GB) takes 24 min on a
+        10 Mbit/s uplink."""
+        from asyncloco.transport.rpc import ServiceLimits
+
+        parts = 1 if action.lease.lease_id in self.partial or not self.needs_end(action.device_class) else 2
+        size = 8 + parts * self.state_part_size()
+        base = float(self.knobs.reveal_timeout)
+        cap = base + ServiceLimits().transfer_timeout(size)
+        info = self.port.node.state.peers.get(action.peer)
+        upload_bytes = self.port.node.state.policy.upload_bytes
+        if info is None or not info.transfer_s or not upload_bytes:
+            return cap, cap
+        return min(cap, base + 2.0 * size * info.transfer_s / upload_bytes), cap
+
+    def receiving(self, lease_id: str, seconds: float) -> None:
+        """A reveal body of ``lease_id`` is being received, for at most ``seconds`` (its transfer deadline): the check's
+        deadline waits for it (up to the cap of :meth:`reveal_window`)."""
+        self._receiving[lease_id] = self.port.node.clock.monotonic() + seconds
+
     def _await_reveal(self, action: Verify) -> None:
-        """Wait for the peer to reveal ``action``'s start state; a failed check at ``reveal_timeout`` without it."""
+        """Wait for the peer to reveal ``action``'s states; a failed check when they have not come within the
+        :meth:`reveal_window` (a transfer under way stretches it, up to the window's cap)."""
         lease_id = action.lease.lease_id
         clock = self.port.node.clock
-        timeout = float(self.knobs.reveal_timeout)
+        timeout, cap = self.reveal_window(action)
         self.reveals["asked"] += 1
 
         async def deadline() -> None:
+            asked = clock.monotonic()
             await clock.sleep(timeout)
+            while True:  # a body still arriving is waited for, until its own transfer deadline or the cap
+                until = min(self._receiving.get(lease_id, 0.0), asked + cap)
+                if until <= clock.monotonic() or self.awaiting.get(lease_id, (None,))[0] is not action:
+                    break
+                await clock.sleep(until - clock.monotonic())
+            self._receiving.pop(lease_id, None)
             if self.awaiting.get(lease_id, (None,))[0] is not action:
                 return
             del self.awaiting[lease_id]
             self.partial.pop(lease_id, None)
             self.reveals["late"] += 1
-            detail = f"the lease's start inner state was not revealed within runtime.verify.reveal_timeout ({timeout:g} s)"
+            detail = (f"the lease's inner states were not revealed within {clock.monotonic() - asked:.0f} s "
+                      f"(runtime.verify.reveal_timeout {self.knobs.reveal_timeout:g} s and their transfer)")
             await self._verdict(action, Comparison(False, False, math.inf, -1.0, detail))
 
         task = asyncio.get_running_loop().create_task(deadline())
