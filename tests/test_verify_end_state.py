@@ -397,16 +397,22 @@ def test_a_reveal_is_awaited_for_its_transfer_and_no_longer_than_the_floor_allow
         await clock.advance(cap)  # the transfer never completes: failed at the cap
         (at, detail), = verdicts
         assert at == pytest.approx(cap) and "L1" not in desk.awaiting and desk.reveals["late"] == 1
+        rate = 1000 / peer.transfer_s  # its last update's, as measured: below the floor a reveal needs, and so named
+        assert rate < ServiceLimits().transfer_min_bytes_per_s
         assert detail == (f"the lease's inner states were not revealed within {cap:.0f} s "
-                          f"(runtime.verify.reveal_timeout {base:g} s and their transfer)")
+                          f"(runtime.verify.reveal_timeout {base:g} s and their transfer); its last update came at "
+                          f"{rate / 1e3:.1f} kB/s, below the 65.5 kB/s a reveal needs — an uplink this slow cannot be "
+                          "verified with runtime.verify.inner_state carry (use reset)")
         verdicts.clear()
-        # a silent peer: failed at its window
+        # a silent peer on a fast uplink: failed at its window, nothing said of its link
+        peer.transfer_s = 1000 / 1e6
         silent = dataclasses.replace(check, lease=logic.Lease("L2", "p", 1, 5, 6, 3, 0, 0.0, 1.0, 10.0))
+        silent_window, _ = desk.reveal_window(silent)
         desk._await_reveal(silent)
         await asyncio.sleep(0)
         start = clock.monotonic()
         await clock.advance(cap)
-        (at, _), = verdicts
-        assert at - start == pytest.approx(window)
+        (at, detail), = verdicts
+        assert at - start == pytest.approx(silent_window) and detail.endswith("and their transfer)")
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30.0))

@@ -212,7 +212,10 @@ def test_carried_state_reveal_catches_a_liar_and_a_silent_peer(tmp_path: Path, f
     assert failed[LIAR] == "the revealed inner state does not match its commitment"
     # awaited for reveal_timeout plus its states' transfer (coordinator/verify.py reveal_window), then failed
     silent = re.fullmatch(r"the lease's inner states were not revealed within (\d+) s \(runtime.verify.reveal_timeout "
-                          + f"{REVEAL_TIMEOUT:g}" + r" s and their transfer\)", failed[SILENT])
+                          + f"{REVEAL_TIMEOUT:g}" + r" s and their transfer\)"
+                          # (a loaded machine may time the in-memory upload below the RPC floor: then it is named)
+                          + r"(; its last update came at [\d.]+ kB/s, below the 65\.5 kB/s a reveal needs — .*)?",
+                          failed[SILENT])
     assert silent is not None and int(silent.group(1)) >= REVEAL_TIMEOUT, failed[SILENT]
     # honest peers: every chosen applied lease got a bitwise match; the carried ones were revealed and re-run from it
     honest = [v for v in verdicts if v["peer"] in HONEST]

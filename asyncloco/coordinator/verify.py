@@ -913,6 +913,21 @@ class DaemonVerification:
             return cap, cap
         return min(cap, base + 2.0 * size * info.transfer_s / upload_bytes), cap
 
+    def _slow_uplink(self, action: Verify) -> str:
+        """Why a reveal may never have arrived: "" unless the peer's last update came in below the RPC service's floor
+        for a body (``ServiceLimits.transfer_min_bytes_per_s``), which a reveal cannot cross; then what to change."""
+        from asyncloco.transport.rpc import ServiceLimits
+
+        info = self.port.node.state.peers.get(action.peer)
+        upload_bytes = self.port.node.state.policy.upload_bytes
+        if info is None or not info.transfer_s or not upload_bytes:
+            return ""
+        rate, floor = upload_bytes / info.transfer_s, ServiceLimits().transfer_min_bytes_per_s
+        if rate >= floor:
+            return ""
+        return (f"; its last update came at {rate / 1e3:.1f} kB/s, below the {floor / 1e3:.1f} kB/s a reveal needs — "
+                "an uplink this slow cannot be verified with runtime.verify.inner_state carry (use reset)")
+
     def receiving(self, lease_id: str, seconds: float) -> None:
         """A reveal body of ``lease_id`` is being received, for at most ``seconds`` (its transfer deadline): the check's
         deadline waits for it (up to the cap of :meth:`reveal_window`)."""
@@ -942,7 +957,7 @@ class DaemonVerification:
             self.reveals["late"] += 1
             detail = (f"the lease's inner states were not revealed within {clock.monotonic() - asked:.0f} s "
                       f"(runtime.verify.reveal_timeout {self.knobs.reveal_timeout:g} s and their transfer)")
-            await self._verdict(action, Comparison(False, False, math.inf, -1.0, detail))
+            await self._verdict(action, Comparison(False, False, math.inf, -1.0, detail + self._slow_uplink(action)))
 
         task = asyncio.get_running_loop().create_task(deadline())
         self.awaiting[lease_id] = (action, self.verifier.clock(), task)
