@@ -907,23 +907,24 @@ class DaemonVerification:
         size = 8 + parts * self.state_part_size()
         base = float(self.knobs.reveal_timeout)
         cap = base + ServiceLimits().transfer_timeout(size)
-        info = self.port.node.state.peers.get(action.peer)
+        rate = self._upload_rate(action.peer)
+        return (cap, cap) if rate is None else (min(cap, base + 2.0 * size / rate), cap)
+
+    def _upload_rate(self, peer: str) -> Optional[float]:
+        """Bytes per second of ``peer``'s last update as the coordinator timed it (None: none timed yet)."""
+        info = self.port.node.state.peers.get(peer)
         upload_bytes = self.port.node.state.policy.upload_bytes
         if info is None or not info.transfer_s or not upload_bytes:
-            return cap, cap
-        return min(cap, base + 2.0 * size * info.transfer_s / upload_bytes), cap
+            return None
+        return upload_bytes / info.transfer_s
 
     def _slow_uplink(self, action: Verify) -> str:
         """Why a reveal may never have arrived: "" unless the peer's last update came in below the RPC service's floor
         for a body (``ServiceLimits.transfer_min_bytes_per_s``), which a reveal cannot cross; then what to change."""
         from asyncloco.transport.rpc import ServiceLimits
 
-        info = self.port.node.state.peers.get(action.peer)
-        upload_bytes = self.port.node.state.policy.upload_bytes
-        if info is None or not info.transfer_s or not upload_bytes:
-            return ""
-        rate, floor = upload_bytes / info.transfer_s, ServiceLimits().transfer_min_bytes_per_s
-        if rate >= floor:
+        rate, floor = self._upload_rate(action.peer), ServiceLimits().transfer_min_bytes_per_s
+        if rate is None or rate >= floor:
             return ""
         return (f"; its last update came at {rate / 1e3:.1f} kB/s, below the {floor / 1e3:.1f} kB/s a reveal needs — "
                 "an uplink this slow cannot be verified with runtime.verify.inner_state carry (use reset)")
