@@ -366,6 +366,13 @@ class VerifyConfig(StrictModel):
         "check fails"
     )
     reveal_keep: int = Field(2, ge=1, description="inner_state carry: start and end states of its last N leases a peer keeps to reveal")
+    # an uplink that cannot carry a reveal is not let off its checks: its leases start from a state the coordinator
+    # knows without one (coordinator/logic/leases.py fresh_reason)
+    fresh_start_reveal_s: float = Field(
+        300.0, ge=0, description="inner_state carry: a peer whose reported uplink would take longer than this to reveal "
+        "one inner state, or is below twice the RPC floor (128 KiB/s), gets leases that start from a fresh inner state "
+        "and no error-feedback residual: nothing to reveal, its checks re-run from θ and the data (0: never)"
+    )
     # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that
     # lease is re-run from it if drawn, and its peer reveals nothing, or its end alone (coordinator/chained.py); a
     # state is 3 × θ's fp32 bytes with error feedback, 2 × without

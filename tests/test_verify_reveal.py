@@ -117,7 +117,8 @@ class SilentRunner(PeerRunner):
             await super()._reveal(client, lease_id, digest, end, start)
 
 
-def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: Any = PeerRunner) -> tuple[PeerRunner, "asyncio.Task[Any]"]:
+def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: Any = PeerRunner,
+               link: Any = None) -> tuple[PeerRunner, "asyncio.Task[Any]"]:
     cfg = transport.cfg
     options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
                           progress=False, max_rounds=rounds)
@@ -126,6 +127,7 @@ def start_peer(transport: MemoryTransport, name: str, rounds: int, runner_cls: A
     runner.speed = SPEED
     counters = TrafficCounters()
     client = MemoryClient(transport, name, counters=counters, download_codec=cfg.runtime.download_codec)
+    client.link = link  # transport/linkspeed.py LinkSpeed: the link rates its lease requests state (None: none)
     trainer = InnerTrainer.from_config(cfg, transport.workload)
     assert not trainer.reset_state  # carried inner state
     task = as_actor(name, runner.serve(client, transport.publisher(name, signer=f"key-{name}"), cfg, transport.workload,

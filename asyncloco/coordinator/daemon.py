@@ -41,7 +41,7 @@ from asyncloco.coordinator.methods import build_runtime_method, coordinator_poli
 from asyncloco.coordinator.monitoring import JOURNAL_FILE, STATUS_FILE, Monitoring, PeerStats
 from asyncloco.coordinator.node import EVENT_TYPES, SOFTWARE_STAMP, CoordinatorNode
 from asyncloco.coordinator.serving import Serving, lease_to_wire
-from asyncloco.coordinator.verify import DaemonVerification, VerificationPort
+from asyncloco.coordinator.verify import DaemonVerification, VerificationPort, fresh_below
 from asyncloco.coordinator.wal import WAL_DIR, open_log
 from asyncloco.fingerprint import run_fingerprint
 from asyncloco.models.workload import Workload, flatten_params, param_groups
@@ -130,6 +130,8 @@ class CoordinatorDaemon:
         ratio = wire_bytes(cfg.runtime.download_codec, self.numel) / wire_bytes(cfg.runtime.codec, self.numel)
         policy = dataclasses.replace(policy, download_upload_ratio=ratio, upload_bytes=wire_bytes(cfg.runtime.codec, self.numel),
                                      download_bytes=wire_bytes(cfg.runtime.download_codec, self.numel))
+        if policy.verify is not None and policy.verify.commit:  # leases that start fresh for a slow uplink
+            policy = dataclasses.replace(policy, verify=dataclasses.replace(policy.verify, fresh_below=fresh_below(cfg, self.model)))
         admission_key = load_or_create_key(self.dir).public_key() if cfg.runtime.admission == "token" else None
         # The lease-id secret is part of the state (snapshots, and so --resume) — fresh for a new run.
         state = new_state(

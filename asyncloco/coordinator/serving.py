@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 
 def lease_to_wire(lease: Lease, batch_size: int) -> dict[str, Any]:
-    return {
+    fresh = {"fresh": True} if lease.fresh else {}  # absent unless set: a peer of an earlier version reads the rest
+    return {**fresh,
         "lease_id": lease.lease_id,
         "base_version": lease.base_version,
         "shard": lease.shard,

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from asyncloco.models.workload import Workload
     from asyncloco.train.commitments import Buffer
 
-__all__ = ["Verifier", "VerifyStats", "DaemonVerification", "VerificationPort", "needs_reveal", "live_base"]
+__all__ = ["Verifier", "VerifyStats", "DaemonVerification", "VerificationPort", "fresh_below", "needs_reveal", "live_base"]
 
 logger = logging.getLogger(__name__)
 
@@ -284,11 +284,30 @@ def live_base(live: CoordinatorState) -> Callable[[int], Optional[torch.Tensor]]
 def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
     """Does the submission of ``lease_id`` that produced ``actions`` need its inner states revealed (a :class:`Verify`
     of a carried, committed state)? The submit's Ack asks for it. A lease that started fresh too: its end state is
-    revealed with the start (train/commitments.py ``pack_parts``) and compared with the re-run's (coordinator/rerun.py)."""
+    revealed with the start (train/commitments.py ``pack_parts``) and compared with the re-run's (coordinator/rerun.py).
+    Never a lease granted with a fresh start (``Lease.fresh``: its peer's uplink cannot carry a reveal): it is re-run
+    from θ and the data, as with ``inner_state: reset``."""
     return any(
         isinstance(a, Verify) and a.lease.lease_id == lease_id and bool(a.state_start) and not a.failed
-        for a in actions
+        and not a.lease.fresh for a in actions
     )
+
+
+def fresh_below(cfg: "RunConfig", model: torch.nn.Module) -> float:
+    """``VerifyPolicy.fresh_below`` (bytes/s): the uplink below which a peer's leases start from a fresh inner state
+    (coordinator/logic/leases.py ``fresh_reason``) — twice the RPC service's transfer floor (a reveal shares the uplink
+    with the next update, and a body slower than the floor is cut off), or one inner state's reveal
+    (train/commitments.py ``revealed_size``, one part) over ``runtime.verify.fresh_start_reveal_s``, whichever is
+    higher; 0 (never) when that knob is 0."""
+    seconds = cfg.runtime.verify.fresh_start_reveal_s
+    if seconds <= 0:
+        return 0.0
+    from asyncloco.train.commitments import revealed_size
+    from asyncloco.transport.rpc import ServiceLimits
+
+    sizes = [param.numel() for param in model.parameters()]
+    part = revealed_size(sum(9 + 8 * n for n in sizes), sum(sizes), cfg.runtime.uses_error_feedback, ends=False)
+    return max(2.0 * ServiceLimits().transfer_min_bytes_per_s, part / seconds)
 
 
 # ------------------------------------------------------------------------------------ the daemon's side

@@ -17,7 +17,8 @@ What holds with a lease in flight (docs/design.md, "Overlapped rounds"):
   as current the moment N is encoded. If N is not applied (refused, expired, lost), the peer resets its inner state
   and drops the residual, as serial rounds do: before training N+1 when N's verdict is in by then; otherwise N+1 was
   trained from a state the chain refuses, and it is not submitted (``summary.discarded``): the coordinator gives its
-  steps back when the peer next asks. Without commitments N+1 is submitted, encoded without the dropped residual;
+  steps back when the peer next asks. Without commitments N+1 is submitted, encoded without the dropped residual, and
+  so is a lease granted with a fresh start (``LeaseGrant.fresh``: it started from no state of N's);
 * **reveals.** N's reveal goes out from N's upload task while N+1 trains; the reveal store keeps at least two leases;
 * **Ctrl+C.** The first lets the lease in training finish, waits for N's ack, submits the last lease and leaves; the
   second leaves at once: the training stops after its step and N's upload is given up (both logged);
@@ -167,7 +168,7 @@ class OverlappedRounds:
             waiting = runner.clock.monotonic()
             applied = await self._collect()
             add_timing(runner.summary, "upload_wait", runner.clock.monotonic() - waiting)
-            if not applied and on_unsettled and runner._commits(self.trainer):
+            if not applied and on_unsettled and runner._commits(self.trainer) and not lease.fresh:
                 runner.summary.discarded += 1
                 logger.warning("lease %s not submitted: it was trained from the end state of an update the coordinator "
                                "did not apply (the coordinator gives its %d steps back)", lease.lease_id, lease.steps)

@@ -157,6 +157,7 @@ class PeerRunner:
         self.clock = clock  # --- transport seam: deadlines, pauses and the summary's wall times on this clock
         self.crash_hook = crash_hook
         self.feedback: Any = None  # train/feedback.py ErrorFeedback: this peer's residual, kept across leases and rejoins
+        self._fresh_logged = False
         self._prefetch: Optional[asyncio.Task[Any]] = None  # --prefetch: the newest θ, fetched after an ack
         self._idle_wait = 0.0  # the pause after a "no lease" answer (doubles while quarantined)
         # peer/joining.py: DHT, run id, config, fingerprint (its waits on the same clock)
@@ -277,6 +278,19 @@ class PeerRunner:
         if self.group is not None:
             broadcast_command(self.group, Command(OP_RESET))
         trainer.reset_inner_state()
+
+    def _start_fresh(self, trainer: InnerTrainer, lease: LeaseGrant) -> None:
+        """A lease granted with a fresh start (its ``fresh``: the coordinator judged this peer's uplink too slow to
+        reveal a carried state, coordinator/logic/leases.py ``fresh_reason``): the inner state starts afresh and the
+        error-feedback residual is dropped, so that the lease is re-run from θ and the data alone."""
+        if not self._fresh_logged:
+            logger.info("lease %s starts from a fresh inner state: the coordinator finds this peer's uplink too slow to "
+                        "reveal a carried one (runtime.verify.fresh_start_reveal_s)", lease.lease_id)
+            self._fresh_logged = True
+        self.summary.fresh_starts += 1
+        if self.feedback is not None:
+            self.feedback.drop()
+        self._reset_inner_state(trainer)
 
     def _release_group(self, phase: str) -> None:
         """Tell the followers to stop (unless the group is broken), then leave it."""
@@ -425,6 +439,8 @@ class PeerRunner:
         training = time.perf_counter()  # times a computation (the training thread), not a wait
         computed: Optional[float] = None
         pausing: Optional[float] = None
+        if lease.fresh:
+            self._start_fresh(trainer, lease)
         try:
             pseudo_gradient, seconds, step_seconds = await asyncio.to_thread(self._train, trainer, theta, lease, bar)
             computed = time.perf_counter() - training

@@ -48,6 +48,7 @@ class PeerSummary:
     swarm_chunks_served: int = 0  # --swarm --serve: θ chunks this peer served to others (transport/swarm_serve.py)
     swarm_bytes_served: int = 0  # their payload bytes
     prefetch_misses: int = 0
+    fresh_starts: int = 0  # leases granted with a fresh inner state (the coordinator's answer to a slow uplink)
     discarded: int = 0  # overlapped rounds: leases trained from an update then not applied, so not submitted
     training: str = ""  # the lease being trained right now (its emulated slowdown included); "" between leases
 

@@ -255,6 +255,10 @@ class Simulation:
                 lease = action.lease
                 worker = self.workers[action.peer]
                 worker.lease_id, worker.base_version, worker.steps = lease.lease_id, lease.base_version, lease.steps
+                if lease.fresh:  # granted with a fresh start (a slow uplink: coordinator/logic/leases.py fresh_reason)
+                    worker.inner_state, worker.fast_state = {}, None
+                    if worker.feedback is not None:
+                        worker.feedback.drop()
                 worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
                 # the worker has its θ: the coordinator need not retain that version for this lease
                 self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)

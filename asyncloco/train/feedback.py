@@ -87,6 +87,10 @@ class ErrorFeedback:
         self.residual = self._pending if applied else None
         self._pending = None
 
+    def drop(self) -> None:
+        """Start afresh, with no residual (a lease granted with a fresh start: peer/runner.py)."""
+        self.residual = self._pending = None
+
     @property
     def pending(self) -> torch.Tensor | None:
         """The residual the upload in flight leaves if it is applied (committed as the lease's end state when a

@@ -11,7 +11,7 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 |---|---|---|
 | :class:`AssignRequest` | assign, peer → coordinator | ``kind`` ("config" or "lease"), ``tokens_per_s``?, ``name``?, ``token``?, ``signer``? |
 | :class:`HelloReply` | assign (kind "config"), reply | ``config`` (JSON), ``model_numel``, ``codec``, ``download_codec``, ``run_id``, ``software_version`` |
-| :class:`LeaseGrant` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline`` |
+| :class:`LeaseGrant` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline``, ``fresh``? |
 | :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`LeaseGrant` map), ``reason``, ``code``? |
 | :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
@@ -219,7 +219,9 @@ class HelloReply(_Message):
 
 @dataclass(frozen=True)
 class LeaseGrant(_Message):
-    """A unit of work: train ``steps`` steps on ``shard`` from θ at ``base_version``."""
+    """A unit of work: train ``steps`` steps on ``shard`` from θ at ``base_version``. ``fresh`` true (absent
+    otherwise): start it from a fresh inner optimizer state and no error-feedback residual — with commitments, the
+    coordinator's answer to an uplink that cannot carry a reveal (coordinator/logic/leases.py ``fresh_reason``)."""
 
     lease_id: str
     base_version: int
@@ -230,6 +232,7 @@ class LeaseGrant(_Message):
     batch_size: int
     issued_at: float
     deadline: float
+    fresh: Optional[bool] = None
     REQUIRED: ClassVar[tuple[str, ...]] = (
         "lease_id", "base_version", "shard", "start_offset", "steps", "lr_offset", "batch_size", "issued_at", "deadline",
     )
@@ -244,6 +247,8 @@ class LeaseGrant(_Message):
         self._int("batch_size", 1, MAX_COUNT)
         self._float("issued_at", 0.0, MAX_TIME)
         self._float("deadline", 0.0, MAX_TIME)
+        if self.fresh is not None:
+            self._bool("fresh")
 
 
 @dataclass(frozen=True)

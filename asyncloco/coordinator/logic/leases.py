@@ -254,6 +254,10 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     )
     if policy.verify is not None:
         lease = dataclasses.replace(lease, verify=verify_reason(state, policy.verify, peer, lease.lease_id))
+    fresh = fresh_reason(policy, info)
+    if fresh:
+        lease = dataclasses.replace(lease, fresh=True)
+        why_steps += f"; {fresh}"
     state.leases[lease.lease_id] = lease
     index_lease(state, lease)
     return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
@@ -301,6 +305,21 @@ def note_link(info: PeerInfo, link_up: float | None, link_down: float | None) ->
     for name, rate in (("link_up", link_up), ("link_down", link_down)):
         if rate is not None and math.isfinite(rate) and rate > 0:
             setattr(info, name, float(rate))
+
+
+def fresh_reason(policy: CoordinatorPolicy, info: PeerInfo) -> str:
+    """Why a lease of the peer ``info`` starts from a fresh inner state ("" when it carries its state): with
+    commitments, its reported uplink is below ``VerifyPolicy.fresh_below`` — a reveal of its carried state would not
+    arrive (below the RPC floor) or would hold its uplink longer than ``runtime.verify.fresh_start_reveal_s``. Not a
+    leniency: the check of a fresh lease re-runs it from θ and the data, which need no reveal, and a peer that
+    reports a slow uplink only gives up its carried state. An uplink not yet reported carries its state."""
+    verify = policy.verify
+    if verify is None or not verify.commit or verify.fresh_below <= 0 or info.link_up is None:
+        return ""
+    if info.link_up >= verify.fresh_below:
+        return ""
+    return (f"fresh inner state: uplink {info.link_up / 1e3:.3g} kB/s, below the {verify.fresh_below / 1e3:.3g} kB/s "
+            "a reveal needs (runtime.verify.fresh_start_reveal_s)")
 
 
 def transfer_seconds(policy: CoordinatorPolicy, info: PeerInfo) -> float | None:

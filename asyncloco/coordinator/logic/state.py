@@ -40,6 +40,9 @@ class Lease:
     # when the peer's download of θ(base_version) completed (None: not seen): its training starts no earlier, so the
     # observed speed counts from then — on a slow link the download is not compute (leases were sized 2.6× short)
     fetched_at: float | None = None
+    # starts from a fresh inner state and no error-feedback residual (VerifyPolicy.fresh_below: its peer's uplink
+    # cannot carry a reveal): its check re-runs from θ and the data, nothing revealed; sent to the peer
+    fresh: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -137,6 +140,9 @@ class VerifyPolicy:
     # update is applied at once and checked later (a failed check then repairs θ). 0 (config.py's default): drawn checks
     # are applied first. Probation and suspects' checks are always held.
     hold_backlog: int = 0
+    # with commit: a peer whose reported uplink (bytes/s) is below this gets leases that start fresh (Lease.fresh) —
+    # max(2 × the RPC floor, one inner state's bytes / runtime.verify.fresh_start_reveal_s), set by the daemon; 0: never
+    fresh_below: float = 0.0
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()

@@ -131,13 +131,21 @@ def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] 
     when it joins, restarts, or a submission of it was not applied). Otherwise the actions: a submission without
     digests is refused; a broken chain is a failed check — the update is refused and a :class:`Verify` that has
     already failed goes to the verifier, whose ``Verified`` expels the peer and repairs θ like any failed re-run."""
+    lease = state.leases[event.lease_id]
+    if _unfresh(state, event):
+        # a peer that ignored the lease's fresh start (an earlier version of the client): its carried state cannot be
+        # re-run without a reveal its uplink cannot carry — refused, not judged (leases.py fresh_reason)
+        assert event.state_start is not None
+        return [Rejected(event.peer, event.lease_id, "this lease was granted with a fresh inner state (the peer's uplink "
+                         "cannot carry a reveal: runtime.verify.fresh_start_reveal_s), but its submission starts from "
+                         f"state {event.state_start[:16]}…; upgrade the peer (asyncloco peer join)", RefusalCode.BROKEN_CHAIN),
+                *give_back(state, lease, "it did not start from the fresh inner state it was granted with")]
     if _chain_links(state, event):
         return None
     if event.state_start is None or event.state_end is None:
         return [Rejected(event.peer, event.lease_id, "this run verifies carried inner state: the submission needs "
                          "state_start and state_end digests; upgrade the peer (asyncloco peer join)", RefusalCode.BROKEN_CHAIN)]
     previous = state.verification.chain.get(event.peer, FRESH_STATE_DIGEST)
-    lease = state.leases[event.lease_id]
     detail = (f"inner-state chain broken: lease starts from state {event.state_start[:16]}…, the peer's last applied "
               f"lease ended at {previous[:16]}… (and it is not the fresh state)")
     state.verification.pending[lease.lease_id] = event.peer
@@ -148,12 +156,23 @@ def _broken_chain(state: CoordinatorState, event: SubmitUpdate) -> list[Action] 
     return actions
 
 
+def _commits(state: CoordinatorState) -> bool:
+    return state.policy.verify is not None and state.policy.verify.commit
+
+
+def _unfresh(state: CoordinatorState, event: SubmitUpdate) -> bool:
+    """A submission of a lease granted with a fresh start (Lease.fresh) whose committed start is another state."""
+    lease = state.leases.get(event.lease_id)
+    return (lease is not None and lease.fresh and _commits(state)
+            and event.state_start is not None and event.state_start != FRESH_STATE_DIGEST)
+
+
 def _chain_links(state: CoordinatorState, event: SubmitUpdate) -> bool:
-    """Whether the submission's inner-state digests chain (:func:`_broken_chain`); True without commitments."""
-    policy = state.policy.verify
-    if policy is None or not policy.commit:
+    """Whether the submission's inner-state digests chain (:func:`_broken_chain`) — a lease granted with a fresh start
+    starts from the fresh state; True without commitments."""
+    if not _commits(state):
         return True
-    if event.state_start is None or event.state_end is None:
+    if event.state_start is None or event.state_end is None or _unfresh(state, event):
         return False
     return event.state_start in (state.verification.chain.get(event.peer, FRESH_STATE_DIGEST), FRESH_STATE_DIGEST)
 

@@ -1,0 +1,196 @@
+"""Leases that start fresh for an uplink that cannot carry a reveal (``runtime.verify.fresh_start_reveal_s``;
+coordinator/logic/leases.py ``fresh_reason``).
+
+With ``inner_state: carry`` a checked lease is re-run from its start inner state, which its peer reveals; on an uplink
+below the RPC floor that reveal never arrives and an honest peer was expelled (docs/results/wan-home150-defaults-*.json).
+Such a peer's leases start from a fresh inner state and no error-feedback residual instead: the check re-runs them from
+θ and the data, with nothing revealed. Pinned here: the threshold's closed form, which leases are fresh (and which are
+not: an unreported uplink, ``reset`` runs, the knob at 0), the wire, a submission that ignores the fresh start refused
+(its steps given back, nothing applied), and the real daemon with real peers — the slow one never asked to reveal and
+every one of its checks bitwise, the fast one revealing as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncloco.algo.outer import OuterNesterov
+from asyncloco.clock import FakeClock
+from asyncloco.config import RunConfig
+from asyncloco.coordinator import logic
+from asyncloco.coordinator.logic import (
+    Applied, Assign, CoordinatorPolicy, Expired, Rejected, RequestWork, SpeedReport, SubmitUpdate, Verify, VerifyPolicy,
+    handle, new_state,
+)
+from asyncloco.coordinator.verify import fresh_below, needs_reveal
+from asyncloco.peer.runner import PeerRunner
+from asyncloco.refusals import RefusalCode
+from asyncloco.testing.memory import MemoryTransport, drive
+from asyncloco.train.commitments import FRESH_STATE_DIGEST, revealed_size
+from asyncloco.transport.errors import MessageError
+from asyncloco.transport.linkspeed import LinkSpeed
+from asyncloco.transport.rpc import ServiceLimits
+from asyncloco.transport.wire import LeaseGrant
+from tests.test_verify_reveal import config, journal, start_peer
+
+pytestmark = pytest.mark.timeout(240)
+
+BELOW = 131_072.0  # bytes/s: twice the RPC floor, the threshold of a small model
+DIM = 6
+
+
+def with_verify(cfg: RunConfig, **knobs: Any) -> RunConfig:
+    data = cfg.model_dump()
+    data["runtime"]["verify"].update(knobs)
+    return RunConfig.model_validate(data)
+
+
+def state_with(fresh: float = BELOW, commit: bool = True) -> logic.CoordinatorState:
+    policy = CoordinatorPolicy(
+        max_local_steps=4, grace_period=0.0, lease_timeout_factor=3.0, lease_slack=100.0,
+        verify=VerifyPolicy(fraction=0.0, probation_updates=0, suspect_fraction=0.0, commit=commit, fresh_below=fresh),
+    )
+    return new_state(torch.zeros(DIM), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+
+
+def lease_of(state: logic.CoordinatorState, peer: str, now: float, link_up: float | None = None) -> tuple[logic.Lease, str]:
+    handle(state, SpeedReport(peer, 10.0, now, None, link_up=link_up), now)
+    _, actions = handle(state, RequestWork(peer), now)
+    assign = next(a for a in actions if isinstance(a, Assign))
+    return assign.lease, assign.reason
+
+
+def test_the_threshold_in_closed_form() -> None:
+    """max(2 × the RPC floor, one inner state's reveal bytes / fresh_start_reveal_s); 0 turns it off."""
+    cfg = config(feedback=True)
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
+    sizes = [1000 * 1000, 1000, 1000 * 10, 10]
+    # per parameter tensor 9 bytes of markers and step count + 8 bytes per element (two fp32 moments); with error
+    # feedback the residual (8 + 4 bytes per element): one part of a reveal
+    part = sum(9 + 8 * n for n in sizes) + 8 + 4 * sum(sizes)
+    assert part == revealed_size(sum(9 + 8 * n for n in sizes), sum(sizes), True, ends=False) == 12_132_164
+    floor = 2 * ServiceLimits().transfer_min_bytes_per_s
+    assert fresh_below(cfg, model) == max(floor, part / 300.0) == floor == 131_072  # 12 MB in 300 s: the floor dominates
+    assert fresh_below(with_verify(cfg, fresh_start_reveal_s=10.0), model) == part / 10.0 > floor  # in 10 s: 1.2 MB/s
+    assert fresh_below(with_verify(cfg, fresh_start_reveal_s=0.0), model) == 0.0
+
+
+def test_which_leases_start_fresh() -> None:
+    state = state_with()
+    slow, why = lease_of(state, "slow", 0.0, link_up=12_500.0)  # 0.1 Mbit/s: home150's uplink
+    assert slow.fresh and ("; fresh inner state: uplink 12.5 kB/s, below the 131 kB/s a reveal needs "
+                           "(runtime.verify.fresh_start_reveal_s); shard 0") in why
+    fast, why = lease_of(state, "fast", 0.0, link_up=BELOW)  # at the threshold: carries its state
+    assert not fast.fresh and "fresh" not in why
+    unknown, _ = lease_of(state, "new", 0.0)  # nothing reported yet: carries (its first lease starts fresh anyway)
+    assert not unknown.fresh
+    # a fresh lease round-trips the state dict (snapshots, --resume)
+    restored = state_with()
+    restored.load_state_dict(state.state_dict())
+    assert restored.leases[slow.lease_id].fresh and not restored.leases[fast.lease_id].fresh
+    # the rate is the peer's latest report: a faster one turns it back to carrying
+    again, _ = lease_of(state, "slow", 1.0, link_up=2 * BELOW)
+    assert not again.fresh
+    for other in (state_with(fresh=0.0), state_with(commit=False)):  # the knob at 0; inner_state reset (no commitments)
+        assert not lease_of(other, "slow", 0.0, link_up=12_500.0)[0].fresh
+
+
+def test_the_wire_and_the_check() -> None:
+    from asyncloco.coordinator.serving import lease_to_wire
+
+    state = state_with()
+    slow, _ = lease_of(state, "slow", 0.0, link_up=12_500.0)
+    fast, _ = lease_of(state, "fast", 0.0, link_up=1e7)
+    assert LeaseGrant.from_wire(lease_to_wire(slow, 8)).fresh is True
+    assert "fresh" not in lease_to_wire(fast, 8) and LeaseGrant.from_wire(lease_to_wire(fast, 8)).fresh is None
+    with pytest.raises(MessageError, match="fresh"):
+        LeaseGrant.from_wire({**lease_to_wire(slow, 8), "fresh": "yes"})
+    # a check of a fresh lease asks for no reveal (re-run from θ and the data); a carried one does
+    empty = torch.empty(0)
+    assert not needs_reveal([Verify("slow", slow, empty, empty, "probation", state_start=FRESH_STATE_DIGEST)], slow.lease_id)
+    assert needs_reveal([Verify("fast", fast, empty, empty, "probation", state_start="a" * 64)], fast.lease_id)
+
+
+def test_a_submission_that_ignores_its_fresh_start_is_refused() -> None:
+    state = state_with()
+    lease, _ = lease_of(state, "p", 0.0, link_up=12_500.0)
+    assigned = state.shards[lease.shard].assigned
+
+    def submit(start: str, now: float) -> list[logic.Action]:
+        event = SubmitUpdate("p", lease.lease_id, lease.base_version, torch.ones(DIM), state_start=start, state_end="b" * 64)
+        return handle(state, event, now)[1]
+
+    actions = submit("a" * 64, 1.0)  # carried its state anyway (a client of an earlier version)
+    assert [type(a) for a in actions] == [Rejected, Expired]
+    refusal = actions[0]
+    assert isinstance(refusal, Rejected) and refusal.code == RefusalCode.BROKEN_CHAIN
+    assert refusal.reason.startswith("this lease was granted with a fresh inner state") and "upgrade the peer" in refusal.reason
+    assert state.version == 0 and lease.lease_id not in state.leases and not state.verification.expelled
+    assert state.shards[lease.shard].assigned == assigned - lease.steps  # its steps given back
+    lease, _ = lease_of(state, "p", 2.0)
+    assert lease.fresh  # the last report stands
+    assert [type(a) for a in submit(FRESH_STATE_DIGEST, 3.0)] == [Applied]
+    assert state.version == 1 and state.verification.chain == {"p": "b" * 64}
+
+
+class RevealCounter(PeerRunner):
+    asked = 0
+
+    async def _reveal(self, client: Any, lease_id: str, digest: Any, end: bool = True, start: bool = True) -> None:
+        self.asked += 1
+        await super()._reveal(client, lease_id, digest, end, start)
+
+
+def test_a_slow_uplink_reveals_nothing_and_passes_every_check(tmp_path: Path) -> None:
+    """Two honest peers with sign-coded uploads and error feedback, every lease checked: "slow" states a 10 kB/s uplink
+    (below the floor) — every lease of it is fresh, no reveal is asked of it, its residual starts afresh with each
+    lease, and each check is bitwise; "fast" states none and carries its state, revealing each later lease."""
+    cfg = with_verify(config(feedback=True), fraction=1.0, keep_states_mb=0)
+    clock = FakeClock()
+    run_dir = tmp_path / "run"
+    rounds = 6
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        await transport.start()
+        try:
+            slow_link = LinkSpeed()
+            assert slow_link.observe("up", 1_000_000, 100.0)  # 10 kB/s, as its uploads measured it
+            peers = {name: start_peer(transport, name, rounds=rounds, runner_cls=RevealCounter,
+                                      link=slow_link if name == "slow" else None) for name in ("slow", "fast")}
+            daemon = transport.daemon
+            assert daemon is not None and daemon.verification is not None
+            await drive(clock, {name: task for name, (_, task) in peers.items()}, real_timeout=150.0)
+            await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
+            for _, task in peers.values():
+                task.result()
+            return {"asked": {name: runner.asked for name, (runner, _) in peers.items()},
+                    "fresh": {name: runner.summary.fresh_starts for name, (runner, _) in peers.items()},
+                    "state": daemon.node.state}
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    out = asyncio.run(asyncio.wait_for(scenario(), timeout=220.0))
+    verdicts = journal(run_dir, "verdict")
+    assert verdicts and all(v["ok"] and v["detail"].startswith("bitwise") for v in verdicts), verdicts
+    assigned = journal(run_dir, "assign")
+    leases = {name: [r for r in assigned if r["peer"] == name] for name in ("slow", "fast")}
+    assert [len(leases["slow"]), len(leases["fast"])] == [rounds, rounds]
+    assert all(r["fresh"] for r in leases["slow"]) and not any(r["fresh"] for r in leases["fast"])
+    assert all("fresh inner state: uplink 10 kB/s, below the 131 kB/s" in r["reason"] for r in leases["slow"])
+    # every lease drawn for a re-run got its verdict (probation's later leases are held on the earlier verdicts)
+    drawn = {name: sorted(r["lease_id"] for r in leases[name] if r["verify"] and "not re-run" not in r["verify"])
+             for name in leases}
+    judged = {name: sorted(v["lease_id"] for v in verdicts if v["peer"] == name) for name in leases}
+    assert judged == drawn and min(len(judged["slow"]), len(judged["fast"])) >= 3
+    assert out["asked"] == {"slow": 0, "fast": len(judged["fast"]) - 1}  # fast's first lease starts fresh by itself
+    assert out["fresh"] == {"slow": rounds, "fast": 0}
+    assert not out["state"].verification.expelled and out["state"].version == 2 * rounds
