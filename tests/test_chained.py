@@ -75,6 +75,21 @@ def test_an_expelled_peer_leaves_nothing_kept_and_its_waiting_checks_moot() -> N
     assert chained.counts["moot"] == 1
 
 
+def test_a_lease_granted_with_a_fresh_start_drops_its_peer_s_kept_state() -> None:
+    """Once a peer's leases start fresh (its uplink cannot carry a reveal: coordinator/logic/leases.py fresh_reason) no
+    lease of it starts from the state kept for it: a fresh lease's verdict drops it; another peer's stays."""
+    chained = ChainedStates(1000)
+    chained.finished(check("a", "L1", "d0", "d1"), b"xyz")
+    chained.finished(check("b", "M1", "e0", "e1"), b"uvw")
+    fresh = check("a", "L2", FRESH_STATE_DIGEST, "d2")
+    fresh = Verify("a", Lease("L2", "a", 0, 0, 5, 0, 0, 0.0, 1.0, 2.0, fresh=True), fresh.base, fresh.update, "sampled",
+                   state_start=FRESH_STATE_DIGEST, state_end="d2")
+    assert chained.finished(fresh, None) is None
+    assert list(chained.kept) == ["b"] and chained.bytes == 3
+    assert chained.finished(check("b", "M2", FRESH_STATE_DIGEST, "e2"), None) is None  # a reset, not a fresh grant
+    assert list(chained.kept) == ["b"]
+
+
 def test_the_budget_keeps_the_most_recently_used_states() -> None:
     chained = ChainedStates(10)
     for peer, state in (("a", b"aaaa"), ("b", b"bbbb")):

@@ -170,7 +170,8 @@ def test_a_slow_uplink_reveals_nothing_and_passes_every_check(tmp_path: Path) ->
             await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
             for _, task in peers.values():
                 task.result()
-            return {"asked": {name: runner.asked for name, (runner, _) in peers.items()},
+            status = daemon.monitoring.status_document(clock.time())["peers"]
+            return {"status": {row.get("name") or peer_id: row["fresh_start"] for peer_id, row in status.items()},"asked": {name: runner.asked for name, (runner, _) in peers.items()},
                     "fresh": {name: runner.summary.fresh_starts for name, (runner, _) in peers.items()},
                     "state": daemon.node.state}
         finally:
@@ -193,4 +194,6 @@ def test_a_slow_uplink_reveals_nothing_and_passes_every_check(tmp_path: Path) ->
     assert judged == drawn and min(len(judged["slow"]), len(judged["fast"])) >= 3
     assert out["asked"] == {"slow": 0, "fast": len(judged["fast"]) - 1}  # fast's first lease starts fresh by itself
     assert out["fresh"] == {"slow": rounds, "fast": 0}
+    assert out["status"] == {"slow": "fresh inner state: uplink 10 kB/s, below the 131 kB/s a reveal needs "
+                                     "(runtime.verify.fresh_start_reveal_s)", "fast": ""}  # status.json says why
     assert not out["state"].verification.expelled and out["state"].version == 2 * rounds

@@ -175,6 +175,8 @@ class ChainedStates:
             self._keep(peer, _Kept(lease_id, check.state_end, end_state))
         elif end_state is not None:
             self.store.drop(lease_id)
+        elif check.lease.fresh and peer in self.kept:  # its peer's leases start fresh now: no lease starts from it
+            self._drop_kept(peer)
         waiting = self.waiting.pop(lease_id, None)
         if waiting is None:
             return None
@@ -184,20 +186,20 @@ class ChainedStates:
 
     def forget(self, peer: str) -> list["Verify"]:
         """``peer`` was expelled: its kept state goes, and the checks of its waiting on another (moot now) are returned."""
-        old = self.kept.pop(peer, None)
-        if old is not None:
-            self.bytes -= len(old.state)
-            self.store.drop(old.lease_id)
+        self._drop_kept(peer)
         self.expected.pop(peer, None)
         moot = [lease_id for lease_id, check in self.waiting.items() if check.peer == peer]
         self.counts["moot"] += len(moot)
         return [self.waiting.pop(lease_id) for lease_id in moot]
 
-    def _keep(self, peer: str, kept: _Kept) -> None:
+    def _drop_kept(self, peer: str) -> None:
         old = self.kept.pop(peer, None)
         if old is not None:
             self.bytes -= len(old.state)
             self.store.drop(old.lease_id)
+
+    def _keep(self, peer: str, kept: _Kept) -> None:
+        self._drop_kept(peer)
         if len(kept.state) > self.budget:
             self.store.drop(kept.lease_id)
             return

@@ -24,6 +24,7 @@ from asyncloco.coordinator.dashboard import DashboardServer
 from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import (
     Action,
+    fresh_reason,
     Admitted,
     Applied,
     Assign,
@@ -349,6 +350,8 @@ class Monitoring:
                 row["speed"] = info.speed
                 # its link as measured on its real transfers (bytes/s) and its time split (status.time_split)
                 row["link_up"], row["link_down"], row["time_s"] = info.link_up, info.link_down, info.time_split
+                # its leases start from a fresh inner state (an uplink that cannot carry a reveal): "" when they carry it
+                row["fresh_start"] = fresh_reason(state.policy, info)
             seen = max(stats.last_seen, min(info.last_seen, now)) if info is not None else stats.last_seen
             peers[peer_id] = peer_row(row, alive=info is not None and info.alive, last_seen=seen)
         updates_per_s = self.stats.updates.rate(now)

@@ -420,10 +420,8 @@ class Rerunner:
         failed = self._end_state_failure(ours, end_inner, left, end_residual, scale)
         if failed:
             return Comparison(False, comparison.bitwise, comparison.rel_error, comparison.cosine, failed)
-        from asyncloco.train.commitments import revealed_end
-
         # its revealed end (which hashes to the committed one) is where its next lease starts (coordinator/chained.py)
-        kept = self.keep(task, revealed_end(revealed)) if self.keep_end else None
+        kept = self.keep_revealed_end(task, revealed) if self.keep_end else None
         return Comparison(True, comparison.bitwise, comparison.rel_error, comparison.cosine,
                           comparison.detail + f" (peer's compute class {task.device_class or 'unknown'!r}, the "
                           f"verifier's {self.compute_class!r}: its end state within {self.state_tolerance():g} of the re-run's)",
@@ -443,6 +441,20 @@ class Rerunner:
     def keep(self, task: Verify, state: Optional["Buffer"]) -> Optional["Buffer"]:
         """``task``'s end state put in :attr:`store` under its lease id (coordinator/chained.py ``StateStore``; None: none)."""
         return None if state is None else self.store.put(task.lease.lease_id, state)
+
+    def keep_revealed_end(self, task: Verify, revealed: "Buffer") -> Optional["Buffer"]:
+        """The end part of ``revealed`` (train/commitments.py ``pack_parts``) kept as :meth:`keep` keeps it: on disk
+        written to its file straight from the reveal's bytes (one pass over 1.8 GB at 150m), in memory a copy (a view
+        would hold the whole reveal). None when it has no end part or is malformed."""
+        from asyncloco.train.commitments import revealed_end, split_parts
+
+        if self.store.directory is None:
+            return self.keep(task, revealed_end(revealed))
+        try:
+            part = split_parts(revealed)[1]
+        except ValueError:
+            return None
+        return self.keep(task, part) if len(part) else None
 
     def _end_state_failure(self, ours: StateMoments, end_inner: "Buffer", left: Optional[torch.Tensor],
                            end_residual: Optional[torch.Tensor], scale: Optional[float]) -> str:

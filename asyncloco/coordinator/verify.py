@@ -994,12 +994,10 @@ class DaemonVerification:
                      revealed: "Optional[Buffer]" = None) -> None:
         """A validator peer's verdict (coordinator/validators.py), decided like the worker's own; ``revealed``: what the
         check was lent with, whose end part a pass leaves for the peer's next check (coordinator/chained.py)."""
-        from asyncloco.train.commitments import revealed_end
-
         rerunner = self.verifier.rerunner
         end_state = None
         if ok and revealed and rerunner.keep_end:  # copied (and written, on disk) off the event loop
-            end_state = await asyncio.to_thread(lambda: rerunner.keep(task, revealed_end(revealed)))
+            end_state = await asyncio.to_thread(rerunner.keep_revealed_end, task, revealed)
         await self._verdict(task, Comparison(ok, bitwise, rel_error, cosine, detail, end_state=end_state))
 
     def unverified_later(self, task: Verify, reason: str) -> None:

@@ -72,7 +72,7 @@ from asyncloco.coordinator.logic.events import (
     Held, Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
     Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Unverified, Verdict, Verified, Verify,
 )
-from asyncloco.coordinator.logic.leases import VERIFY_PIN_FACTOR, base_theta, return_range, transfer_seconds
+from asyncloco.coordinator.logic.leases import VERIFY_PIN_FACTOR, base_theta, fresh_reason, return_range, transfer_seconds
 from asyncloco.coordinator.logic.state import (
     AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
     ShardState, VerificationState, VerifyPolicy,
@@ -151,6 +151,7 @@ __all__ = [
     "base_theta",
     "return_range",
     "transfer_seconds",
+    "fresh_reason",
     "checked_after",
     "gate_verdict",
     "holds",
