@@ -5,6 +5,8 @@ expected updates, and against a peer's own inner loop run lease after lease."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,12 @@ def test_substitutes_are_a_peers_honest_leases_with_the_inner_state_carried_and_
     fresh = Substitutes(rerunner, tmp_path / "fresh", theta.numel(), carry=False)
     alone = fresh(submission(leases()[2]), leases()[2], bases[2])
     assert alone is not None and not torch.equal(alone, reference[2])
+    # a lease granted with a fresh start (Lease.fresh: its peer's uplink could not carry a reveal) is re-run fresh in a
+    # carried replay too, exactly as its peer trained it — and keyed so, apart from the carried one
+    granted = dataclasses.replace(leases()[2], fresh=True)
+    carried = Substitutes(rerunner, tmp_path / "granted", theta.numel())
+    chain = [carried(submission(lease), lease, base) for lease, base in zip([*leases()[:2], granted], bases)]
+    assert chain[2] is not None and torch.equal(chain[2], alone) and carried.computed == 3
     # the same replay again reads every re-run back (the daemon's second replay, a --resume): the same bits
     again = Substitutes(rerunner, tmp_path, theta.numel())
     read = [again(submission(lease), lease, base) for lease, base in zip(leases(), bases)]
@@ -145,7 +153,6 @@ def test_no_snapshot_falls_between_an_expulsion_and_its_repair(tmp_path: Path) -
 
 def gated_state(optimizer: Any) -> Any:
     """verify_state's coordinator with the update gate on (no probe)."""
-    import dataclasses
 
     from asyncloco.coordinator.gate import GatePolicy
 

@@ -54,8 +54,8 @@ class Substitutes:
     update (as the coordinator decodes it), or None when it cannot be had (the submission is then left out).
 
     One instance per replay. The inner state (and the error-feedback residual) is carried per peer from one re-run to
-    the next, starting fresh at the first of its leases the replay meets (``carry`` False: fresh for every lease, the
-    ``inner_state: reset`` mode), so a re-run is a function of the lease, its base θ and the peer's earlier re-runs in
+    the next, starting fresh at the first of its leases the replay meets and at each lease granted with a fresh start
+    (``carry`` False: fresh for every lease, the ``inner_state: reset`` mode), so a re-run is a function of the lease, its base θ and the peer's earlier re-runs in
     this replay — named by a key chained over exactly those (:meth:`key`). A stored re-run under the same key is read
     back instead of trained again (the same bits: it is the same computation); the carried state after the newest
     re-run of each peer is stored too, so that a replay that meets a lease not yet re-run after stored ones continues
@@ -75,11 +75,17 @@ class Substitutes:
     def key(self, peer: str, lease: Lease, base: torch.Tensor) -> str:
         """What the re-run of ``lease`` depends on: the peer's key before it (its earlier re-runs in this replay; a
         fresh start without ``carry``), the lease's work and its base θ."""
-        before = self._chain[peer][0] if self.carry and peer in self._chain else "fresh"
+        before = self._chain[peer][0] if self._continues(peer, lease) else "fresh"
         hasher = hashlib.sha256(f"asyncloco substitute v1:{before}:{lease.lease_id}:{lease.shard}:{lease.start_offset}:"
                                 f"{lease.steps}:{lease.lr_offset}:".encode())
         hasher.update(base.detach().cpu().contiguous().numpy().tobytes())
         return hasher.hexdigest()[:48]
+
+    def _continues(self, peer: str, lease: Lease) -> bool:
+        """Does ``lease``'s re-run start from the peer's previous one's state? Not without ``carry``, not at the first of
+        its leases the replay meets, not for a lease granted with a fresh start (``Lease.fresh``: its peer started it
+        from a fresh inner state and no residual)."""
+        return self.carry and not lease.fresh and peer in self._chain
 
     def __call__(self, event: SubmitUpdate, lease: Lease, base: torch.Tensor) -> Optional[torch.Tensor]:
         peer = event.peer
@@ -92,7 +98,7 @@ class Substitutes:
             self._chain[peer] = (key, self._stored_state(peer, key))
             return stored
         start: tuple[bytes, Optional[torch.Tensor]] = (b"", None)
-        if self.carry and peer in self._chain:
+        if self._continues(peer, lease):
             before, carried = self._chain[peer]
             if carried is None:
                 carried = self._stored_state(peer, before)
