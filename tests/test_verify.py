@@ -1218,3 +1218,55 @@ def test_the_verifiers_load_is_measured_per_window_and_saturation_noticed_once()
     assert load.load == pytest.approx(0.25) and load.load < RELIEVED and not load.saturated
     busy += 0.25 * LOAD_WINDOW_S
     assert load.note(start + 3 * LOAD_WINDOW_S, busy) is None and load.load == 0.0
+
+
+def test_a_probe_only_refusal_that_cannot_be_re_run_makes_a_suspect_not_a_quarantine() -> None:
+    """Where θ at the lease's base version is gone (the lease was not drawn and its θ was downloaded), a refusal on the
+    probe's word alone cannot become a check: the update is refused, but — work being verified — it does not count
+    toward quarantine (at outer momentum 0.5 on loopback such refusals of honest work on a weak consensus quarantined
+    all three peers of a run, docs/wan.md); it makes the peer a suspect, whose next leases are drawn at
+    ``suspect_fraction`` and keep their θ, so that the next such update is re-run. The gate alone counts it as before."""
+    from asyncloco.coordinator import gate as G
+    from asyncloco.coordinator.logic import Fetched, Quarantined, Rejected
+    from tests.test_gate_probe import N, warm_state, with_cosine
+
+    def run(verifies: bool) -> tuple[logic.CoordinatorState, list[Any]]:
+        policy = CoordinatorPolicy(max_local_steps=10, dylu=False, grace_period=0.0, lease_timeout_factor=3.0,
+                                   lease_slack=100.0, gate=G.GatePolicy(),
+                                   verify=VerifyPolicy(fraction=0.0, probation_updates=0, suspect_fraction=1.0)
+                                   if verifies else None)
+        state = new_state(torch.zeros(N), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+        state.gate = warm_state()
+        state.gate.peer_accepted["h"] = 10
+        for peer in ("old", "h"):
+            handle(state, SpeedReport(peer, 10.0), 0.0)
+        refusals: list[Any] = []
+        for round_ in range(G.GatePolicy().quarantine_after):
+            now = 10.0 * round_
+            lease = lease_of(handle(state, RequestWork("old"), now)[1])
+            if verifies and round_ > 0:  # a suspect's lease now: drawn, its θ kept — held for a check, not refused
+                assert lease.verify.startswith("suspect, sampled at 1 (recently refused by the gate's probe, unchecked)")
+                return state, refusals
+            assert lease.verify == ""
+            handle(state, Fetched("old", lease.base_version), now + 0.5)
+            honest = lease_of(handle(state, RequestWork("h"), now + 1)[1])
+            theirs = with_cosine(0.4)[[0, 2, 1, *range(3, N)]]  # at the median, orthogonal to the one refused below
+            handle(state, SubmitUpdate("h", honest.lease_id, honest.base_version, theirs), now + 2)
+            assert state.version == lease.base_version + 1 and lease.base_version not in state.base_params
+            actions = handle(state, SubmitUpdate("old", lease.lease_id, lease.base_version, with_cosine(-0.05),
+                                                 probe_before=5.0, probe_after=5.02), now + 3)[1]
+            refusals.append([type(a).__name__ for a in actions])
+            rejected = actions[0]
+            assert isinstance(rejected, Rejected) and "raises the probe-batch loss 5.00000 → 5.02000" in rejected.reason
+            counted = not rejected.reason.endswith("the peer's next leases are checked more")
+            assert counted == (not verifies)
+            if any(isinstance(a, Quarantined) for a in actions):
+                return state, refusals
+        return state, refusals
+
+    state, refusals = run(verifies=False)
+    assert refusals == [["Rejected", "Expired"]] * 2 + [["Rejected", "Expired", "Quarantined"]]
+    state, refusals = run(verifies=True)
+    assert refusals == [["Rejected", "Expired"]] and not state.gate.quarantined_until
+    assert G.suspect(state.gate, "old") == "recently refused by the gate's probe, unchecked"
+    assert state.gate.doubted["old"] == [True] and state.gate.verdicts["old"] == [False]

@@ -150,6 +150,7 @@ def suspect(gate: GateState, peer: str) -> str:
 
     * a counted rejection among its recent verdicts;
     * an update taken with weak agreement (where an attacker shaped to pass the gate lands, honest work rarely);
+    * a rejection on the probe's word alone that could not be re-run instead (``record``'s ``doubted``);
     * an applied update close to an echo of the consensus (cosine ≥ :func:`close_bar`, below the echo bar that
       refuses): a free-rider's echo scaled or noised to stay under the bar, and a peer that has steered the
       consensus its own way (three colluding identities with one hidden direction agreed at 0.82-0.92 with the
@@ -158,6 +159,8 @@ def suspect(gate: GateState, peer: str) -> str:
         return "recently refused by the gate"
     if any(gate.weak.get(peer, ())):
         return "recently agreed only weakly with the consensus"
+    if any(gate.doubted.get(peer, ())):
+        return "recently refused by the gate's probe, unchecked"
     if any(gate.close.get(peer, ())):
         return "recently agreed with the consensus almost like an echo of it"
     return ""
@@ -507,12 +510,17 @@ def _clip_or_accept(policy: GatePolicy, seen: _Update, probed: str) -> GateVerdi
 
 def record(
     policy: GatePolicy, gate: GateState, verdict: GateVerdict, update: torch.Tensor | None, steps: int, peer: str, now: float,
-    sketcher: Sketcher | None = None,
+    sketcher: Sketcher | None = None, doubted: bool = False,
 ) -> str | None:
     """Book a verdict. ``update`` is the update as applied (after clipping), or None when it was rejected.
+    ``doubted``: a rejection on the probe's word alone that could not be turned into a check (logic/submit.py) — it
+    makes the peer a suspect (its next leases re-run more) but does not count toward quarantine.
     Returns the reason when this verdict put ``peer`` into quarantine."""
     rejected = verdict.action == "reject"
-    counted = rejected and verdict.counts
+    counted = rejected and verdict.counts and not doubted
+    doubts = gate.doubted.setdefault(peer, [])
+    doubts.append(rejected and doubted)
+    del doubts[: max(0, len(doubts) - policy.quarantine_window)]
     # judged against the statistics before this update joins them (as score judged it)
     close = (
         not rejected and verdict.cosine is not None and gate.accepted >= policy.warmup and len(gate.cosines) >= 3

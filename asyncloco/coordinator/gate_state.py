@@ -82,6 +82,9 @@ class GateState:
     quarantines: dict[str, int] = field(default_factory=dict)
     weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement
     close: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = close to an echo
+    # per peer, recent verdicts: True = refused on the probe's word alone where the update could not be re-run instead
+    # (a verified run, θ at its base version gone): a suspect's signal, not counted toward quarantine (logic/submit.py)
+    doubted: dict[str, list[bool]] = field(default_factory=dict)
     shares: dict[str, float] = field(default_factory=dict)  # each peer's weight in the reference (sums to <= 1)
     present: list[str] = field(default_factory=list)  # the peers of the last `window` applied updates, weak ones too
     # each peer's last update in the reference (its unit vector × its weight there, decayed as the reference is since),
@@ -105,6 +108,7 @@ class GateState:
             "quarantines": dict(self.quarantines),
             "weak": {k: list(v) for k, v in self.weak.items()},
             "close": {k: list(v) for k, v in self.close.items()},
+            "doubted": {k: list(v) for k, v in self.doubted.items()},
             "shares": dict(self.shares),
             "present": list(self.present),
             "own": dict(self.own),
@@ -128,6 +132,7 @@ class GateState:
             quarantines={k: int(v) for k, v in state["quarantines"].items()},
             weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent in older checkpoints
             close={k: [bool(x) for x in v] for k, v in state.get("close", {}).items()},  # absent before its signal
+            doubted={k: [bool(x) for x in v] for k, v in state.get("doubted", {}).items()},  # absent before it
             # absent before the share cap: no shares known, every peer starts from none
             shares={k: float(v) for k, v in state.get("shares", {}).items()},
             present=[str(x) for x in state.get("present", [])],

@@ -198,9 +198,17 @@ def _gate_reject(
     state: CoordinatorState, gate: GatePolicy, event: SubmitUpdate, lease: Lease, verdict: GateVerdict, now: float
 ) -> list[Action]:
     """The gate rejected the update: the work is refused and its steps go back to the shard (its batches get
-    trained by someone else); the gate's record may quarantine the peer."""
-    quarantine = update_gate.record(gate, state.gate, verdict, None, lease.steps, event.peer, now)
-    actions: list[Action] = [Rejected(event.peer, lease.lease_id, f"update gate: {verdict.reason}", RefusalCode.GATE)]
+    trained by someone else); the gate's record may quarantine the peer. Not for a refusal on the probe's word alone
+    in a run that verifies work (one :func:`_checked_instead` could not hold for a check: θ at its base version is
+    gone): the probe's few rows cannot tell honest work on a weak consensus from a sign-flipped update (a loopback run at
+    outer momentum 0.5 quarantined all three honest peers so, docs/wan.md), so it makes the peer a suspect — its next
+    leases drawn at ``suspect_fraction``, whose θ is kept, and a probe-only refusal of those is re-run: a flipped update
+    then expels its peer."""
+    doubted = verdict.if_checked is not None and state.policy.verify is not None
+    quarantine = update_gate.record(gate, state.gate, verdict, None, lease.steps, event.peer, now, doubted=doubted)
+    reason = f"update gate: {verdict.reason}" + ("; not counted toward quarantine (it cannot be re-run: θ at its base "
+                                                  "version is gone), the peer's next leases are checked more" if doubted else "")
+    actions: list[Action] = [Rejected(event.peer, lease.lease_id, reason, RefusalCode.GATE)]
     actions += give_back(state, lease, "its update was rejected by the gate")
     if quarantine is not None:
         actions += _quarantine(state, event.peer, now, quarantine)
