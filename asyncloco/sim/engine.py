@@ -247,44 +247,48 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._queue, (time, self._seq, kind, worker))
 
+    def _start(self, action: Assign, now: float) -> None:
+        """A lease assigned: its worker trains it now (the result waits for its "complete" event)."""
+        if self._out_of_budget():
+            return  # the run ends with this event: don't train a lease that can never finish
+        lease = action.lease
+        worker = self.workers[action.peer]
+        worker.lease_id, worker.base_version, worker.steps = lease.lease_id, lease.base_version, lease.steps
+        if lease.fresh:  # granted with a fresh start (a slow uplink: coordinator/logic/leases.py fresh_reason)
+            worker.inner_state, worker.fast_state = {}, None
+            if worker.feedback is not None:
+                worker.feedback.drop()
+        worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+        # the worker has its θ: the coordinator need not retain that version for this lease
+        self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
+        if self.cfg.sim.checks and self.ahead and lease.verify and not lease.verify.startswith(PROBATION_WAIT):
+            # runtime.verify.ahead (coordinator/ahead.py): its re-run starts now, while the worker trains
+            start = max(now, self._verifier_free)
+            self._verifier_free = self._ahead_ready[lease.lease_id] = start + lease.steps * self.rerun_seconds_per_step
+        finish = now + lease.steps * worker.seconds_per_step
+        self._push(finish, "complete", worker.name)
+        self._emit(
+            {
+                "type": "task",
+                "method": self.result.method,
+                "time": now,
+                "worker": worker.name,
+                "lease_id": lease.lease_id,
+                "shard": lease.shard,
+                "steps": lease.steps,
+                "start_offset": lease.start_offset,
+                "lr_offset": lease.lr_offset,
+                "base_version": lease.base_version,
+                "finish": finish,
+                "train_loss": worker.result.mean_loss,
+                **({"verify": lease.verify} if self.cfg.sim.checks and lease.verify else {}),  # why it is re-run
+            }
+        )
+
     def _dispatch(self, actions: list[Action], now: float) -> None:
         for action in actions:
             if isinstance(action, Assign):
-                if self._out_of_budget():
-                    continue  # the run ends with this event: don't train a lease that can never finish
-                lease = action.lease
-                worker = self.workers[action.peer]
-                worker.lease_id, worker.base_version, worker.steps = lease.lease_id, lease.base_version, lease.steps
-                if lease.fresh:  # granted with a fresh start (a slow uplink: coordinator/logic/leases.py fresh_reason)
-                    worker.inner_state, worker.fast_state = {}, None
-                    if worker.feedback is not None:
-                        worker.feedback.drop()
-                worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
-                # the worker has its θ: the coordinator need not retain that version for this lease
-                self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
-                if self.cfg.sim.checks and self.ahead and lease.verify and not lease.verify.startswith(PROBATION_WAIT):
-                    # runtime.verify.ahead (coordinator/ahead.py): its re-run starts now, while the worker trains
-                    start = max(now, self._verifier_free)
-                    self._verifier_free = self._ahead_ready[lease.lease_id] = start + lease.steps * self.rerun_seconds_per_step
-                finish = now + lease.steps * worker.seconds_per_step
-                self._push(finish, "complete", worker.name)
-                self._emit(
-                    {
-                        "type": "task",
-                        "method": self.result.method,
-                        "time": now,
-                        "worker": worker.name,
-                        "lease_id": lease.lease_id,
-                        "shard": lease.shard,
-                        "steps": lease.steps,
-                        "start_offset": lease.start_offset,
-                        "lr_offset": lease.lr_offset,
-                        "base_version": lease.base_version,
-                        "finish": finish,
-                        "train_loss": worker.result.mean_loss,
-                        **({"verify": lease.verify} if self.cfg.sim.checks and lease.verify else {}),  # why it is re-run
-                    }
-                )
+                self._start(action, now)
             elif isinstance(action, Hold):
                 if math.isfinite(action.until):
                     self._push(action.until, "tick", action.peer)
