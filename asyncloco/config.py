@@ -120,6 +120,11 @@ class OuterConfig(StrictModel):
 
     lr: float = Field(0.7, gt=0, description="ε: the sync-DiLoCo outer lr (DN uses it unchanged)")
     momentum: float = Field(0.9, ge=0, lt=1)
+    long_lease_momentum: Literal["scaled", "fixed"] = Field(
+        "scaled", description="scaled: an update of h > schedule.max_local_steps (H) local steps — a lease sized by "
+        "local_steps auto — decays the outer momentum by β^(h/H), not β (its memory kept in local steps); fixed: β per "
+        "update whatever its length (docs/algorithm.md)"
+    )
     buffer_size: int | None = Field(None, ge=1, description="N for DN / Async Buffer; default: number of workers")
     activation: float = Field(0.0, ge=0, description="DN momentum activation c in [0, 1/N]")
     sgd_lr: float | None = Field(None, gt=0, description="outer lr of plain SGD; default: lr / (1 + momentum)")

@@ -14,7 +14,9 @@ the link-tuned runs use), and each variant side by side on the same data:
 * ``upload_momentum_0.8``: the same with the outer momentum at 0.8 instead of 0.9;
 * ``upload_momentum_0.7``, ``upload_momentum_0.75``, ``upload_lr_0.35``: less outer momentum, half the outer lr;
   ``instant_momentum_0.7``: the reference with less momentum (is it the uploads, or the momentum at long leases?);
-  ``upload_momentum_0.5``, ``instant_momentum_0.5``: less still;
+  ``upload_momentum_0.5``, ``instant_momentum_0.5``, ``upload_momentum_0.2``, ``upload_momentum_0.05``: less still;
+* ``upload_scaled_30``, ``instant_scaled_30``: β 0.9 with ``outer.long_lease_momentum: scaled`` as if H were 30 (the
+  demo's, leases lengthened by ``local_steps: auto``): each momentum step decays by 0.9^(h/30), h the buffer's mean;
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout'
 
 import torch  # noqa: E402
 
+from asyncloco.algo.outer import MomentumOptimizer  # noqa: E402
 from asyncloco.algo.staleness import PolyDiscount  # noqa: E402
 from asyncloco.config import RunConfig  # noqa: E402
 from asyncloco.sim.engine import Simulation, _Worker  # noqa: E402
@@ -60,6 +63,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "instant_momentum_0.7": {"upload": False, "momentum": 0.7},
     "upload_momentum_0.5": {"momentum": 0.5},
     "instant_momentum_0.5": {"upload": False, "momentum": 0.5},
+    "upload_momentum_0.2": {"momentum": 0.2},
+    "upload_momentum_0.05": {"momentum": 0.05},
+    "upload_scaled_30": {"reference": 30},
+    "instant_scaled_30": {"upload": False, "reference": 30},
     "upload_lr_0.35": {"lr": 0.35},
     "upload_buffer_5": {"buffer": 5},
     "upload_eager": {"eager": True},
@@ -124,6 +131,9 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
         simulation.eager = variant["eager"]
     if "poly" in variant:
         simulation.state.transforms.append(PolyDiscount(variant["poly"]))
+    if "reference" in variant:  # outer.long_lease_momentum: scaled as if H were this (leases sized by local_steps auto)
+        assert isinstance(simulation.state.optimizer, MomentumOptimizer)
+        simulation.state.optimizer.reference_steps = variant["reference"]
     started = time.perf_counter()
     result = simulation.run()
     staleness = result.staleness
@@ -131,7 +141,7 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     return {
         "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "momentum": cfg.outer.momentum,
         "outer_lr": cfg.outer.lr, "buffer_size": cfg.outer.buffer_size,
-        "poly": variant.get("poly"), "eager": variant.get("eager", False), "metric": metric,
+        "poly": variant.get("poly"), "momentum_reference_steps": variant.get("reference"), "eager": variant.get("eager", False), "metric": metric,
         "evals": [{"version": int(e["version"]), "local_updates": int(e["local_updates"]),
                    metric: round(float(e[metric]), 4)} for e in result.evals],
         "final": round(float(result.final[metric]), 4),

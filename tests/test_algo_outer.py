@@ -429,3 +429,61 @@ def test_overlapped_rounds_count_each_peers_two_updates_in_flight_in_n() -> None
     optimizer.step(overlapped, g)
     optimizer.step(overlapped, g)
     assert torch.allclose(serial, -0.7 * 1.9 * g, atol=1e-6) and torch.allclose(overlapped, serial, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- outer momentum at long leases
+
+
+@pytest.mark.timeout(60)
+def test_long_lease_momentum_decays_by_beta_to_the_lease_over_h() -> None:
+    """``outer.long_lease_momentum: scaled`` (the default): an update of h > H local steps decays the momentum by
+    β^(h/H) — Nesterov equals torch's SGD(nesterov) at that β; DN's momentum step takes the mean h of its N arrivals;
+    updates of at most H steps (every DyLU lease) are bitwise the paper's β; ``fixed`` ignores the steps."""
+    from asyncloco.config import OuterConfig
+    from asyncloco.coordinator.methods import build_method
+
+    theta0, (g1, g2, g3, g4) = _theta(), _vectors(4, seed=7)
+    h = 30
+    nesterov = OuterNesterov(0.7, 0.9, reference_steps=h)
+    assert nesterov.beta(h) == 0.9 and nesterov.beta(1) == 0.9 and nesterov.beta(90) == pytest.approx(0.9**3)
+    ours = theta0.clone()
+    nesterov.step(ours, g1, steps=h)
+    nesterov.step(ours, g2, steps=3 * h)
+    param = torch.nn.Parameter(theta0.clone())
+    ref = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    param.grad = g1.clone()
+    ref.step()
+    ref.param_groups[0]["momentum"] = 0.9**3
+    param.grad = g2.clone()
+    ref.step()
+    torch.testing.assert_close(ours, param.detach(), rtol=RTOL, atol=ATOL)
+
+    # DN, N = 2, c = 0: the momentum step's β is β^(mean h / H) over the two buffered arrivals
+    dn = DelayedNesterov(0.5, 0.8, buffer_size=2, reference_steps=h)
+    theta = theta0.clone()
+    for g, steps in ((g1, 10), (g2, 20), (g3, 40), (g4, 80)):
+        dn.step(theta, g, steps=steps)
+    m1 = (g1 + g2) / 2  # mean h 15 ≤ H: β^1 on a zero momentum
+    m2 = 0.8 ** (60 / h) * m1 + (g3 + g4) / 2
+    expected = theta0 - 0.5 * (g1 + g2 + g3 + g4) / 2 - 0.5 * 0.8 * m1 - 0.5 * 0.8 ** (60 / h) * m2
+    torch.testing.assert_close(dn.momentum_buffer, m2, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(theta, expected, rtol=RTOL, atol=ATOL)
+    restored = DelayedNesterov(0.5, 0.8, buffer_size=2, reference_steps=h)
+    dn.step(theta, g1, steps=50)
+    restored.load_state_dict(dn.state_dict())
+    assert restored.buffered_steps == 50 and restored.arrivals == 5
+
+    # at most H steps: bitwise the paper's DN; fixed, or no H given: β whatever the steps
+    plain, scaled = DelayedNesterov(0.7, 0.9, 2), DelayedNesterov(0.7, 0.9, 2, reference_steps=h)
+    a, b = theta0.clone(), theta0.clone()
+    for g in (g1, g2, g3, g4):
+        plain.step(a, g, steps=h)
+        scaled.step(b, g, steps=h)
+    assert torch.equal(a, b)
+    cfg = OuterConfig(lr=0.7, momentum=0.9, buffer_size=2)
+    assert build_method("async_dn_dylu", cfg, 2, reference_steps=h)[1].reference_steps == h  # type: ignore[attr-defined]
+    fixed = cfg.model_copy(update={"long_lease_momentum": "fixed"})
+    assert build_method("async_dn_dylu", fixed, 2, reference_steps=h)[1].reference_steps is None  # type: ignore[attr-defined]
+    assert build_method("async_dn_dylu", cfg, 2)[1].reference_steps is None  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="reference_steps"):
+        OuterNesterov(0.7, 0.9, reference_steps=0)

@@ -21,9 +21,18 @@ import pytest
 import torch
 
 from asyncloco.algo.dylu import ASK_AHEAD_MARGIN, link_steps, pipeline_seconds
-from asyncloco.algo.outer import OuterSGD
+from asyncloco.algo.outer import OuterNesterov, OuterSGD
 from asyncloco.config import RunConfig
-from asyncloco.coordinator.logic import Assign, CoordinatorPolicy, RequestWork, SpeedReport, handle, new_state
+from asyncloco.coordinator.logic import (
+    Applied,
+    Assign,
+    CoordinatorPolicy,
+    RequestWork,
+    SpeedReport,
+    SubmitUpdate,
+    handle,
+    new_state,
+)
 from asyncloco.coordinator.status import format_status, peer_row, time_split
 from asyncloco.peer.summary import PeerSummary
 from asyncloco.peer.summary import time_split as summary_split
@@ -91,6 +100,26 @@ def test_the_logic_sizes_a_lease_to_its_peers_link() -> None:
     down_only = [SpeedReport("fast", 2000.0), SpeedReport("slow", 1000.0, link_down=1_000_000.0)]
     steps, reason = steps_for(policy(), down_only, "slow")
     assert steps == 70 and "70 to cover 7 s of transfers" in reason
+
+
+def test_a_long_lease_s_update_decays_the_outer_momentum_by_its_steps() -> None:
+    """``outer.long_lease_momentum: scaled``: the logic hands the outer optimizer each update's lease steps, so the
+    slow peer's 160-step update (H = 20) decays Nesterov's momentum by 0.9^(160/20), the fast peer's 20-step one by 0.9."""
+    pol = policy()
+    state = new_state(torch.zeros(4), OuterNesterov(1.0, 0.9, reference_steps=20), (), pol, (100_000,), 0)
+    handle(state, SpeedReport("fast", 2000.0), 0.0)
+    handle(state, SpeedReport("slow", 1000.0, link_up=100_000.0, link_down=1_000_000.0), 0.0)
+    leases = {}
+    for peer in ("fast", "slow"):
+        _, actions = handle(state, RequestWork(peer), 1.0)
+        leases[peer] = next(a for a in actions if isinstance(a, Assign)).lease
+    assert (leases["fast"].steps, leases["slow"].steps) == (20, 160)
+    g_fast, g_slow = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0])
+    for peer, g in (("fast", g_fast), ("slow", g_slow)):
+        _, actions = handle(state, SubmitUpdate(peer, leases[peer].lease_id, 0, g.clone()), 2.0)
+        assert any(isinstance(a, Applied) for a in actions)
+    assert isinstance(state.optimizer, OuterNesterov) and state.optimizer.momentum_buffer is not None
+    torch.testing.assert_close(state.optimizer.momentum_buffer, 0.9**8 * g_fast + g_slow)
 
 
 def test_a_lease_request_states_the_link_rates_it_measured() -> None:

@@ -31,6 +31,7 @@ import torch
 __all__ = [
     "OuterStepInfo",
     "OuterOptimizer",
+    "MomentumOptimizer",
     "OuterSGD",
     "OuterSGDMomentum",
     "OuterNesterov",
@@ -66,8 +67,11 @@ class OuterOptimizer(ABC):
         self.lr = float(lr)
 
     @abstractmethod
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
-        """Apply one pseudo-gradient to ``params`` in place."""
+    def step(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+    ) -> OuterStepInfo:
+        """Apply one pseudo-gradient to ``params`` in place. ``steps``: the local steps it was made of (0: not
+        known); the momentum methods use it only with ``reference_steps`` set (``MomentumOptimizer.beta``)."""
 
     def flush(self, params: torch.Tensor) -> OuterStepInfo | None:
         """Apply whatever is still buffered (a sync round that closed short); None when nothing is."""
@@ -95,19 +99,36 @@ class OuterSGD(OuterOptimizer):
 
     name = "sgd"
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
+    def step(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+    ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         params.add_(pseudo_gradient, alpha=-self.lr * lr_scale)
         return OuterStepInfo(True, "sgd step")
 
 
-class _MomentumState(OuterOptimizer):
-    def __init__(self, lr: float, momentum: float) -> None:
+class MomentumOptimizer(OuterOptimizer):
+    """Outer momentum β per update. With ``reference_steps`` H set, an update of h > H local steps decays the momentum
+    by β^(h/H) instead (``outer.long_lease_momentum: scaled``, docs/algorithm.md "Outer momentum at long leases"):
+    the momentum's memory is kept in local steps, so leases longer than H (``schedule.local_steps: auto``) are not each
+    amplified by 1/(1 − β). Updates of at most H steps — every lease of the paper's DyLU — see β unchanged."""
+
+    def __init__(self, lr: float, momentum: float, reference_steps: int | None = None) -> None:
         super().__init__(lr)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"outer momentum must be in [0, 1), got {momentum!r}")
+        if reference_steps is not None and reference_steps < 1:
+            raise ValueError(f"reference_steps must be >= 1 or None, got {reference_steps!r}")
         self.momentum = float(momentum)
+        self.reference_steps = reference_steps
         self.momentum_buffer: torch.Tensor | None = None
+
+    def beta(self, steps: float) -> float:
+        """The momentum for an update (or a buffer's mean) of ``steps`` local steps."""
+        ref = self.reference_steps
+        if ref is None or steps <= ref:
+            return self.momentum
+        return self.momentum ** (steps / ref)
 
     def _momentum_like(self, params: torch.Tensor) -> torch.Tensor:
         if self.momentum_buffer is None:
@@ -121,20 +142,22 @@ class _MomentumState(OuterOptimizer):
         self.momentum_buffer = self._buffer(state, "momentum_buffer")
 
 
-class OuterSGDMomentum(_MomentumState):
+class OuterSGDMomentum(MomentumOptimizer):
     """Heavy-ball: m ← β·m + g; θ ← θ − ε·m (``torch.optim.SGD(momentum=β)``)."""
 
     name = "sgd_momentum"
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
+    def step(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+    ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         m = self._momentum_like(params)
-        m.mul_(self.momentum).add_(pseudo_gradient)
+        m.mul_(self.beta(steps)).add_(pseudo_gradient)
         params.add_(m, alpha=-self.lr * lr_scale)
         return OuterStepInfo(True, "sgd-momentum step")
 
 
-class OuterNesterov(_MomentumState):
+class OuterNesterov(MomentumOptimizer):
     """DiLoCo's outer optimizer: m ← β·m + g; θ ← θ − ε·(β·m + g).
 
     Identical to ``torch.optim.SGD(lr=ε, momentum=β, nesterov=True, dampening=0)``; in the
@@ -143,11 +166,14 @@ class OuterNesterov(_MomentumState):
 
     name = "nesterov"
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
+    def step(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+    ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         m = self._momentum_like(params)
-        m.mul_(self.momentum).add_(pseudo_gradient)
-        params.add_(pseudo_gradient + self.momentum * m, alpha=-self.lr * lr_scale)
+        beta = self.beta(steps)
+        m.mul_(beta).add_(pseudo_gradient)
+        params.add_(pseudo_gradient + beta * m, alpha=-self.lr * lr_scale)
         return OuterStepInfo(True, "nesterov step")
 
 
@@ -166,7 +192,9 @@ class OuterAdam(OuterOptimizer):
         self.exp_avg_sq: torch.Tensor | None = None
         self.steps = 0
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
+    def step(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+    ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         if self.exp_avg is None or self.exp_avg_sq is None:
             self.exp_avg = torch.zeros_like(params)
@@ -190,7 +218,7 @@ class OuterAdam(OuterOptimizer):
         self.steps = int(state.get("steps", 0))
 
 
-class DelayedNesterov(_MomentumState):
+class DelayedNesterov(MomentumOptimizer):
     """Delayed Nesterov, paper Algorithm 3 (buffer size N, momentum activation c ∈ [0, 1/N]).
 
     ::
@@ -210,8 +238,10 @@ class DelayedNesterov(_MomentumState):
 
     name = "delayed_nesterov"
 
-    def __init__(self, lr: float, momentum: float, buffer_size: int, activation: float = 0.0) -> None:
-        super().__init__(lr, momentum)
+    def __init__(
+        self, lr: float, momentum: float, buffer_size: int, activation: float = 0.0, reference_steps: int | None = None
+    ) -> None:
+        super().__init__(lr, momentum, reference_steps)
         if buffer_size < 1:
             raise ValueError(f"delayed nesterov buffer_size N must be >= 1, got {buffer_size}")
         if not 0.0 <= activation <= 1.0 / buffer_size + 1e-12:
@@ -222,8 +252,11 @@ class DelayedNesterov(_MomentumState):
         self.activation = float(activation)
         self.buffer: torch.Tensor | None = None
         self.arrivals = 0  # t in Algorithm 3
+        self.buffered_steps = 0  # local steps of the arrivals in Δ (the momentum step's β, ``beta``)
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
+    def step(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+    ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         m = self._momentum_like(params)
         if self.buffer is None:
@@ -231,7 +264,10 @@ class DelayedNesterov(_MomentumState):
         n, c, beta = self.buffer_size, self.activation, self.momentum
         lr = self.lr * lr_scale
         self.buffer.add_(pseudo_gradient)
+        self.buffered_steps += steps
         if (self.arrivals + 1) % n == 0:
+            beta = self.beta(self.buffered_steps / n)
+            self.buffered_steps = 0
             m.mul_(beta).add_(self.buffer, alpha=1.0 / n)
             params.add_(pseudo_gradient, alpha=-lr / n).add_(m, alpha=-lr * (1 - c * n + c) * beta)
             self.buffer.zero_()
@@ -245,12 +281,14 @@ class DelayedNesterov(_MomentumState):
         return OuterStepInfo(True, reason)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum_buffer": self.momentum_buffer, "buffer": self.buffer, "arrivals": self.arrivals}
+        return {"momentum_buffer": self.momentum_buffer, "buffer": self.buffer, "arrivals": self.arrivals,
+                "buffered_steps": self.buffered_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer = self._buffer(state, "buffer")
         self.arrivals = int(state.get("arrivals", 0))
+        self.buffered_steps = int(state.get("buffered_steps", 0))
 
 
 class AsyncBuffer(OuterNesterov):
@@ -262,22 +300,26 @@ class AsyncBuffer(OuterNesterov):
 
     name = "async_buffer"
 
-    def __init__(self, lr: float, momentum: float, buffer_size: int) -> None:
-        super().__init__(lr, momentum)
+    def __init__(self, lr: float, momentum: float, buffer_size: int, reference_steps: int | None = None) -> None:
+        super().__init__(lr, momentum, reference_steps)
         if buffer_size < 1:
             raise ValueError(f"async buffer size N must be >= 1, got {buffer_size}")
         self.buffer_size = int(buffer_size)
         self.buffer: torch.Tensor | None = None
         self.buffered = 0
         self.buffered_lr_scale = 0.0
+        self.buffered_steps = 0
 
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0) -> OuterStepInfo:
+    def step(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+    ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         if self.buffer is None:
             self.buffer = torch.zeros_like(params)
         self.buffer.add_(pseudo_gradient)
         self.buffered += 1
         self.buffered_lr_scale += lr_scale
+        self.buffered_steps += steps
         if self.buffered < self.buffer_size:
             return OuterStepInfo(False, f"buffered {self.buffered}/{self.buffer_size}")
         return self._step_on_mean(params)
@@ -299,10 +341,11 @@ class AsyncBuffer(OuterNesterov):
         count = self.buffered
         mean = self.buffer.div_(count)
         scale = self.buffered_lr_scale / count
-        super().step(params, mean, lr_scale=scale)
+        super().step(params, mean, lr_scale=scale, steps=round(self.buffered_steps / count))
         self.buffer.zero_()
         self.buffered = 0
         self.buffered_lr_scale = 0.0
+        self.buffered_steps = 0
         return OuterStepInfo(True, f"nesterov step on the mean of {count} buffered pseudo-gradients")
 
     def state_dict(self) -> dict[str, Any]:
@@ -311,6 +354,7 @@ class AsyncBuffer(OuterNesterov):
             "buffer": self.buffer,
             "buffered": self.buffered,
             "buffered_lr_scale": self.buffered_lr_scale,
+            "buffered_steps": self.buffered_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -318,3 +362,4 @@ class AsyncBuffer(OuterNesterov):
         self.buffer = self._buffer(state, "buffer")
         self.buffered = int(state.get("buffered", 0))
         self.buffered_lr_scale = float(state.get("buffered_lr_scale", 0.0))
+        self.buffered_steps = int(state.get("buffered_steps", 0))

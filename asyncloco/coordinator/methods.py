@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from asyncloco.algo.outer import (
     AsyncBuffer,
     DelayedNesterov,
+    MomentumOptimizer,
     OuterAdam,
     OuterNesterov,
     OuterOptimizer,
@@ -153,7 +154,8 @@ if {name for name, spec in METHODS.items() if spec.barrier} != BARRIER_METHODS: 
 
 
 def build_method(
-    name: str, cfg: "OuterConfig", workers: int, groups: Groups = (), in_flight: int = 1
+    name: str, cfg: "OuterConfig", workers: int, groups: Groups = (), in_flight: int = 1,
+    reference_steps: int | None = None,
 ) -> tuple[MethodSpec, OuterOptimizer, list[StalenessTransform]]:
     """The spec, a fresh outer optimizer and fresh transforms for method ``name``.
 
@@ -162,7 +164,10 @@ def build_method(
     from θ without the other). The buffered methods' N counts arrivals that start from about the same θ, so it is
     ``buffer_size × in_flight`` there (a barrier method's round holds one lease per peer and is left as it is);
     with N = the peers alone, two same-θ updates per peer would each take a full 1/N share — twice the outer
-    step, which with momentum 0.9 diverges at a cold start (docs/algorithm.md, "Overlapped rounds and N")."""
+    step, which with momentum 0.9 diverges at a cold start (docs/algorithm.md, "Overlapped rounds and N").
+
+    ``reference_steps``: H of the run (``schedule.max_local_steps``); with ``outer.long_lease_momentum: scaled`` a
+    momentum method decays its momentum by β^(h/H) for updates of h > H local steps (``MomentumOptimizer.beta``)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
     if in_flight < 1:
@@ -171,7 +176,10 @@ def build_method(
     if in_flight > 1 and not spec.barrier and spec.outer in (_dn, _buffer):
         cfg = cfg.model_copy(update={"buffer_size": (cfg.buffer_size or workers) * in_flight,
                                      "activation": cfg.activation / in_flight})  # c·N unchanged
-    return spec, spec.outer(cfg, workers), spec.transforms(cfg, groups)
+    optimizer = spec.outer(cfg, workers)
+    if reference_steps is not None and cfg.long_lease_momentum == "scaled" and isinstance(optimizer, MomentumOptimizer):
+        optimizer.reference_steps = reference_steps
+    return spec, optimizer, spec.transforms(cfg, groups)
 
 
 def updates_in_flight(cfg: "RunConfig") -> int:
@@ -185,7 +193,7 @@ def build_runtime_method(
     """``build_method`` for a real run of ``cfg``: N from ``outer.buffer_size`` (else the configured workers) and
     each peer's updates in flight (the daemon and a repair's fresh state build the same optimizer)."""
     return build_method(cfg.schedule.method, cfg.outer, cfg.outer.buffer_size or cfg.sim.workers, groups,
-                        updates_in_flight(cfg))
+                        updates_in_flight(cfg), cfg.schedule.max_local_steps)
 
 
 def coordinator_policy(

@@ -172,7 +172,8 @@ class Simulation:
         self.eval_model = self.workload.build_model(cfg.seed)
         theta = (initial_params if initial_params is not None else pretrain(cfg, self.workload)).clone()
         self.spec, optimizer, transforms = build_method(
-            method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model), 2 if cfg.sim.overlap else 1
+            method, cfg.outer, cfg.sim.workers, param_groups(self.eval_model), 2 if cfg.sim.overlap else 1,
+            cfg.schedule.max_local_steps,
         )
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=True)
         if outer_warmup > 0:  # an experiment beyond the paper (docs/algorithm.md §11): off by default

@@ -389,7 +389,7 @@ def _apply(
         drop_unused_base_params(state)
         return [Rejected(lease.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
     retained = retain_before_step(state)
-    info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale)
+    info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale, lease.steps)
     state.version += 1
     state.local_updates += lease.steps
     state.applied[lease.lease_id] = state.version
