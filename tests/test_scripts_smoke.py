@@ -243,10 +243,14 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
     r = load(tmp)["runs"]
     assert list(r) == ["instant", "upload", "upload_fp32", "upload_poly", "upload_momentum_0.8", "upload_momentum_0.7",
                        "upload_momentum_0.75", "instant_momentum_0.7", "upload_momentum_0.5", "instant_momentum_0.5",
+                       "upload_momentum_0.2", "upload_momentum_0.05", "upload_scaled_30", "instant_scaled_30",
                        "upload_lr_0.35", "upload_buffer_5", "upload_eager",
                        "upload_eager_lr", "upload_eager_whole"]
-    instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5")
+    instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5", "instant_scaled_30")
     assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
+    # the scaled momentum as if H were 30: the smoke's 10-step leases are shorter, so β is the paper's, bitwise
+    assert r["upload_scaled_30"]["momentum_reference_steps"] == 30 and r["upload"]["momentum_reference_steps"] is None
+    assert (r["upload_scaled_30"]["evals"], r["instant_scaled_30"]["evals"]) == (r["upload"]["evals"], r["instant"]["evals"])
     # an upload of half a lease (the fastest worker's 10 steps at 1 s) delays every update by it: staler updates
     assert all(r[name]["upload_s"] == 5.0 for name in r if name not in instant)
     assert all(r[name]["mean_staleness"] > r["instant"]["mean_staleness"] for name in r if name not in instant)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from asyncloco.cli import main
+from asyncloco.models.workload import load_flat_params
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.dashboard import DashboardServer, file_source
 from asyncloco.coordinator.sinks import TensorBoardSink, WandbSink, build_sinks
@@ -200,6 +201,56 @@ def drive_daemon(tmp_path: Path, **runtime: Any) -> Any:
     leases = asyncio.run(scenario())
     daemon.monitoring.journal.close()
     return daemon, leases
+
+
+@pytest.mark.timeout(120)
+def test_evaluations_started_together_run_one_at_a_time_in_version_order(tmp_path: Path) -> None:
+    """Two evaluations in flight share the coordinator's model: they run one at a time, in the order they started,
+    each on its own θ (the first one waits up to 1 s for a second to enter beside it — with the lock none does)."""
+    import threading
+
+    from asyncloco.coordinator.daemon import CoordinatorDaemon
+
+    daemon = CoordinatorDaemon(small_config(), checkpoint_dir=tmp_path)
+    monitoring = daemon.monitoring
+    evaluate = monitoring.workload.evaluate
+    inside, most, entered = [0], [0], threading.Event()
+    lock = threading.Lock()
+
+    def watched(model: torch.nn.Module) -> dict[str, float]:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            first = inside[0] == 1 and not entered.is_set()
+            if inside[0] > 1:
+                entered.set()
+        if first:
+            entered.wait(1.0)  # a second evaluation beside this one would set it
+        try:
+            return evaluate(model)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monitoring.workload.evaluate = watched  # type: ignore[method-assign]
+    theta = daemon.node.state.params.clone()
+    other = theta + 0.5
+
+    async def both() -> None:
+        first = asyncio.create_task(monitoring.evaluate(4, 40, theta.clone()))
+        second = asyncio.create_task(monitoring.evaluate(6, 60, other.clone()))
+        await asyncio.gather(first, second)
+
+    asyncio.run(both())
+    monitoring.journal.close()
+    assert most[0] == 1 and not entered.is_set()
+    assert [e["version"] for e in monitoring.stats.evals] == [4, 6]
+    alone = []
+    for vector in (theta, other):
+        model = monitoring.eval_model()
+        load_flat_params(model, vector)
+        alone.append(evaluate(model)["loss"])
+    assert [e["loss"] for e in monitoring.stats.evals] == alone
 
 
 @pytest.mark.timeout(120)

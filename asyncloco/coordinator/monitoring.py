@@ -174,6 +174,9 @@ class Monitoring:
         self.waiters: dict[str, Waiter] = {}  # held lease requests by peer (coordinator/serving.py)
         self.verification: Optional[DaemonVerification] = None  # set by the daemon (coordinator/verify.py)
         self.eval_tasks: set[asyncio.Task[None]] = set()
+        # one evaluation at a time, in the order they were started (asyncio.Lock wakes its waiters first in, first
+        # out): they share one model, and status.json's evals are listed by version
+        self._eval_lock = asyncio.Lock()
         self._last_eval_version = -1
         self._eval_model: Optional[torch.nn.Module] = None
         self._request_refusals: dict[str, tuple[str, float]] = {}  # peer -> (reason, when): journal repeats once a minute
@@ -421,10 +424,11 @@ class Monitoring:
             load_flat_params(model, theta.to(next(model.parameters()).device))
             return self.workload.evaluate(model)
 
-        metrics = await asyncio.to_thread(run)
-        record = {"time": self.clock.time(), "version": version, "local_updates": local_updates, **metrics}
-        self.stats.evals.append(record)
-        self.journal.write("eval", **record)
+        async with self._eval_lock:
+            metrics = await asyncio.to_thread(run)
+            record = {"time": self.clock.time(), "version": version, "local_updates": local_updates, **metrics}
+            self.stats.evals.append(record)
+            self.journal.write("eval", **record)
         logger.info("eval at version %d: %s", version, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         self.write_status()
 
