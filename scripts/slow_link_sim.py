@@ -17,6 +17,10 @@ the link-tuned runs use), and each variant side by side on the same data:
   ``upload_momentum_0.5``, ``instant_momentum_0.5``, ``upload_momentum_0.2``, ``upload_momentum_0.05``: less still;
 * ``upload_scaled_30``, ``instant_scaled_30``: β 0.9 with ``outer.long_lease_momentum: scaled`` as if H were 30 (the
   demo's, leases lengthened by ``local_steps: auto``): each momentum step decays by 0.9^(h/30), h the buffer's mean;
+* ``upload_scaled_30_sign``: the scaled rule with the demo's sign codec (``sgn15of16``) and no residual — what a
+  home150 peer's fresh leases send; ``upload_scaled_30_sign_ef_carry``: the same with the inner state and the
+  error-feedback residual carried from lease to lease (what it would send could it reveal them);
+  ``instant_sign_ef_carry``: the demo's loopback setting (carried state, sign + feedback; run it with ``--steps 30``);
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
@@ -69,6 +73,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "instant_scaled_30": {"upload": False, "reference": 30},
     "upload_lr_0.35": {"lr": 0.35},
     "upload_buffer_5": {"buffer": 5},
+    "upload_scaled_30_sign": {"reference": 30, "codec": "sgn15of16", "ef": False},
+    "upload_scaled_30_sign_ef_carry": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry"},
+    "instant_sign_ef_carry": {"upload": False, "codec": "sgn15of16", "ef": True, "state": "carry"},
     "upload_eager": {"eager": True},
     "upload_eager_lr": {"eager": "lr"},
     "upload_eager_whole": {"eager": "whole"},
@@ -118,8 +125,8 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
         "sim": {"workers": 3, "profile": [1.0, 1.5, 4.0], "total_local_updates": 200 if smoke else args.updates,
                 "eval_every": 50 if smoke else args.eval_every, "overlap": True, "upload_s": upload_s,
                 "methods": ["async_dn_dylu"], "seed": args.seed},
-        "runtime": {"codec": variant.get("codec", "int4"),
-                    "verify": {"inner_state": "reset"}},
+        "runtime": {"codec": variant.get("codec", "int4"), "error_feedback": variant.get("ef", False),
+                    "error_feedback_decay": 0.5, "verify": {"inner_state": variant.get("state", "reset")}},
     })
 
 
@@ -139,7 +146,8 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     staleness = result.staleness
     metric = "perplexity" if "perplexity" in result.final else "loss"  # the toy task (--smoke) has a loss only
     return {
-        "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "momentum": cfg.outer.momentum,
+        "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "error_feedback": cfg.runtime.uses_error_feedback,
+        "inner_state": cfg.runtime.verify.inner_state, "momentum": cfg.outer.momentum,
         "outer_lr": cfg.outer.lr, "buffer_size": cfg.outer.buffer_size,
         "poly": variant.get("poly"), "momentum_reference_steps": variant.get("reference"), "eager": variant.get("eager", False), "metric": metric,
         "evals": [{"version": int(e["version"]), "local_updates": int(e["local_updates"]),

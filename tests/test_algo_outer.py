@@ -487,3 +487,11 @@ def test_long_lease_momentum_decays_by_beta_to_the_lease_over_h() -> None:
     assert build_method("async_dn_dylu", cfg, 2)[1].reference_steps is None  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="reference_steps"):
         OuterNesterov(0.7, 0.9, reference_steps=0)
+
+    # the async buffer's Nesterov step takes the exact mean h of its arrivals (61 / 2 = 30.5 steps, not rounded)
+    buffered = AsyncBuffer(0.7, 0.9, buffer_size=2, reference_steps=h)
+    c = theta0.clone()
+    buffered.step(c, g1, steps=31)
+    buffered.step(c, g2, steps=30)
+    momentum = (g1 + g2) / 2  # on a zero momentum buffer: β only weights the look-ahead term
+    torch.testing.assert_close(c, theta0 - 0.7 * (momentum + 0.9 ** (30.5 / h) * momentum), rtol=RTOL, atol=ATOL)

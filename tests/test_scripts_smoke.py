@@ -244,9 +244,10 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
     assert list(r) == ["instant", "upload", "upload_fp32", "upload_poly", "upload_momentum_0.8", "upload_momentum_0.7",
                        "upload_momentum_0.75", "instant_momentum_0.7", "upload_momentum_0.5", "instant_momentum_0.5",
                        "upload_momentum_0.2", "upload_momentum_0.05", "upload_scaled_30", "instant_scaled_30",
-                       "upload_lr_0.35", "upload_buffer_5", "upload_eager",
+                       "upload_lr_0.35", "upload_buffer_5", "upload_scaled_30_sign", "upload_scaled_30_sign_ef_carry",
+                       "instant_sign_ef_carry", "upload_eager",
                        "upload_eager_lr", "upload_eager_whole"]
-    instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5", "instant_scaled_30")
+    instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5", "instant_scaled_30", "instant_sign_ef_carry")
     assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
     # the scaled momentum as if H were 30: the smoke's 10-step leases are shorter, so β is the paper's, bitwise
     assert r["upload_scaled_30"]["momentum_reference_steps"] == 30 and r["upload"]["momentum_reference_steps"] is None
@@ -258,6 +259,10 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
     assert [r[name]["momentum"] for name in ("upload_momentum_0.7", "instant_momentum_0.7", "upload")] == [0.7, 0.7, 0.9]
     assert r["upload_lr_0.35"]["outer_lr"] == 0.35 and r["upload_buffer_5"]["buffer_size"] == 5
     assert (r["upload_eager_lr"]["eager"], r["upload_eager_whole"]["eager"]) == ("lr", "whole")
+    # the sign codec without a residual (fresh leases) and with one carried along with the inner state
+    assert [(r[n]["codec"], r[n]["error_feedback"], r[n]["inner_state"]) for n in
+            ("upload_scaled_30_sign", "upload_scaled_30_sign_ef_carry", "upload")] == [
+        ("sgn15of16", False, "reset"), ("sgn15of16", True, "carry"), ("int4", False, "reset")]
     assert all(run["applied"] > 0 and finite(run["final"], run["max"]) for run in r.values())
 
 

@@ -68,7 +68,7 @@ class OuterOptimizer(ABC):
 
     @abstractmethod
     def step(
-        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: float = 0
     ) -> OuterStepInfo:
         """Apply one pseudo-gradient to ``params`` in place. ``steps``: the local steps it was made of (0: not
         known); the momentum methods use it only with ``reference_steps`` set (``MomentumOptimizer.beta``)."""
@@ -100,7 +100,7 @@ class OuterSGD(OuterOptimizer):
     name = "sgd"
 
     def step(
-        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: float = 0
     ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         params.add_(pseudo_gradient, alpha=-self.lr * lr_scale)
@@ -148,7 +148,7 @@ class OuterSGDMomentum(MomentumOptimizer):
     name = "sgd_momentum"
 
     def step(
-        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: float = 0
     ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         m = self._momentum_like(params)
@@ -167,7 +167,7 @@ class OuterNesterov(MomentumOptimizer):
     name = "nesterov"
 
     def step(
-        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: float = 0
     ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         m = self._momentum_like(params)
@@ -193,7 +193,7 @@ class OuterAdam(OuterOptimizer):
         self.steps = 0
 
     def step(
-        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: float = 0
     ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         if self.exp_avg is None or self.exp_avg_sq is None:
@@ -252,10 +252,10 @@ class DelayedNesterov(MomentumOptimizer):
         self.activation = float(activation)
         self.buffer: torch.Tensor | None = None
         self.arrivals = 0  # t in Algorithm 3
-        self.buffered_steps = 0  # local steps of the arrivals in Δ (the momentum step's β, ``beta``)
+        self.buffered_steps: float = 0.0  # local steps of the arrivals in Δ (the momentum step's β, ``beta``)
 
     def step(
-        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: float = 0
     ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         m = self._momentum_like(params)
@@ -288,7 +288,7 @@ class DelayedNesterov(MomentumOptimizer):
         super().load_state_dict(state)
         self.buffer = self._buffer(state, "buffer")
         self.arrivals = int(state.get("arrivals", 0))
-        self.buffered_steps = int(state.get("buffered_steps", 0))
+        self.buffered_steps = float(state.get("buffered_steps", 0))
 
 
 class AsyncBuffer(OuterNesterov):
@@ -308,10 +308,10 @@ class AsyncBuffer(OuterNesterov):
         self.buffer: torch.Tensor | None = None
         self.buffered = 0
         self.buffered_lr_scale = 0.0
-        self.buffered_steps = 0
+        self.buffered_steps: float = 0.0
 
     def step(
-        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: int = 0
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor, lr_scale: float = 1.0, steps: float = 0
     ) -> OuterStepInfo:
         _check_vectors(params, pseudo_gradient)
         if self.buffer is None:
@@ -341,7 +341,7 @@ class AsyncBuffer(OuterNesterov):
         count = self.buffered
         mean = self.buffer.div_(count)
         scale = self.buffered_lr_scale / count
-        super().step(params, mean, lr_scale=scale, steps=round(self.buffered_steps / count))
+        super().step(params, mean, lr_scale=scale, steps=self.buffered_steps / count)
         self.buffer.zero_()
         self.buffered = 0
         self.buffered_lr_scale = 0.0
@@ -362,4 +362,4 @@ class AsyncBuffer(OuterNesterov):
         self.buffer = self._buffer(state, "buffer")
         self.buffered = int(state.get("buffered", 0))
         self.buffered_lr_scale = float(state.get("buffered_lr_scale", 0.0))
-        self.buffered_steps = int(state.get("buffered_steps", 0))
+        self.buffered_steps = float(state.get("buffered_steps", 0))
