@@ -21,6 +21,10 @@ the link-tuned runs use), and each variant side by side on the same data:
   home150 peer's fresh leases send; ``upload_scaled_30_sign_ef_carry``: the same with the inner state and the
   error-feedback residual carried from lease to lease (what it would send could it reveal them);
   ``instant_sign_ef_carry``: the demo's loopback setting (carried state, sign + feedback; run it with ``--steps 30``);
+  ``upload_scaled_30_sign_ef_reset``: AdamW restarted each lease, the residual carried (what a verifier that could
+  re-run every lease's predecessor would allow; verification off in the config: it refuses feedback with ``reset``);
+  ``upload_scaled_30_sign_ef_pairs``: the same with the residual dropped at every other upload (``Pairs`` below: a
+  check then needs at most the lease before it re-run);
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
@@ -76,6 +80,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "upload_scaled_30_sign": {"reference": 30, "codec": "sgn15of16", "ef": False},
     "upload_scaled_30_sign_ef_carry": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry"},
     "instant_sign_ef_carry": {"upload": False, "codec": "sgn15of16", "ef": True, "state": "carry"},
+    "upload_scaled_30_sign_ef_reset": {"reference": 30, "codec": "sgn15of16", "ef": True, "verify": False},
+    "upload_scaled_30_sign_ef_pairs": {"reference": 30, "codec": "sgn15of16", "ef": True, "verify": False, "pairs": True},
     "upload_eager": {"eager": True},
     "upload_eager_lr": {"eager": "lr"},
     "upload_eager_whole": {"eager": "whole"},
@@ -105,6 +111,19 @@ class Eager(Simulation):
             self.state.params.copy_(saved)
 
 
+class Pairs(Simulation):
+    """Each worker's residual is dropped at every other upload (its 2nd, 4th, ...): a residual lives across one lease
+    boundary, so the encoding of any upload depends on at most the lease before it."""
+
+    def _upload(self, name: str, now: float) -> None:
+        self._pairs = getattr(self, "_pairs", {})
+        self._pairs[name] = self._pairs.get(name, 0) + 1
+        feedback = self.workers[name].feedback
+        if feedback is not None and self._pairs[name] % 2 == 0:
+            feedback.drop()
+        super()._upload(name, now)
+
+
 def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
     smoke = args.smoke
     task: dict[str, Any] = (
@@ -126,14 +145,16 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
                 "eval_every": 50 if smoke else args.eval_every, "overlap": True, "upload_s": upload_s,
                 "methods": ["async_dn_dylu"], "seed": args.seed},
         "runtime": {"codec": variant.get("codec", "int4"), "error_feedback": variant.get("ef", False),
-                    "error_feedback_decay": 0.5, "verify": {"inner_state": variant.get("state", "reset")}},
+                    "error_feedback_decay": 0.5,
+                    "verify": {"enabled": variant.get("verify", True), "inner_state": variant.get("state", "reset")}},
     })
 
 
 def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
     cfg = config(args, variant)
-    simulation = (Eager if variant.get("eager") else Simulation)(cfg, "async_dn_dylu")
+    kind = Eager if variant.get("eager") else Pairs if variant.get("pairs") else Simulation
+    simulation = kind(cfg, "async_dn_dylu")
     if isinstance(simulation, Eager):
         simulation.eager = variant["eager"]
     if "poly" in variant:
@@ -147,7 +168,8 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     metric = "perplexity" if "perplexity" in result.final else "loss"  # the toy task (--smoke) has a loss only
     return {
         "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "error_feedback": cfg.runtime.uses_error_feedback,
-        "inner_state": cfg.runtime.verify.inner_state, "momentum": cfg.outer.momentum,
+        "inner_state": cfg.runtime.verify.inner_state, "residual_pairs": bool(variant.get("pairs")),
+        "momentum": cfg.outer.momentum,
         "outer_lr": cfg.outer.lr, "buffer_size": cfg.outer.buffer_size,
         "poly": variant.get("poly"), "momentum_reference_steps": variant.get("reference"), "eager": variant.get("eager", False), "metric": metric,
         "evals": [{"version": int(e["version"]), "local_updates": int(e["local_updates"]),

@@ -245,7 +245,8 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
                        "upload_momentum_0.75", "instant_momentum_0.7", "upload_momentum_0.5", "instant_momentum_0.5",
                        "upload_momentum_0.2", "upload_momentum_0.05", "upload_scaled_30", "instant_scaled_30",
                        "upload_lr_0.35", "upload_buffer_5", "upload_scaled_30_sign", "upload_scaled_30_sign_ef_carry",
-                       "instant_sign_ef_carry", "upload_eager",
+                       "instant_sign_ef_carry", "upload_scaled_30_sign_ef_reset", "upload_scaled_30_sign_ef_pairs",
+                       "upload_eager",
                        "upload_eager_lr", "upload_eager_whole"]
     instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5", "instant_scaled_30", "instant_sign_ef_carry")
     assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
@@ -263,6 +264,11 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
     assert [(r[n]["codec"], r[n]["error_feedback"], r[n]["inner_state"]) for n in
             ("upload_scaled_30_sign", "upload_scaled_30_sign_ef_carry", "upload")] == [
         ("sgn15of16", False, "reset"), ("sgn15of16", True, "carry"), ("int4", False, "reset")]
+    # the residual carried with AdamW restarted each lease, and dropped at every other upload: a different trajectory
+    pairs, whole = r["upload_scaled_30_sign_ef_pairs"], r["upload_scaled_30_sign_ef_reset"]
+    assert (pairs["residual_pairs"], whole["residual_pairs"], pairs["inner_state"], whole["error_feedback"]) == (
+        True, False, "reset", True)
+    assert pairs["evals"] != whole["evals"]
     assert all(run["applied"] > 0 and finite(run["final"], run["max"]) for run in r.values())
 
 
@@ -276,7 +282,7 @@ def check_gate_own_update(tmp: Path, _: str) -> None:
 SMOKES: dict[str, Smoke] = {
     "bench_coordinator.py": Smoke(["--smoke", "--dir", "{tmp}", "--json", "{tmp}/out.json"], check_bench_coordinator, 150),
     "bench_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_sim, 60),
-    "slow_link_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_slow_link_sim, 90),
+    "slow_link_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_slow_link_sim, 240),
     "gate_own_update.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_gate_own_update, 90),
     "bench_transport.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_transport, 120),
     "wire_budget.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_wire_budget, 90),
