@@ -115,11 +115,14 @@ class Pairs(Simulation):
     """Each worker's residual is dropped at every other upload (its 2nd, 4th, ...): a residual lives across one lease
     boundary, so the encoding of any upload depends on at most the lease before it."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.uploads: dict[str, int] = {}  # per worker: uploads started
+
     def _upload(self, name: str, now: float) -> None:
-        self._pairs = getattr(self, "_pairs", {})
-        self._pairs[name] = self._pairs.get(name, 0) + 1
+        self.uploads[name] = self.uploads.get(name, 0) + 1
         feedback = self.workers[name].feedback
-        if feedback is not None and self._pairs[name] % 2 == 0:
+        if feedback is not None and self.uploads[name] % 2 == 0:
             feedback.drop()
         super()._upload(name, now)
 
