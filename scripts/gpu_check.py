@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 1
 METHODS = ("async_dn_dylu", "sync_diloco")  # asyncloco/coordinator/methods.py
+STOP_RESERVE = 25.0  # seconds of a real run's limit kept for its peers and coordinator to stop
 WANTED_PACKAGES = ("torch", "transformers", "tokenizers", "hivemind", "bitsandbytes", "pydantic", "datasets",
                    "cryptography", "numpy", "msgpack")
 # dense bf16 tensor-core peaks (no sparsity), TFLOP/s, by a substring of torch.cuda.get_device_name()
@@ -88,6 +89,9 @@ class Plan:
     schedule: dict[str, Any] = field(default_factory=dict)
     inner: dict[str, Any] = field(default_factory=dict)
     eval_every: int = 4
+    # evaluations after the start a run waits for past its planned seconds (up to its limit): a loaded machine can
+    # apply its first updates late, and one evaluation says nothing about whether the run trained
+    min_evals: int = 2
     eval_device: str = "cpu"  # the coordinator's runtime.eval_device in the real runs (evaluations, gate probe)
     methods: tuple[str, ...] = METHODS  # the real runs' schedule.method, each for the same wall time
     sets: dict[str, Any] = field(default_factory=dict)  # --set KEY.PATH=VALUE on every real run's config
@@ -496,12 +500,18 @@ def one_run(plan: Plan, size: str, method: str, work: Path, duration: float, dea
         logger.info("%s %s: %d peers joined after %.0f s; training %.0f s", size, method, len(names),
                     result["startup_s"], duration)
         end = time.monotonic() + duration
-        while time.monotonic() < end:
+        # past ``end`` only while fewer than plan.min_evals evaluations followed the start, leaving time to stop
+        latest = max(end, deadline - STOP_RESERVE)
+        while True:
+            now = time.monotonic()
+            if now >= latest or (now >= end and _evals_after(cluster.status(), started) >= plan.min_evals):
+                break
             for name, process in cluster.peers.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited early ({process.returncode}); see {name}.log")
-            time.sleep(min(2.0, max(0.0, end - time.monotonic())))  # progress poll interval, not a sync
-        result["trained_s"] = round(time.time() - started, 1)
+            time.sleep(min(2.0 if now < end else 0.5, max(0.05, (end if now < end else latest) - now)))  # poll interval
+        trained = round(time.time() - started, 2)
+        result["trained_s"] = trained
         at_stop = cluster.status()
     finally:
         for process in cluster.peers.values():  # all at once: each finishes its step and leaves
@@ -520,7 +530,7 @@ def one_run(plan: Plan, size: str, method: str, work: Path, duration: float, dea
     status = cluster.status()
     peers = {name: cluster.peer_summary(name) for name in names}
     by_id = {summary.get("peer_id"): name for name, summary in peers.items()}
-    evals = [e for e in status.get("evals", []) if e["time"] <= started + duration + 1e-6]
+    evals = [e for e in status.get("evals", []) if round(e["time"] - started, 2) <= trained]
     result["evals"] = [{"t": round(e["time"] - started, 2), "version": e["version"],
                         "local_updates": e.get("local_updates"), "loss": e.get("loss"),
                         "perplexity": e.get("perplexity")} for e in evals]
@@ -550,20 +560,34 @@ def one_run(plan: Plan, size: str, method: str, work: Path, duration: float, dea
         result["error"] = "no evaluation within the run's wall time"
 
 
+def _evals_after(status: dict[str, Any], started: float) -> int:
+    return sum(1 for e in status.get("evals", []) if e["time"] > started and e.get("perplexity") is not None)
+
+
+def _last_by(run: dict[str, Any], wall: float) -> Optional[dict[str, Any]]:
+    """The run's last evaluation at or before ``wall`` seconds of training."""
+    return next((e for e in reversed(run["evals"]) if e["t"] <= wall and e["perplexity"] is not None), None)
+
+
 def compare(methods: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Perplexity at equal wall time, and when Async DN + DyLU first reached sync DiLoCo's final perplexity."""
+    """Perplexity at equal wall time (the shorter run's), and when Async DN + DyLU first reached sync DiLoCo's
+    perplexity at that time."""
     dn, sync = methods.get("async_dn_dylu", {}), methods.get("sync_diloco", {})
     if dn.get("status") != "ok" or sync.get("status") != "ok":
         return {"status": "incomplete: both runs are needed"}
-    target = sync["final_perplexity"]
-    sync_time = sync["evals"][-1]["t"]
+    wall = min(dn["trained_s"], sync["trained_s"])
+    dn_last, sync_last = _last_by(dn, wall), _last_by(sync, wall)
+    if dn_last is None or sync_last is None:
+        return {"status": f"incomplete: a run has no evaluation within the common {wall:.1f} s"}
+    target = sync_last["perplexity"]
+    sync_time = sync_last["t"]
     reached = next((e["t"] for e in dn["evals"] if e["perplexity"] is not None and e["perplexity"] <= target), None)
     return {
         "status": "ok",
-        "wall_time_s": min(dn["duration_s"], sync["duration_s"]),
-        "perplexity_dn_dylu": dn["final_perplexity"],
+        "wall_time_s": wall,
+        "perplexity_dn_dylu": dn_last["perplexity"],
         "perplexity_sync": target,
-        "perplexity_ratio_dn_over_sync": dn["final_perplexity"] / target,
+        "perplexity_ratio_dn_over_sync": dn_last["perplexity"] / target,
         "sync_final_eval_s": sync_time,
         "dn_dylu_time_to_sync_final_s": reached,
         "speedup_to_sync_final": (sync_time / reached) if reached else None,
