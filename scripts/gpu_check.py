@@ -673,7 +673,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny preset, short runs: the suite's smoke mode")
     parser.add_argument("--wheels", help="install the wheels in this directory first (scripts/gpu_wheels.sh)")
     parser.add_argument("--site", default="/tmp/asyncloco-gpu-site", help="where --wheels are installed")
-    parser.add_argument("--budget", type=float, help="seconds for everything (default 520 on a GPU, 240 with --tiny)")
+    parser.add_argument("--budget", type=float, help="seconds for everything (default 520 on a GPU, 300 with --tiny)")
     parser.add_argument("--parts", default="tests,verify,bench,run",
                         help="comma-separated subset of tests,verify,bench,run")
     parser.add_argument("--bench-models", help="presets for bench_peer (default 20m,60m,150m; tiny with --tiny)")
@@ -702,7 +702,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     began = time.monotonic()
-    budget = args.budget if args.budget is not None else (240.0 if args.tiny else 520.0)
+    budget = args.budget if args.budget is not None else (300.0 if args.tiny else 520.0)
     deadline = began + budget
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,11 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.Complet
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(450)
 def test_tiny_mode_writes_every_part(tmp_path: Path) -> None:
-    completed, report = _run(tmp_path, "--tiny", timeout=380)
+    # the tiny budget (300 s) leaves the bench its 60 s beside the real runs' reserve when this runs beside the
+    # suite's other real runs (at 240 s the bench got 26 s and took 27 in a loaded suite run)
+    completed, report = _run(tmp_path, "--tiny", timeout=420)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert report["mode"] == "tiny" and report["schema"] == 1 and report["ok"] is True
     assert report["elapsed_s"] <= report["budget_s"] + 30
