@@ -126,6 +126,10 @@ class OuterConfig(StrictModel):
         "update whatever its length (docs/algorithm.md)"
     )
     buffer_size: int | None = Field(None, ge=1, description="N for DN / Async Buffer; default: number of workers")
+    warmup_arrivals: int = Field(
+        0, ge=0, description="outer-lr warm-up (not in the paper): ε × min(1, a/W) for the a-th applied update, W this "
+        "many; 0: off. Damps a cold start whose first momentum steps meet long, stale leases (docs/wan.md)"
+    )
     activation: float = Field(0.0, ge=0, description="DN momentum activation c in [0, 1/N]")
     sgd_lr: float | None = Field(None, gt=0, description="outer lr of plain SGD; default: lr / (1 + momentum)")
     adam_lr: float = Field(1e-3, gt=0)

@@ -153,6 +153,24 @@ def test_outer_warmup_ramps_the_lr_over_the_first_arrivals_and_round_trips() -> 
         OuterWarmup(0)
 
 
+def test_outer_warmup_arrivals_in_the_config_adds_the_ramp_after_the_methods_own_transforms() -> None:
+    """``outer.warmup_arrivals: W`` (0 by default: the paper) gives a real run's and the simulator's method the
+    warm-up as its last transform: applied in order, a method's own multiplier and the ramp's multiply."""
+    from asyncloco.config import OuterConfig
+    from asyncloco.coordinator.methods import build_method
+
+    g = _vec(15)
+    assert build_method("async_dn_dylu", OuterConfig(), 3)[2] == []
+    _, _, transforms = build_method("async_dn_dylu", OuterConfig(warmup_arrivals=4), 3)
+    assert [t.name for t in transforms] == ["outer_warmup"]
+    assert [apply_transforms(transforms, g, 0, g, None).lr_scale for _ in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    _, _, transforms = build_method("elasticdl_lr", OuterConfig(warmup_arrivals=2), 3)
+    assert [t.name for t in transforms][-1] == "outer_warmup" and len(transforms) == 2
+    assert apply_transforms(transforms, g, 4, g, None).lr_scale == pytest.approx(0.25 * 0.5)  # 1/staleness × 1/W
+    with pytest.raises(ValueError, match="warmup_arrivals"):
+        OuterConfig(warmup_arrivals=-1)
+
+
 @pytest.mark.parametrize("staleness,scale", [(0, 1.0), (1, 1.0), (2, 0.5), (5, 0.2)])
 def test_staleness_lr_is_one_over_staleness(staleness: int, scale: float) -> None:
     g = _vec(15)

@@ -26,6 +26,7 @@ from asyncloco.algo.outer import (
 from asyncloco.algo.staleness import (
     AsyncAwareLR,
     DelayCompensation,
+    OuterWarmup,
     PolyDiscount,
     StalenessLR,
     StalenessTransform,
@@ -167,7 +168,8 @@ def build_method(
     step, which with momentum 0.9 diverges at a cold start (docs/algorithm.md, "Overlapped rounds and N").
 
     ``reference_steps``: H of the run (``schedule.max_local_steps``); with ``outer.long_lease_momentum: scaled`` a
-    momentum method decays its momentum by β^(h/H) for updates of h > H local steps (``MomentumOptimizer.beta``)."""
+    momentum method decays its momentum by β^(h/H) for updates of h > H local steps (``MomentumOptimizer.beta``).
+    ``outer.warmup_arrivals`` > 0 appends the outer-lr warm-up (``OuterWarmup``) to the method's transforms."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
     if in_flight < 1:
@@ -179,7 +181,10 @@ def build_method(
     optimizer = spec.outer(cfg, workers)
     if reference_steps is not None and cfg.long_lease_momentum == "scaled" and isinstance(optimizer, MomentumOptimizer):
         optimizer.reference_steps = reference_steps
-    return spec, optimizer, spec.transforms(cfg, groups)
+    transforms = spec.transforms(cfg, groups)
+    if cfg.warmup_arrivals > 0:  # after the method's own: its lr multiplier multiplies theirs
+        transforms.append(OuterWarmup(cfg.warmup_arrivals))
+    return spec, optimizer, transforms
 
 
 def updates_in_flight(cfg: "RunConfig") -> int:

@@ -176,7 +176,7 @@ class Simulation:
             cfg.schedule.max_local_steps,
         )
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=True)
-        if outer_warmup > 0:  # an experiment beyond the paper (docs/algorithm.md §11): off by default
+        if outer_warmup > 0 and not cfg.outer.warmup_arrivals:  # beyond the paper (docs/algorithm.md §12): off by default
             transforms = [*transforms, OuterWarmup(outer_warmup)]
         self.state = new_state(theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.sim.seed)
         # One model replica trains every lease in turn (its parameters are loaded from θ each round);
