@@ -58,7 +58,6 @@ from asyncloco.coordinator.logic import (
 from asyncloco.coordinator.methods import build_method, coordinator_policy
 from asyncloco.models.workload import Workload, flatten_params, load_flat_params, param_groups
 from asyncloco.train.inner import InnerTrainer, RoundResult
-from asyncloco.algo.staleness import OuterWarmup
 from asyncloco.sim.fast_toy import FastToyTrainer, FlatAdamState
 from asyncloco.models.toy import ToyWorkload
 from asyncloco.workloads import build_workload
@@ -161,7 +160,6 @@ class Simulation:
         time_limit: float = math.inf,
         initial_params: torch.Tensor | None = None,
         fast: bool = True,
-        outer_warmup: int = 0,
     ) -> None:
         self.cfg = cfg
         self.target_loss = target_loss
@@ -176,8 +174,6 @@ class Simulation:
             cfg.schedule.max_local_steps,
         )
         policy = coordinator_policy(cfg, self.spec, self.workload.units_per_step, simulated=True)
-        if outer_warmup > 0 and not cfg.outer.warmup_arrivals:  # beyond the paper (docs/algorithm.md §12): off by default
-            transforms = [*transforms, OuterWarmup(outer_warmup)]
         self.state = new_state(theta, optimizer, transforms, policy, self.workload.shard_sizes(), cfg.sim.seed)
         # One model replica trains every lease in turn (its parameters are loaded from θ each round);
         # each worker's own AdamW state is swapped in while it trains. Memory: one model plus, per

@@ -150,7 +150,7 @@ def plan(tables: Sequence[str], speeds: Sequence[float] | None = None) -> Plan:
         ]
     if "5" in tables:
         # beyond the paper: outer-lr warm-up over the first arrivals, at the two most heterogeneous levels
-        warmup = (("x.outer_warmup", WARMUP_ARRIVALS),)
+        warmup = (("outer.warmup_arrivals", WARMUP_ARRIVALS),)
         for level in levels[-2:]:
             rows += [
                 Row("5", level, "Sync DiLoCo", "sync_diloco"),
@@ -221,13 +221,11 @@ def _run_one(
 
     torch.set_num_threads(1)
     started, cpu_started = time.monotonic(), time.process_time()
-    # "x.<name>" overrides are Simulation options of the experiments beyond the paper, not config keys
-    knobs = {key[2:]: value for key, value in extra if key.startswith("x.")}
-    cfg = _config(base, setting, seed, budget, tuple((k, v) for k, v in extra if not k.startswith("x.")))
+    cfg = _config(base, setting, seed, budget, tuple(extra))
     workload, initial = _workload_and_start(cfg)
     target, sync_time = reference if reference is not None else (None, math.inf)
     result = Simulation(
-        cfg, method, workload, target_loss=target, time_limit=sync_time, initial_params=initial, **knobs
+        cfg, method, workload, target_loss=target, time_limit=sync_time, initial_params=initial
     ).run()
     final = result.final
     sync_loss = target if target is not None else final["loss"]
