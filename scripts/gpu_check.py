@@ -130,7 +130,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
             run_sizes=["20m"], slowdowns=[1.0, 1.5, 2.0, 4.0],
             run_seconds=90.0, run_overhead=75.0, threads=max(1, min(4, cores // 5)),
             task={"seq_len": 256, "batch_size": 32, "num_shards": 4, "val_sequences": 64},
-            schedule={"max_local_steps": 50, "min_steps": 5, "grace_period": 1.0},  # H = 50 as in the paper
+            # H = 50 as in the paper; leases sized to the link as the presets do (configs/lm-*.yaml)
+            schedule={"max_local_steps": 50, "min_steps": 5, "grace_period": 1.0, "local_steps": "auto",
+                      "transfer_cover": 1.3},
             inner={"lr": 1.0e-3, "min_lr": 1.0e-4, "warmup_steps": 50, "precision": "bf16"},
             eval_every=4,
         )
