@@ -324,6 +324,15 @@ class VerifyConfig(StrictModel):
         "theirs; otherwise the update is applied at once and checked later (a failed check repairs θ). 0, the default: "
         "drawn checks are applied first; probation and suspects' checks are always held"
     )
+    # off by default: a peer kept waiting for its own verdict is denied leases a replay without its submissions would
+    # give it, so θ no longer equals that replay bitwise (tests/test_verify_runtime.py); on the home150 profile each
+    # newcomer waited once, 16-19 s (docs/results/wan-home150-held-untrusted-2026-11-30.json)
+    serial_probation: bool = Field(
+        False, description="a peer whose probation or suspect update is held for its verdict gets no further lease until "
+        "that verdict (at most two of its updates wait at once). For a verifier slower than the peers (one sharing "
+        "their GPU): without it a newcomer's held updates reached θ four at a time, 11-22 versions stale, and 60m/150m "
+        "runs diverged (docs/gpu.md)"
+    )
     tolerance: float = Field(
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ for a peer of the verifier's own compute "
         "class (0: bitwise, which the same class reproduces; other classes: cross_device_tolerance)"

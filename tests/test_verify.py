@@ -168,6 +168,13 @@ def test_config_verifies_carried_or_reset_inner_state() -> None:
     """Both inner-state modes verify (stage 2 of the commitments: a carried state is revealed on request)."""
     carried = RunConfig.model_validate({"runtime": {"verify": {"enabled": True}}}).runtime.verify
     assert carried.inner_state == "carry" and carried.reveal_keep == 2 and carried.reveal_timeout == 300.0
+    # serial_probation: off by default, and what the config says reaches the coordinator's policy
+    from asyncloco.coordinator.methods import METHODS, coordinator_policy
+
+    for serial in (False, True):
+        cfg = RunConfig.model_validate({"runtime": {"verify": {"enabled": True, **({"serial_probation": True} if serial else {})}}})
+        policy = coordinator_policy(cfg, METHODS[cfg.schedule.method], 1, simulated=False, numel=DIM).verify
+        assert policy is not None and policy.serial_probation is serial
     with pytest.raises(ValueError, match="reveal_keep"):
         RunConfig.model_validate({"runtime": {"verify": {"reveal_keep": 0}}})
     with pytest.raises(ValueError, match="fraction"):
@@ -972,6 +979,61 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
     names = [type(a).__name__ for a in actions]
     if verdict:
         assert names == ["Verdict", "Applied", "Applied"] and state.version == 5 and actions[2].lease_id == third.lease_id
+        assert state.verification.unchecked["n"] == 1 and not state.verification.held  # in θ unverified: repairable
+    else:
+        assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 3 and not state.verification.held
+        assert any(isinstance(a, Rejected) and a.lease_id == third.lease_id and "held update not applied" in a.reason
+                   for a in actions)
+        expelled = [a for a in actions if isinstance(a, Expelled)]
+        assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("verdict", [True, False], ids=["probation-passes", "probation-fails"])
+def test_serial_probation_gives_a_peer_no_lease_while_its_probation_update_awaits_its_verdict(verdict: bool) -> None:
+    """runtime.verify.serial_probation: while one of a newcomer's probation updates is held for its verdict it gets no
+    further lease, whatever θ — θ moving by another peer's update does not free it — so at most two of its updates wait
+    at once (behind a busy verifier a newcomer's leases piled up and reached θ four at a time, 11-22 versions stale;
+    docs/gpu.md). Asking ahead (overlapped rounds) it still takes a third lease before its second probation check has a
+    verdict: not re-run, applied with it — or dropped, never applied, if the peer is caught."""
+    from asyncloco.coordinator.logic import Rejected
+
+    state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=2)
+    assert state.policy.verify is not None and not state.policy.verify.serial_probation  # off by default
+    state.policy = dataclasses.replace(state.policy, verify=dataclasses.replace(state.policy.verify, serial_probation=True))
+    handle(state, SpeedReport("n", 10.0), 0.0)
+    first = lease_of(handle(state, RequestWork("n"), 1.0)[1])
+    assert first.verify.startswith("probation (")
+    # asking ahead while its first lease trains: no second lease from θ(v0) (a second step from one point) ...
+    (hold,) = handle(state, RequestWork("n", keep=first.lease_id), 1.2)[1]
+    assert isinstance(hold, Hold) and hold.waiting_for == (first.lease_id,) and "awaits its check" in hold.reason
+    # ... answered at the next applied update, with a lease from that θ
+    second = lease_of(move_theta(state, 1.3))
+    assert second.base_version == 1 and second.verify.startswith("probation (") and not state.held
+    actions = handle(state, SubmitUpdate("n", first.lease_id, 0, torch.full((DIM,), 0.1)), 1.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+    # its first update is held for its verdict: asking ahead again waits for that verdict, though θ moves meanwhile
+    (hold,) = handle(state, RequestWork("n", keep=second.lease_id), 1.6)[1]
+    assert isinstance(hold, Hold) and hold.until == math.inf and hold.waiting_for == (first.lease_id,)
+    assert "await their verdict" in hold.reason
+    assert not [a for a in move_theta(state, 1.7) if isinstance(a, Assign) and a.peer == "n"] and "n" in state.held
+    actions = handle(state, Verified("n", first.lease_id, True, "bitwise"), 2.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Verdict", "Applied", "Assign"] and state.version == 3
+    third = actions[2].lease
+    assert third.verify.startswith("probation: held until the peer's probation checks agree, not re-run (1 of 2")
+    actions = handle(state, SubmitUpdate("n", second.lease_id, 1, torch.full((DIM,), 0.1)), 2.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Verify", "Held"]
+    update = torch.arange(DIM, dtype=torch.float32)
+    actions = handle(state, SubmitUpdate("n", third.lease_id, 3, update), 3.5)[1]
+    assert [type(a).__name__ for a in actions] == ["Held"] and state.version == 3  # no re-run asked for
+    assert set(state.verification.pending) == {second.lease_id}
+    (hold,) = handle(state, RequestWork("n"), 3.6)[1]
+    assert isinstance(hold, Hold) and hold.waiting_for == tuple(sorted([second.lease_id, third.lease_id]))
+    actions = handle(state, Verified("n", second.lease_id, verdict, "bitwise" if verdict else "relative error 1"), 5.0)[1]
+    names = [type(a).__name__ for a in actions]
+    if verdict:
+        assert names == ["Verdict", "Applied", "Applied", "Assign"] and state.version == 5
+        assert actions[2].lease_id == third.lease_id and actions[3].peer == "n" and actions[3].lease.verify == ""
         assert state.verification.unchecked["n"] == 1 and not state.verification.held  # in θ unverified: repairable
     else:
         assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 3 and not state.verification.held

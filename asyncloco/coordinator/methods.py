@@ -245,7 +245,8 @@ def coordinator_policy(
         knobs_v = runtime.verify
         verify = VerifyPolicy(knobs_v.fraction, knobs_v.probation_updates, knobs_v.suspect_fraction,
                               commit=knobs_v.inner_state == "carry", sketch_threshold=knobs_v.sketch_threshold,
-                              sketch_checks=knobs_v.sketch_checks, hold_backlog=knobs_v.hold_backlog)
+                              sketch_checks=knobs_v.sketch_checks, hold_backlog=knobs_v.hold_backlog,
+                              serial_probation=knobs_v.serial_probation)
     return CoordinatorPolicy(
         gate=gate,
         verify=verify,

@@ -48,6 +48,16 @@ def on_request(state: CoordinatorState, event: RequestWork, now: float) -> list[
     if peer in state.held:
         return []
     policy = state.policy
+    untrusted = held_untrusted(state, peer)
+    if untrusted and not policy.barrier:
+        # runtime.verify.serial_probation: an update of its probation (or a suspect's) waits for its verdict, from
+        # whatever θ: no further lease until that verdict. Otherwise, behind a busy verifier, a newcomer keeps training
+        # lease after lease whose updates all wait for its probation, then reach θ in one burst, each many versions
+        # stale (a GPU loan's 60m and 150m runs: four at a time, 11-22 versions stale, perplexity 711 -> 62,346;
+        # docs/gpu.md). With overlapped rounds it still trains the lease it has: at most two of its updates wait.
+        state.held[peer] = now
+        return [Hold(peer, math.inf, untrusted, f"its {len(untrusted)} update(s) held for a probation or suspect check "
+                     "await their verdict: its next lease waits for it")]
     stacked = held_at_version(state, peer) or _probation_in_upload(state, peer)
     if stacked and not policy.barrier:
         # Its update from this very θ waits for its check (probation, a draw): a lease from the same θ again would
@@ -130,8 +140,9 @@ def release_held(state: CoordinatorState, now: float) -> list[Action]:
         )
     held = sorted(state.held.items(), key=lambda item: (item[1], item[0]))
     stacked: set[str] = set()
-    if not state.policy.barrier:  # a peer whose update from this θ awaits its check waits on (on_request)
+    if not state.policy.barrier:  # a peer whose update from this θ, or a probation one, awaits its check waits on (on_request)
         stacked = {h.lease.peer for h in state.verification.held.values() if h.lease.base_version == state.version}
+        stacked.update(peer for peer, _ in held if held_untrusted(state, peer))
         stacked.update(peer for peer, _ in held if _probation_in_upload(state, peer))
         free = [peer for peer, _ in held if peer not in stacked]
         if free and state.window_end is None:
@@ -172,6 +183,17 @@ def _probation_in_upload(state: CoordinatorState, peer: str) -> tuple[str, ...]:
     applied in one burst."""
     return tuple(lease.lease_id for lease in peer_leases(state, peer)
                  if lease.base_version == state.version and lease.verify.startswith("probation"))
+
+
+def held_untrusted(state: CoordinatorState, peer: str) -> tuple[str, ...]:
+    """With ``runtime.verify.serial_probation``: the lease ids of ``peer``'s updates held for a check that holds
+    whatever the verifier's backlog (``must_check``: its probation, the leases waiting on it, a suspect's draws), from
+    any θ; else none."""
+    policy = state.policy.verify
+    if policy is None or not policy.serial_probation:
+        return ()
+    return tuple(sorted(lease_id for lease_id, held in state.verification.held.items()
+                        if held.lease.peer == peer and must_check(held.lease)))
 
 
 def held_at_version(state: CoordinatorState, peer: str) -> tuple[str, ...]:

@@ -140,6 +140,8 @@ class VerifyPolicy:
     # update is applied at once and checked later (a failed check then repairs θ). 0 (config.py's default): drawn checks
     # are applied first. Probation and suspects' checks are always held.
     hold_backlog: int = 0
+    # a peer with a probation or suspect update held gets no further lease until its verdict (leases.held_untrusted)
+    serial_probation: bool = False
     # with commit: a peer whose reported uplink (bytes/s) is below this gets leases that start fresh (Lease.fresh) —
     # max(2 × the RPC floor, one inner state's bytes / runtime.verify.fresh_start_reveal_s), set by the daemon; 0: never
     fresh_below: float = 0.0
