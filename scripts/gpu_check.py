@@ -22,9 +22,10 @@ time leaves the others' results (its own "status" says "failed" or "timeout" and
    and the GPU's dense bf16 peak (``--peak-tflops``, or known from the device's name);
 5. ``run`` — the paper's claim in the real runtime: a coordinator and 4 peer processes on this machine (the
    GPU shared, peers slowed ×1, ×1.5, ×2, ×4 as in ``asyncloco demo``), the 20m preset on the embedded
-   corpus, Async DN + DyLU and then sync DiLoCo for the same wall time each: validation perplexity against
-   time, updates applied, each peer's idle fraction; perplexity at equal wall time and the time DN + DyLU
-   takes to reach sync DiLoCo's final perplexity.
+   corpus (the presets' sign-coded uploads, leases sized to the link, and ``runtime.verify.serial_probation``:
+   the verifier re-runs on the GPU the peers share), Async DN + DyLU and then sync DiLoCo for the same wall
+   time each: validation perplexity against time, updates applied, each peer's idle fraction; perplexity at
+   equal wall time and the time DN + DyLU takes to reach sync DiLoCo's final perplexity.
 
 ``--out DIR`` receives four files: ``gpu_check.json``, ``gpu_check.log``, ``perplexity.png`` and
 ``logs.tar.gz`` (every process's log, pytest's junit XML, bench_peer's JSON); working files stay in
@@ -461,6 +462,10 @@ def run_config(plan: Plan, size: str, method: str, work: Path) -> Path:
             "eval_device": plan.eval_device,
         },
     }
+    if not plan.tiny:
+        # the verifier re-runs on the GPU the peers share, slower than they train: without this a newcomer's held
+        # probation updates reached θ four at a time, 11-22 versions stale, and the 60m/150m runs diverged (docs/gpu.md)
+        config["runtime"]["verify"] = {"serial_probation": True}
     if plan.sets:
         from asyncloco.config import apply_overrides
 

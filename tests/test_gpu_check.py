@@ -159,3 +159,10 @@ def test_set_overrides_every_real_run_s_config(tmp_path: Path) -> None:
     default = load_config(gpu_check.run_config(gpu_check.make_plan(gpu_check.parse_args(["--out", "x", "--tiny"])),
                                                "tiny", "sync_diloco", tmp_path))
     assert default.runtime.verify.inner_state == "carry" and default.outer.lr == 0.7
+    assert not default.runtime.verify.serial_probation and default.schedule.local_steps == "fixed"
+    # a GPU machine's runs: leases sized to the link as the presets do; a verifier sharing the peers' GPU, so a
+    # newcomer waits for its probation verdict (docs/gpu.md); --set still overrides either
+    gpu = gpu_check.make_plan(gpu_check.parse_args(["--out", "x", "--set", "runtime.verify.fraction=0.2"]))
+    on_gpu = load_config(gpu_check.run_config(gpu, "20m", "async_dn_dylu", tmp_path))
+    assert on_gpu.runtime.verify.serial_probation and on_gpu.runtime.verify.fraction == 0.2
+    assert on_gpu.schedule.local_steps == "auto" and on_gpu.schedule.transfer_cover == 1.3
