@@ -440,7 +440,7 @@ def run_config(plan: Plan, size: str, method: str, work: Path) -> Path:
     import yaml
 
     peers = len(plan.slowdowns)
-    config = {
+    config: dict[str, Any] = {
         "name": f"gpu-check-{size}-{method}",
         "seed": 0,
         "task": {"kind": "lm", "model": size, "source": "embedded", **plan.task},
