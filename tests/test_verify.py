@@ -942,6 +942,18 @@ def test_a_drawn_check_behind_a_busy_verifier_is_applied_first_and_checked_later
     assert state.verification.pending == {drawn["a"].lease_id: "a"} and state.verification.applied_first == {}
 
 
+def _assert_caught_on_probation(state: CoordinatorState, actions: list[Any], waiting: str) -> None:
+    """A newcomer's failed probation check: its held updates (``waiting``'s among them) dropped, θ at version 3 without
+    them, the peer expelled with nothing to repair."""
+    from asyncloco.coordinator.logic import Rejected
+
+    names = [type(a).__name__ for a in actions]
+    assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 3 and not state.verification.held
+    assert any(isinstance(a, Rejected) and a.lease_id == waiting and "held update not applied" in a.reason for a in actions)
+    expelled = [a for a in actions if isinstance(a, Expelled)]
+    assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("verdict", [True, False], ids=["probation-passes", "probation-fails"])
 def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(verdict: bool) -> None:
@@ -949,8 +961,6 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
     but its update waits for them — applied (unverified: a later failed check would repair it) once the peer has
     passed probation; dropped, never applied, if the peer is caught. So a peer that cheats from its first lease never
     gets a later lease into θ before its first verdict."""
-    from asyncloco.coordinator.logic import Rejected
-
     state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=2)
     handle(state, SpeedReport("n", 10.0), 0.0)
     first = lease_of(handle(state, RequestWork("n"), 1.0)[1])
@@ -981,11 +991,7 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
         assert names == ["Verdict", "Applied", "Applied"] and state.version == 5 and actions[2].lease_id == third.lease_id
         assert state.verification.unchecked["n"] == 1 and not state.verification.held  # in θ unverified: repairable
     else:
-        assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 3 and not state.verification.held
-        assert any(isinstance(a, Rejected) and a.lease_id == third.lease_id and "held update not applied" in a.reason
-                   for a in actions)
-        expelled = [a for a in actions if isinstance(a, Expelled)]
-        assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
+        _assert_caught_on_probation(state, actions, third.lease_id)
 
 
 @pytest.mark.timeout(60)
@@ -996,8 +1002,6 @@ def test_serial_probation_gives_a_peer_no_lease_while_its_probation_update_await
     at once (behind a busy verifier a newcomer's leases piled up and reached θ four at a time, 11-22 versions stale;
     docs/gpu.md). Asking ahead (overlapped rounds) it still takes a third lease before its second probation check has a
     verdict: not re-run, applied with it — or dropped, never applied, if the peer is caught."""
-    from asyncloco.coordinator.logic import Rejected
-
     state = verify_state(OuterNesterov(0.5, 0.9), fraction=0.0, probation=2)
     assert state.policy.verify is not None and not state.policy.verify.serial_probation  # off by default
     state.policy = dataclasses.replace(state.policy, verify=dataclasses.replace(state.policy.verify, serial_probation=True))
@@ -1036,11 +1040,7 @@ def test_serial_probation_gives_a_peer_no_lease_while_its_probation_update_await
         assert actions[2].lease_id == third.lease_id and actions[3].peer == "n" and actions[3].lease.verify == ""
         assert state.verification.unchecked["n"] == 1 and not state.verification.held  # in θ unverified: repairable
     else:
-        assert names[:3] == ["Verdict", "Rejected", "Rejected"] and state.version == 3 and not state.verification.held
-        assert any(isinstance(a, Rejected) and a.lease_id == third.lease_id and "held update not applied" in a.reason
-                   for a in actions)
-        expelled = [a for a in actions if isinstance(a, Expelled)]
-        assert len(expelled) == 1 and expelled[0].repair is False  # nothing of it reached θ unchecked
+        _assert_caught_on_probation(state, actions, third.lease_id)
 
 
 def _established(state: CoordinatorState, peer: str, now: float) -> Any:
