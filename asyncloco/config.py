@@ -391,6 +391,13 @@ class VerifyConfig(StrictModel):
         "one inner state, or is below twice the RPC floor (128 KiB/s), gets leases that start from a fresh inner state "
         "and no error-feedback residual: nothing to reveal, its checks re-run from θ and the data (0: never)"
     )
+    slow_uplink_carry: float = Field(
+        0.75, ge=0, le=1, description="the share of a slow-uplink peer's leases (fresh_start_reveal_s) that carry its "
+        "inner state and residual all the same, drawn per lease: its previous lease is then re-run here and its end "
+        "state kept, the start of the new one, so no reveal is needed (coordinator/logic/leases.py carries_checked; "
+        "needs verification local, no validators, keep_states_mb ≥ one state). Costs re-runs: that previous lease is "
+        "checked too. 0: every such lease starts fresh"
+    )
     # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that
     # lease is re-run from it if drawn, and its peer reveals nothing, or its end alone (coordinator/chained.py); a
     # state is 3 × θ's fp32 bytes with error feedback, 2 × without

@@ -24,7 +24,10 @@ the link-tuned runs use), and each variant side by side on the same data:
   ``upload_scaled_30_sign_ef_reset``: AdamW restarted each lease, the residual carried (what a verifier that could
   re-run every lease's predecessor would allow; verification off in the config: it refuses feedback with ``reset``);
   ``upload_scaled_30_sign_ef_pairs``: the same with the residual dropped at every other upload (``Pairs`` below: a
-  check then needs at most the lease before it re-run);
+  check then needs at most the lease before it re-run); ``upload_scaled_30_sign_ef_segments_S`` (S 2, 4, 8): inner
+  state and residual carried across S leases, then a fresh start (``Segments`` below, a what-if); ``upload_scaled_30_sign_ef_after_check_F`` (F 0.45, 0.75): state and residual carried
+  into a lease only after a lease drawn for a check (each drawn with probability F), else a fresh start
+  (``AfterCheck`` below: what ``runtime.verify.slow_uplink_carry`` F gives a slow uplink);
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -82,6 +86,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "instant_sign_ef_carry": {"upload": False, "codec": "sgn15of16", "ef": True, "state": "carry"},
     "upload_scaled_30_sign_ef_reset": {"reference": 30, "codec": "sgn15of16", "ef": True, "verify": False},
     "upload_scaled_30_sign_ef_pairs": {"reference": 30, "codec": "sgn15of16", "ef": True, "verify": False, "pairs": True},
+    "upload_scaled_30_sign_ef_segments_4": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                            "segments": 4},
+    "upload_scaled_30_sign_ef_segments_2": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                            "segments": 2},
+    "upload_scaled_30_sign_ef_segments_8": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                            "segments": 8},
+    "upload_scaled_30_sign_ef_after_check_0.45": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                                  "after_check": 0.45},
+    "upload_scaled_30_sign_ef_after_check_0.75": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                                  "after_check": 0.75},
     "upload_eager": {"eager": True},
     "upload_eager_lr": {"eager": "lr"},
     "upload_eager_whole": {"eager": "whole"},
@@ -127,6 +141,52 @@ class Pairs(Simulation):
         super()._upload(name, now)
 
 
+class Segments(Simulation):
+    """Each worker carries its inner state and residual across ``every`` leases, then starts fresh (its 1st, 1 +
+    every-th, ... lease): a what-if for a peer whose uplink cannot carry a reveal — a check would re-run at most the
+    segment's leases before it (the runtime does not do this; it carries on draws: ``AfterCheck``)."""
+
+    every = 4
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.leases: dict[str, int] = {}  # per worker: leases started
+
+    def _start(self, action: Any, now: float) -> None:
+        name = action.peer
+        if self.leases.get(name, 0) % self.every == 0:
+            worker = self.workers[name]
+            worker.inner_state, worker.fast_state = {}, None
+            if worker.feedback is not None:
+                worker.feedback.drop()
+        self.leases[name] = self.leases.get(name, 0) + 1
+        super()._start(action, now)
+
+
+class AfterCheck(Simulation):
+    """Each worker carries its inner state and residual into a lease only when its previous lease was drawn to be
+    carried on (each with probability ``fraction``), else starts fresh: what a peer whose uplink cannot carry a reveal
+    gets from a coordinator that keeps the end states of its own re-runs (``runtime.verify.slow_uplink_carry``;
+    coordinator/logic/leases.py ``draw_carry``) — the start of every carried lease is then at hand without a reveal."""
+
+    fraction = 0.45
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drawn: dict[str, bool] = {}  # per worker: was its last lease drawn
+        self.rng = random.Random(self.cfg.seed)
+
+    def _start(self, action: Any, now: float) -> None:
+        name = action.peer
+        if not self.drawn.get(name, False):
+            worker = self.workers[name]
+            worker.inner_state, worker.fast_state = {}, None
+            if worker.feedback is not None:
+                worker.feedback.drop()
+        self.drawn[name] = self.rng.random() < self.fraction
+        super()._start(action, now)
+
+
 def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
     smoke = args.smoke
     task: dict[str, Any] = (
@@ -156,8 +216,13 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
 def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
     cfg = config(args, variant)
-    kind = Eager if variant.get("eager") else Pairs if variant.get("pairs") else Simulation
+    kind = (Eager if variant.get("eager") else Pairs if variant.get("pairs") else Segments if variant.get("segments")
+            else AfterCheck if variant.get("after_check") else Simulation)
     simulation = kind(cfg, "async_dn_dylu")
+    if isinstance(simulation, Segments):
+        simulation.every = variant["segments"]
+    if isinstance(simulation, AfterCheck):
+        simulation.fraction = variant["after_check"]
     if isinstance(simulation, Eager):
         simulation.eager = variant["eager"]
     if "poly" in variant:
@@ -172,6 +237,7 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     return {
         "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "error_feedback": cfg.runtime.uses_error_feedback,
         "inner_state": cfg.runtime.verify.inner_state, "residual_pairs": bool(variant.get("pairs")),
+        "carry_segment": variant.get("segments"), "carry_after_check": variant.get("after_check"),
         "momentum": cfg.outer.momentum,
         "outer_lr": cfg.outer.lr, "buffer_size": cfg.outer.buffer_size,
         "poly": variant.get("poly"), "momentum_reference_steps": variant.get("reference"), "eager": variant.get("eager", False), "metric": metric,

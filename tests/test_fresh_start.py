@@ -13,6 +13,7 @@ every one of its checks bitwise, the fast one revealing as before.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from asyncloco.coordinator.logic import (
     Applied, Assign, CoordinatorPolicy, Expired, Rejected, RequestWork, SpeedReport, SubmitUpdate, Verify, VerifyPolicy,
     handle, new_state,
 )
+from asyncloco.coordinator.logic.draws import PROBATION_WAIT
+from asyncloco.coordinator.logic.leases import CARRIED_ON, carries_checked
 from asyncloco.coordinator.verify import fresh_below, needs_reveal
 from asyncloco.peer.runner import PeerRunner
 from asyncloco.refusals import RefusalCode
@@ -197,3 +200,144 @@ def test_a_slow_uplink_reveals_nothing_and_passes_every_check(tmp_path: Path) ->
     assert out["status"] == {"slow": "fresh inner state: uplink 10 kB/s, below the 131 kB/s a reveal needs "
                                      "(runtime.verify.fresh_start_reveal_s)", "fast": ""}  # status.json says why
     assert not out["state"].verification.expelled and out["state"].version == 2 * rounds
+
+
+def _submit_ok(state: logic.CoordinatorState, lease: logic.Lease, start: str, end: str, now: float,
+               device_class: str = "cpu") -> None:
+    event = SubmitUpdate(lease.peer, lease.lease_id, lease.base_version, torch.ones(DIM), state_start=start,
+                         state_end=end, device_class=device_class)
+    actions = handle(state, event, now)[1]
+    assert not any(isinstance(a, Rejected) for a in actions), actions
+
+
+def _slow_state(**knobs: Any) -> logic.CoordinatorState:
+    state = state_with()
+    assert state.policy.verify is not None
+    state.policy = dataclasses.replace(state.policy, verify=dataclasses.replace(
+        state.policy.verify, **{"fraction": 0.0, "keep_class": "cpu", "slow_carry": 1.0, **knobs}))
+    return state
+
+
+def _set(state: logic.CoordinatorState, **knobs: Any) -> None:
+    assert state.policy.verify is not None
+    state.policy = dataclasses.replace(state.policy, verify=dataclasses.replace(state.policy.verify, **knobs))
+
+
+def test_after_a_lease_re_run_here_a_slow_uplink_carries_its_state() -> None:
+    """``VerifyPolicy.keep_class`` and ``slow_carry`` (leases.draw_carry, carries_checked): a slow-uplink peer's lease
+    carries its inner state exactly when the lease before it was drawn to be carried on — a draw of its own, which
+    makes that lease re-run (``CARRIED_ON``) whatever its check draw; otherwise it starts fresh, as without the knob."""
+    state = _slow_state()
+    first, _ = lease_of(state, "slow", 0.0, link_up=12_500.0)
+    assert first.fresh and first.verify == CARRIED_ON  # not drawn for a check, re-run for the next lease's start
+    _submit_ok(state, first, FRESH_STATE_DIGEST, "e1", 1.0)
+    second, why = lease_of(state, "slow", 2.0)
+    assert not second.fresh and "fresh" not in why and second.verify == CARRIED_ON
+    _submit_ok(state, second, "e1", "e2", 3.0)
+    _set(state, slow_carry=0.0)
+    third, _ = lease_of(state, "slow", 4.0)
+    assert not third.fresh and third.verify == ""  # carried (the second was carried on); itself not
+    _submit_ok(state, third, "e2", "e3", 5.0)
+    _set(state, fraction=1.0)
+    fourth, _ = lease_of(state, "slow", 6.0)
+    assert fourth.fresh and fourth.verify == "sampled at 1"
+    _submit_ok(state, fourth, FRESH_STATE_DIGEST, "e4", 7.0)
+    fifth, _ = lease_of(state, "slow", 8.0)
+    assert fifth.fresh  # its predecessor is checked, but the carry is not its check draw: nothing told ahead
+    _set(state, slow_carry=1.0)
+    _submit_ok(state, fifth, FRESH_STATE_DIGEST, "e5", 9.0, device_class="cuda:NVIDIA H200")
+    sixth, _ = lease_of(state, "slow", 10.0)
+    assert sixth.fresh and not state.peers["slow"].carry_next  # another class than the verifier's: its end is revealed
+    fast, _ = lease_of(state, "fast", 0.0, link_up=2 * BELOW)
+    assert not fast.fresh and fast.verify == "sampled at 1" and not state.peers["fast"].carry_next  # no slow uplink
+    # a probation lease is re-run anyway: the next carries; a probation wait is only held: the one after it is fresh
+    waiting = _slow_state(probation_updates=1, slow_carry=0.0)
+    probation, _ = lease_of(waiting, "slow", 0.0, link_up=12_500.0)
+    assert probation.fresh and probation.verify.startswith("probation (0 of 1")
+    waiting.peers["slow"].device_class = "cpu"  # as named by an earlier submission
+    waiting.verification.passed["other"] = 1  # a proven peer's update moves θ on (no lease twice from one θ)
+    other, _ = lease_of(waiting, "other", 0.1)
+    _submit_ok(waiting, other, FRESH_STATE_DIGEST, "o1", 0.2)
+    assert waiting.version == 1
+    _set(waiting, slow_carry=1.0)
+    _, actions = handle(waiting, RequestWork("slow", keep=probation.lease_id), 0.5)  # asked ahead while it trains
+    held = next(a for a in actions if isinstance(a, Assign)).lease
+    assert not held.fresh and held.verify.startswith(PROBATION_WAIT)  # still only held, not made a re-run
+    assert not carries_checked(waiting.policy, waiting.peers["slow"])  # the lease after it starts fresh
+    # without keep_class (the daemon keeps no end state: keep_states_mb 0, validators, reset) every lease is fresh
+    plain = _slow_state(keep_class="")
+    one, _ = lease_of(plain, "slow", 0.0, link_up=12_500.0)
+    assert one.verify == ""
+    _submit_ok(plain, one, FRESH_STATE_DIGEST, "x1", 1.0)
+    assert lease_of(plain, "slow", 2.0)[0].fresh
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_a_carried_on_lease_is_checked_and_applied_first(share: float) -> None:
+    """The lease a carry follows is re-run (applied first, as a drawn one: not a probation or a suspect's), its base θ
+    retained until then; with no carry drawn nothing is checked (fraction 0)."""
+    state = _slow_state(slow_carry=share)
+    first, _ = lease_of(state, "slow", 0.0, link_up=12_500.0)
+    handle(state, logic.Fetched("slow", first.base_version), 0.1)
+    assert state.peers["slow"].carry_next is (share == 1.0)
+    other, _ = lease_of(state, "other", 0.2)
+    _submit_ok(state, other, FRESH_STATE_DIGEST, "o1", 0.3)  # θ moves on: the first lease's base is now an old version
+    assert (logic.base_theta(state, 0) is not None) is (share == 1.0)  # retained only for the re-run
+    event = SubmitUpdate("slow", first.lease_id, 0, torch.ones(DIM), state_start=FRESH_STATE_DIGEST, state_end="e1",
+                         device_class="cpu")
+    actions = handle(state, event, 1.0)[1]
+    checks = [a for a in actions if isinstance(a, Verify)]
+    assert [c.reason.startswith(CARRIED_ON) and c.base.numel() == DIM for c in checks] == ([] if share == 0.0 else [True])
+    assert any(isinstance(a, Applied) for a in actions)
+
+
+def test_a_slow_uplink_carries_after_checks_and_reveals_nothing(tmp_path: Path) -> None:
+    """The real daemon keeps its re-runs' end states (the default keep_states_mb): the slow peer's lease after a
+    re-run one carries its inner state and residual, after any other it starts fresh; no reveal is asked of it, every
+    check is bitwise, none ends unverified, and the status says both rules."""
+    cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64)
+    clock = FakeClock()
+    run_dir = tmp_path / "run"
+    rounds = 10
+
+    async def scenario() -> dict[str, Any]:
+        transport = MemoryTransport(cfg, run_dir, clock=clock)
+        await transport.start()
+        try:
+            slow_link = LinkSpeed()
+            assert slow_link.observe("up", 1_000_000, 100.0)  # 10 kB/s
+            runner, task = start_peer(transport, "slow", rounds=rounds, runner_cls=RevealCounter, link=slow_link)
+            daemon = transport.daemon
+            assert daemon is not None and daemon.verification is not None
+            assert daemon.node.state.policy.verify is not None
+            assert daemon.node.state.policy.verify.keep_class == daemon.verification.verifier.rerunner.compute_class
+            await drive(clock, {"slow": task}, real_timeout=150.0)
+            await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
+            task.result()
+            row = daemon.monitoring.status_document(clock.time())["peers"]["slow"]
+            return {"asked": runner.asked, "fresh": runner.summary.fresh_starts, "status": row["fresh_start"],
+                    "state": daemon.node.state, "chained": daemon.verification.chained.status()}
+        finally:
+            if transport.daemon is not None and transport.daemon.verification is not None:
+                await transport.daemon.verification.close()
+            await transport.close()
+
+    out = asyncio.run(asyncio.wait_for(scenario(), timeout=220.0))
+    leases = [r for r in journal(run_dir, "assign") if r["peer"] == "slow"]
+    assert len(leases) == rounds
+    verdicts = journal(run_dir, "verdict")
+    assert all(v["ok"] and v["detail"].startswith("bitwise") for v in verdicts), verdicts
+    judged = {v["lease_id"] for v in verdicts}
+    drawn = {r["lease_id"] for r in leases if r["verify"] and "not re-run" not in r["verify"]}
+    assert drawn <= judged  # every lease drawn at its grant was re-run; the rest of the judged ones were carried on
+    carried = [i for i in range(1, rounds) if not leases[i]["fresh"]]
+    assert leases[0]["fresh"] and len(carried) >= 2
+    # the rule, lease by lease: a lease carries its state only when the one before it was re-run here
+    assert all(leases[i - 1]["lease_id"] in judged for i in carried)
+    assert judged - drawn <= {leases[i - 1]["lease_id"] for i in carried}  # re-run only because the next one carried
+    assert not journal(run_dir, "unverified") and out["asked"] == 0
+    assert out["fresh"] == rounds - len(carried)
+    # each carried lease that was itself re-run started from a kept end state (or one kept at its predecessor's verdict)
+    assert out["chained"]["kept"] + out["chained"]["waited"] == sum(leases[i]["lease_id"] in judged for i in carried)
+    assert out["status"].endswith("; carried after a lease re-run here (its end state kept: no reveal)")
+    assert not out["state"].verification.expelled and out["state"].version == rounds

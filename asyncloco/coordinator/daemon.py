@@ -156,6 +156,10 @@ class CoordinatorDaemon:
                                     monitoring.eval_model, monitoring.bookkeep, monitoring.write_status,
                                     self.durability.wait_for_snapshot, self._download_anchor)
             self.verification = DaemonVerification(port, EVENT_TYPES)
+            keep_class = self.verification.keep_class()
+            if keep_class and policy.verify is not None:  # a slow uplink carries its state after a check kept here
+                self.node.state.policy = dataclasses.replace(
+                    policy, verify=dataclasses.replace(policy.verify, keep_class=keep_class))
         self.monitoring.verification = self.durability.verification = self.serving.verification = self.verification
         if resume:
             self.durability.load()

@@ -355,6 +355,9 @@ class Monitoring:
                 row["link_up"], row["link_down"], row["time_s"] = info.link_up, info.link_down, info.time_split
                 # its leases start from a fresh inner state (an uplink that cannot carry a reveal): "" when they carry it
                 row["fresh_start"] = fresh_reason(state.policy, info)
+                keep = state.policy.verify.keep_class if state.policy.verify is not None else ""
+                if row["fresh_start"] and keep and info.device_class in ("", keep):  # leases.carries_checked
+                    row["fresh_start"] += "; carried after a lease re-run here (its end state kept: no reveal)"
             seen = max(stats.last_seen, min(info.last_seen, now)) if info is not None else stats.last_seen
             peers[peer_id] = peer_row(row, alive=info is not None and info.alive, last_seen=seen)
         updates_per_s = self.stats.updates.rate(now)

@@ -563,6 +563,33 @@ class DaemonVerification:
             **self.verifier.stats.as_dict(),
         }
 
+    def keep_class(self) -> str:
+        """The compute class whose checks this coordinator re-runs itself keeping their end states (no reveal of the
+        end, none of the next lease's start: coordinator/chained.py), "" when it keeps none (``inner_state: reset``,
+        ``keep_states_mb`` below one state, checks lent to validators, or not re-run here): the logic's
+        ``VerifyPolicy.keep_class`` (logic/leases.py ``carries_checked``)."""
+        rerunner = self.verifier.rerunner
+        if not (self.knobs.local and not self.knobs.validators and rerunner.keep_end):
+            return ""
+        return rerunner.compute_class
+
+    def _fresh_kept(self, action: Verify) -> bool:
+        """Is ``action`` a check of a lease granted fresh whose re-run's end state this coordinator keeps (its own
+        compute class, end states kept)? Re-run as a chained one from the empty start, not from θ alone."""
+        from asyncloco.train.commitments import FRESH_STATE_DIGEST
+
+        return (action.lease.fresh and action.state_start == FRESH_STATE_DIGEST and not action.failed
+                and self.verifier.rerunner.keep_end and not self.needs_end(action.device_class))
+
+    def _cannot_reveal(self, peer: str) -> str:
+        """Why ``peer`` cannot reveal an inner state ("" when it can): its reported uplink is below
+        ``VerifyPolicy.fresh_below`` (logic/leases.py ``fresh_reason``)."""
+        from asyncloco.coordinator.logic import fresh_reason
+
+        state = self.port.node.state
+        info = state.peers.get(peer)
+        return "" if info is None else fresh_reason(state.policy, info)
+
     def needs_end(self, device_class: Optional[str]) -> bool:
         """Must a reveal carry the lease's end state too? Not when only this coordinator re-runs checks
         (``runtime.verify.local`` and no validators) and the peer names the verifier's compute class: the re-run's end
@@ -819,6 +846,13 @@ class DaemonVerification:
                 return
             action = dataclasses.replace(action, anchor_body=body)
         self.start_worker()
+        if self._fresh_kept(action):
+            # a lease granted fresh (a slow uplink) re-run from the fresh state, its end state compared with the
+            # committed digest and kept: the peer's next lease may carry it (logic/leases.py carries_checked)
+            how, start = self.chained.start(action)
+            assert how == "fresh" and start is not None
+            self._offer_with_start(action, start, b"")
+            return
         if action.state_start and needs_reveal([action], action.lease.lease_id):
             # maybe its start is at hand (coordinator/chained.py): then a start-only reveal is not asked for at all, a
             # full one (another compute class, validators) for the end alone
@@ -830,6 +864,11 @@ class DaemonVerification:
                 return
             elif start is not None:
                 self._offer_with_start(action, start, b"")
+                return
+            slow = self._cannot_reveal(action.peer)
+            if slow:  # a lease carried after a check (leases.carries_checked) whose kept start is gone: not the peer's doing
+                self._decide_later(self._unverified(action, "its start state is not kept here (a restart, or dropped: "
+                                                    f"runtime.verify.keep_states_mb) and a reveal cannot cross its uplink ({slow})"))
                 return
             self._await_reveal(action)
             return

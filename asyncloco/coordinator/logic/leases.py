@@ -16,7 +16,7 @@ from asyncloco.algo.dylu import dylu_steps, link_steps, pipeline_seconds
 from asyncloco.algo.grace import HoldDecision, hold_decision
 from asyncloco.algo.sampler import sample_shard
 from asyncloco.coordinator import gate as update_gate
-from asyncloco.coordinator.logic.draws import must_check, verify_reason
+from asyncloco.coordinator.logic.draws import PROBATION_WAIT, must_check, verify_draw, verify_reason
 from asyncloco.coordinator.logic.events import (
     Action, Assign, Expired, Fetched, Hold, HoldDropped, Rejected, RequestWork,
 )
@@ -277,9 +277,12 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     if policy.verify is not None:
         lease = dataclasses.replace(lease, verify=verify_reason(state, policy.verify, peer, lease.lease_id))
     fresh = fresh_reason(policy, info)
+    if fresh and carries_checked(policy, info):
+        fresh = ""  # its start is the end state of its previous lease's re-run, kept here: no reveal needed
     if fresh:
         lease = dataclasses.replace(lease, fresh=True)
         why_steps += f"; {fresh}"
+    lease = draw_carry(state, policy, info, lease)
     state.leases[lease.lease_id] = lease
     index_lease(state, lease)
     return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
@@ -342,6 +345,45 @@ def fresh_reason(policy: CoordinatorPolicy, info: PeerInfo) -> str:
         return ""
     return (f"fresh inner state: uplink {info.link_up / 1e3:.3g} kB/s, below the {verify.fresh_below / 1e3:.3g} kB/s "
             "a reveal needs (runtime.verify.fresh_start_reveal_s)")
+
+
+CARRIED_ON = "chained: re-run so that the peer's next lease may carry its end state (a slow uplink)"
+"""The check reason of a lease re-run because the lease after it carries its end state (:func:`draw_carry`)."""
+
+
+def carries_checked(policy: CoordinatorPolicy, info: PeerInfo) -> bool:
+    """Does a lease of a peer whose uplink cannot carry a reveal (:func:`fresh_reason`) carry its inner state all the
+    same? Where its start will be at hand without a reveal: the peer's previous lease is re-run by this coordinator on
+    the peer's own compute class (``VerifyPolicy.keep_class``), and its passed re-run keeps that lease's end state
+    bitwise (coordinator/chained.py) — the start this lease commits to. Which previous leases that is was decided at
+    their grant (:func:`draw_carry`). A start not at hand after all (a restart, a kept state dropped, the previous
+    lease given back) ends the check unverified, never failed (coordinator/verify.py)."""
+    verify = policy.verify
+    return (verify is not None and bool(verify.keep_class) and info.device_class == verify.keep_class
+            and info.carry_next)
+
+
+def draw_carry(state: CoordinatorState, policy: CoordinatorPolicy, info: PeerInfo, lease: Lease) -> Lease:
+    """Will the lease after ``lease`` carry its peer's inner state (:func:`carries_checked`)? For a peer whose uplink
+    cannot carry a reveal, on a draw of its own (``VerifyPolicy.slow_carry``, HMAC of the lease id), independent of
+    ``lease``'s check draw — and then ``lease`` is re-run whatever that draw was (:data:`CARRIED_ON`; its base θ is
+    retained as a drawn lease's). The peer sees the outcome at its next grant, usually before it has submitted
+    ``lease`` (asked ahead): a carry tells it ``lease`` is checked, a fresh start that it is checked at the usual
+    fraction — never less. A probation lease is re-run anyway (and known to be), so the next one carries; a probation
+    wait (held, not re-run) is not made a re-run. ``lease`` as granted, its ``verify`` set when it is carried on."""
+    verify = policy.verify
+    info.carry_next = False
+    if verify is None or not verify.keep_class or info.device_class not in ("", verify.keep_class):
+        return lease
+    if not fresh_reason(policy, info) or lease.verify.startswith(PROBATION_WAIT):
+        return lease
+    if lease.verify.startswith("probation ("):
+        info.carry_next = True
+    elif verify_draw(state.lease_secret, f"carry:{lease.lease_id}") < verify.slow_carry:
+        info.carry_next = True
+        if not lease.verify:
+            lease = dataclasses.replace(lease, verify=CARRIED_ON)
+    return lease
 
 
 def transfer_seconds(policy: CoordinatorPolicy, info: PeerInfo) -> float | None:

@@ -76,6 +76,10 @@ class PeerInfo:
     # when its last upload began (its submission's arrival less the upload's seconds): a lease asked for ahead, while
     # the previous one still trained, starts training no earlier (the observed speed counts from then)
     upload_started: float | None = None
+    # the compute class its last submission named (train/inner.py compute_class; "" none yet), and whether its next
+    # lease carries its inner state despite a slow uplink: the last one granted is re-run here (leases.draw_carry)
+    device_class: str = ""
+    carry_next: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,13 @@ class VerifyPolicy:
     # with commit: a peer whose reported uplink (bytes/s) is below this gets leases that start fresh (Lease.fresh) —
     # max(2 × the RPC floor, one inner state's bytes / runtime.verify.fresh_start_reveal_s), set by the daemon; 0: never
     fresh_below: float = 0.0
+    # the compute class of this coordinator's own re-runs when it keeps their end states (runtime.verify.local, no
+    # validators, a state within keep_states_mb; set by the daemon), "" otherwise: a slow-uplink peer of that class
+    # carries its inner state into a lease after one that is re-run here (leases.carries_checked)
+    keep_class: str = ""
+    # runtime.verify.slow_uplink_carry: the share of such a peer's leases, drawn, that carry its state (its previous
+    # lease then re-run whether drawn or not)
+    slow_carry: float = 0.0
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()

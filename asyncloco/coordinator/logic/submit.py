@@ -58,6 +58,8 @@ def on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[
     unindex_lease(state, lease)
     if info is not None and not policy.trust_speeds:
         _observe_speed(state, info, lease, event, now)
+    if info is not None:
+        info.device_class = event.device_class or ""  # leases.carries_checked
     if policy.verify is not None and policy.verify.commit and event.state_end is not None:
         # the chain advances with every accepted lease (a held one included: its peer goes on from that state)
         state.verification.chain[event.peer] = event.state_end
