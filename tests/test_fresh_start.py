@@ -150,14 +150,11 @@ class RevealCounter(PeerRunner):
         await super()._reveal(client, lease_id, digest, end, start)
 
 
-def test_a_slow_uplink_reveals_nothing_and_passes_every_check(tmp_path: Path) -> None:
-    """Two honest peers with sign-coded uploads and error feedback, every lease checked: "slow" states a 10 kB/s uplink
-    (below the floor) — every lease of it is fresh, no reveal is asked of it, its residual starts afresh with each
-    lease, and each check is bitwise; "fast" states none and carries its state, revealing each later lease."""
-    cfg = with_verify(config(feedback=True), fraction=1.0, keep_states_mb=0)
+def _run(cfg: RunConfig, run_dir: Path, rounds: int, names: tuple[str, ...]) -> dict[str, Any]:
+    """Honest peers over the in-memory transport, "slow" stating a 10 kB/s uplink (below the floor), the others none:
+    per peer the reveals asked of it, its fresh starts and its status row's ``fresh_start``; the coordinator's state,
+    its kept states' counters and its policy's ``keep_class`` against its verifier's compute class."""
     clock = FakeClock()
-    run_dir = tmp_path / "run"
-    rounds = 6
 
     async def scenario() -> dict[str, Any]:
         transport = MemoryTransport(cfg, run_dir, clock=clock)
@@ -166,23 +163,37 @@ def test_a_slow_uplink_reveals_nothing_and_passes_every_check(tmp_path: Path) ->
             slow_link = LinkSpeed()
             assert slow_link.observe("up", 1_000_000, 100.0)  # 10 kB/s, as its uploads measured it
             peers = {name: start_peer(transport, name, rounds=rounds, runner_cls=RevealCounter,
-                                      link=slow_link if name == "slow" else None) for name in ("slow", "fast")}
+                                      link=slow_link if name == "slow" else None) for name in names}
             daemon = transport.daemon
-            assert daemon is not None and daemon.verification is not None
+            assert daemon is not None and daemon.verification is not None and daemon.node.state.policy.verify is not None
             await drive(clock, {name: task for name, (_, task) in peers.items()}, real_timeout=150.0)
             await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
             for _, task in peers.values():
                 task.result()
             status = daemon.monitoring.status_document(clock.time())["peers"]
-            return {"status": {row.get("name") or peer_id: row["fresh_start"] for peer_id, row in status.items()},"asked": {name: runner.asked for name, (runner, _) in peers.items()},
+            return {"status": {row.get("name") or peer_id: row["fresh_start"] for peer_id, row in status.items()},
+                    "asked": {name: runner.asked for name, (runner, _) in peers.items()},
                     "fresh": {name: runner.summary.fresh_starts for name, (runner, _) in peers.items()},
-                    "state": daemon.node.state}
+                    "state": daemon.node.state, "chained": daemon.verification.chained.status(),
+                    "keep_class": (daemon.node.state.policy.verify.keep_class,
+                                   daemon.verification.verifier.rerunner.compute_class)}
         finally:
             if transport.daemon is not None and transport.daemon.verification is not None:
                 await transport.daemon.verification.close()
             await transport.close()
 
-    out = asyncio.run(asyncio.wait_for(scenario(), timeout=220.0))
+    return asyncio.run(asyncio.wait_for(scenario(), timeout=220.0))
+
+
+def test_a_slow_uplink_reveals_nothing_and_passes_every_check(tmp_path: Path) -> None:
+    """Two honest peers with sign-coded uploads and error feedback, every lease checked: "slow" states a 10 kB/s uplink
+    (below the floor) — every lease of it is fresh, no reveal is asked of it, its residual starts afresh with each
+    lease, and each check is bitwise; "fast" states none and carries its state, revealing each later lease."""
+    cfg = with_verify(config(feedback=True), fraction=1.0, keep_states_mb=0)
+    run_dir = tmp_path / "run"
+    rounds = 6
+    out = _run(cfg, run_dir, rounds, ("slow", "fast"))
+    assert out["keep_class"][0] == ""  # no end state kept: every lease of the slow uplink fresh
     verdicts = journal(run_dir, "verdict")
     assert verdicts and all(v["ok"] and v["detail"].startswith("bitwise") for v in verdicts), verdicts
     assigned = journal(run_dir, "assign")
@@ -296,33 +307,10 @@ def test_a_slow_uplink_carries_after_checks_and_reveals_nothing(tmp_path: Path) 
     re-run one carries its inner state and residual, after any other it starts fresh; no reveal is asked of it, every
     check is bitwise, none ends unverified, and the status says both rules."""
     cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64)
-    clock = FakeClock()
     run_dir = tmp_path / "run"
     rounds = 10
-
-    async def scenario() -> dict[str, Any]:
-        transport = MemoryTransport(cfg, run_dir, clock=clock)
-        await transport.start()
-        try:
-            slow_link = LinkSpeed()
-            assert slow_link.observe("up", 1_000_000, 100.0)  # 10 kB/s
-            runner, task = start_peer(transport, "slow", rounds=rounds, runner_cls=RevealCounter, link=slow_link)
-            daemon = transport.daemon
-            assert daemon is not None and daemon.verification is not None
-            assert daemon.node.state.policy.verify is not None
-            assert daemon.node.state.policy.verify.keep_class == daemon.verification.verifier.rerunner.compute_class
-            await drive(clock, {"slow": task}, real_timeout=150.0)
-            await asyncio.wait_for(daemon.verification.drain(), timeout=60.0)
-            task.result()
-            row = daemon.monitoring.status_document(clock.time())["peers"]["slow"]
-            return {"asked": runner.asked, "fresh": runner.summary.fresh_starts, "status": row["fresh_start"],
-                    "state": daemon.node.state, "chained": daemon.verification.chained.status()}
-        finally:
-            if transport.daemon is not None and transport.daemon.verification is not None:
-                await transport.daemon.verification.close()
-            await transport.close()
-
-    out = asyncio.run(asyncio.wait_for(scenario(), timeout=220.0))
+    out = _run(cfg, run_dir, rounds, ("slow",))
+    assert out["keep_class"][0] == out["keep_class"][1] != ""
     leases = [r for r in journal(run_dir, "assign") if r["peer"] == "slow"]
     assert len(leases) == rounds
     verdicts = journal(run_dir, "verdict")
@@ -335,9 +323,9 @@ def test_a_slow_uplink_carries_after_checks_and_reveals_nothing(tmp_path: Path) 
     # the rule, lease by lease: a lease carries its state only when the one before it was re-run here
     assert all(leases[i - 1]["lease_id"] in judged for i in carried)
     assert judged - drawn <= {leases[i - 1]["lease_id"] for i in carried}  # re-run only because the next one carried
-    assert not journal(run_dir, "unverified") and out["asked"] == 0
-    assert out["fresh"] == rounds - len(carried)
+    assert not journal(run_dir, "unverified") and out["asked"] == {"slow": 0}
+    assert out["fresh"] == {"slow": rounds - len(carried)}
     # each carried lease that was itself re-run started from a kept end state (or one kept at its predecessor's verdict)
     assert out["chained"]["kept"] + out["chained"]["waited"] == sum(leases[i]["lease_id"] in judged for i in carried)
-    assert out["status"].endswith("; carried after a lease re-run here (its end state kept: no reveal)")
+    assert out["status"]["slow"].endswith("; carried after a lease re-run here (its end state kept: no reveal)")
     assert not out["state"].verification.expelled and out["state"].version == rounds
