@@ -329,3 +329,38 @@ def test_a_slow_uplink_carries_after_checks_and_reveals_nothing(tmp_path: Path) 
     assert out["chained"]["kept"] + out["chained"]["waited"] == sum(leases[i]["lease_id"] in judged for i in carried)
     assert out["status"]["slow"].endswith("; carried after a lease re-run here (its end state kept: no reveal)")
     assert not out["state"].verification.expelled and out["state"].version == rounds
+
+
+def test_a_carried_start_not_at_hand_ends_unverified_never_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A carried lease's start state gone from the coordinator (a restart, a state dropped from keep_states_mb: here
+    every kept one is "lost") — its check ends unverified, no reveal is asked of the slow uplink, nobody is expelled;
+    the fresh leases' checks still pass bitwise."""
+    from asyncloco.coordinator.chained import ChainedStates
+
+    original = ChainedStates.start
+
+    def lost(self: ChainedStates, check: Verify, full: bool = False) -> tuple[str, Any]:
+        how, start = original(self, check, full)
+        if check.state_start == FRESH_STATE_DIGEST:
+            return how, start
+        for waited, waiting in list(self.waiting.items()):  # nor handed on at the previous lease's verdict
+            if waiting is check:
+                del self.waiting[waited]
+        return "", None
+
+    monkeypatch.setattr(ChainedStates, "start", lost)
+    cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64)
+    run_dir = tmp_path / "run"
+    rounds = 8
+    out = _run(cfg, run_dir, rounds, ("slow",))
+    leases = {r["lease_id"]: r for r in journal(run_dir, "assign")}
+    verdicts = journal(run_dir, "verdict")
+    unverified = journal(run_dir, "unverified")
+    assert verdicts and all(v["ok"] and v["detail"].startswith("bitwise") and leases[v["lease_id"]]["fresh"]
+                            for v in verdicts), verdicts
+    assert unverified and all(not leases[u["lease_id"]]["fresh"] and "its start state is not kept here" in u["reason"]
+                              and "a reveal cannot cross its uplink" in u["reason"] for u in unverified), unverified
+    chosen = {lease_id for lease_id, r in leases.items() if r["verify"] and "not re-run" not in r["verify"]}
+    assert {u["lease_id"] for u in unverified} == {lease_id for lease_id in chosen if not leases[lease_id]["fresh"]}
+    assert {v["lease_id"] for v in verdicts} == {lease_id for lease_id in chosen if leases[lease_id]["fresh"]}
+    assert out["asked"] == {"slow": 0} and not out["state"].verification.expelled
