@@ -24,10 +24,11 @@ the link-tuned runs use), and each variant side by side on the same data:
   ``upload_scaled_30_sign_ef_reset``: AdamW restarted each lease, the residual carried (what a verifier that could
   re-run every lease's predecessor would allow; verification off in the config: it refuses feedback with ``reset``);
   ``upload_scaled_30_sign_ef_pairs``: the same with the residual dropped at every other upload (``Pairs`` below: a
-  check then needs at most the lease before it re-run); ``upload_scaled_30_sign_ef_segments_S`` (S 2, 4, 8): inner
-  state and residual carried across S leases, then a fresh start (``Segments`` below, a what-if); ``upload_scaled_30_sign_ef_after_check_F`` (F 0.45, 0.75): state and residual carried
-  into a lease only after a lease drawn for a check (each drawn with probability F), else a fresh start
-  (``AfterCheck`` below: what ``runtime.verify.slow_uplink_carry`` F gives a slow uplink);
+  check then needs at most the lease before it re-run); ``upload_scaled_30_sign_ef_segments_4``: inner state and
+  residual carried across 4 leases, then a fresh start (``Segments`` below, a what-if);
+  ``upload_scaled_30_sign_ef_after_check_0.75``: state and residual carried into a lease only after one drawn to be
+  carried on (each with probability 0.75), else a fresh start (``AfterCheck`` below: what
+  ``runtime.verify.slow_uplink_carry`` at 0.75 gives a slow uplink);
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
@@ -88,12 +89,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "upload_scaled_30_sign_ef_pairs": {"reference": 30, "codec": "sgn15of16", "ef": True, "verify": False, "pairs": True},
     "upload_scaled_30_sign_ef_segments_4": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
                                             "segments": 4},
-    "upload_scaled_30_sign_ef_segments_2": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
-                                            "segments": 2},
-    "upload_scaled_30_sign_ef_segments_8": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
-                                            "segments": 8},
-    "upload_scaled_30_sign_ef_after_check_0.45": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
-                                                  "after_check": 0.45},
     "upload_scaled_30_sign_ef_after_check_0.75": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
                                                   "after_check": 0.75},
     "upload_eager": {"eager": True},

@@ -41,7 +41,7 @@ from asyncloco.coordinator.methods import build_runtime_method, coordinator_poli
 from asyncloco.coordinator.monitoring import JOURNAL_FILE, STATUS_FILE, Monitoring, PeerStats
 from asyncloco.coordinator.node import EVENT_TYPES, SOFTWARE_STAMP, CoordinatorNode
 from asyncloco.coordinator.serving import Serving, lease_to_wire
-from asyncloco.coordinator.verify import DaemonVerification, VerificationPort, fresh_below
+from asyncloco.coordinator.verify import DaemonVerification, VerificationPort, fresh_below, keep_class
 from asyncloco.coordinator.wal import WAL_DIR, open_log
 from asyncloco.fingerprint import run_fingerprint
 from asyncloco.models.workload import Workload, flatten_params, param_groups
@@ -131,7 +131,9 @@ class CoordinatorDaemon:
         policy = dataclasses.replace(policy, download_upload_ratio=ratio, upload_bytes=wire_bytes(cfg.runtime.codec, self.numel),
                                      download_bytes=wire_bytes(cfg.runtime.download_codec, self.numel))
         if policy.verify is not None and policy.verify.commit:  # leases that start fresh for a slow uplink
-            policy = dataclasses.replace(policy, verify=dataclasses.replace(policy.verify, fresh_below=fresh_below(cfg, self.model)))
+            # and a slow uplink carries its state after a lease re-run here, its end state kept (leases.draw_carry)
+            policy = dataclasses.replace(policy, verify=dataclasses.replace(
+                policy.verify, fresh_below=fresh_below(cfg, self.model), keep_class=keep_class(cfg, self.model)))
         admission_key = load_or_create_key(self.dir).public_key() if cfg.runtime.admission == "token" else None
         # The lease-id secret is part of the state (snapshots, and so --resume) — fresh for a new run.
         state = new_state(
@@ -156,10 +158,6 @@ class CoordinatorDaemon:
                                     monitoring.eval_model, monitoring.bookkeep, monitoring.write_status,
                                     self.durability.wait_for_snapshot, self._download_anchor)
             self.verification = DaemonVerification(port, EVENT_TYPES)
-            keep_class = self.verification.keep_class()
-            if keep_class and policy.verify is not None:  # a slow uplink carries its state after a check kept here
-                self.node.state.policy = dataclasses.replace(
-                    policy, verify=dataclasses.replace(policy.verify, keep_class=keep_class))
         self.monitoring.verification = self.durability.verification = self.serving.verification = self.verification
         if resume:
             self.durability.load()

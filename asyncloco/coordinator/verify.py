@@ -77,7 +77,8 @@ if TYPE_CHECKING:
     from asyncloco.models.workload import Workload
     from asyncloco.train.commitments import Buffer
 
-__all__ = ["Verifier", "VerifyStats", "DaemonVerification", "VerificationPort", "fresh_below", "needs_reveal", "live_base"]
+__all__ = ["Verifier", "VerifyStats", "DaemonVerification", "VerificationPort", "fresh_below", "keep_class", "needs_reveal",
+           "live_base", "reveal_bound"]
 
 logger = logging.getLogger(__name__)
 
@@ -291,6 +292,32 @@ def needs_reveal(actions: Iterable[Action], lease_id: str) -> bool:
         isinstance(a, Verify) and a.lease.lease_id == lease_id and bool(a.state_start) and not a.failed
         and not a.lease.fresh for a in actions
     )
+
+
+def reveal_bound(cfg: "RunConfig", model: torch.nn.Module) -> int:
+    """The most bytes any reveal of this run may carry: a start and an end state in a reveal's layout — Σ (1 + 8 + 8n)
+    over the model's parameters for a full AdamW state, with error feedback the residual with each state
+    (train/commitments.py pack_reveal), both with their length field (pack_parts)."""
+    from asyncloco.train.commitments import revealed_size
+
+    params = list(model.parameters())
+    inner = sum(9 + 8 * param.numel() for param in params)
+    return revealed_size(inner, sum(param.numel() for param in params), cfg.runtime.uses_error_feedback)
+
+
+def keep_class(cfg: "RunConfig", model: torch.nn.Module) -> str:
+    """``VerifyPolicy.keep_class`` (logic/leases.py ``carries_checked``): the compute class whose checks this
+    coordinator re-runs itself keeping their end states (coordinator/chained.py: no reveal of the end, none of the next
+    lease's start), "" when it keeps none — ``inner_state: reset``, checks lent to validators or not re-run here, or
+    ``keep_states_mb`` below one state (:meth:`DaemonVerification.state_part_size`, the rerunner's ``keep_end``)."""
+    knobs = cfg.runtime.verify
+    if not (knobs.enabled and knobs.inner_state == "carry" and knobs.local and not knobs.validators):
+        return ""
+    if not 0 < (reveal_bound(cfg, model) - 8) // 2 <= knobs.keep_states_mb * 2**20:
+        return ""
+    from asyncloco.train.inner import compute_class
+
+    return compute_class(cfg.runtime.eval_device)
 
 
 def fresh_below(cfg: "RunConfig", model: torch.nn.Module) -> float:
@@ -563,16 +590,6 @@ class DaemonVerification:
             **self.verifier.stats.as_dict(),
         }
 
-    def keep_class(self) -> str:
-        """The compute class whose checks this coordinator re-runs itself keeping their end states (no reveal of the
-        end, none of the next lease's start: coordinator/chained.py), "" when it keeps none (``inner_state: reset``,
-        ``keep_states_mb`` below one state, checks lent to validators, or not re-run here): the logic's
-        ``VerifyPolicy.keep_class`` (logic/leases.py ``carries_checked``)."""
-        rerunner = self.verifier.rerunner
-        if not (self.knobs.local and not self.knobs.validators and rerunner.keep_end):
-            return ""
-        return rerunner.compute_class
-
     def _fresh_kept(self, action: Verify) -> bool:
         """Is ``action`` a check of a lease granted fresh whose re-run's end state this coordinator keeps (its own
         compute class, end states kept)? Re-run as a chained one from the empty start, not from θ alone."""
@@ -633,15 +650,8 @@ class DaemonVerification:
 
     def reveal_bound(self) -> int:
         """The most bytes any reveal of this run may carry (:meth:`reveal_limit` without the check of who reveals)."""
-        if self._state_size is None:  # Σ (1 + 8 + 8n) over the model's parameters: the layout of a full AdamW state
-            from asyncloco.train.commitments import revealed_size
-
-            params = list(self.port.model.parameters())
-            inner = sum(9 + 8 * param.numel() for param in params)
-            # with error feedback the residual comes with each state (train/commitments.py pack_reveal), both states with
-            # their length field (pack_parts)
-            self._state_size = revealed_size(inner, sum(param.numel() for param in params),
-                                             self.port.cfg.runtime.uses_error_feedback)
+        if self._state_size is None:
+            self._state_size = reveal_bound(self.port.cfg, self.port.model)
         return self._state_size
 
     def reveal(self, lease_id: str, state: "Buffer", peer: str) -> Any:
