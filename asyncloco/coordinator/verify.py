@@ -305,15 +305,21 @@ def reveal_bound(cfg: "RunConfig", model: torch.nn.Module) -> int:
     return revealed_size(inner, sum(param.numel() for param in params), cfg.runtime.uses_error_feedback)
 
 
+def keeps_end_states(cfg: "RunConfig", model: torch.nn.Module) -> bool:
+    """Whether a passed re-run here keeps its end state (the rerunner's ``keep_end``, coordinator/chained.py): inner
+    states carried from lease to lease and ``runtime.verify.keep_states_mb`` holding at least one full state (with error
+    feedback its residual too, :meth:`DaemonVerification.state_part_size`)."""
+    knobs = cfg.runtime.verify
+    return knobs.inner_state == "carry" and 0 < (reveal_bound(cfg, model) - 8) // 2 <= knobs.keep_states_mb * 2**20
+
+
 def keep_class(cfg: "RunConfig", model: torch.nn.Module) -> str:
     """``VerifyPolicy.keep_class`` (logic/leases.py ``carries_checked``): the compute class whose checks this
     coordinator re-runs itself keeping their end states (coordinator/chained.py: no reveal of the end, none of the next
-    lease's start), "" when it keeps none — ``inner_state: reset``, checks lent to validators or not re-run here, or
-    ``keep_states_mb`` below one state (:meth:`DaemonVerification.state_part_size`, the rerunner's ``keep_end``)."""
+    lease's start), "" when it keeps none — checks lent to validators or not re-run here, or no end state kept
+    (:func:`keeps_end_states`, the rerunner's ``keep_end``)."""
     knobs = cfg.runtime.verify
-    if not (knobs.enabled and knobs.inner_state == "carry" and knobs.local and not knobs.validators):
-        return ""
-    if not 0 < (reveal_bound(cfg, model) - 8) // 2 <= knobs.keep_states_mb * 2**20:
+    if not (knobs.enabled and knobs.local and not knobs.validators and keeps_end_states(cfg, model)):
         return ""
     from asyncloco.train.inner import compute_class
 
@@ -425,7 +431,7 @@ class DaemonVerification:
         self.partial: dict[str, _Partial] = {}
         # a re-run copies out its end state only when one fits the budget (at 150m one is 1.8 GB with error feedback)
         carry = self.knobs.inner_state == "carry"
-        self.verifier.rerunner.keep_end = carry and 0 < self.state_part_size() <= self.chained.budget
+        self.verifier.rerunner.keep_end = keeps_end_states(cfg, port.model)
         if carry and self.chained.budget and not self.verifier.rerunner.keep_end:
             logger.warning("runtime.verify.keep_states_mb (%d) is less than one inner state of this model (%.0f MB): "
                            "every check asks its peer to reveal its start state; raise it to keep a state per peer",
