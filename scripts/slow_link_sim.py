@@ -28,7 +28,9 @@ the link-tuned runs use), and each variant side by side on the same data:
   residual carried across 4 leases, then a fresh start (``Segments`` below, a what-if);
   ``upload_scaled_30_sign_ef_after_check_0.75``: state and residual carried into a lease only after one drawn to be
   carried on (each with probability 0.75), else a fresh start (``AfterCheck`` below: what
-  ``runtime.verify.slow_uplink_carry`` at 0.75 gives a slow uplink);
+  ``runtime.verify.slow_uplink_carry`` at 0.75 gives a slow uplink); ``upload_scaled_30_sign_ef_carry_batch_4``: carried
+  throughout with 4 × the rows a step in a quarter of the steps — the same tokens and compute per lease, leases 4 ×
+  shorter on the same link (a what-if: compare at equal rows, each evaluation's ``rows``);
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
@@ -91,6 +93,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                             "segments": 4},
     "upload_scaled_30_sign_ef_after_check_0.75": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
                                                   "after_check": 0.75},
+    "upload_scaled_30_sign_ef_carry_batch_4": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                               "batch": 4},
     "upload_eager": {"eager": True},
     "upload_eager_lr": {"eager": "lr"},
     "upload_eager_whole": {"eager": "whole"},
@@ -192,15 +196,22 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
     )
     steps = 10 if smoke else args.steps
     upload_s = 0.0 if variant.get("upload") is False else args.upload_fraction * steps  # the fastest: 1 s a step
+    # batch k: k times the rows a step (each step k times as long), 1/k of the steps, the same upload time: the same
+    # tokens and compute per lease in leases k times shorter (the inner schedule per token kept)
+    k = variant.get("batch", 1)
+    task["batch_size"] *= k
     return RunConfig.model_validate({
         "name": "slow-link-sim", "seed": args.seed, "task": task,
-        "inner": {"lr": 1e-2 if smoke else 3e-3, "min_lr": 1e-3 if smoke else 3e-4, "warmup_steps": 2 if smoke else 20,
-                  "total_steps_per_shard": 10_000, "weight_decay": 0.1, "grad_clip": 1.0},
+        "inner": {"lr": 1e-2 if smoke else 3e-3, "min_lr": 1e-3 if smoke else 3e-4,
+                  "warmup_steps": max(1, (2 if smoke else 20) // k),
+                  "total_steps_per_shard": 10_000 // k, "weight_decay": 0.1, "grad_clip": 1.0},
         "outer": {"lr": variant.get("lr", 0.7), "momentum": variant.get("momentum", 0.9),
                   "buffer_size": variant.get("buffer", 3)},
-        "schedule": {"method": "async_dn_dylu", "max_local_steps": steps, "min_steps": 2, "grace_period": 1.0},
-        "sim": {"workers": 3, "profile": [1.0, 1.5, 4.0], "total_local_updates": 200 if smoke else args.updates,
-                "eval_every": 50 if smoke else args.eval_every, "overlap": True, "upload_s": upload_s,
+        "schedule": {"method": "async_dn_dylu", "max_local_steps": max(2, steps // k), "min_steps": 2,
+                     "grace_period": 1.0},
+        "sim": {"workers": 3, "profile": [1.0 * k, 1.5 * k, 4.0 * k],
+                "total_local_updates": (200 if smoke else args.updates) // k,
+                "eval_every": (50 if smoke else args.eval_every) // k, "overlap": True, "upload_s": upload_s,
                 "methods": ["async_dn_dylu"], "seed": args.seed},
         "runtime": {"codec": variant.get("codec", "int4"), "error_feedback": variant.get("ef", False),
                     "error_feedback_decay": 0.5,
@@ -236,7 +247,10 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "momentum": cfg.outer.momentum,
         "outer_lr": cfg.outer.lr, "buffer_size": cfg.outer.buffer_size,
         "poly": variant.get("poly"), "momentum_reference_steps": variant.get("reference"), "eager": variant.get("eager", False), "metric": metric,
+        "batch_multiple": variant.get("batch", 1),
+        # rows trained (local steps × rows a step): equal tokens across variants whatever their batch
         "evals": [{"version": int(e["version"]), "local_updates": int(e["local_updates"]),
+                   "rows": int(e["local_updates"]) * cfg.task.batch_size,
                    metric: round(float(e[metric]), 4)} for e in result.evals],
         "final": round(float(result.final[metric]), 4),
         "max": round(max(float(e[metric]) for e in result.evals[1:]), 4),
@@ -265,22 +279,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     runs: dict[str, Any] = {}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
     for name in names:
         runs[name] = run_variant(args, name)
         r = runs[name]
         print(f"{name:22s} staleness {r['mean_staleness']}  final {r['metric']} {r['final']:>12,.2f}  max {r['max']:>12,.2f}"
               f"  ({r['wall_s']:.0f} s)", flush=True)
         print("    " + "  ".join(f"v{e['version']}:{e[r['metric']]:,.2f}" for e in r["evals"]), flush=True)
-    if "instant" in runs:
-        for name, r in runs.items():
-            r["final_vs_instant"] = round(r["final"] / runs["instant"]["final"], 3)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    out = {"script": "scripts/slow_link_sim.py", "argv": sys.argv[1:], "commit": commit,
-           "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
-           "date": time.strftime("%Y-%m-%d"), "runs": runs}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        if "instant" in runs:
+            for other in runs.values():
+                other["final_vs_instant"] = round(other["final"] / runs["instant"]["final"], 3)
+        out = {"script": "scripts/slow_link_sim.py", "argv": sys.argv[1:], "commit": commit,
+               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+               "date": time.strftime("%Y-%m-%d"), "runs": runs, "finished": list(runs) == names}
+        if args.json:  # after every variant: a run stopped part-way keeps the variants it finished
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

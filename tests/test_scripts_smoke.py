@@ -246,7 +246,8 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
                        "upload_momentum_0.2", "upload_momentum_0.05", "upload_scaled_30", "instant_scaled_30",
                        "upload_lr_0.35", "upload_buffer_5", "upload_scaled_30_sign", "upload_scaled_30_sign_ef_carry",
                        "instant_sign_ef_carry", "upload_scaled_30_sign_ef_reset", "upload_scaled_30_sign_ef_pairs",
-                       "upload_scaled_30_sign_ef_segments_4", "upload_scaled_30_sign_ef_after_check_0.75", "upload_eager",
+                       "upload_scaled_30_sign_ef_segments_4", "upload_scaled_30_sign_ef_after_check_0.75",
+                       "upload_scaled_30_sign_ef_carry_batch_4", "upload_eager",
                        "upload_eager_lr", "upload_eager_whole"]
     instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5", "instant_scaled_30", "instant_sign_ef_carry")
     assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
@@ -275,6 +276,12 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
     assert (segments["carry_segment"], drawn["carry_after_check"], segments["inner_state"], drawn["error_feedback"]) == (
         4, 0.75, "carry", True)
     assert segments["evals"] != carried["evals"] and drawn["evals"] != carried["evals"] != segments["evals"]
+    # 4 x the rows a step in a quarter of the steps (the toy's 32 rows a step): the rows trained are the same budget
+    batched = r["upload_scaled_30_sign_ef_carry_batch_4"]
+    assert (carried["batch_multiple"], batched["batch_multiple"]) == (1, 4)
+    assert all(e["rows"] == e["local_updates"] * 32 for e in carried["evals"])
+    assert all(e["rows"] == e["local_updates"] * 128 for e in batched["evals"])
+    assert 2 * max(e["local_updates"] for e in batched["evals"]) < max(e["local_updates"] for e in carried["evals"])
     assert all(run["applied"] > 0 and finite(run["final"], run["max"]) for run in r.values())
 
 
