@@ -303,10 +303,11 @@ def test_a_carried_on_lease_is_checked_and_applied_first(share: float) -> None:
 
 
 def test_a_slow_uplink_carries_after_checks_and_reveals_nothing(tmp_path: Path) -> None:
-    """The real daemon keeps its re-runs' end states (the default keep_states_mb): the slow peer's lease after a
-    re-run one carries its inner state and residual, after any other it starts fresh; no reveal is asked of it, every
-    check is bitwise, none ends unverified, and the status says both rules."""
-    cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64)
+    """The real daemon keeps its re-runs' end states (the default keep_states_mb), slow_uplink_carry at 0.75 (some leases
+    not carried on): the slow peer's lease after a re-run one carries its inner state and residual, after any other it
+    starts fresh; no reveal is asked of it, every check is bitwise, none ends unverified, and the status says both
+    rules."""
+    cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64, slow_uplink_carry=0.75)
     run_dir = tmp_path / "run"
     rounds = 10
     out = _run(cfg, run_dir, rounds, ("slow",))
@@ -349,7 +350,7 @@ def test_a_carried_start_not_at_hand_ends_unverified_never_failed(tmp_path: Path
         return "", None
 
     monkeypatch.setattr(ChainedStates, "start", lost)
-    cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64)
+    cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64, slow_uplink_carry=0.75)
     run_dir = tmp_path / "run"
     rounds = 8
     out = _run(cfg, run_dir, rounds, ("slow",))
