@@ -396,7 +396,7 @@ class VerifyConfig(StrictModel):
         "inner state and residual all the same, drawn per lease: its previous lease is then re-run here and its end "
         "state kept, the start of the new one, so no reveal is needed (coordinator/logic/leases.py carries_checked; "
         "needs verification local, no validators, keep_states_mb ≥ one state). Costs re-runs: that previous lease is "
-        "checked too: at 1 every lease of such a peer is re-run (on home150: 1.17 x loopback's perplexity against 1.28-1.29 x "
+        "checked too: at 1 every lease of such a peer is re-run (on home150: 1.17-1.23 x loopback's perplexity against 1.28-1.29 x "
         "at 0.75, docs/wan.md). Lower it for a verifier that cannot keep up; 0: every such lease starts fresh"
     )
     # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that
