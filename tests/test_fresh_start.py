@@ -365,3 +365,29 @@ def test_a_carried_start_not_at_hand_ends_unverified_never_failed(tmp_path: Path
     assert {u["lease_id"] for u in unverified} == {lease_id for lease_id in chosen if not leases[lease_id]["fresh"]}
     assert {v["lease_id"] for v in verdicts} == {lease_id for lease_id in chosen if leases[lease_id]["fresh"]}
     assert out["asked"] == {"slow": 0} and not out["state"].verification.expelled
+
+
+def test_at_the_default_share_every_slow_lease_is_re_run_and_carried_on(tmp_path: Path) -> None:
+    """``runtime.verify.slow_uplink_carry`` at its default (1.0), the real daemon and a slow uplink: every lease of it is
+    re-run here — drawn or not — and the next one carries its inner state and residual from the kept end, so the only
+    fresh starts are the first lease and the leases after a probation wait (held, not re-run); no reveal is asked,
+    every check is bitwise, none ends unverified."""
+    assert RunConfig.model_validate(config().model_dump()).runtime.verify.slow_uplink_carry == 1.0  # not pinned here
+    cfg = with_verify(config(feedback=True), fraction=0.5, probation_updates=2, keep_states_mb=64)
+    run_dir = tmp_path / "run"
+    rounds = 10
+    out = _run(cfg, run_dir, rounds, ("slow",))
+    leases = [r for r in journal(run_dir, "assign") if r["peer"] == "slow"]
+    assert len(leases) == rounds
+    verdicts = journal(run_dir, "verdict")
+    assert all(v["ok"] and v["detail"].startswith("bitwise") for v in verdicts), verdicts
+    judged = [v["lease_id"] for v in verdicts]
+    waits = {r["lease_id"] for r in leases if r["verify"].startswith(PROBATION_WAIT)}
+    assert sorted(judged) == sorted(r["lease_id"] for r in leases if r["lease_id"] not in waits)  # each once
+    fresh = [i for i, r in enumerate(leases) if r["fresh"]]
+    assert fresh == [0] + [i for i in range(1, rounds) if leases[i - 1]["lease_id"] in waits]
+    assert len(fresh) < rounds // 2
+    assert not journal(run_dir, "unverified") and out["asked"] == {"slow": 0}
+    assert out["fresh"] == {"slow": len(fresh)}
+    assert out["chained"]["kept"] + out["chained"]["waited"] == rounds - len(fresh)
+    assert not out["state"].verification.expelled and out["state"].version == rounds
