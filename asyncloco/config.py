@@ -399,6 +399,15 @@ class VerifyConfig(StrictModel):
         "checked too: at 1 every lease of such a peer is re-run (on home150: 1.17-1.23 x loopback's perplexity against 1.28-1.29 x "
         "at 0.75, docs/wan.md). Lower it for a verifier that cannot keep up; 0: every such lease starts fresh"
     )
+    # back-pressure: a carried-on lease's check waits for the one before it, outside the verifier's queue, each with its
+    # update and base θ kept (logic/state.py applied_first) — a verifier slower than the re-runs asked of it would grow
+    # that chain for the whole run (home150, 2 shared cores: 42-46 checks awaiting at 600 s)
+    carry_backlog: int = Field(
+        4, ge=1, description="slow_uplink_carry sheds load: a slow-uplink peer's lease is carried on (re-run so that the "
+        "next one carries its state) only while fewer than this many of that peer's checks await their verdicts; "
+        "otherwise the next lease starts fresh and this one is checked at the usual fraction, never less "
+        "(coordinator/logic/leases.py draw_carry). Bounds the checks, updates and base θs kept per peer"
+    )
     # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that
     # lease is re-run from it if drawn, and its peer reveals nothing, or its end alone (coordinator/chained.py); a
     # state is 3 × θ's fp32 bytes with error feedback, 2 × without

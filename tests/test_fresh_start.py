@@ -283,6 +283,36 @@ def test_after_a_lease_re_run_here_a_slow_uplink_carries_its_state() -> None:
     assert lease_of(plain, "slow", 2.0)[0].fresh
 
 
+def test_a_slow_uplink_is_not_carried_on_while_its_checks_await_their_verdicts() -> None:
+    """Back-pressure (``VerifyPolicy.carry_backlog``; leases.draw_carry): with that many of the peer's checks awaiting
+    their verdicts no lease is carried on — the next one starts fresh, this one is checked at the usual fraction (0 here:
+    not at all) — and carrying resumes once a verdict is in. Only the optional re-runs are shed: a drawn one stays."""
+    state = _slow_state(carry_backlog=2)
+    first, _ = lease_of(state, "slow", 0.0, link_up=12_500.0)
+    assert first.verify == CARRIED_ON
+    _submit_ok(state, first, FRESH_STATE_DIGEST, "e1", 1.0)
+    second, _ = lease_of(state, "slow", 2.0)
+    assert not second.fresh and second.verify == CARRIED_ON  # one check awaits: below the backlog
+    _submit_ok(state, second, "e1", "e2", 3.0)
+    assert logic.leases.awaiting_verdicts(state, "slow") == 2
+    third, why = lease_of(state, "slow", 4.0)
+    assert not third.fresh and third.verify == "" and not state.peers["slow"].carry_next  # carried, not carried on
+    assert "not carried on: 2 of its checks await their verdicts (runtime.verify.carry_backlog 2)" in why
+    _submit_ok(state, third, "e2", "e3", 5.0)
+    assert logic.leases.awaiting_verdicts(state, "slow") == 2  # the third is not re-run
+    _set(state, fraction=1.0)
+    fourth, why = lease_of(state, "slow", 6.0)
+    assert fourth.fresh and fourth.verify == "sampled at 1" and "not carried on" in why  # drawn: still checked
+    _set(state, fraction=0.0)
+    _submit_ok(state, fourth, FRESH_STATE_DIGEST, "e4", 7.0)
+    assert logic.leases.awaiting_verdicts(state, "slow") == 3
+    for lease_id, now in ((first.lease_id, 8.0), (second.lease_id, 8.5)):
+        handle(state, logic.Verified("slow", lease_id, True, "bitwise"), now)
+    assert logic.leases.awaiting_verdicts(state, "slow") == 1
+    fifth, why = lease_of(state, "slow", 9.0)
+    assert fifth.fresh and fifth.verify == CARRIED_ON and state.peers["slow"].carry_next and "not carried on" not in why
+
+
 @pytest.mark.parametrize("share", [0.0, 1.0])
 def test_a_carried_on_lease_is_checked_and_applied_first(share: float) -> None:
     """The lease a carry follows is re-run (applied first, as a drawn one: not a probation or a suspect's), its base θ

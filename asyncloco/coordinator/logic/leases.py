@@ -282,7 +282,9 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     if fresh:
         lease = dataclasses.replace(lease, fresh=True)
         why_steps += f"; {fresh}"
-    lease = draw_carry(state, policy, info, lease)
+    lease, shed = draw_carry(state, policy, info, lease)
+    if shed:
+        why_steps += f"; {shed}"
     state.leases[lease.lease_id] = lease
     index_lease(state, lease)
     return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
@@ -363,27 +365,43 @@ def carries_checked(policy: CoordinatorPolicy, info: PeerInfo) -> bool:
             and info.carry_next)
 
 
-def draw_carry(state: CoordinatorState, policy: CoordinatorPolicy, info: PeerInfo, lease: Lease) -> Lease:
+def draw_carry(state: CoordinatorState, policy: CoordinatorPolicy, info: PeerInfo, lease: Lease) -> tuple[Lease, str]:
     """Will the lease after ``lease`` carry its peer's inner state (:func:`carries_checked`)? For a peer whose uplink
     cannot carry a reveal, on a draw of its own (``VerifyPolicy.slow_carry``, HMAC of the lease id), independent of
     ``lease``'s check draw — and then ``lease`` is re-run whatever that draw was (:data:`CARRIED_ON`; its base θ is
     retained as a drawn lease's). The peer sees the outcome at its next grant, usually before it has submitted
     ``lease`` (asked ahead): a carry tells it ``lease`` is checked, a fresh start that it is checked at the usual
     fraction — never less. A probation lease is re-run anyway (and known to be), so the next one carries; a probation
-    wait (held, not re-run) is not made a re-run. ``lease`` as granted, its ``verify`` set when it is carried on."""
+    wait (held, not re-run) is not made a re-run.
+
+    Back-pressure (``VerifyPolicy.carry_backlog``): while that many of the peer's checks await their verdicts, nothing
+    is carried on — a carried-on lease's check waits for the one before it outside the verifier's queue, with its update
+    and base θ kept, so a verifier slower than the re-runs asked of it would grow that chain without bound. The lease
+    after it starts fresh instead, and ``lease`` is checked at the usual fraction: the optional re-runs are shed, never
+    the drawn ones. ``lease`` as granted, its ``verify`` set when it is carried on, and why nothing was carried ("")."""
     verify = policy.verify
     info.carry_next = False
     if verify is None or not verify.keep_class or info.device_class not in ("", verify.keep_class):
-        return lease
+        return lease, ""
     if not fresh_reason(policy, info) or lease.verify.startswith(PROBATION_WAIT):
-        return lease
+        return lease, ""
+    awaiting = awaiting_verdicts(state, lease.peer)
+    if awaiting >= verify.carry_backlog:
+        return lease, (f"not carried on: {awaiting} of its checks await their verdicts (runtime.verify.carry_backlog "
+                       f"{verify.carry_backlog}): the next lease starts fresh")
     if lease.verify.startswith("probation ("):
         info.carry_next = True
     elif verify_draw(state.lease_secret, f"carry:{lease.lease_id}") < verify.slow_carry:
         info.carry_next = True
         if not lease.verify:
             lease = dataclasses.replace(lease, verify=CARRIED_ON)
-    return lease
+    return lease, ""
+
+
+def awaiting_verdicts(state: CoordinatorState, peer: str) -> int:
+    """How many of ``peer``'s checks await their verdicts (applied first, or held for them): ``VerificationState.pending``
+    — at most the verifier's queue and the checks waiting in a chain, O(that) to count."""
+    return sum(1 for owner in state.verification.pending.values() if owner == peer)
 
 
 def transfer_seconds(policy: CoordinatorPolicy, info: PeerInfo) -> float | None:

@@ -156,6 +156,8 @@ class VerifyPolicy:
     # runtime.verify.slow_uplink_carry: the share of such a peer's leases, drawn, that carry its state (its previous
     # lease then re-run whether drawn or not)
     slow_carry: float = 0.0
+    # runtime.verify.carry_backlog: no carry drawn while this many of the peer's checks await their verdicts
+    carry_backlog: int = 4
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
