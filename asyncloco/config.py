@@ -401,12 +401,13 @@ class VerifyConfig(StrictModel):
     )
     # back-pressure: a carried-on lease's check waits for the one before it, outside the verifier's queue, each with its
     # update and base θ kept (logic/state.py applied_first) — a verifier slower than the re-runs asked of it would grow
-    # that chain for the whole run (home150, 2 shared cores: 42-46 checks awaiting at 600 s)
-    carry_backlog: int = Field(
-        4, ge=1, description="slow_uplink_carry sheds load: a slow-uplink peer's lease is carried on (re-run so that the "
-        "next one carries its state) only while fewer than this many of that peer's checks await their verdicts; "
-        "otherwise the next lease starts fresh and this one is checked at the usual fraction, never less "
-        "(coordinator/logic/leases.py draw_carry). Bounds the checks, updates and base θs kept per peer"
+    # that chain for the whole run (home150, 2 shared cores: 14-18 checks per peer awaiting at 600 s, growing)
+    carry_backlog_mb: int = Field(
+        4096, ge=0, description="slow_uplink_carry sheds load: a slow-uplink peer's lease is carried on (re-run so that "
+        "the next one carries its state) only while the update and base θ kept for each of that peer's checks awaiting "
+        "their verdicts (8 bytes a weight) total less than this; otherwise the next lease starts fresh and this one is "
+        "checked at the usual fraction, never less (coordinator/logic/leases.py draw_carry). At 150m: up to 3 checks "
+        "awaiting; at tiny it never binds (docs/results/wan-home150-carry-backlog-2026-11-30.json)"
     )
     # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that
     # lease is re-run from it if drawn, and its peer reveals nothing, or its end alone (coordinator/chained.py); a

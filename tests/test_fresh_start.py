@@ -284,10 +284,10 @@ def test_after_a_lease_re_run_here_a_slow_uplink_carries_its_state() -> None:
 
 
 def test_a_slow_uplink_is_not_carried_on_while_its_checks_await_their_verdicts() -> None:
-    """Back-pressure (``VerifyPolicy.carry_backlog``; leases.draw_carry): with that many of the peer's checks awaiting
-    their verdicts no lease is carried on — the next one starts fresh, this one is checked at the usual fraction (0 here:
+    """Back-pressure (``VerifyPolicy.carry_backlog_bytes``; leases.draw_carry): while the update and base θ kept for each
+    of the peer's checks awaiting their verdicts reach the budget no lease of it is carried on — the next one starts fresh, this one is checked at the usual fraction (0 here:
     not at all) — and carrying resumes once a verdict is in. Only the optional re-runs are shed: a drawn one stays."""
-    state = _slow_state(carry_backlog=2)
+    state = _slow_state(carry_backlog_bytes=2 * 8 * DIM)  # two checks' update and base θ
     first, _ = lease_of(state, "slow", 0.0, link_up=12_500.0)
     assert first.verify == CARRIED_ON
     _submit_ok(state, first, FRESH_STATE_DIGEST, "e1", 1.0)
@@ -297,9 +297,12 @@ def test_a_slow_uplink_is_not_carried_on_while_its_checks_await_their_verdicts()
     assert logic.leases.awaiting_verdicts(state, "slow") == 2
     third, why = lease_of(state, "slow", 4.0)
     assert not third.fresh and third.verify == "" and not state.peers["slow"].carry_next  # carried, not carried on
-    assert "not carried on: 2 of its checks await their verdicts (runtime.verify.carry_backlog 2)" in why
+    assert ("not carried on: 2 of its checks await their verdicts, 9.155e-05 MB kept for them (runtime.verify."
+            "carry_backlog_mb 9.155e-05)") in why
     _submit_ok(state, third, "e2", "e3", 5.0)
     assert logic.leases.awaiting_verdicts(state, "slow") == 2  # the third is not re-run
+    other, why = lease_of(state, "other", 5.5, link_up=12_500.0)
+    assert other.verify == CARRIED_ON and "not carried on" not in why  # per peer: another's backlog sheds nothing
     _set(state, fraction=1.0)
     fourth, why = lease_of(state, "slow", 6.0)
     assert fourth.fresh and fourth.verify == "sampled at 1" and "not carried on" in why  # drawn: still checked

@@ -247,7 +247,7 @@ def coordinator_policy(
                               commit=knobs_v.inner_state == "carry", sketch_threshold=knobs_v.sketch_threshold,
                               sketch_checks=knobs_v.sketch_checks, hold_backlog=knobs_v.hold_backlog,
                               serial_probation=knobs_v.serial_probation, slow_carry=knobs_v.slow_uplink_carry,
-                              carry_backlog=knobs_v.carry_backlog)
+                              carry_backlog_bytes=knobs_v.carry_backlog_mb << 20)
     return CoordinatorPolicy(
         gate=gate,
         verify=verify,

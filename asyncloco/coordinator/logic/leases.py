@@ -374,11 +374,12 @@ def draw_carry(state: CoordinatorState, policy: CoordinatorPolicy, info: PeerInf
     fraction — never less. A probation lease is re-run anyway (and known to be), so the next one carries; a probation
     wait (held, not re-run) is not made a re-run.
 
-    Back-pressure (``VerifyPolicy.carry_backlog``): while that many of the peer's checks await their verdicts, nothing
-    is carried on — a carried-on lease's check waits for the one before it outside the verifier's queue, with its update
-    and base θ kept, so a verifier slower than the re-runs asked of it would grow that chain without bound. The lease
-    after it starts fresh instead, and ``lease`` is checked at the usual fraction: the optional re-runs are shed, never
-    the drawn ones. ``lease`` as granted, its ``verify`` set when it is carried on, and why nothing was carried ("")."""
+    Back-pressure (``VerifyPolicy.carry_backlog_bytes``): while the updates and base θs kept for the peer's checks
+    awaiting their verdicts take that many bytes, nothing is carried on — a carried-on lease's check waits for the one
+    before it outside the verifier's queue, with its update and base θ kept, so a verifier slower than the re-runs asked
+    of it would grow that chain without bound. The lease after it starts fresh instead, and ``lease`` is checked at the
+    usual fraction: the optional re-runs are shed, never the drawn ones (the queue, ``runtime.verify.queue``, bounds
+    those). Per peer, so that one peer's backlog never sheds another's. ``lease`` as granted, its ``verify`` set when it is carried on, and why nothing was carried ("")."""
     verify = policy.verify
     info.carry_next = False
     if verify is None or not verify.keep_class or info.device_class not in ("", verify.keep_class):
@@ -386,9 +387,11 @@ def draw_carry(state: CoordinatorState, policy: CoordinatorPolicy, info: PeerInf
     if not fresh_reason(policy, info) or lease.verify.startswith(PROBATION_WAIT):
         return lease, ""
     awaiting = awaiting_verdicts(state, lease.peer)
-    if awaiting >= verify.carry_backlog:
-        return lease, (f"not carried on: {awaiting} of its checks await their verdicts (runtime.verify.carry_backlog "
-                       f"{verify.carry_backlog}): the next lease starts fresh")
+    kept = awaiting * 8 * state.params.numel()  # an update and a base θ, fp32, for each (logic/state.py applied_first)
+    if kept >= verify.carry_backlog_bytes:
+        return lease, (f"not carried on: {awaiting} of its checks await their verdicts, {kept / 2**20:.4g} MB kept for "
+                       f"them (runtime.verify.carry_backlog_mb {verify.carry_backlog_bytes / 2**20:.4g}): the next lease "
+                       "starts fresh")
     if lease.verify.startswith("probation ("):
         info.carry_next = True
     elif verify_draw(state.lease_secret, f"carry:{lease.lease_id}") < verify.slow_carry:

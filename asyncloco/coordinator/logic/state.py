@@ -156,8 +156,9 @@ class VerifyPolicy:
     # runtime.verify.slow_uplink_carry: the share of such a peer's leases, drawn, that carry its state (its previous
     # lease then re-run whether drawn or not)
     slow_carry: float = 0.0
-    # runtime.verify.carry_backlog: no carry drawn while this many of the peer's checks await their verdicts
-    carry_backlog: int = 4
+    # runtime.verify.carry_backlog_mb: no carry drawn while the updates and base θs kept for the peer's checks awaiting
+    # their verdicts take this many bytes or more
+    carry_backlog_bytes: int = 4096 << 20
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
