@@ -172,6 +172,7 @@ def _run(cfg: RunConfig, run_dir: Path, rounds: int, names: tuple[str, ...]) -> 
                 task.result()
             status = daemon.monitoring.status_document(clock.time())["peers"]
             return {"status": {row.get("name") or peer_id: row["fresh_start"] for peer_id, row in status.items()},
+                    "awaiting": {row.get("name") or peer_id: row["checks_awaiting"] for peer_id, row in status.items()},
                     "asked": {name: runner.asked for name, (runner, _) in peers.items()},
                     "fresh": {name: runner.summary.fresh_starts for name, (runner, _) in peers.items()},
                     "state": daemon.node.state, "chained": daemon.verification.chained.status(),
@@ -423,4 +424,5 @@ def test_at_the_default_share_every_slow_lease_is_re_run_and_carried_on(tmp_path
     assert not journal(run_dir, "unverified") and out["asked"] == {"slow": 0}
     assert out["fresh"] == {"slow": len(fresh)}
     assert out["chained"]["kept"] + out["chained"]["waited"] == rounds - len(fresh)
+    assert out["awaiting"] == {"slow": 0}  # status.json, after the drain: every check has its verdict
     assert not out["state"].verification.expelled and out["state"].version == rounds

@@ -24,6 +24,7 @@ from asyncloco.coordinator.dashboard import DashboardServer
 from asyncloco.coordinator.journal import Journal
 from asyncloco.coordinator.logic import (
     Action,
+    awaiting_verdicts,
     fresh_reason,
     Admitted,
     Applied,
@@ -358,6 +359,8 @@ class Monitoring:
                 keep = state.policy.verify.keep_class if state.policy.verify is not None else ""
                 if row["fresh_start"] and keep and info.device_class in ("", keep):  # leases.carries_checked
                     row["fresh_start"] += "; carried after a lease re-run here (its end state kept: no reveal)"
+                # its checks awaiting their verdicts (applied first or held): what runtime.verify.carry_backlog_mb bounds
+                row["checks_awaiting"] = awaiting_verdicts(state, peer_id)
             seen = max(stats.last_seen, min(info.last_seen, now)) if info is not None else stats.last_seen
             peers[peer_id] = peer_row(row, alive=info is not None and info.alive, last_seen=seen)
         updates_per_s = self.stats.updates.rate(now)

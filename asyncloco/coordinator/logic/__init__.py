@@ -72,7 +72,9 @@ from asyncloco.coordinator.logic.events import (
     Held, Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
     Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Unverified, Verdict, Verified, Verify,
 )
-from asyncloco.coordinator.logic.leases import VERIFY_PIN_FACTOR, base_theta, fresh_reason, return_range, transfer_seconds
+from asyncloco.coordinator.logic.leases import (
+    VERIFY_PIN_FACTOR, awaiting_verdicts, base_theta, fresh_reason, return_range, transfer_seconds,
+)
 from asyncloco.coordinator.logic.state import (
     AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
     ShardState, VerificationState, VerifyPolicy,
@@ -152,6 +154,7 @@ __all__ = [
     "return_range",
     "transfer_seconds",
     "fresh_reason",
+    "awaiting_verdicts",
     "checked_after",
     "gate_verdict",
     "holds",
