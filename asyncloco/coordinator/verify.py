@@ -557,8 +557,10 @@ class DaemonVerification:
         self.port.journal().write("verification_load", load=round(load, 3), saturated=change)
         if change:
             logger.warning("the verification worker was busy %.0f %% of the last %.0f s: checked updates wait for their "
-                           "verdicts and are applied stale. Add validators (runtime.verify.validators), lower "
-                           "runtime.verify.fraction, or give the coordinator a faster runtime.eval_device "
+                           "verdicts and are applied stale, and slow uplinks' leases stop being carried on past "
+                           "runtime.verify.carry_backlog_mb. Add validators (runtime.verify.validators), lower "
+                           "runtime.verify.fraction or slow_uplink_carry, or give the coordinator a faster "
+                           "runtime.eval_device "
                            "(docs/guide/organiser.md, \"How much verification capacity\")", 100 * load, LOAD_WINDOW_S)
         else:
             logger.info("the verification worker is keeping up again (busy %.0f %%)", 100 * load)
