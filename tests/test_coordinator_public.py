@@ -255,9 +255,12 @@ def test_silent_peers_leave_on_tick_and_overdue_holds_are_released() -> None:
     assert state.peers["a"].alive and not state.peers["idle"].alive
     do(state, Restarted(grace_s=10.0), 40.0)
     assert state.peers["a"].last_seen == 50.0
-    # silent with a lease in hand: judged by the lease's deadline (5 + 10 × 3 + 1000 s), not by its reports
+    # silent with a lease in hand: judged by the lease's deadline, not by its reports — 5 + 10 × 3 + 1000 s, and from
+    # the restart at 40 its slack again (a peer that finished meanwhile may be resending): 1040
+    assert state.leases[lease_a.lease_id].deadline == 1040.0
     assert [a for a in do(state, Tick(), 80.5) if isinstance(a, (Left, Expired))] == []
-    actions = do(state, Tick(), 1035.5)  # the deadline passes: its steps go back, and it has left
+    assert [a for a in do(state, Tick(), 1039.5) if isinstance(a, (Left, Expired))] == []
+    actions = do(state, Tick(), 1040.5)  # the deadline passes: its steps go back, and it has left
     assert [a.lease_id for a in actions if isinstance(a, Expired)] == [lease_a.lease_id]
     assert [a.peer for a in actions if isinstance(a, Left)] == ["a"]
 
@@ -266,7 +269,8 @@ def test_a_deadline_that_passed_while_the_coordinator_was_down_gets_the_restart_
     """Suite runs under load: a coordinator restart took 34-44 s, the resumed coordinator expired leases whose
     deadlines had passed meanwhile and refused their updates 0.4-5 s later. The downtime is not the peers' fault:
     on ``Restarted`` a lease whose θ was never downloaded (its peer could not start) gets its whole time again from
-    the restart, a downloaded one at least the grace; later deadlines stay."""
+    the restart, a downloaded one at least the grace (here more than the slack, 5 s, and no transfer allowance);
+    later deadlines stay."""
     state = make_state(policy(lease_slack=5.0))
     for peer in ("a", "b", "c"):
         do(state, SpeedReport(peer, 1.0), 0.0)
@@ -290,6 +294,34 @@ def test_a_deadline_that_passed_while_the_coordinator_was_down_gets_the_restart_
     assert [a.lease_id for a in do(state, Tick(), 65.5) if isinstance(a, Expired)] == [lease_c.lease_id]
     assert [a for a in do(state, Tick(), 84.0) if isinstance(a, Expired)] == []
     assert [a.lease_id for a in do(state, Tick(), 85.5) if isinstance(a, Expired)] == [lease_b.lease_id]
+
+
+def test_a_lease_in_training_gets_its_slack_and_transfer_time_again_from_the_restart() -> None:
+    """A CI run: a resending peer's update came past the 10 s grace after a coordinator restart (its resends 10 s apart,
+    its dials to the new listener held back by libp2p's dial backoff) and was refused as an expired lease. A lease in
+    training gets from the restart what its deadline allowed after the compute — the slack plus the peer's transfer
+    allowance (measured from its last upload, else the configured one) — and at least the grace."""
+    state = make_state(policy(lease_slack=30.0, transfer_allowance_s=4.0, trust_speeds=False))  # uploads timed here
+    for peer in ("a", "b"):
+        do(state, SpeedReport(peer, 1.0), 0.0)
+    lease_a = lease_for(state, "a", 0.0)
+    assert lease_a.deadline == 10 * 3.0 + 30.0 + 4.0  # the configured allowance: b's transfer is not measured yet
+    first_b = lease_for(state, "b", 0.0)
+    do(state, Fetched("a", 0), 1.0)
+    do(state, Fetched("b", 0), 1.0)
+    applied = do(state, SubmitUpdate("b", first_b.lease_id, 0, torch.ones(DIM), transfer_s=2.0), 12.0)
+    assert [type(a).__name__ for a in applied if isinstance(a, (Applied, Rejected))] == ["Applied"]
+    lease_b = lease_for(state, "b", 12.0)
+    compute = (lease_b.expected_finish - 12.0) * 3.0  # b's observed speed: 10 steps in 9 s
+    assert lease_b.deadline == 12.0 + compute + 30.0 + 2 * 2.0 * 2  # 2 s up, as much down, twice over
+    do(state, Fetched("b", 1), 13.0)
+    assert do(state, Tick(), 60.0) == []
+    do(state, Restarted(grace_s=10.0), 100.0)  # down from 60 to 100: both deadlines passed meanwhile
+    assert (state.leases[lease_a.lease_id].deadline, state.leases[lease_b.lease_id].deadline) == (134.0, 138.0)
+    applied = do(state, SubmitUpdate("a", lease_a.lease_id, 0, torch.ones(DIM)), 120.0)  # 20 s after the restart
+    assert [type(a).__name__ for a in applied if isinstance(a, (Applied, Rejected))] == ["Applied"]
+    assert [a for a in do(state, Tick(), 137.5) if isinstance(a, Expired)] == []
+    assert [a.lease_id for a in do(state, Tick(), 138.5) if isinstance(a, Expired)] == [lease_b.lease_id]
 
 
 def test_theta_is_retained_copy_on_write_until_fetched_and_bounded() -> None:

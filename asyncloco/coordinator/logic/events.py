@@ -96,7 +96,7 @@ class SubmitUpdate:
 class Restarted:
     """The coordinator restarted (``--resume``): held requests died with their RPCs, and the peers get
     ``grace_s`` to call again before their silence counts; a lease whose θ was not downloaded gets its whole time
-    again from the restart, any other at least ``grace_s`` to be delivered."""
+    again from the restart, any other its slack and transfer allowance again (at least ``grace_s``) to be delivered."""
 
     grace_s: float
 

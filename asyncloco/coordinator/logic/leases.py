@@ -252,12 +252,7 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     shard.assigned += steps
     state.lease_counter += 1
     duration = steps * policy.units_per_step / speed
-    # The peer's time on the wire, from its last upload as the coordinator measured it, scaled to a download
-    # plus an upload (their byte ratio), with a 2× margin — until measured, the configured allowance.
-    transfer = (
-        policy.transfer_allowance_s if info.transfer_s is None
-        else 2.0 * info.transfer_s * (1.0 + policy.download_upload_ratio)
-    )
+    transfer = transfer_allowance(policy, info)
     lease = Lease(
         lease_id=_lease_id(state),
         peer=peer,
@@ -332,6 +327,15 @@ def note_link(info: PeerInfo, link_up: float | None, link_down: float | None) ->
     for name, rate in (("link_up", link_up), ("link_down", link_down)):
         if rate is not None and math.isfinite(rate) and rate > 0:
             setattr(info, name, float(rate))
+
+
+def transfer_allowance(policy: CoordinatorPolicy, info: PeerInfo) -> float:
+    """Seconds a lease's deadline allows for its peer's time on the wire: its last upload as the coordinator measured
+    it, scaled to a download plus an upload (their byte ratio), with a 2× margin — until measured, the configured
+    allowance (``runtime.transfer_allowance_s``)."""
+    if info.transfer_s is None:
+        return policy.transfer_allowance_s
+    return 2.0 * info.transfer_s * (1.0 + policy.download_upload_ratio)
 
 
 def fresh_reason(policy: CoordinatorPolicy, info: PeerInfo) -> str:

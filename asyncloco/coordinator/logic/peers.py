@@ -8,7 +8,7 @@ import math
 
 from asyncloco.coordinator.logic.events import Action, Hello, Left, Notice, PeerLeft, Released, Restarted, SpeedReport
 from asyncloco.coordinator.logic.indexes import note_speed
-from asyncloco.coordinator.logic.leases import expire, give_back, note_link
+from asyncloco.coordinator.logic.leases import expire, give_back, note_link, transfer_allowance
 from asyncloco.coordinator.logic.state import CoordinatorState, PeerInfo
 
 
@@ -112,13 +112,20 @@ def on_restarted(state: CoordinatorState, event: Restarted, now: float) -> list[
     for info in state.peers.values():
         info.last_seen = max(info.last_seen, now + event.grace_s)
     # The downtime is not the peers' fault: a lease whose θ was not downloaded (nor held) could not start, so it gets
-    # its whole time again; one in training may be resending, so at least the grace (34-44 s restarts under load had
-    # expired such leases and refused their updates 0.4-5 s after the resume).
+    # its whole time again. One in training may have finished during the downtime and be resending: from the restart
+    # it gets what its deadline allowed after the compute — the slack and its transfer time (its update goes up again)
+    # — and at least the grace. (34-44 s restarts under load had expired such leases and refused their updates 0.4-5 s
+    # after the resume. With the grace alone, resends came 10-12 s after a 15 s restart on a loaded machine — a peer's
+    # resends are up to 10 s apart and its dials to the new listener held back by libp2p's dial backoff — and a CI
+    # run saw one refused as an expired lease.)
+    policy = state.policy
     for lease in state.leases.values():
         if not (lease.fetched or lease.held):
             lease.expected_finish = max(lease.expected_finish, now + lease.expected_finish - lease.issued_at)
             lease.deadline = max(lease.deadline, now + lease.deadline - lease.issued_at)
-        lease.deadline = max(lease.deadline, now + event.grace_s)
+        owner = state.peers.get(lease.peer)
+        after = policy.lease_slack + (transfer_allowance(policy, owner) if owner is not None else policy.transfer_allowance_s)
+        lease.deadline = max(lease.deadline, now + min(max(event.grace_s, after), policy.max_lease_s))
     for key in ("deadline", "expected_finish"):
         state.indexes.lease_indexes.pop(key, None)  # rebuilt from the table on its next query
     return []
