@@ -383,7 +383,9 @@ def draw_carry(state: CoordinatorState, policy: CoordinatorPolicy, info: PeerInf
     before it outside the verifier's queue, with its update and base θ kept, so a verifier slower than the re-runs asked
     of it would grow that chain without bound. The lease after it starts fresh instead, and ``lease`` is checked at the
     usual fraction: the optional re-runs are shed, never the drawn ones (the queue, ``runtime.verify.queue``, bounds
-    those). Per peer, so that one peer's backlog never sheds another's. ``lease`` as granted, its ``verify`` set when it is carried on, and why nothing was carried ("")."""
+    those). Per peer, so that one peer's backlog never sheds another's.
+
+    Returns ``lease`` as granted (its ``verify`` set when it is carried on) and why nothing was carried ("")."""
     verify = policy.verify
     info.carry_next = False
     if verify is None or not verify.keep_class or info.device_class not in ("", verify.keep_class):
