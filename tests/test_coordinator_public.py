@@ -305,7 +305,7 @@ def test_a_lease_in_training_gets_its_slack_and_transfer_time_again_from_the_res
     for peer in ("a", "b"):
         do(state, SpeedReport(peer, 1.0), 0.0)
     lease_a = lease_for(state, "a", 0.0)
-    assert lease_a.deadline == 10 * 3.0 + 30.0 + 4.0  # the configured allowance: b's transfer is not measured yet
+    assert lease_a.deadline == 10 * 3.0 + 30.0 + 4.0  # the configured allowance: a's transfer is not measured
     first_b = lease_for(state, "b", 0.0)
     do(state, Fetched("a", 0), 1.0)
     do(state, Fetched("b", 0), 1.0)

@@ -296,8 +296,9 @@ def wan_config(directory: Path, *, lease_slack: float = 5.0, max_local_steps: in
     # these tests cut at byte counts; its own reset: test_a_reveal_reset_mid_upload_is_sent_again
     # (no end state kept, coordinator/chained.py: every check but a fresh start's asks for its reveal, which is cut).
     # Never a fresh start (fresh_start_reveal_s 0): the uplink a peer reports is measured on its submits, whose time
-    # includes the coordinator's work — on a loaded machine it fell below the 256 KiB/s floor, every lease then started
-    # fresh, nothing was revealed and the reset cut no reveal (a CI run)
+    # includes the coordinator's work, and one slow sample below the 256 KiB/s floor makes the next leases start fresh
+    # with nothing to reveal, which moves the reveal away from the byte the reset is armed at (the likely cause of a
+    # CI run where the reset fired and no reveal failed; not reproduced here)
     keep = {"keep_states_mb": 0, "fresh_start_reveal_s": 0} if verify else {}
     config["runtime"]["verify"] = {"enabled": verify, **keep}  # type: ignore[index]
     path = directory / "config.yaml"
