@@ -39,8 +39,12 @@ from asyncloco.coordinator.checkpoint import load_snapshot
 from asyncloco.coordinator.daemon import JOURNAL_FILE
 from asyncloco.train.inner import InnerTrainer
 from asyncloco.peer.runner import PeerOptions, PeerRunner
+from asyncloco.peer.summary import PeerSummary
+from asyncloco.peer.upload import submit_with_retry
+from asyncloco.refusals import RefusalCode
 from asyncloco.transport.codecs import wire_bytes
-from asyncloco.transport.errors import PeerUnreachable
+from asyncloco.transport.codec_format import EncodedTensor
+from asyncloco.transport.errors import PeerUnreachable, RemoteError
 from asyncloco.testing.memory import KillSwitch, Killed, MemoryClient, MemoryTransport, as_actor, drive
 from asyncloco.transport.rpc import TrafficCounters
 from asyncloco.transport.rpc_client import CoordinatorClient
@@ -193,6 +197,45 @@ def test_a_submission_delayed_past_its_deadline_is_refused_and_its_steps_were_gi
     # given back at the first tick after the deadline (ticks every second of the fake clock)
     assert lease.deadline < expired[0]["time"] <= lease.deadline + 1.0 + 1e-6
     assert not [e for e in events if e["type"] == "applied"]
+
+
+@pytest.mark.timeout(120)
+def test_a_payload_refused_at_decode_is_a_typed_answer_sent_once_and_leaves_the_lease_open(tmp_path: Path) -> None:
+    # NaN values on the wire are caught at decode, before any event: the error carries INVALID_UPDATE, so the
+    # peer's resend loop (peer/upload.py) takes it as the answer it is (the same bytes would get the same one) instead
+    # of resending until the deadline — a resend of a refused body once raced the stream's close under load and the
+    # refusal's text was lost; nothing is journaled for the lease, which a finite update then completes
+    cfg = config()
+    clock = FakeClock()
+
+    async def scenario() -> tuple[Any, PeerSummary, Any, Any, list[dict[str, Any]]]:
+        transport = await started(tmp_path, cfg, clock)
+        try:
+            client = transport.client("a")
+            reply = await client.assign(SPEED)
+            assert reply.lease is not None
+            lease = reply.lease
+            _, theta = await client.get_model(lease.base_version)
+            poisoned = torch.full_like(theta, 1e-3)
+            poisoned[3] = float("nan")
+            nan_bytes = EncodedTensor("none", theta.numel(), poisoned.numpy().tobytes())
+            summary = PeerSummary()
+            refused = await submit_with_retry(client, lease, nan_bytes, inner_loss=None, digests=(None, None),
+                                              clock=clock, abort=asyncio.Event(), summary=summary)
+            with pytest.raises(RemoteError) as caught:
+                await client.submit(lease.lease_id, lease.base_version, nan_bytes)
+            ack = await client.submit(lease.lease_id, lease.base_version, torch.full_like(theta, 1e-3), codec="none")
+            return refused, summary, caught.value, ack, journal(transport)
+        finally:
+            await transport.close()
+
+    refused, summary, error, ack, events = run(scenario())
+    assert refused is None and summary.resends == 0  # sent once: the typed refusal is the answer
+    assert error.code is RefusalCode.INVALID_UPDATE and "1 NaN/Inf values" in error.message
+    assert ack.accepted is True and ack.version == 1  # the lease stayed open: nothing was decided on the NaN bytes
+    assert [e["type"] for e in events if e["type"] in ("applied", "rejected", "duplicate")] == ["applied"]
+    # still the sender's protocol error, journaled (at the transport's bounded rate) for each of the two sends
+    assert [e["peer"] for e in events if e["type"] == "protocol_error" and "NaN/Inf" in e["reason"]] == ["a", "a"]
 
 
 # ------------------------------------------------------------------------------------------- fail-stop

@@ -44,7 +44,7 @@ from asyncloco.coordinator.node import CoordinatorNode
 from asyncloco.coordinator.probe import Probe
 from asyncloco.fingerprint import mismatch_reason
 from asyncloco.models.workload import Workload
-from asyncloco.refusals import Refusal, RefusalCode
+from asyncloco.refusals import Refusal, RefusalCode, frame_text
 
 __all__ = ["Serving", "lease_to_wire"]
 
@@ -245,6 +245,7 @@ class Serving:
         optional ``inner_loss``); ``upload_seconds``: how long its body took to arrive, measured by the transport.
         Returns a transport.wire.Ack."""
         from asyncloco.transport.codecs import decode, decodes_into
+        from asyncloco.transport.errors import CodecError
         from asyncloco.coordinator.verify import needs_reveal
         from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
 
@@ -259,7 +260,14 @@ class Serving:
         reuse = decodes_into(str(getattr(pseudo_gradient, "codec", "")))
         buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
         started = time.perf_counter()
-        update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
+        try:
+            update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
+        except CodecError as error:
+            # NaN/Inf or a malformed payload: still the sender's protocol error (journaled by the transport), now
+            # with a typed code leading the ERROR frame's text — an answer, since the same bytes get the same one
+            if buffer is not None:
+                self._decode_buffers.append(buffer)
+            raise CodecError(frame_text(RefusalCode.INVALID_UPDATE, f"refused at decode: {error}")) from error
         decoded = time.perf_counter()
         # a checked lease re-run while its peer trained (coordinator/ahead.py) is judged now, outside the lock, and its
         # verdict decided right after the submit, under the same hold of the lock

@@ -50,7 +50,8 @@ async def submit_with_retry(
     summary: PeerSummary,
     device_class: Optional[str] = None,
 ) -> Optional[Ack]:
-    """Send the same encoded bytes until acknowledged or the lease's deadline (the coordinator's wall time, compared
+    """Send the same encoded bytes until acknowledged, refused with a typed code (asyncloco/refusals.py: e.g. a NaN
+    caught at decode, an unadmitted sender; None), or the lease's deadline (the coordinator's wall time, compared
     with ``clock.time()``) passes; each resend is counted in ``summary.resends``. A first Ctrl+C does not stop this (the
     lease is being finished); a second one (``abort``) does (None). ``digests``: the inner-state commitments (start,
     end) of the lease; ``device_class`` the compute class it ran on (train/inner.py ``compute_class``)."""
@@ -66,6 +67,9 @@ async def submit_with_retry(
         except Aborted:
             break
         except TransportError as error:
+            if getattr(error, "code", None) is not None:  # a typed refusal is an answer: the same bytes get the same one
+                logger.warning("lease %s refused: %s", lease.lease_id, error)
+                return None
             if clock.time() > lease.deadline:  # the coordinator's wall time
                 logger.warning("giving up on lease %s: deadline passed (%s)", lease.lease_id, error)
                 return None
