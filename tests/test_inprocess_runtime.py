@@ -95,10 +95,11 @@ class RecordingClient(MemoryClient):
 class Peer:
     """A PeerRunner serving over the in-memory transport, as actor ``name`` of the fake clock."""
 
-    def __init__(self, transport: MemoryTransport, name: str, rounds: int, crash_hook: Any = None) -> None:
+    def __init__(self, transport: MemoryTransport, name: str, rounds: int, crash_hook: Any = None,
+                 connect_timeout: float = 30.0) -> None:
         cfg = transport.cfg
         options = PeerOptions(initial_peers=["in-memory"], coordinator_id="coordinator", run_id=cfg.runtime.run_id,
-                              progress=False, max_rounds=rounds)
+                              progress=False, max_rounds=rounds, connect_timeout=connect_timeout)
         self.runner = PeerRunner(options, clock=transport.clock, crash_hook=crash_hook)
         self.runner.summary.peer_id = name
         self.runner.speed = SPEED  # no start-up measurement: every peer is equally fast
@@ -424,6 +425,50 @@ def test_a_coordinator_crash_at_each_point_then_resume_loses_no_acknowledged_upd
     replayed = crash.replay_whole_log(cfg, transport.dir, tmp_path / "replay")
     assert crash.state_differences(replayed.node.state.state_dict(), final) == []
     assert replayed.durability.replayed > len(applied)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("join_timeout", [300.0, 10.0])
+def test_a_coordinator_down_past_a_lease_deadline_still_gets_its_update_within_the_join_timeout(
+    tmp_path: Path, join_timeout: float
+) -> None:
+    # the peer's first submission is lost and the coordinator dies right after, its lease in training; it stays down
+    # until 20 s past that lease's deadline. The peer resends past the deadline while nobody answers, up to
+    # --join-timeout after its first failure (peer/upload.py); the restarted coordinator gives the lease its slack
+    # and transfer time again (logic/peers.py on_restarted): applied, not expired. A join timeout shorter than the
+    # downtime gives the lease up at its deadline, as before.
+    cfg = config(runtime={"overlap": False})  # one lease at a time
+    clock = FakeClock()
+
+    async def scenario() -> tuple[Peer, dict[str, Any], float, list[dict[str, Any]]]:
+        transport = await started(tmp_path, cfg, clock)
+        try:
+            lost = transport.add_fault("submit", "drop_request", peer="a")
+            peer = Peer(transport, "a", rounds=2, connect_timeout=join_timeout)
+            await drive(clock, {"a": peer.task}, until=lambda: lost.hits >= 1, real_timeout=60.0)
+            transport.crash_now()
+            [lease] = journal(transport, "assign")
+            await drive(clock, {"a": peer.task}, until=lambda: clock.time() > lease["deadline"] + 20.0, real_timeout=60.0)
+            restarted = clock.time()
+            await transport.restart()
+            await drive(clock, {"a": peer.task}, real_timeout=60.0)
+            peer.task.result()
+            return peer, lease, restarted, journal(transport)
+        finally:
+            await transport.close()
+
+    peer, lease, restarted, events = run(scenario())
+    summary = peer.runner.summary
+    acked = [lease_id for lease_id, _ in peer.client.acks]
+    assert summary.rounds == 2 and all(ack.accepted and not ack.duplicate for _, ack in peer.client.acks)
+    if join_timeout > restarted - lease["time"]:
+        assert acked[0] == lease["lease_id"] and summary.accepted == 2
+        [applied] = [e for e in events if e["type"] == "applied" and e["lease_id"] == lease["lease_id"]]
+        assert applied["time"] > lease["deadline"] + 20.0 and applied["version"] == 1
+        assert not [e for e in events if e["type"] == "expired"]
+    else:
+        assert lease["lease_id"] not in acked and summary.accepted == 1
+        assert [e["lease_id"] for e in events if e["type"] == "expired"] == [lease["lease_id"]]
 
 
 @pytest.mark.timeout(60)

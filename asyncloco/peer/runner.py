@@ -530,7 +530,7 @@ class PeerRunner:
             logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
         ack = await submit_with_retry(client, lease, encoded, inner_loss=inner_loss, digests=digests,
                                       clock=self.clock, abort=self._abort, summary=self.summary,
-                                      device_class=trainer.compute_class)
+                                      device_class=trainer.compute_class, unanswered_for=self.options.connect_timeout)
         add_timing(self.summary, "upload", self.clock.monotonic() - uploading)
         self.summary.rounds += 1
         self.summary.steps += lease.steps

@@ -2,8 +2,10 @@
 
 :func:`error_feedback` keeps the peer's one :class:`~asyncloco.train.feedback.ErrorFeedback` (its residual lives across
 leases), made anew only when the run's codec changes. :func:`submit_with_retry` sends the *same encoded bytes* until the
-coordinator acknowledges them, with exponential backoff (0.5 s doubling up to 10 s), until the lease's deadline: a
-coordinator restart loses nothing, since it acknowledges a resend of an applied lease as a duplicate. The inner-state
+coordinator acknowledges them, with exponential backoff (0.5 s doubling up to 10 s), until the lease's deadline — or,
+while the coordinator does not answer at all, until ``--join-timeout`` after the first failure: a coordinator restart
+loses nothing, since it acknowledges a resend of an applied lease as a duplicate and gives a lease in training its
+time again. The inner-state
 commitments travel with the submission (peer/reveal.py sends the reveal when the ack asks for it).
 """
 
@@ -49,15 +51,23 @@ async def submit_with_retry(
     abort: asyncio.Event,
     summary: PeerSummary,
     device_class: Optional[str] = None,
+    unanswered_for: float = 0.0,
 ) -> Optional[Ack]:
     """Send the same encoded bytes until acknowledged, refused with a typed code (asyncloco/refusals.py: e.g. a NaN
     caught at decode, an unadmitted sender; None), or the lease's deadline (the coordinator's wall time, compared
     with ``clock.time()``) passes; each resend is counted in ``summary.resends``. A first Ctrl+C does not stop this (the
     lease is being finished); a second one (``abort``) does (None). ``digests``: the inner-state commitments (start,
-    end) of the lease; ``device_class`` the compute class it ran on (train/inner.py ``compute_class``)."""
-    from asyncloco.transport.errors import TransportError
+    end) of the lease; ``device_class`` the compute class it ran on (train/inner.py ``compute_class``).
+
+    ``unanswered_for`` (``--join-timeout``): past the deadline, resends go on while the coordinator does not answer at
+    all (a timeout, no stream), up to this many seconds after the first failure: a coordinator that restarts gives a
+    lease in training its slack and transfer time again from the restart (coordinator/logic/peers.py ``on_restarted``),
+    so a downtime longer than the lease's deadline loses nothing; a coordinator that answers decides (an expired lease
+    is acknowledged as refused)."""
+    from asyncloco.transport.errors import PeerUnreachable, RpcTimeout, TransportError
 
     delay = 0.5
+    first_failure: Optional[float] = None
     while not abort.is_set():
         try:
             ack: Ack = await race(client.submit(
@@ -70,7 +80,9 @@ async def submit_with_retry(
             if getattr(error, "code", None) is not None:  # a typed refusal is an answer: the same bytes get the same one
                 logger.warning("lease %s refused: %s", lease.lease_id, error)
                 return None
-            if clock.time() > lease.deadline:  # the coordinator's wall time
+            first_failure = clock.monotonic() if first_failure is None else first_failure
+            unanswered = isinstance(error, (PeerUnreachable, RpcTimeout))
+            if clock.time() > lease.deadline and not (unanswered and clock.monotonic() - first_failure < unanswered_for):
                 logger.warning("giving up on lease %s: deadline passed (%s)", lease.lease_id, error)
                 return None
             summary.resends += 1
