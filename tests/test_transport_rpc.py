@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Optional, Union
 
 import pytest
@@ -13,6 +14,7 @@ from hivemind.p2p import P2P
 from asyncloco.transport.codecs import CODECS, EncodedTensor, decode, encode, wire_bytes
 from asyncloco.transport.errors import PeerUnreachable, ProtocolError, RemoteError, RpcTimeout, TransportError
 from asyncloco.transport.framing import CHUNK, ERROR, FRAME_BYTES, HEADER, FrameReader, pack_header, stream_bytes
+from asyncloco.transport.linkspeed import LinkSpeed
 from asyncloco.transport.rpc import CoordinatorClient, CoordinatorService, ServiceLimits, handle_name
 from asyncloco.transport.wire import Ack, AssignRequest, HelloReply, LeaseGrant, LeaseReply, ModelRequest, SubmitHeader
 
@@ -152,7 +154,8 @@ def test_submit_every_codec_with_exact_byte_counts() -> None:
         for codec in CODECS:
             before = client.counters.submit.bytes_sent, client.counters.submit.payload_bytes_sent
             ack = await client.submit(f"lease-{codec}", 5, pseudo_gradient, codec=codec, inner_loss=2.5)
-            assert ack == handler.ack
+            # the handler's ack, with the body's arrival time as the service measured it (the peer's uplink sample)
+            assert replace(ack, received_s=None) == handler.ack and ack.received_s is not None and ack.received_s >= 0
             header, received, peer_id = handler.submitted[-1]
             assert header == SubmitHeader(f"lease-{codec}", 5, codec, NUMEL, 2.5)
             assert peer_id == p2p.peer_id.to_base58()
@@ -164,7 +167,7 @@ def test_submit_every_codec_with_exact_byte_counts() -> None:
         mine, served = client.counters.submit, service.counters.submit  # the service counts when a handler returns
         await wait_until(lambda: (served.bytes_received, served.bytes_sent) == (mine.bytes_sent, mine.bytes_received))
         assert client.counters.submit.bytes_sent == service.counters.submit.bytes_received
-        ready_and_ack = 2 * FRAME_BYTES + len(pack_header({"ready": True})) + len(pack_header(handler.ack.to_wire()))
+        ready_and_ack = 2 * FRAME_BYTES + len(pack_header({"ready": True})) + len(pack_header(replace(handler.ack, received_s=0.5).to_wire()))
         assert client.counters.submit.bytes_received == service.counters.submit.bytes_sent == len(CODECS) * ready_and_ack
         assert client.counters.submit.payload_bytes_sent == service.counters.submit.payload_bytes_received
         # A pre-encoded tensor is resent byte for byte; no inner loss is fine.
@@ -174,6 +177,25 @@ def test_submit_every_codec_with_exact_byte_counts() -> None:
         assert handler.submitted[-1][0].inner_loss is None
 
     run_pair(body, submit_codecs=CODECS)
+
+
+@pytest.mark.timeout(60)
+def test_the_uplink_sample_is_the_bodys_arrival_without_the_coordinators_work() -> None:
+    # the coordinator holds the submission 3 s after its body arrived (its decode, gate, lock wait, decision): the
+    # peer's uplink sample is the body's arrival as the service measured it — a fast link on loopback, not 3 s
+    async def body(handler: FakeCoordinator, service: CoordinatorService, client: CoordinatorClient, p2p: P2P) -> None:
+        client.link = LinkSpeed()
+        handler.submit_gate = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.call_later(3.0, handler.submit_gate.set)
+        started = time.monotonic()
+        ack = await client.submit("lease-up", 5, torch.ones(NUMEL), codec="none")
+        took = time.monotonic() - started
+        nbytes = wire_bytes("none", NUMEL)
+        assert ack.received_s is not None and took >= 3.0 > ack.received_s
+        assert client.link.samples["up"] == 1 and client.link.measured["up"] == nbytes / ack.received_s
+
+    run_pair(body)
 
 
 def frame(kind: int, data: bytes, declared: Optional[int] = None) -> bytes:

@@ -9,8 +9,10 @@ each direction from the peer's completed bulk calls (``get_model`` = down, ``sub
 Before any measurement it uses ``assumed_bytes_per_s`` (default 0.1 Mbit/s: slow enough for a home uplink's
 first call to finish — at 1 Mbit/s a home link's first 369 kB upload timed out at the 30 s floor, docs/wan.md; a
 link that dies is caught sooner by the frames' idle timeouts, so a long first limit costs little; the floor keeps
-small models' calls from timing out on latency). A call's time includes one round trip and the coordinator's
-work, so the estimate errs low (timeouts err long): the safe side. A call is a throughput sample when it carries
+small models' calls from timing out on latency). A download's time includes one round trip and the coordinator's
+work, so that estimate errs low (timeouts err long): the safe side. An upload's sample is the body's arrival as the
+coordinator measured it (``Ack.received_s``): its decode, gate and lock wait made a fast peer's first sample look
+slow, and the coordinator judges a peer's reported uplink (coordinator/logic/leases.py ``fresh_reason``). A call is a throughput sample when it carries
 at least ``min_bytes`` or lasts at least ``min_seconds`` (a small body on a slow link: the int4 upload of a tiny
 model, 190 kB, takes 15 s at 0.1 Mbit/s); shorter, smaller calls are latency-bound and are not used.
 

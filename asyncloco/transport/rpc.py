@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -501,7 +502,8 @@ class CoordinatorService:
             ack = await self._call_handler(self.handler.submit(header, pseudo_gradient, peer_id, upload_seconds))
             if not isinstance(ack, Ack):
                 raise TypeError(f"handler answered submit with {type(ack).__name__}, not Ack")
-        await frames_out.header(ack.to_wire())
+        # the body's arrival time, without the handler's work: the caller's uplink sample (transport/linkspeed.py)
+        await frames_out.header(dataclasses.replace(ack, received_s=round(upload_seconds, 6)).to_wire())
 
     async def _serve_reveal(self, peer_id: str, frames_in: FrameReader, frames_out: FrameWriter, traffic: RpcTraffic) -> None:
         header = RevealHeader.from_wire(await frames_in.read_header())

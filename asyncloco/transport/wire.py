@@ -82,6 +82,7 @@ MAX_TOKENS_PER_S = 1e15
 MAX_LINK_BYTES_PER_S = 1e15  # as transport/records.py bounds a DHT record's link rates
 MAX_REVEAL_BYTES = 2**40  # the wire's own cap; the service bounds each reveal by the model's inner-state size first
 MAX_TIME = 1e11  # seconds since the epoch (year ~5138): any real timestamp, no inf
+MAX_TRANSFER_S = 1e6  # one body's transfer (the transport's own ceiling per call is hours)
 
 M = TypeVar("M", bound="_Message")
 
@@ -381,7 +382,8 @@ class Ack(_Message):
     peer's compute class, so its re-run's end state is compared with the committed digest bitwise and the peer's end
     state would be unused bytes; absent: both parts. ``reveal_start`` false: an empty start part — the coordinator
     has that state already (the end state of the peer's previous lease, revealed or re-run for its own check:
-    coordinator/chained.py); absent: the start part."""
+    coordinator/chained.py); absent: the start part. ``received_s``: the seconds the body took to arrive, as the
+    service measured it (transport/rpc.py; the coordinator's work on it is not in it): the peer's uplink sample."""
 
     accepted: bool
     version: int
@@ -391,6 +393,7 @@ class Ack(_Message):
     code: Optional[str] = None  # a refused submission: a asyncloco/refusals.py RefusalCode value
     reveal_end: Optional[bool] = None
     reveal_start: Optional[bool] = None
+    received_s: Optional[float] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("accepted", "version", "reason", "duplicate")
 
     def __post_init__(self) -> None:
@@ -404,6 +407,7 @@ class Ack(_Message):
             self._bool("reveal_end")
         if self.reveal_start is not None:
             self._bool("reveal_start")
+        self._float("received_s", 0.0, MAX_TRANSFER_S, optional=True)
         _check_code(self, "Ack")
 
 
