@@ -118,6 +118,16 @@ async def started(tmp_path: Path, cfg: RunConfig, clock: FakeClock) -> MemoryTra
     return transport
 
 
+async def leased(transport: MemoryTransport, name: str) -> tuple[MemoryClient, Any, torch.Tensor]:
+    """Peer ``name``'s client, its first lease and the θ it starts from (version 0)."""
+    client = transport.client(name)
+    reply = await client.assign(SPEED)
+    assert reply.lease is not None
+    version, theta = await client.get_model(reply.lease.base_version)
+    assert version == 0
+    return client, reply.lease, theta
+
+
 def run(scenario: Any) -> Any:
     return asyncio.run(asyncio.wait_for(scenario, timeout=90.0))
 
@@ -174,12 +184,7 @@ def test_a_submission_delayed_past_its_deadline_is_refused_and_its_steps_were_gi
     async def scenario() -> tuple[Any, Any, float, list[dict[str, Any]]]:
         transport = await started(tmp_path, cfg, clock)
         try:
-            client = transport.client("a")
-            reply = await client.assign(SPEED)
-            assert reply.lease is not None
-            lease = reply.lease
-            version, theta = await client.get_model(lease.base_version)
-            assert version == 0
+            client, lease, theta = await leased(transport, "a")
             late = lease.deadline - clock.time() + 2.0
             transport.add_fault("submit", "delay", peer="a", seconds=late)
             submitting = asyncio.ensure_future(client.submit(lease.lease_id, 0, torch.full_like(theta, 1e-3), codec=cfg.runtime.codec))
@@ -212,11 +217,7 @@ def test_a_payload_refused_at_decode_is_a_typed_answer_sent_once_and_leaves_the_
     async def scenario() -> tuple[Any, PeerSummary, Any, Any, list[dict[str, Any]]]:
         transport = await started(tmp_path, cfg, clock)
         try:
-            client = transport.client("a")
-            reply = await client.assign(SPEED)
-            assert reply.lease is not None
-            lease = reply.lease
-            _, theta = await client.get_model(lease.base_version)
+            client, lease, theta = await leased(transport, "a")
             poisoned = torch.full_like(theta, 1e-3)
             poisoned[3] = float("nan")
             nan_bytes = EncodedTensor("none", theta.numel(), poisoned.numpy().tobytes())

@@ -240,12 +240,28 @@ class Serving:
         logger.debug("probe of %s: %.4f -> %.4f in %.3f s", lease_id, before, after, time.perf_counter() - started)
         return before, after
 
+    async def _decode_submitted(self, pseudo_gradient: Any, reuse: bool) -> torch.Tensor:
+        """The submitted update in fp32. int8, int2, topk*, grp* (``reuse``) are decoded into a reused θ-sized buffer
+        (a fresh one costs ≈ 7 memcpy of page faults; the ack-latency target); the logic keeps no reference to the
+        update after ``handle``, and :meth:`submit` hands the buffer back. NaN/Inf or a malformed payload raises a
+        CodecError — still the sender's protocol error (journaled by the transport) — whose text leads with the typed
+        code ``invalid_update``: an answer, since the same bytes would get the same one (the peer does not resend)."""
+        from asyncloco.transport.codecs import decode
+        from asyncloco.transport.errors import CodecError
+
+        buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
+        try:
+            return await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
+        except CodecError as error:
+            if buffer is not None:
+                self._decode_buffers.append(buffer)
+            raise CodecError(frame_text(RefusalCode.INVALID_UPDATE, f"refused at decode: {error}")) from error
+
     async def submit(self, header: Any, pseudo_gradient: Any, peer_id: str, upload_seconds: float = 0.0) -> Any:
         """The ``submit`` RPC: ``header`` is a transport.wire.SubmitHeader (``lease_id``, ``base_version``,
         optional ``inner_loss``); ``upload_seconds``: how long its body took to arrive, measured by the transport.
         Returns a transport.wire.Ack."""
-        from asyncloco.transport.codecs import decode, decodes_into
-        from asyncloco.transport.errors import CodecError
+        from asyncloco.transport.codecs import decodes_into
         from asyncloco.coordinator.verify import needs_reveal
         from asyncloco.transport.wire import MAX_REASON_CHARS, Ack
 
@@ -255,19 +271,9 @@ class Serving:
         # Admission was checked by the transport before the body was read (CoordinatorService / memory transport
         # call check_admitted); ``handle`` decides again on the event itself (a Refused action, below).
         upload_s = float(upload_seconds)  # measured by the transport (the body's arrival), never claimed by the peer
-        # --- int8, int2, topk*, grp* are decoded into a reused θ-sized buffer (a fresh one costs ≈ 7 memcpy of
-        # page faults; the ack-latency target). The logic keeps no reference to the update after handle.
         reuse = decodes_into(str(getattr(pseudo_gradient, "codec", "")))
-        buffer = self._decode_buffers.pop() if reuse and self._decode_buffers else None
         started = time.perf_counter()
-        try:
-            update = await asyncio.to_thread(decode, pseudo_gradient, self.numel, buffer)
-        except CodecError as error:
-            # NaN/Inf or a malformed payload: still the sender's protocol error (journaled by the transport), now
-            # with a typed code leading the ERROR frame's text — an answer, since the same bytes get the same one
-            if buffer is not None:
-                self._decode_buffers.append(buffer)
-            raise CodecError(frame_text(RefusalCode.INVALID_UPDATE, f"refused at decode: {error}")) from error
+        update = await self._decode_submitted(pseudo_gradient, reuse)
         decoded = time.perf_counter()
         # a checked lease re-run while its peer trained (coordinator/ahead.py) is judged now, outside the lock, and its
         # verdict decided right after the submit, under the same hold of the lock
