@@ -5,8 +5,8 @@ leases), made anew only when the run's codec changes. :func:`submit_with_retry` 
 coordinator acknowledges them, with exponential backoff (0.5 s doubling up to 10 s), until the lease's deadline — or,
 while the coordinator does not answer at all, until ``--join-timeout`` after the first failure: a coordinator restart
 loses nothing, since it acknowledges a resend of an applied lease as a duplicate and gives a lease in training its
-time again. The inner-state
-commitments travel with the submission (peer/reveal.py sends the reveal when the ack asks for it).
+time again. The inner-state commitments travel with the submission (peer/reveal.py sends the reveal when the ack
+asks for it).
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ link that dies is caught sooner by the frames' idle timeouts, so a long first li
 small models' calls from timing out on latency). A download's time includes one round trip and the coordinator's
 work, so that estimate errs low (timeouts err long): the safe side. An upload's sample is the body's arrival as the
 coordinator measured it (``Ack.received_s``): its decode, gate and lock wait made a fast peer's first sample look
-slow, and the coordinator judges a peer's reported uplink (coordinator/logic/leases.py ``fresh_reason``). A call is a throughput sample when it carries
-at least ``min_bytes`` or lasts at least ``min_seconds`` (a small body on a slow link: the int4 upload of a tiny
-model, 190 kB, takes 15 s at 0.1 Mbit/s); shorter, smaller calls are latency-bound and are not used.
+slow, and the coordinator judges a peer's reported uplink (coordinator/logic/leases.py ``fresh_reason``). A call
+is a throughput sample when it carries at least ``min_bytes`` or lasts at least ``min_seconds`` (a small body on a
+slow link: the int4 upload of a tiny model, 190 kB, takes 15 s at 0.1 Mbit/s); shorter, smaller calls are
+latency-bound and are not used.
 
 :meth:`LinkSpeed.transfer_s` is the peer's estimate of one lease's transfer time (download θ + upload the
 pseudo-gradient): what a coordinator needs to add to the lease deadline so that a peer on a slow link is not
