@@ -333,6 +333,13 @@ class VerifyConfig(StrictModel):
         "their GPU): without it a newcomer's held updates reached θ four at a time, 11-22 versions stale, and 60m/150m "
         "runs diverged (docs/gpu.md)"
     )
+    # the updates of one peer that reach θ at one verdict (its last probation check's and those that waited for it)
+    # were each trained without the others in θ: parallel work, combined as synchronous DiLoCo combines workers
+    average_released: bool = Field(
+        True, description="a peer's held updates released together at one verdict (its probation's last and those that "
+        "waited for it) each take 1/k of an outer step, moving θ by their mean; false: k full steps (the cold-start "
+        "spike: perplexity 7,461 and 15,850 on the home150 profile, docs/wan.md)"
+    )
     tolerance: float = Field(
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ for a peer of the verifier's own compute "
         "class (0: bitwise, which the same class reproduces; other classes: cross_device_tolerance)"

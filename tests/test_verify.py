@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from asyncloco.algo.outer import DelayedNesterov, OuterNesterov, OuterOptimizer
+from asyncloco.algo.outer import DelayedNesterov, OuterNesterov, OuterOptimizer, OuterSGD
 from asyncloco.config import RunConfig
 from asyncloco.coordinator.logic import (
     Assign,
@@ -995,6 +995,42 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("average", [True, False], ids=["averaged", "full-steps"])
+def test_updates_released_together_at_one_verdict_move_theta_by_their_mean(average: bool) -> None:
+    """A newcomer's last probation update and the two that waited for it reach θ at one verdict. None was in θ when
+    the others were trained (parallel work), so with ``average_released`` (the default) each takes 1/3 of an outer
+    step: θ moves by lr × their mean, not lr × their sum (the cold-start spike). Closed form with plain SGD; the
+    gate-free path records nothing else, and a lone release (the first verdict) is a full step either way."""
+    state = verify_state(OuterSGD(0.5), fraction=0.0, probation=2)
+    state.policy = dataclasses.replace(state.policy, verify=dataclasses.replace(state.policy.verify, average_released=average))
+    handle(state, SpeedReport("n", 10.0), 0.0)
+    gen = torch.Generator().manual_seed(7)
+    vectors = [torch.randn(DIM, generator=gen) for _ in range(4)]
+    leases = []
+    for i, vector in enumerate(vectors):
+        lease = lease_of(handle(state, RequestWork("n"), 1.0 + i)[1])
+        handle(state, SubmitUpdate("n", lease.lease_id, lease.base_version, vector), 1.5 + i)
+        leases.append(lease)
+        move_theta(state, 1.7 + i)  # θ moves: the newcomer's next lease is from a newer θ (no second step from one)
+    assert [lease.verify[:11] for lease in leases] == ["probation ("] * 2 + ["probation: "] * 2
+    assert state.version == 4 and len(state.verification.held) == 4
+    theta = state.params.clone()
+    actions = handle(state, Verified("n", leases[0].lease_id, True, "bitwise"), 9.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Verdict", "Applied"]
+    torch.testing.assert_close(state.params, theta - 0.5 * vectors[0], rtol=0, atol=1e-6)  # alone: a full step
+    theta = state.params.clone()
+    actions = handle(state, Verified("n", leases[1].lease_id, True, "bitwise"), 10.0)[1]
+    assert [type(a).__name__ for a in actions] == ["Verdict", "Applied", "Applied", "Applied"] and state.version == 8
+    waiting = sorted(lease.lease_id for lease in leases[2:])  # (lease ids' order, as the held book's)
+    assert [a.lease_id for a in actions[1:]] == [leases[1].lease_id] + waiting  # the verdict's own, then the waiting
+    share = 1 / 3 if average else 1.0
+    expected = theta - 0.5 * share * (vectors[1] + vectors[2] + vectors[3])
+    torch.testing.assert_close(state.params, expected, rtol=0, atol=1e-5)
+    assert all(("1/3 of a step" in a.reason) == average for a in actions[1:])
+    assert not state.verification.held and state.verification.unchecked["n"] == 2  # the two waiting: unverified
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("verdict", [True, False], ids=["probation-passes", "probation-fails"])
 def test_serial_probation_gives_a_peer_no_lease_while_its_probation_update_awaits_its_verdict(verdict: bool) -> None:
     """runtime.verify.serial_probation: while one of a newcomer's probation updates is held for its verdict it gets no
@@ -1207,7 +1243,8 @@ def test_a_peer_proven_by_its_re_run_probation_is_past_the_gates_probation() -> 
     assert len(applied) == 3 and not any("clipped" in a.gate or "probation" in a.gate for a in applied), [a.gate for a in applied]
     assert state.gate.norms[-3:] == pytest.approx([3.0, 3.0, 3.0])  # each taken whole
     expected, optimizer = torch.zeros(N), OuterNesterov(0.5, 0.9)
-    for vector in (other, update, update, update):
+    # the first two were released at one verdict: each half an outer step (release_at_verdict), the gate takes them whole
+    for vector in (other, update * 0.5, update * 0.5, update):
         optimizer.step(expected, vector)
     assert torch.allclose(state.params, expected, rtol=1e-6, atol=1e-7)
 

@@ -246,7 +246,8 @@ def coordinator_policy(
         verify = VerifyPolicy(knobs_v.fraction, knobs_v.probation_updates, knobs_v.suspect_fraction,
                               commit=knobs_v.inner_state == "carry", sketch_threshold=knobs_v.sketch_threshold,
                               sketch_checks=knobs_v.sketch_checks, hold_backlog=knobs_v.hold_backlog,
-                              serial_probation=knobs_v.serial_probation, slow_carry=knobs_v.slow_uplink_carry,
+                              serial_probation=knobs_v.serial_probation,
+                              average_released=knobs_v.average_released, slow_carry=knobs_v.slow_uplink_carry,
                               carry_backlog_bytes=knobs_v.carry_backlog_mb << 20)
     return CoordinatorPolicy(
         gate=gate,

@@ -146,6 +146,8 @@ class VerifyPolicy:
     hold_backlog: int = 0
     # a peer with a probation or suspect update held gets no further lease until its verdict (leases.held_untrusted)
     serial_probation: bool = False
+    # a peer's held updates that reach θ at one verdict each take 1/k of an outer step (submit.release_at_verdict)
+    average_released: bool = True
     # with commit: a peer whose reported uplink (bytes/s) is below this gets leases that start fresh (Lease.fresh) —
     # max(2 × the RPC floor, one inner state's bytes / runtime.verify.fresh_start_reveal_s), set by the daemon; 0: never
     fresh_below: float = 0.0

@@ -341,7 +341,7 @@ def _hold(
         book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now)
         drop_unused_base_params(state)
         held = [Held(event.peer, lease.lease_id, state.version, "held until the peer's probation checks agree", sketch)]
-        return held + release_probation_wait(state, event.peer, now)  # (passed meanwhile: applied at once)
+        return held + release_at_verdict(state, None, event.peer, now)  # (passed meanwhile: applied at once)
     book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now)
     book.pending[lease.lease_id] = event.peer
     drop_unused_base_params(state)
@@ -378,11 +378,13 @@ def _apply_then_check(
 
 def _apply(
     state: CoordinatorState, lease: Lease, update: torch.Tensor, base: torch.Tensor | None, verdict: GateVerdict | None,
-    now: float, checked: bool, sketch: float | None = None,
+    now: float, checked: bool, sketch: float | None = None, share: float = 1.0, share_note: str = "",
 ) -> list[Action]:
     """Apply an accepted update (already clipped as the gate said) with the method's outer optimizer, its staleness
     counted from now; or drop it, consumed, where the staleness policy says so. ``checked``: its check agreed first
-    (a held update); an unchecked one counts toward what a repair would have to take out of θ."""
+    (a held update); an unchecked one counts toward what a repair would have to take out of θ. ``share``: the outer
+    step takes this fraction of it (updates released together at one verdict, :func:`release_at_verdict`); the gate
+    records it whole."""
     staleness = state.version - lease.base_version
     adjusted = apply_transforms(state.transforms, update, staleness, state.params, base)
     if adjusted.pseudo_gradient is None:
@@ -391,7 +393,8 @@ def _apply(
         drop_unused_base_params(state)
         return [Rejected(lease.peer, lease.lease_id, adjusted.reason, RefusalCode.DROPPED)]
     retained = retain_before_step(state)
-    info_step = state.optimizer.step(state.params, adjusted.pseudo_gradient, adjusted.lr_scale, lease.steps)
+    stepped = adjusted.pseudo_gradient if share == 1.0 else adjusted.pseudo_gradient.mul(share)
+    info_step = state.optimizer.step(state.params, stepped, adjusted.lr_scale, lease.steps)
     state.version += 1
     state.local_updates += lease.steps
     state.applied[lease.lease_id] = state.version
@@ -408,7 +411,7 @@ def _apply(
             lease.steps,
             lease.shard,
             info_step.moved,
-            f"{info_step.reason}; {adjusted.reason}",
+            f"{info_step.reason}; {adjusted.reason}{share_note}",
             gate_note,
             sketch,
         )
@@ -429,7 +432,8 @@ def _after_step(
     return gate_note
 
 
-def apply_held(state: CoordinatorState, held: HeldUpdate, now: float, verified: bool = True) -> list[Action]:
+def apply_held(state: CoordinatorState, held: HeldUpdate, now: float, verified: bool = True, share: float = 1.0,
+               share_note: str = "") -> list[Action]:
     """A held update whose check agreed: applied now, its staleness counted from now. A norm clip is lifted (its
     re-run shows the norm is what honest work from the peer's committed state gives — a newcomer's fresh AdamW state
     moves θ ≈ 3 × as far per step as its warmed-up peers'); weak agreement stays weak (that is about its direction)."""
@@ -442,21 +446,42 @@ def apply_held(state: CoordinatorState, held: HeldUpdate, now: float, verified: 
             "full (unverified, it would have been scaled down to the gate's bound)"))
     update = held.update if scale == 1.0 else held.update.mul(scale)
     base = held.base if held.base.numel() else base_theta(state, held.lease.base_version)
-    return _apply(state, held.lease, update, base, verdict, now, checked=verified)
+    return _apply(state, held.lease, update, base, verdict, now, checked=verified, share=share, share_note=share_note)
 
 
-def release_probation_wait(state: CoordinatorState, peer: str, now: float) -> list[Action]:
-    """Once ``peer`` has passed its probation, the updates that waited for it (not re-run themselves) are applied, in
-    lease order, unverified: a norm the gate clipped stays clipped."""
+def release_at_verdict(state: CoordinatorState, held: HeldUpdate | None, peer: str, now: float) -> list[Action]:
+    """What reaches θ at a verdict of ``peer``'s that agreed: ``held``, the update it judged (None: applied first, or
+    none), and — once the peer has passed its probation — the updates that waited for it (not re-run themselves),
+    in lease order, unverified (a norm the gate clipped stays clipped).
+
+    None of these was in θ when any other of them was trained: they are parallel work, not a peer's successive
+    steps. Applied one after another at full size they moved θ k × as far as one lease would, each many versions
+    stale — the cold-start spike (a GPU loan's 60m/150m runs diverged at four at a time; the home150 profile's
+    perplexity spiked to 7,461 and 15,850, docs/wan.md). With ``runtime.verify.average_released`` (the default)
+    each of the k takes 1/k of an outer step, so together they move θ by their mean — how synchronous DiLoCo
+    combines workers that started from one θ. The decision reads only the peer's own held updates: a peer caught
+    on probation has none released, and θ still equals a replay without its submissions."""
+    batch = ([] if held is None else [(held, True)]) + [(waiting, False) for waiting in _probation_released(state, peer)]
+    policy = state.policy.verify
+    share, note = 1.0, ""
+    if len(batch) > 1 and policy is not None and policy.average_released:
+        share = 1.0 / len(batch)
+        note = f"; released with {len(batch) - 1} other held update(s) of its peer at one verdict: 1/{len(batch)} of a step"
+    actions: list[Action] = []
+    for update, verified in batch:
+        actions += apply_held(state, update, now, verified=verified, share=share, share_note=note)
+    return actions
+
+
+def _probation_released(state: CoordinatorState, peer: str) -> list[HeldUpdate]:
+    """Once ``peer`` has passed its probation, the updates that waited for it, taken out of the held book in lease
+    order; none before."""
     book, policy = state.verification, state.policy.verify
     if policy is None or book.passed.get(peer, 0) < policy.probation_updates:
         return []
     waiting = sorted(lease_id for lease_id, held in book.held.items()
                      if held.lease.peer == peer and held.lease.verify.startswith(PROBATION_WAIT))
-    actions: list[Action] = []
-    for lease_id in waiting:
-        actions += apply_held(state, book.held.pop(lease_id), now, verified=False)
-    return actions
+    return [book.held.pop(lease_id) for lease_id in waiting]
 
 
 # ----------------------------------------------------------------------------------------- Discard

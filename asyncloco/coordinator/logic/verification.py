@@ -14,7 +14,7 @@ from asyncloco.coordinator.logic.events import (
 )
 from asyncloco.coordinator.logic.leases import give_back, return_range
 from asyncloco.coordinator.logic.state import CoordinatorState, DerivedIndexes, HeldUpdate, Lease, VerificationState
-from asyncloco.coordinator.logic.submit import apply_held, release_probation_wait
+from asyncloco.coordinator.logic.submit import release_at_verdict
 from asyncloco.refusals import RefusalCode
 
 
@@ -39,8 +39,7 @@ def on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Ac
         return actions + ([] if held is None else _drop_held(state, held, "its peer was expelled"))
     if event.ok:
         book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
-        actions = [Verdict(event.peer, event.lease_id, True, event.detail)] + ([] if held is None else apply_held(state, held, now))
-        return actions + release_probation_wait(state, event.peer, now)
+        return [Verdict(event.peer, event.lease_id, True, event.detail)] + release_at_verdict(state, held, event.peer, now)
     book.failed += 1
     reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
     book.expelled[event.peer] = reason
@@ -77,7 +76,7 @@ def on_unverified(state: CoordinatorState, event: Unverified, now: float) -> lis
         return []
     del book.held[event.lease_id]
     if event.apply and event.peer not in book.expelled:
-        return apply_held(state, held, now) + release_probation_wait(state, event.peer, now)
+        return release_at_verdict(state, held, event.peer, now)
     actions = _drop_held(state, held, f"its check ended without a verdict ({event.reason})")
     if held.lease.verify.startswith("probation ("):  # the updates waiting for that probation would wait for ever
         actions += drop_probation_wait(state, event.peer, "its peer's probation check ended without a verdict")
