@@ -337,8 +337,8 @@ class VerifyConfig(StrictModel):
     # were each trained without the others in θ: parallel work, combined as synchronous DiLoCo combines workers
     average_released: bool = Field(
         True, description="a peer's held updates released together at one verdict (its probation's last and those that "
-        "waited for it) each take 1/k of an outer step, moving θ by their mean; false: k full steps (the cold-start "
-        "spike: perplexity 7,461 and 15,850 on the home150 profile, docs/wan.md)"
+        "waited for it) each take 1/k of an outer step, moving θ by their mean; false: k full steps (the simulator's "
+        "cold-start spike twice as high, docs/threat-model.md)"
     )
     tolerance: float = Field(
         0.0, ge=0, description="max relative L2 error ‖Δ_sub − Δ_rerun‖/‖Δ_rerun‖ for a peer of the verifier's own compute "

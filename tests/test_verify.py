@@ -999,8 +999,8 @@ def test_a_lease_issued_while_probation_checks_are_on_their_way_waits_for_them(v
 def test_updates_released_together_at_one_verdict_move_theta_by_their_mean(average: bool) -> None:
     """A newcomer's last probation update and the two that waited for it reach θ at one verdict. None was in θ when
     the others were trained (parallel work), so with ``average_released`` (the default) each takes 1/3 of an outer
-    step: θ moves by lr × their mean, not lr × their sum (the cold-start spike). Closed form with plain SGD; the
-    gate-free path records nothing else, and a lone release (the first verdict) is a full step either way."""
+    step: θ moves by lr × their mean, not lr × their sum (the cold-start spike). Closed form with plain SGD; a lone
+    release (the first verdict) is a full step either way."""
     state = verify_state(OuterSGD(0.5), fraction=0.0, probation=2)
     state.policy = dataclasses.replace(state.policy, verify=dataclasses.replace(state.policy.verify, average_released=average))
     handle(state, SpeedReport("n", 10.0), 0.0)

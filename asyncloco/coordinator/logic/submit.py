@@ -456,8 +456,8 @@ def release_at_verdict(state: CoordinatorState, held: HeldUpdate | None, peer: s
 
     None of these was in θ when any other of them was trained: they are parallel work, not a peer's successive
     steps. Applied one after another at full size they moved θ k × as far as one lease would, each many versions
-    stale — the cold-start spike (a GPU loan's 60m/150m runs diverged at four at a time; the home150 profile's
-    perplexity spiked to 7,461 and 15,850, docs/wan.md). With ``runtime.verify.average_released`` (the default)
+    stale — the cold-start spike (a GPU loan's 60m/150m runs diverged at four at a time, docs/gpu.md; in the
+    simulator, two at a time, 3,291–4,965 against 1,691–2,029 averaged, docs/threat-model.md). With ``runtime.verify.average_released`` (the default)
     each of the k takes 1/k of an outer step, so together they move θ by their mean — how synchronous DiLoCo
     combines workers that started from one θ. The decision reads only the peer's own held updates: a peer caught
     on probation has none released, and θ still equals a replay without its submissions."""
