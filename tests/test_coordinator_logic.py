@@ -7,6 +7,7 @@ No sleeps: time is just the ``now`` argument.
 from __future__ import annotations
 
 import io
+import json
 import math
 from typing import Sequence
 
@@ -621,3 +622,44 @@ def test_new_state_validation() -> None:
         new_state(torch.zeros(2, 2), OuterSGD(0.5), [], policy(), (10,), 0)
     with pytest.raises(ValueError, match="at least one batch"):
         new_state(torch.zeros(DIM), OuterSGD(0.5), [], policy(), (10, 0), 0)
+
+
+def test_a_recorded_policy_and_hyper_parameters_rebuild_what_decides() -> None:
+    """What a snapshot records of the decisions (logic/state.py ``decision_record``) rebuilds them exactly, and a
+    ``Reconfigured`` event installs another record while the optimizer's and transforms' state carry over."""
+    from asyncloco.algo.outer import OuterAdam, OuterNesterov, OuterSGDMomentum
+    from asyncloco.algo.staleness import OuterWarmup, StalenessLR
+    from asyncloco.coordinator.gate import GatePolicy
+    from asyncloco.coordinator.logic import Notice, Reconfigured, VerifyPolicy, decision_record
+    from asyncloco.coordinator.logic.state import policy_from_record, policy_record
+
+    optimizers = [OuterSGD(0.3), OuterSGDMomentum(0.4, 0.8, reference_steps=9), OuterNesterov(0.5, 0.7),
+                  OuterAdam(0.01, (0.8, 0.95), 1e-6), DelayedNesterov(0.7, 0.9, 3, activation=0.2, reference_steps=30),
+                  AsyncBuffer(0.6, 0.85, 4)]
+    transforms = [PolyDiscount(0.7, 5), DelayCompensation(0.3, [(0, 2), (2, 4)], ema=0.9, cap=2.0), StalenessLR(),
+                  AsyncAwareLR(1.5, 8), OuterWarmup(12)]
+    for thing in optimizers + transforms:
+        assert type(thing)(**thing.settings()).settings() == thing.settings(), thing.name
+    policy = CoordinatorPolicy(max_local_steps=11, grace_period=0.5, gate=GatePolicy(clip_factor=3.0, window=9),
+                               verify=VerifyPolicy(fraction=0.2, average_released=False, keep_class="cpu:x"),
+                               admission="allowlist", allowlist=frozenset({"b", "a"}), hold_limit=math.inf)
+    assert policy_from_record(policy_record(policy)) == policy
+    with pytest.raises(ValueError, match=r"fields this version does not know: \['surprise'\]"):
+        policy_from_record({**policy_record(policy), "surprise": 1})
+
+    params = torch.zeros(4)
+    optimizer = DelayedNesterov(0.7, 0.9, 2)
+    state = new_state(params, optimizer, [PolyDiscount(0.5)], policy, [8], seed=0)
+    optimizer.step(state.params, torch.ones(4))  # state to carry: the buffer holds one arrival
+    new = decision_record(state)
+    new["optimizer"]["settings"]["lr"] = 0.35
+    new["transforms"][0]["settings"]["exponent"] = 1.0
+    new["policy"]["verify"]["fraction"] = 0.5
+    _, actions = handle(state, Reconfigured(json.dumps(new)), now=0.0)
+    assert decision_record(state) == new
+    assert (state.optimizer.lr, state.transforms[0].settings()["exponent"], state.policy.verify.fraction) == (0.35, 1.0, 0.5)
+    assert isinstance(state.optimizer, DelayedNesterov) and state.optimizer.arrivals == 1
+    assert torch.equal(state.optimizer.buffer, torch.ones(4))  # the buffered arrival kept
+    assert [a.reason for a in actions if isinstance(a, Notice)] == [
+        "restarted with a config that decides differently from here on: optimizer.settings.lr: 0.7 -> 0.35; "
+        "policy.verify.fraction: 0.2 -> 0.5; transforms.0.settings.exponent: 0.5 -> 1.0"]

@@ -5,6 +5,9 @@
   every update acknowledged before a crash is in the resumed state at its version, snapshots are written in
   the background and the segments they cover leave the log, and the final state equals a replay of the whole
   log from the initial snapshot (θ bitwise, optimizer state, leases, shard progress, counters).
+* ``test_a_resume_under_a_changed_config_replays_the_log_as_decided_then_decides_with_the_new_one`` — the log
+  after a snapshot is replayed with the outer lr and H that decided it (θ bitwise), a ``Reconfigured`` record makes
+  the new ones decide from the restart on, a second crash replays the same, and a changed method is refused.
 * ``test_coordinator_main_process_sigkill_at_random_points`` — real processes: the coordinator's Python
   process alone is SIGKILLed (what the OOM killer does) at a random moment while two peers train; its DHT
   process dies with it, ``--resume`` reaps the orphaned p2pd, updates are applied again within seconds, the
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib.util
 import os
 import shutil
@@ -33,7 +37,7 @@ from asyncloco.coordinator.daemon import INITIAL_SNAPSHOT, CoordinatorDaemon
 from asyncloco.coordinator.logic import (
     Action, Applied, Assign, Duplicate, Lease, Rejected, RequestWork, SpeedReport, SubmitUpdate,
 )
-from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, WalError
+from asyncloco.coordinator.wal import ARCHIVE_DIR, WAL_DIR, WalError, read_records
 from asyncloco.transport.codecs import decode, encode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,6 +196,76 @@ def test_a_snapshot_older_than_the_log_is_refused_at_resume(tmp_path: Path) -> N
     shutil.copyfile(tmp_path / "old-state.pt", run_dir / "state.pt")  # someone restores an old snapshot
     with pytest.raises(WalError, match=r"covers the log up to record 0 but the log .* starts at record 13: records 1..12 were deleted.*older than the log"):
         CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)
+
+
+def _changed(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:
+    """``cfg`` with some values of some sections replaced."""
+    values = cfg.model_dump()
+    for section, changes in sections.items():
+        values[section] = {**values[section], **changes}
+    return RunConfig.model_validate(values)
+
+
+def _crash(daemon: CoordinatorDaemon) -> None:
+    """Abandon a daemon: no snapshot, no log close — only what was fsync-ed counts."""
+    daemon.monitoring.journal.close()
+    os.close(daemon.node.wal._fd) if daemon.node.wal._fd is not None else None
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_under_a_changed_config_replays_the_log_as_decided_then_decides_with_the_new_one(tmp_path: Path) -> None:
+    # the outer lr and H changed between a crash and its --resume: the logged updates (after the last snapshot) must be
+    # replayed with the lr that applied them, and the new lr decides from the restart on, recorded in the log
+    old = small_config(gate={"enabled": False}, snapshot_every=1000)  # no snapshot after the first: the log replays
+    new = _changed(old, outer={"lr": old.outer.lr / 2}, schedule={"max_local_steps": 7})
+    run_dir = tmp_path / "run"
+    generator = torch.Generator().manual_seed(1)
+
+    async def life(daemon: CoordinatorDaemon, rounds: int, first: bool) -> None:
+        daemon.node.stop_event = asyncio.Event()
+        if first:
+            await daemon.durability.save()
+        for i in range(rounds):
+            lease = await lease_for(daemon, f"peer-{i % 2}", 100.0)
+            assert isinstance(await submit(daemon, f"peer-{i % 2}", lease, torch.randn(daemon.numel, generator=generator) * 1e-3), Applied)
+
+    daemon = CoordinatorDaemon(old, checkpoint_dir=run_dir)
+    asyncio.run(life(daemon, 5, first=True))
+    before = daemon.durability.snapshot_payload(copy=True)["coordinator"]
+    _crash(daemon)
+    daemon = CoordinatorDaemon(new, checkpoint_dir=run_dir, resume=True)
+    assert daemon.durability.replayed >= 10  # five speed reports, requests and submissions
+    assert_same_state(daemon.node.state.state_dict(), before)  # θ bitwise: replayed at the old lr
+    state = daemon.node.state
+    assert (state.optimizer.lr, state.policy.max_local_steps) == (new.outer.lr, 7)
+    assert before["decisions"]["optimizer"]["settings"]["lr"] == old.outer.lr
+    types = [r.type for r in read_records(run_dir / WAL_DIR, 0)]
+    assert types.count("Reconfigured") == 1 and types[-2:] == ["Reconfigured", "Restarted"]
+    # from here on the new lr applies: the next update moves θ as a copy of the optimizer stepping it at lr / 2
+    reference, theta = copy.deepcopy(state.optimizer), state.params.clone()
+    g = torch.randn(daemon.numel, generator=generator) * 1e-3
+
+    async def one() -> None:
+        daemon.node.stop_event = asyncio.Event()
+        lease = await lease_for(daemon, "peer-0", 100.0)
+        assert lease.steps <= 7
+        assert isinstance(await submit(daemon, "peer-0", lease, g), Applied)
+
+    asyncio.run(one())
+    reference.step(theta, decode(encode("int8", g), daemon.numel), steps=0)
+    assert reference.lr == new.outer.lr and torch.equal(state.params, theta)
+    # crashed again before any snapshot: the same log replays to the same state under the new config, the initial
+    # snapshot's decisions (the old lr) up to the Reconfigured record, the new ones after it
+    final = daemon.durability.snapshot_payload(copy=True)["coordinator"]
+    _crash(daemon)
+    daemon = CoordinatorDaemon(new, checkpoint_dir=run_dir, resume=True)
+    assert_same_state(daemon.node.state.state_dict(), final)
+    types = [r.type for r in read_records(run_dir / WAL_DIR, 0)]
+    assert types.count("Reconfigured") == 1 and types.count("Restarted") == 2  # nothing changed at this restart
+    _crash(daemon)
+    # a change of the outer optimizer's kind is refused, naming both and the fix
+    with pytest.raises(ValueError, match=r"outer optimizer .* 'delayed_nesterov' .* 'async_buffer' .* cannot change within a run"):
+        CoordinatorDaemon(_changed(new, schedule={"method": "async_buffer"}), checkpoint_dir=run_dir, resume=True)
 
 
 # ------------------------------------------------------------------------------------ real processes

@@ -60,6 +60,8 @@ class OuterOptimizer(ABC):
     """Base class: hyper-parameters are constructor arguments, state lives in tensors/ints."""
 
     name: str = "outer"
+    #: the constructor's arguments, kept as attributes of the same names (:meth:`settings`)
+    SETTINGS: tuple[str, ...] = ("lr",)
 
     def __init__(self, lr: float) -> None:
         if not (lr > 0 and math.isfinite(lr)):
@@ -76,6 +78,11 @@ class OuterOptimizer(ABC):
     def flush(self, params: torch.Tensor) -> OuterStepInfo | None:
         """Apply whatever is still buffered (a sync round that closed short); None when nothing is."""
         return None
+
+    def settings(self) -> dict[str, Any]:
+        """The hyper-parameters, as constructor arguments: ``type(self)(**settings())`` is this optimizer without its
+        state. A coordinator snapshot records them (coordinator/logic/state.py ``decision_record``)."""
+        return {name: getattr(self, name) for name in self.SETTINGS}
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -112,6 +119,8 @@ class MomentumOptimizer(OuterOptimizer):
     by β^(h/H) instead (``outer.long_lease_momentum: scaled``, docs/algorithm.md "Outer momentum at long leases"):
     the momentum's memory is kept in local steps, so leases longer than H (``schedule.local_steps: auto``) are not each
     amplified by 1/(1 − β). Updates of at most H steps — every lease of the paper's DyLU — see β unchanged."""
+
+    SETTINGS: tuple[str, ...] = ("lr", "momentum", "reference_steps")
 
     def __init__(self, lr: float, momentum: float, reference_steps: int | None = None) -> None:
         super().__init__(lr)
@@ -181,6 +190,7 @@ class OuterAdam(OuterOptimizer):
     """Outer Adam (bias-corrected, no weight decay), matching ``torch.optim.Adam``."""
 
     name = "adam"
+    SETTINGS: tuple[str, ...] = ("lr", "betas", "eps")
 
     def __init__(self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
         super().__init__(lr)
@@ -237,6 +247,7 @@ class DelayedNesterov(MomentumOptimizer):
     """
 
     name = "delayed_nesterov"
+    SETTINGS: tuple[str, ...] = ("lr", "momentum", "buffer_size", "activation", "reference_steps")
 
     def __init__(
         self, lr: float, momentum: float, buffer_size: int, activation: float = 0.0, reference_steps: int | None = None
@@ -299,6 +310,7 @@ class AsyncBuffer(OuterNesterov):
     """
 
     name = "async_buffer"
+    SETTINGS: tuple[str, ...] = ("lr", "momentum", "buffer_size", "reference_steps")
 
     def __init__(self, lr: float, momentum: float, buffer_size: int, reference_steps: int | None = None) -> None:
         super().__init__(lr, momentum, reference_steps)

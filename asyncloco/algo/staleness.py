@@ -48,6 +48,8 @@ class Adjustment:
 
 class StalenessTransform(ABC):
     name: str = "transform"
+    #: the constructor's arguments, kept as attributes of the same names (:meth:`settings`)
+    SETTINGS: tuple[str, ...] = ()
     #: True when the transform needs θ at the update's base version (the coordinator then keeps it).
     needs_base_params: bool = False
 
@@ -64,6 +66,11 @@ class StalenessTransform(ABC):
         """Whether :meth:`adjust` drops every update of this staleness (without adjusting anything)."""
         return False
 
+    def settings(self) -> dict[str, Any]:
+        """The hyper-parameters, as constructor arguments: ``type(self)(**settings())`` is this transform without its
+        state. A coordinator snapshot records them (coordinator/logic/state.py ``decision_record``)."""
+        return {name: getattr(self, name) for name in self.SETTINGS}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -75,6 +82,7 @@ class PolyDiscount(StalenessTransform):
     """g ← (1 + s)^−exponent · g; drop when s > max_staleness (PolyThres) if that is set."""
 
     name = "poly"
+    SETTINGS: tuple[str, ...] = ("exponent", "max_staleness")
 
     def __init__(self, exponent: float = 0.5, max_staleness: int | None = None) -> None:
         if exponent < 0:
@@ -118,6 +126,7 @@ class DelayCompensation(StalenessTransform):
     """
 
     name = "delay_compensation"
+    SETTINGS: tuple[str, ...] = ("strength", "groups", "ema", "cap")
     needs_base_params = True
 
     def __init__(
@@ -202,6 +211,7 @@ class AsyncAwareLR(StalenessTransform):
     """AsyncLM's AALR: ε·min(1, τ_thresh/τ̄), τ̄ = mean staleness of the last ``window`` arrivals."""
 
     name = "async_aware_lr"
+    SETTINGS: tuple[str, ...] = ("threshold", "window")
 
     def __init__(self, threshold: float, window: int = 16) -> None:
         if threshold <= 0:
@@ -239,6 +249,7 @@ class OuterWarmup(StalenessTransform):
     Used by the simulator's experiment table (``python -m asyncloco.sim.reproduce --table 5``)."""
 
     name = "outer_warmup"
+    SETTINGS: tuple[str, ...] = ("arrivals",)
 
     def __init__(self, arrivals: int) -> None:
         if arrivals < 1:

@@ -8,6 +8,7 @@ the log is covered by a snapshot and may be dropped.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import typing
@@ -18,7 +19,7 @@ import torch
 from asyncloco.config import RunConfig
 from asyncloco.coordinator import node as node_module
 from asyncloco.coordinator.checkpoint import SNAPSHOT_NAME, load_snapshot, save_snapshot, snapshot_wal_seq
-from asyncloco.coordinator.logic import Applied, Action, Repaired, Restarted
+from asyncloco.coordinator.logic import Applied, Action, Reconfigured, Repaired, Restarted, decision_record
 from asyncloco.coordinator.monitoring import Monitoring, PeerStats
 from asyncloco.coordinator.node import EVENT_TYPES, CoordinatorNode
 from asyncloco.coordinator.verify import DaemonVerification
@@ -68,6 +69,7 @@ class Durability:
         stats = self.monitoring.stats
         snapshot = load_snapshot(self.dir)
         check_stamp(snapshot.get("stamp"), SOFTWARE_STAMP, f"the snapshot {self.dir / SNAPSHOT_NAME}")
+        wanted = decision_record(self.node.state)  # this config's; the log is replayed with what decided it
         self.node.load(snapshot["coordinator"])
         known = set(PeerStats.__dataclass_fields__)
         for name, values in snapshot.get("peer_stats", {}).items():
@@ -79,6 +81,7 @@ class Durability:
         while self.verification is not None and self.verification.pending_repairs:
             # expelled, but the coordinator stopped before the repair: carried out now, its Repaired record logged
             self.verification.repair_pending(self.monitoring.journal)
+        self.reconfigure(wanted)
         # The restart itself is an event of the logic (held requests died with their RPCs; the downtime is not
         # the peers' silence: they get RESUME_GRACE_S to call again), logged like every other.
         actions = self.node.decide_unanswered(Restarted(RESUME_GRACE_S))
@@ -95,6 +98,14 @@ class Durability:
             state.local_updates,
             len(state.leases),
         )
+
+    def reconfigure(self, wanted: dict[str, Any]) -> None:
+        """After the replay: when this config decides differently from the run so far (its policy, the outer optimizer's
+        or the staleness transforms' hyper-parameters), a logged ``Reconfigured`` event makes it decide from here on."""
+        if decision_record(self.node.state) == wanted:
+            return
+        actions = self.node.decide_unanswered(Reconfigured(json.dumps(wanted)))
+        self.monitoring.bookkeep(actions)  # its Notice names what changed (journal "notice", the log)
 
     def replay(self, records: typing.Iterable[WalRecord]) -> int:
         """Feed logged records through ``handle`` and the daemon's bookkeeping, answering nobody."""

@@ -47,7 +47,7 @@ The package, each module importing only those listed before it: state.py (the st
 actions); indexes.py (the derived indexes: the lease book, leases by deadline, the speed heap; queries.py asks them
 read-only); draws.py (which leases are re-run, decided at issue); leases.py (RequestWork, Fetched, HoldDropped:
 issuing with DyLU and Eq. 2, grace windows, give-backs, expiry, θ retained at base versions); peers.py (SpeedReport,
-Hello, Tick, PeerLeft, Restarted: speeds and liveness); submit.py (SubmitUpdate: refusals, the gate, held or applied,
+Hello, Tick, PeerLeft, Restarted, Reconfigured: speeds, liveness, a restart); submit.py (SubmitUpdate: refusals, the gate, held or applied,
 the commitment chain, the apply path; Discard); verification.py (Verified, Unverified, held updates dropped,
 Repaired); admission.py (Admit, Revoke, Fingerprint, and the admission gate). ``handle`` and ``new_state`` are here:
 ``handle`` dispatches each event to its module's public ``on_*`` handler, and this package re-exports only public
@@ -70,14 +70,14 @@ from asyncloco.coordinator.logic.draws import PROBATION_WAIT, gate_proven, must_
 from asyncloco.coordinator.logic.events import (
     Action, Admit, Admitted, Applied, Assign, Discard, Duplicate, Event, Expelled, Expired, Fetched, Fingerprint,
     Held, Hello, Hold, HoldDropped, Incompatible, Left, Notice, PeerLeft, Quarantined, Refused, Rejected, Released,
-    Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Unverified, Verdict, Verified, Verify,
+    Reconfigured, Repaired, RequestWork, Restarted, Revoke, Revoked, SpeedReport, SubmitUpdate, Tick, Unverified, Verdict, Verified, Verify,
 )
 from asyncloco.coordinator.logic.leases import (
     VERIFY_PIN_FACTOR, awaiting_verdicts, base_theta, fresh_reason, return_range, transfer_seconds,
 )
 from asyncloco.coordinator.logic.state import (
     AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
-    ShardState, VerificationState, VerifyPolicy,
+    ShardState, VerificationState, VerifyPolicy, decision_changes, decision_record,
 )
 from asyncloco.coordinator.logic.submit import (
     checked_after, gate_verdict, holds, refused_as_sent, update_problem, validate_update,
@@ -101,6 +101,8 @@ __all__ = [
     "ShardState",
     "VerificationState",
     "VerifyPolicy",
+    "decision_changes",
+    "decision_record",
     # events (events.py)
     "Event",
     "SpeedReport",
@@ -111,6 +113,7 @@ __all__ = [
     "Tick",
     "PeerLeft",
     "Restarted",
+    "Reconfigured",
     "HoldDropped",
     "Admit",
     "Revoke",
@@ -195,6 +198,8 @@ def handle(state: CoordinatorState, event: Event, now: float) -> tuple[Coordinat
         actions = peers.on_peer_left(state, event, now)
     elif isinstance(event, Restarted):
         actions = peers.on_restarted(state, event, now)
+    elif isinstance(event, Reconfigured):
+        actions = peers.on_reconfigured(state, event)
     elif isinstance(event, HoldDropped):
         actions = leases.on_hold_dropped(state, event, now)
     elif isinstance(event, Verified):

@@ -102,6 +102,15 @@ class Restarted:
 
 
 @dataclass(frozen=True)
+class Reconfigured:
+    """A ``--resume`` under a config that decides differently (its policy, the outer optimizer's or the staleness
+    transforms' hyper-parameters): ``decisions`` (state.py ``decision_record``, as JSON) decide from here on. The log
+    before this record is replayed with what decided it, recorded in the snapshots and in earlier such records."""
+
+    decisions: str
+
+
+@dataclass(frozen=True)
 class Tick:
     pass
 
@@ -215,7 +224,7 @@ ADOPTED_FIELDS = ("lease_id", "peer", "shard", "start_offset", "steps", "lr_offs
 
 Event = Union[
     SpeedReport, Hello, RequestWork, Fetched, SubmitUpdate, Tick, PeerLeft, Restarted, Admit, Revoke, HoldDropped,
-    Verified, Unverified, Discard, Fingerprint, Repaired,
+    Verified, Unverified, Discard, Fingerprint, Repaired, Reconfigured,
 ]
 
 

@@ -1,15 +1,19 @@
 """Peers: what the coordinator knows of each (SpeedReport, Hello: its speed, link rates and signing key) and whether
 it is still there (Tick: lease deadlines, hold limits, silent peers; PeerLeft; Restarted: the coordinator's own
-downtime is not the peers' fault), and the notice when the live peers stop matching the outer optimizer's N."""
+downtime is not the peers' fault; Reconfigured: a restart under a config that decides differently), and the notice
+when the live peers stop matching the outer optimizer's N."""
 
 from __future__ import annotations
 
+import json
 import math
 
-from asyncloco.coordinator.logic.events import Action, Hello, Left, Notice, PeerLeft, Released, Restarted, SpeedReport
+from asyncloco.coordinator.logic.events import (
+    Action, Hello, Left, Notice, PeerLeft, Reconfigured, Released, Restarted, SpeedReport,
+)
 from asyncloco.coordinator.logic.indexes import note_speed
 from asyncloco.coordinator.logic.leases import expire, give_back, note_link, transfer_allowance
-from asyncloco.coordinator.logic.state import CoordinatorState, PeerInfo
+from asyncloco.coordinator.logic.state import CoordinatorState, PeerInfo, install_decisions
 
 
 # ------------------------------------------------------------------------------ SpeedReport, Hello
@@ -104,6 +108,12 @@ def on_peer_left(state: CoordinatorState, event: PeerLeft, now: float) -> list[A
         if lease.peer == event.peer:
             actions += give_back(state, lease, "peer left")
     return actions
+
+
+def on_reconfigured(state: CoordinatorState, event: Reconfigured) -> list[Action]:
+    """A restart's new policy and hyper-parameters decide from here on (the optimizer's and transforms' state kept)."""
+    changes = install_decisions(state, json.loads(event.decisions))
+    return [Notice("restarted with a config that decides differently from here on: " + "; ".join(changes))]
 
 
 def on_restarted(state: CoordinatorState, event: Restarted, now: float) -> list[Action]:

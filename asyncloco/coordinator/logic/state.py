@@ -3,7 +3,9 @@ derived indexes (rebuilt, never checkpointed). Part of the pure logic (coordinat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -357,6 +359,7 @@ class CoordinatorState:
             "revoked": dict(self.revoked),
             "verification": self.verification.state_dict(),
             "incompatible": dict(self.incompatible),
+            "decisions": decision_record(self),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -368,6 +371,8 @@ class CoordinatorState:
             )
         if len(state["shards"]) != len(self.shards):
             raise ValueError(f"checkpoint has {len(state['shards'])} shards, config has {len(self.shards)}")
+        if "decisions" in state:  # the log after this snapshot was decided with these (older snapshots: the config's)
+            install_decisions(self, state["decisions"])
         self.params.copy_(params)
         self.optimizer.load_state_dict(state["optimizer"])
         for transform, sub in zip(self.transforms, state["transforms"]):
@@ -397,3 +402,81 @@ class CoordinatorState:
         verification = state.get("verification")
         self.verification = VerificationState() if verification is None else VerificationState.from_state_dict(verification)
         self.incompatible = {str(k): str(v) for k, v in state.get("incompatible", {}).items()}
+
+
+# ------------------------------------------------------------------------------------ what decides
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON would give it back (tuples as lists, ∞ kept): records compare equal however they were made."""
+    return json.loads(json.dumps(value))
+
+
+def policy_record(policy: CoordinatorPolicy) -> dict[str, Any]:
+    """The policy as plain values: its gate and verification policies as dicts, the allowlist sorted."""
+    record = dataclasses.asdict(policy)
+    record["allowlist"] = sorted(policy.allowlist)
+    return _plain(record)
+
+
+def policy_from_record(record: dict[str, Any]) -> CoordinatorPolicy:
+    """:func:`policy_record` back as the policy (a field this version does not know is refused)."""
+    values = dict(record)
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(CoordinatorPolicy)})
+    if unknown:
+        raise ValueError(f"a recorded coordinator policy has fields this version does not know: {unknown}")
+    gate, verify = values.get("gate"), values.get("verify")
+    values["gate"] = None if gate is None else GatePolicy(**gate)
+    values["verify"] = None if verify is None else VerifyPolicy(**verify)
+    values["allowlist"] = frozenset(values.get("allowlist", ()))
+    return CoordinatorPolicy(**values)
+
+
+def decision_record(state: CoordinatorState) -> dict[str, Any]:
+    """What decides besides the state's own values, as plain values: the policy and the hyper-parameters of the outer
+    optimizer and of the staleness transforms. A snapshot records it, so that the log after it is replayed as it was
+    decided (a ``--resume``, a repair's replay); a change at a ``--resume`` is a ``Reconfigured`` event."""
+    return _plain({
+        "policy": policy_record(state.policy),
+        "optimizer": {"name": state.optimizer.name, "settings": state.optimizer.settings()},
+        "transforms": [{"name": t.name, "settings": t.settings()} for t in state.transforms],
+    })
+
+
+def decision_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """``"path: old -> new"`` for each value that differs between two :func:`decision_record`\\ s."""
+    changes: list[str] = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            a, b = dict(enumerate(a)), dict(enumerate(b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += decision_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {json.dumps(a)} -> {json.dumps(b)}")
+    return changes
+
+
+def install_decisions(state: CoordinatorState, record: dict[str, Any]) -> list[str]:
+    """Make ``record`` (a :func:`decision_record`) what decides for ``state``: a snapshot's at a load, a
+    ``Reconfigured`` event's at a ``--resume`` that changed them. The optimizer and transforms keep their state (rebuilt
+    with the recorded hyper-parameters); their kinds cannot change within a run. Returns what changed."""
+    current = decision_record(state)
+    kinds = (record["optimizer"]["name"], [t["name"] for t in record["transforms"]])
+    if kinds != (state.optimizer.name, [t.name for t in state.transforms]):
+        raise ValueError(
+            f"this run's outer optimizer and staleness transforms are {kinds[0]!r} {kinds[1]}; the config makes them "
+            f"{state.optimizer.name!r} {[t.name for t in state.transforms]}. They cannot change within a run: resume "
+            "with the run's schedule.method and staleness settings, or start a new run (asyncloco export keeps θ)"
+        )
+    if record["optimizer"] != current["optimizer"]:
+        optimizer = type(state.optimizer)(**record["optimizer"]["settings"])
+        optimizer.load_state_dict(state.optimizer.state_dict())
+        state.optimizer = optimizer
+    for i, (transform, wanted) in enumerate(zip(list(state.transforms), record["transforms"])):
+        if wanted != current["transforms"][i]:
+            rebuilt = type(transform)(**wanted["settings"])
+            rebuilt.load_state_dict(transform.state_dict())
+            state.transforms[i] = rebuilt
+    state.policy = policy_from_record(record["policy"])
+    return decision_changes(current, decision_record(state))
