@@ -35,7 +35,9 @@ the link-tuned runs use), and each variant side by side on the same data:
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
   update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
   delivered (a what-if: the runtime does not do this; ``Eager`` below); ``upload_eager_lr``: a share of the outer
-  lr; ``upload_eager_whole``: all of it.
+  lr; ``upload_eager_whole``: all of it; ``upload_scaled_30_sign_ef_carry_eager``, ``..._eager_lr`` and
+  ``..._eager_whole``: the three on the carried-throughout setting (is the upload's delay the peer's own update
+  missing from the θ its next lease starts from?).
 
 Prints, per variant, the perplexity (the toy's loss) at each evaluation, the mean staleness and the final value × the
 instant run's, and writes them as JSON.
@@ -98,6 +100,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "upload_eager": {"eager": True},
     "upload_eager_lr": {"eager": "lr"},
     "upload_eager_whole": {"eager": "whole"},
+    "upload_scaled_30_sign_ef_carry_eager": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                             "eager": True},
+    "upload_scaled_30_sign_ef_carry_eager_lr": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                                "eager": "lr"},
+    "upload_scaled_30_sign_ef_carry_eager_whole": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
+                                                   "eager": "whole"},
 }
 
 

@@ -248,7 +248,8 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
                        "instant_sign_ef_carry", "upload_scaled_30_sign_ef_reset", "upload_scaled_30_sign_ef_pairs",
                        "upload_scaled_30_sign_ef_segments_4", "upload_scaled_30_sign_ef_after_check_0.75",
                        "upload_scaled_30_sign_ef_carry_batch_4", "upload_eager",
-                       "upload_eager_lr", "upload_eager_whole"]
+                       "upload_eager_lr", "upload_eager_whole", "upload_scaled_30_sign_ef_carry_eager",
+                       "upload_scaled_30_sign_ef_carry_eager_lr", "upload_scaled_30_sign_ef_carry_eager_whole"]
     instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5", "instant_scaled_30", "instant_sign_ef_carry")
     assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
     # the scaled momentum as if H were 30: the smoke's 10-step leases are shorter, so β is the paper's, bitwise
@@ -261,6 +262,12 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
     assert [r[name]["momentum"] for name in ("upload_momentum_0.7", "instant_momentum_0.7", "upload")] == [0.7, 0.7, 0.9]
     assert r["upload_lr_0.35"]["outer_lr"] == 0.35 and r["upload_buffer_5"]["buffer_size"] == 5
     assert (r["upload_eager_lr"]["eager"], r["upload_eager_whole"]["eager"]) == ("lr", "whole")
+    # the eager starts on the carried setting: the same codec, residual and state, each share its own trajectory
+    eager = [r[f"upload_scaled_30_sign_ef_carry_eager{tail}"] for tail in ("", "_lr", "_whole")]
+    assert [(e["eager"], e["codec"], e["error_feedback"], e["inner_state"]) for e in eager] == [
+        (share, "sgn15of16", True, "carry") for share in (True, "lr", "whole")]
+    evals = [r["upload_scaled_30_sign_ef_carry"]["evals"]] + [e["evals"] for e in eager]
+    assert all(a[1:] != b[1:] for i, a in enumerate(evals) for b in evals[i + 1:])
     # the sign codec without a residual (fresh leases) and with one carried along with the inner state
     assert [(r[n]["codec"], r[n]["error_feedback"], r[n]["inner_state"]) for n in
             ("upload_scaled_30_sign", "upload_scaled_30_sign_ef_carry", "upload")] == [
