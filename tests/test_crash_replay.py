@@ -152,8 +152,7 @@ def test_replay_after_crashes_equals_the_replay_of_the_whole_log(tmp_path: Path)
     snapshots = [daemon.durability.snapshots_written]
     for crash in range(3):
         before = daemon.durability.snapshot_payload(copy=True)["coordinator"]
-        daemon.monitoring.journal.close()  # a crash: no snapshot, no log close — only what was fsync-ed counts
-        os.close(daemon.node.wal._fd) if daemon.node.wal._fd is not None else None
+        _crash(daemon)
         daemon = CoordinatorDaemon(cfg, checkpoint_dir=run_dir, resume=True)
         assert daemon.durability.replayed >= 1
         assert_same_state(daemon.node.state.state_dict(), before)

@@ -77,7 +77,7 @@ from asyncloco.coordinator.logic.leases import (
 )
 from asyncloco.coordinator.logic.state import (
     AdmissionRecord, CoordinatorPolicy, CoordinatorState, DerivedIndexes, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo,
-    ShardState, VerificationState, VerifyPolicy, decision_changes, decision_record,
+    ShardState, VerificationState, VerifyPolicy, decision_record,
 )
 from asyncloco.coordinator.logic.submit import (
     checked_after, gate_verdict, holds, refused_as_sent, update_problem, validate_update,
@@ -101,7 +101,6 @@ __all__ = [
     "ShardState",
     "VerificationState",
     "VerifyPolicy",
-    "decision_changes",
     "decision_record",
     # events (events.py)
     "Event",
