@@ -156,6 +156,11 @@ class ScheduleConfig(StrictModel):
     max_auto_steps: int | None = Field(
         None, ge=1, description="local_steps auto: H_max, the most steps a lease gets (None: 10 × max_local_steps)"
     )
+    eager_start: float = Field(
+        0.0, ge=0, le=2, description="s of the eager start: a lease granted while the peer's previous update is on its "
+        "way starts from θ − s × that update as the coordinator decodes it (0: off; the outer learning rate is the step "
+        "the update will take; algo/eager.py, docs/algorithm.md)"
+    )
 
     @property
     def auto_steps_cap(self) -> int:

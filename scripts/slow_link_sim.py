@@ -33,11 +33,11 @@ the link-tuned runs use), and each variant side by side on the same data:
   shorter on the same link (a what-if: compare at equal rows, each evaluation's ``rows``);
 * ``upload_buffer_5``: Delayed Nesterov's N at 5 × 2 = 10 arrivals (overlapped runs double it) instead of 6;
 * ``upload_eager``: the same with each worker starting its next lease from θ minus the share of its in-flight
-  update that the coordinator applies at once (outer lr / N) — a peer-side guess of the update it has not yet
-  delivered (a what-if: the runtime does not do this; ``Eager`` below); ``upload_eager_lr``: a share of the outer
-  lr; ``upload_eager_whole``: all of it; ``upload_scaled_30_sign_ef_carry_eager``, ``..._eager_lr`` and
-  ``..._eager_whole``: the three on the carried-throughout setting (is the upload's delay the peer's own update
-  missing from the θ its next lease starts from?).
+  update that the coordinator applies at once (outer lr / N): the engine's eager start (``schedule.eager_start``,
+  algo/eager.py) at that share; ``upload_eager_lr``: the outer lr (the runtime's choice); ``upload_eager_whole``: all of
+  it; ``upload_scaled_30_sign_ef_carry_eager``, ``..._eager_lr`` and ``..._eager_whole``: the three on the
+  carried-throughout setting (is the upload's delay the peer's own update missing from the θ its next lease starts
+  from?); ``upload_scaled_30_sign_ef_after_check_0.75_eager_lr``: the runtime's slow-uplink setting with it.
 
 Prints, per variant, the perplexity (the toy's loss) at each evaluation, the mean staleness and the final value × the
 instant run's, and writes them as JSON.
@@ -66,8 +66,7 @@ import torch  # noqa: E402
 from asyncloco.algo.outer import MomentumOptimizer  # noqa: E402
 from asyncloco.algo.staleness import PolyDiscount  # noqa: E402
 from asyncloco.config import RunConfig  # noqa: E402
-from asyncloco.sim.engine import Simulation, _Worker  # noqa: E402
-from asyncloco.train.inner import RoundResult  # noqa: E402
+from asyncloco.sim.engine import Simulation  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "instant": {"upload": False},
@@ -106,30 +105,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                 "eager": "lr"},
     "upload_scaled_30_sign_ef_carry_eager_whole": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
                                                    "eager": "whole"},
+    "upload_scaled_30_sign_ef_after_check_0.75_eager_lr": {"reference": 30, "codec": "sgn15of16", "ef": True,
+                                                           "state": "carry", "after_check": 0.75, "eager": "lr"},
 }
-
-
-class Eager(Simulation):
-    """A worker whose update is still on its way trains its next lease from θ − (outer lr / N) · that update: the
-    part the coordinator will apply to θ at once when it arrives (Delayed Nesterov's g/N; its momentum is not
-    guessed). The pseudo-gradient is taken from that start, as a peer's always is from the θ it trained from.
-    ``eager = "lr"``: the share is the outer lr (its own update standing for the round's mean, as in "eager updates"
-    for overlapped DiLoCo); ``"whole"``: the whole update (the next lease continues from the last one's end)."""
-
-    eager: Any = True
-
-    def _train(self, worker: _Worker, shard: int, start_offset: int, steps: int, lr_offset: int) -> RoundResult:
-        pending = self._uploads.get(worker.name) or []
-        if not pending:
-            return super()._train(worker, shard, start_offset, steps, lr_offset)
-        optimizer = self.state.optimizer
-        share = {"lr": optimizer.lr, "whole": 1.0}.get(self.eager, optimizer.lr / getattr(optimizer, "buffer_size", 1))
-        saved = self.state.params.clone()
-        try:
-            self.state.params.sub_(pending[0][0].pseudo_gradient, alpha=share)
-            return super()._train(worker, shard, start_offset, steps, lr_offset)
-        finally:
-            self.state.params.copy_(saved)
 
 
 class Pairs(Simulation):
@@ -216,7 +194,7 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
         "outer": {"lr": variant.get("lr", 0.7), "momentum": variant.get("momentum", 0.9),
                   "buffer_size": variant.get("buffer", 3)},
         "schedule": {"method": "async_dn_dylu", "max_local_steps": max(2, steps // k), "min_steps": 2,
-                     "grace_period": 1.0},
+                     "grace_period": 1.0, "eager_start": eager_share(variant)},
         "sim": {"workers": 3, "profile": [1.0 * k, 1.5 * k, 4.0 * k],
                 "total_local_updates": (200 if smoke else args.updates) // k,
                 "eval_every": (50 if smoke else args.eval_every) // k, "overlap": True, "upload_s": upload_s,
@@ -227,18 +205,24 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
     })
 
 
+def eager_share(variant: dict[str, Any]) -> float:
+    """``schedule.eager_start`` of a variant (algo/eager.py): ``"lr"`` the outer lr, ``"whole"`` 1, ``True`` the
+    outer lr / N (the part Delayed Nesterov applies at once), absent 0 (off)."""
+    eager = variant.get("eager", False)
+    lr = variant.get("lr", 0.7)
+    return {"lr": lr, "whole": 1.0}.get(eager, lr / variant.get("buffer", 3)) if eager else 0.0
+
+
 def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
     cfg = config(args, variant)
-    kind = (Eager if variant.get("eager") else Pairs if variant.get("pairs") else Segments if variant.get("segments")
+    kind = (Pairs if variant.get("pairs") else Segments if variant.get("segments")
             else AfterCheck if variant.get("after_check") else Simulation)
     simulation = kind(cfg, "async_dn_dylu")
     if isinstance(simulation, Segments):
         simulation.every = variant["segments"]
     if isinstance(simulation, AfterCheck):
         simulation.fraction = variant["after_check"]
-    if isinstance(simulation, Eager):
-        simulation.eager = variant["eager"]
     if "poly" in variant:
         simulation.state.transforms.append(PolyDiscount(variant["poly"]))
     if "reference" in variant:  # outer.long_lease_momentum: scaled as if H were this (leases sized by local_steps auto)

@@ -181,6 +181,7 @@ class GatedClient(MemoryClient):
         self.keeps: list[Optional[str]] = []
         self.reveals: list[str] = []
         self.revealed_bytes: list[int] = []
+        self.eager: list[str] = []  # the eager_of each submission named (schedule.eager_start), in order
 
     async def assign(self, *args: Any, keep: Optional[str] = None, **kwargs: Any) -> Any:
         self.keeps.append(keep)
@@ -192,6 +193,8 @@ class GatedClient(MemoryClient):
     async def submit(self, lease_id: str, base_version: int, pseudo_gradient: Any, **kwargs: Any) -> Ack:
         if lease_id not in self.leases:
             self.leases.append(lease_id)
+            if kwargs.get("eager_of") is not None:
+                self.eager.append(kwargs["eager_of"])
         k = self.granted.index(lease_id) + 1
         if len(self.leases) < self.gates.rounds:
             await self.gates.until_trains(k + 1)
@@ -616,6 +619,11 @@ class SlowDownloadClient(MemoryClient):
         self.gates = gates
         self.granted: list[str] = []
         self.keeps: list[Optional[str]] = []
+        self.eager: list[Optional[str]] = []  # each submission's eager_of, in order
+
+    async def submit(self, lease_id: str, base_version: int, pseudo_gradient: Any, **kwargs: Any) -> Any:
+        self.eager.append(kwargs.get("eager_of"))
+        return await super().submit(lease_id, base_version, pseudo_gradient, **kwargs)
 
     async def assign(self, *args: Any, keep: Optional[str] = None, **kwargs: Any) -> Any:
         reply = await super().assign(*args, keep=keep, **kwargs)
@@ -635,11 +643,15 @@ class SlowDownloadClient(MemoryClient):
 
 
 @pytest.mark.timeout(120)
-def test_a_slow_download_link_asks_for_the_next_lease_while_one_trains(tmp_path: Path) -> None:
+@pytest.mark.parametrize("eager", [0.0, 0.7], ids=["plain", "eager-start"])
+def test_a_slow_download_link_asks_for_the_next_lease_while_one_trains(tmp_path: Path, eager: float) -> None:
     """Asking ahead (peer/pipeline.py): the next lease is asked for (naming the one in training as ``keep``) and its
     θ downloaded while the current one trains; every lease applied once, every check passes (the commitment chain
-    runs through leases asked for ahead), the exposed download wait is only the first lease's."""
+    runs through leases asked for ahead), the exposed download wait is only the first lease's. With the eager start
+    (schedule.eager_start) each lease asked for ahead starts from θ minus the update of the one that was training,
+    sent by the time it trains: every check bitwise all the same."""
     cfg, clock, rounds = config(), FakeClock(), 4
+    cfg = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"eager_start": eager})})
     gates = Gates(rounds)
     for k in gates.release:
         gates.release[k].clear()
@@ -680,3 +692,7 @@ def test_a_slow_download_link_asks_for_the_next_lease_while_one_trains(tmp_path:
     assert timing["download_ahead"] >= 0.0 and timing["assign_ahead"] >= 0.0
     verdicts = _verdicts_ok(run_dir)
     assert sorted(v["lease_id"] for v in verdicts) == sorted(applied)
+    eagerly = [r["lease_id"] for r in journal(run_dir, "assign") if "eager start" in r["reason"]]
+    assert eagerly == (client.granted[1:] if eager else [])
+    assert client.eager == ([None] + client.granted[:-1] if eager else [None] * rounds)  # and the peer took each
+    assert all(v["detail"] == "bitwise equal to the re-run" for v in verdicts), verdicts

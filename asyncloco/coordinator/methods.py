@@ -273,4 +273,5 @@ def coordinator_policy(
         link_steps=cfg.schedule.local_steps == "auto",
         transfer_cover=cfg.schedule.transfer_cover,
         max_auto_steps=cfg.schedule.auto_steps_cap,
+        eager_share=0.0 if spec.barrier else cfg.schedule.eager_start,
     )

@@ -232,6 +232,9 @@ def _keep_checks(state: CoordinatorState, live_leases: Mapping[str, Lease],
     counts), and θ at its base version — the live one its peer trained from — is retained for the re-run."""
     for lease in state.leases.values():
         live = live_leases[lease.lease_id]
+        # the eager start its peer was granted, and whether the update it subtracts was accepted, as they were live (the
+        # update kept for its check is not carried over: that check ends unverified, rerun.start_theta)
+        lease.eager_of, lease.eager_share, lease.eager_ready = live.eager_of, live.eager_share, live.eager_ready
         if not (live.verify or lease.verify):
             continue
         lease.verify = live.verify or lease.verify

@@ -67,7 +67,21 @@ def start_theta(task: "Verify") -> tuple[Optional[torch.Tensor], str]:
     base version (``task.base``) and the anchor's full encoding (``task.anchor_body``) with the coordinator's own
     encoding (transport/delta.py ``decoded_theta``), once it hashes to the peer's ``theta_digest``; θ itself for a
     submission without them. None and why when the peer's digest is not that θ's: it trained from another θ than the
-    one it names (or names one it was never sent), a failed check."""
+    one it names (or names one it was never sent), a failed check. With an eager start (``task.lease.eager_of``,
+    algo/eager.py) the re-run starts where the peer did: that θ minus ``eager_share`` × the update it names
+    (``task.eager``; the daemon ends a check without it unverified before it gets here)."""
+    theta, why = _decoded_start(task)
+    if theta is None or not task.lease.eager_of:
+        return theta, why
+    if task.eager is None:
+        raise RuntimeError(f"the update lease {task.lease.lease_id}'s eager start subtracted is not at hand")
+    from asyncloco.algo.eager import eager_start
+
+    return eager_start(theta, task.eager, task.lease.eager_share), ""
+
+
+def _decoded_start(task: "Verify") -> tuple[Optional[torch.Tensor], str]:
+    """The θ the peer decoded (:func:`start_theta` before its eager start)."""
     if not task.theta_codec:
         return task.base, ""
     from asyncloco.transport.delta import decoded_theta, theta_digest

@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 def lease_to_wire(lease: Lease, batch_size: int) -> dict[str, Any]:
     fresh = {"fresh": True} if lease.fresh else {}  # absent unless set: a peer of an earlier version reads the rest
-    return {**fresh,
+    eager = {"eager_of": lease.eager_of, "eager_share": lease.eager_share} if lease.eager_of else {}
+    return {**fresh, **eager,
         "lease_id": lease.lease_id,
         "base_version": lease.base_version,
         "shard": lease.shard,
@@ -292,7 +293,8 @@ class Serving:
                                      device_class=getattr(header, "device_class", None),
                                      theta_codec=getattr(header, "theta_codec", None),
                                      theta_anchor=getattr(header, "theta_anchor", None),
-                                     theta_digest=getattr(header, "theta_digest", None))
+                                     theta_digest=getattr(header, "theta_digest", None),
+                                     eager_of=getattr(header, "eager_of", None))
                 if arrival is not None:
                     verification.arriving.add(lease_id)
                 try:

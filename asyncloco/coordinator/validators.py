@@ -98,7 +98,7 @@ class ValidatorDesk:
                 from asyncloco.coordinator.rerun import start_theta
 
                 # a compressed download: the validator re-runs from the θ the peer decoded, rebuilt here
-                base, why = await asyncio.to_thread(start_theta, task) if task.theta_codec else (task.base, "")
+                base, why = await asyncio.to_thread(start_theta, task) if task.theta_codec or task.lease.eager_of else (task.base, "")
                 if base is not None:
                     break
                 await self.verification.judged(task, False, False, math.inf, -1.0, why)

@@ -518,7 +518,7 @@ class DaemonVerification:
                 reason = record.lease.verify if held is not None else f"{record.lease.verify} (applied first: verifier behind)"
                 checks.append(Verify(peer, record.lease, record.base, record.update, reason, "",
                                      record.state_start, record.state_end, record.device_class, record.theta_codec,
-                                     record.theta_anchor, record.theta_digest))
+                                     record.theta_anchor, record.theta_digest, eager=record.eager))
                 found.add(lease_id)
         from asyncloco.train.commitments import FRESH_STATE_DIGEST
 
@@ -770,7 +770,7 @@ class DaemonVerification:
         state = self.port.node.state
         lease = state.leases.get(lease_id)
         base = base_theta(state, base_version)
-        if lease is None or lease.peer != peer or lease.base_version != base_version or base is None:
+        if lease is None or lease.peer != peer or lease.base_version != base_version or base is None or lease.eager_of:
             return None
         result = ahead.take(lease_id)
         if result is None:
@@ -841,7 +841,8 @@ class DaemonVerification:
                 return
             leases = [lease for lease in state.leases.values()
                       if lease.peer == peer and lease.base_version == version and lease.verify
-                      and not lease.verify.startswith(PROBATION_WAIT) and lease.lease_id not in book.pending]
+                      and not lease.verify.startswith(PROBATION_WAIT) and lease.lease_id not in book.pending
+                      and not lease.eager_of]  # an eager start is known once the update it subtracts is in
             theta = base_theta(state, version) if leases else None
             if theta is None:
                 return
@@ -854,6 +855,10 @@ class DaemonVerification:
     def _queue_check(self, action: Verify) -> None:
         if not action.base.numel():  # θ at its base version is gone (logic/submit.py on_submit): no re-run can be had
             self._decide_later(self._unverified(action, "θ at the lease's base version is no longer held"))
+            return
+        if action.lease.eager_of and action.eager is None:  # its start is not at hand (lost to a restart or a repair)
+            self._decide_later(self._unverified(action, f"the update of {action.lease.eager_of} its eager start "
+                                                "subtracted is no longer held"))
             return
         if action.theta_anchor is not None and action.anchor_body is None:
             # a delta download: the re-run starts from the anchor's full encoding plus the delta (rerun.start_theta)

@@ -79,11 +79,13 @@ def ask_ahead_s(download_s: Optional[float], observed_s: Optional[float] = None)
 
 
 class _InFlight:
-    """A round whose update is uploading: its lease and the task that sends it (and reveals it, if asked)."""
+    """A round whose update is uploading: its lease, the task that sends it (and reveals it, if asked), and the
+    encoding it sends (a lease granted with the eager start of this one starts from θ minus its decoding)."""
 
-    def __init__(self, lease: LeaseGrant, task: "asyncio.Task[Optional[Ack]]") -> None:
+    def __init__(self, lease: LeaseGrant, task: "asyncio.Task[Optional[Ack]]", encoded: Any) -> None:
         self.lease = lease
         self.task = task
+        self.encoded = encoded
 
 
 class OverlappedRounds:
@@ -109,6 +111,7 @@ class OverlappedRounds:
         self.ahead: Optional["asyncio.Task[Optional[tuple[LeaseGrant, Any]]]"] = None
         self.observed_ahead_s: Optional[float] = None  # how long the last ask ahead + its θ download took
         self.trained = asyncio.Event()
+        self.applied_last: Optional[tuple[str, Any]] = None  # the last collected upload, if applied: (lease id, encoding)
 
     async def run(self) -> None:
         self._keep_two_reveals()
@@ -159,6 +162,7 @@ class OverlappedRounds:
         if theta is None:
             return
         on_unsettled = self.inflight is not None  # trains from the end state of an update not yet acknowledged
+        theta, eager = await self._eager_start(lease, theta)
         self._start_ahead(lease)
         try:
             pseudo_gradient = await runner._train_round(self.trainer, theta, lease, self.cfg, self.workload)
@@ -168,12 +172,36 @@ class OverlappedRounds:
             waiting = runner.clock.monotonic()
             applied = await self._collect()
             add_timing(runner.summary, "upload_wait", runner.clock.monotonic() - waiting)
-            if not applied and on_unsettled and runner._commits(self.trainer) and not lease.fresh:
+            if not applied and ((on_unsettled and runner._commits(self.trainer) and not lease.fresh) or eager):
                 runner.summary.discarded += 1
                 logger.warning("lease %s not submitted: it was trained from the end state of an update the coordinator "
                                "did not apply (the coordinator gives its %d steps back)", lease.lease_id, lease.steps)
                 return
-        self._send(lease, await self._encode(lease, pseudo_gradient))
+        self._send(lease, await self._encode(lease, pseudo_gradient), eager)
+
+    async def _eager_start(self, lease: LeaseGrant, theta: Any) -> tuple[Any, Optional[str]]:
+        """θ to train ``lease`` from, and the lease whose update its start subtracted (None: θ itself): with an eager
+        start (``LeaseGrant.eager_of``, algo/eager.py) θ − ``eager_share`` × the update of that lease as the
+        coordinator decodes it — if this peer still holds its encoding and has not seen it refused (a restart loses
+        it; the submission then says it trained from θ)."""
+        kept = lease.eager_of
+        if not kept or lease.eager_share is None:
+            return theta, None
+        encoded = None
+        if self.inflight is not None and self.inflight.lease.lease_id == kept:
+            encoded = self.inflight.encoded
+        elif self.applied_last is not None and self.applied_last[0] == kept:
+            encoded = self.applied_last[1]
+        if encoded is None:
+            logger.info("lease %s trains from θ itself: the update of %s (its eager start) is not at hand or was not "
+                        "applied", lease.lease_id, kept)
+            return theta, None
+        from asyncloco.algo.eager import eager_start
+        from asyncloco.transport.codecs import decode
+
+        share = float(lease.eager_share)
+        shifted = await asyncio.to_thread(lambda: eager_start(theta, decode(encoded, encoded.numel), share))
+        return shifted, kept
 
     # ---------------------------------------------------------------------------------- asking ahead
 
@@ -266,23 +294,26 @@ class OverlappedRounds:
         add_timing(runner.summary, "upload", runner.clock.monotonic() - started)
         return encoded
 
-    def _send(self, lease: LeaseGrant, encoded: Any) -> None:
-        """Start the upload of ``encoded`` (None: nothing to send). The next lease starts from the state and the
-        residual this update leaves, as if it were applied (:meth:`_collect` undoes that if it is not)."""
+    def _send(self, lease: LeaseGrant, encoded: Any, eager: Optional[str] = None) -> None:
+        """Start the upload of ``encoded`` (None: nothing to send; ``eager``: the lease whose update its start
+        subtracted). The next lease starts from the state and the residual this update leaves, as if it were applied
+        (:meth:`_collect` undoes that if it is not)."""
         if encoded is None:
             return
         runner = self.runner
         digests, inner_loss = runner._digests, runner._inner_loss  # this round's: the next training replaces them
         runner.feedback.settle(True)
         self.sent += 1
-        self.inflight = _InFlight(lease, asyncio.ensure_future(self._upload(lease, encoded, digests, inner_loss)))
+        upload = self._upload(lease, encoded, digests, inner_loss, eager)
+        self.inflight = _InFlight(lease, asyncio.ensure_future(upload), encoded)
 
     async def _upload(
-        self, lease: LeaseGrant, encoded: Any, digests: tuple[Any, Any], inner_loss: Optional[float]
+        self, lease: LeaseGrant, encoded: Any, digests: tuple[Any, Any], inner_loss: Optional[float],
+        eager: Optional[str] = None,
     ) -> Optional[Ack]:
         runner = self.runner
         ack: Optional[Ack] = await runner._submit(
-            self.client, self.trainer, lease, encoded, digests, inner_loss, runner.clock.monotonic()
+            self.client, self.trainer, lease, encoded, digests, inner_loss, runner.clock.monotonic(), eager
         )
         if ack is not None:
             await runner._settle(self.client, lease, ack, self.counters, digests=digests, prefetch=False)
@@ -296,9 +327,10 @@ class OverlappedRounds:
         """Wait for the upload in flight; if its update was not applied, drop the residual and (with commitments)
         reset the inner state, as serial rounds do. Never called while a lease trains. True when applied."""
         assert self.inflight is not None
-        task, self.inflight = self.inflight.task, None
-        ack = await task
+        inflight, self.inflight = self.inflight, None
+        ack = await inflight.task
         applied = ack is not None and ack.accepted
+        self.applied_last = (inflight.lease.lease_id, inflight.encoded) if applied else None
         runner = self.runner
         if not applied:
             runner.feedback.settle(False)  # the residual taken as current when it was sent is dropped

@@ -521,16 +521,18 @@ class PeerRunner:
     async def _submit(
         self, client: Any, trainer: InnerTrainer, lease: LeaseGrant, encoded: Any,
         digests: tuple[Optional["str | Future[str]"], Optional["str | Future[str]"]], inner_loss: Optional[float],
-        uploading: float,
+        uploading: float, eager_of: Optional[str] = None,
     ) -> Optional[Ack]:
         """Send ``encoded`` until acknowledged (peer/upload.py) and count the round (``uploading``: when it began); the
-        commitments' digests are awaited here if their hashing is still running (off the training's path)."""
+        commitments' digests are awaited here if their hashing is still running (off the training's path).
+        ``eager_of``: the lease whose update the training's start subtracted (peer/pipeline.py, algo/eager.py)."""
         digests = (await settled(digests[0]), await settled(digests[1]))
         if self._stop.is_set():
             logger.info("submitting lease %s before leaving (Ctrl+C again to leave at once)", lease.lease_id)
         ack = await submit_with_retry(client, lease, encoded, inner_loss=inner_loss, digests=digests,
                                       clock=self.clock, abort=self._abort, summary=self.summary,
-                                      device_class=trainer.compute_class, unanswered_for=self.options.connect_timeout)
+                                      device_class=trainer.compute_class, unanswered_for=self.options.connect_timeout,
+                                      eager_of=eager_of)
         add_timing(self.summary, "upload", self.clock.monotonic() - uploading)
         self.summary.rounds += 1
         self.summary.steps += lease.steps

@@ -52,12 +52,14 @@ async def submit_with_retry(
     summary: PeerSummary,
     device_class: Optional[str] = None,
     unanswered_for: float = 0.0,
+    eager_of: Optional[str] = None,
 ) -> Optional[Ack]:
     """Send the same encoded bytes until acknowledged, refused with a typed code (asyncloco/refusals.py: e.g. a NaN
     caught at decode, an unadmitted sender; None), or the lease's deadline (the coordinator's wall time, compared
     with ``clock.time()``) passes; each resend is counted in ``summary.resends``. A first Ctrl+C does not stop this (the
     lease is being finished); a second one (``abort``) does (None). ``digests``: the inner-state commitments (start,
-    end) of the lease; ``device_class`` the compute class it ran on (train/inner.py ``compute_class``).
+    end) of the lease; ``device_class`` the compute class it ran on (train/inner.py ``compute_class``); ``eager_of`` the
+    lease whose update its start subtracted (algo/eager.py).
 
     ``unanswered_for`` (``--join-timeout``): past the deadline, resends go on while the coordinator does not answer at
     all (a timeout, no stream), up to this many seconds after the first failure: a coordinator that restarts gives a
@@ -72,7 +74,8 @@ async def submit_with_retry(
         try:
             ack: Ack = await race(client.submit(
                 lease.lease_id, lease.base_version, encoded, inner_loss=inner_loss,
-                state_start=digests[0], state_end=digests[1], device_class=device_class), abort)
+                state_start=digests[0], state_end=digests[1], device_class=device_class,
+                **({"eager_of": eager_of} if eager_of is not None else {})), abort)
             return ack
         except Aborted:
             break

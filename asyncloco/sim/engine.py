@@ -34,6 +34,7 @@ from typing import Any, Iterator, TextIO
 
 import torch
 
+from asyncloco.algo.eager import eager_start
 from asyncloco.algo.schedule import ShardSchedule
 from asyncloco.config import RunConfig, worker_seconds_per_step
 from asyncloco.coordinator.logic import (
@@ -141,6 +142,11 @@ class _Worker:
     steps: int = 0
     result: RoundResult | None = None
     feedback: Any = None  # train/feedback.py ErrorFeedback: runtime.codec + error feedback, exactly as a peer applies them
+    # the eager start (algo/eager.py): the update on its way as the coordinator will decode it (lease id, tensor), the
+    # last one it refused, and the lease whose update the lease in training started from θ minus
+    out: tuple[str, torch.Tensor] | None = None
+    refused: str = ""
+    eager_of: str | None = None
 
 
 class Simulation:
@@ -255,10 +261,14 @@ class Simulation:
             worker.inner_state, worker.fast_state = {}, None
             if worker.feedback is not None:
                 worker.feedback.drop()
-        worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset)
+        theta, worker.eager_of = self.state.params, None
+        if lease.eager_of and worker.out is not None and worker.out[0] == lease.eager_of:
+            theta, worker.eager_of = eager_start(theta, worker.out[1], lease.eager_share), lease.eager_of
+        worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset, theta)
         # the worker has its θ: the coordinator need not retain that version for this lease
         self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
-        if self.cfg.sim.checks and self.ahead and lease.verify and not lease.verify.startswith(PROBATION_WAIT):
+        if self.cfg.sim.checks and self.ahead and lease.verify and not lease.verify.startswith(PROBATION_WAIT) \
+                and not lease.eager_of:
             # runtime.verify.ahead (coordinator/ahead.py): its re-run starts now, while the worker trains
             start = max(now, self._verifier_free)
             self._verifier_free = self._ahead_ready[lease.lease_id] = start + lease.steps * self.rerun_seconds_per_step
@@ -279,6 +289,7 @@ class Simulation:
                 "finish": finish,
                 "train_loss": worker.result.mean_loss,
                 **({"verify": lease.verify} if self.cfg.sim.checks and lease.verify else {}),  # why it is re-run
+                **({"eager_of": worker.eager_of} if worker.eager_of else {}),  # started from θ minus its update
             }
         )
 
@@ -332,18 +343,21 @@ class Simulation:
             elif isinstance(action, Rejected):
                 self._emit({"type": "rejected", "method": self.result.method, "time": now, "worker": action.peer, "reason": action.reason})
 
-    def _train(self, worker: _Worker, shard: int, start_offset: int, steps: int, lr_offset: int) -> RoundResult:
-        """Run one lease on the shared replica with ``worker``'s inner optimizer state swapped in."""
+    def _train(self, worker: _Worker, shard: int, start_offset: int, steps: int, lr_offset: int,
+               theta: torch.Tensor | None = None) -> RoundResult:
+        """Run one lease from ``theta`` (default: θ) on the shared replica with ``worker``'s inner optimizer state
+        swapped in."""
+        theta = self.state.params if theta is None else theta
         if self.fast is not None:
             if worker.fast_state is None or self.trainer.reset_state:  # runtime.verify.inner_state: reset
                 worker.fast_state = self.fast.new_state()
-            return self.fast.run(worker.fast_state, self.state.params, shard, start_offset, steps, lr_offset)
+            return self.fast.run(worker.fast_state, theta, shard, start_offset, steps, lr_offset)
         state = self.trainer.optimizer.state
         state.clear()
         for index, param in enumerate(self._trainer_params):
             if index in worker.inner_state:
                 state[param] = worker.inner_state[index]
-        result = self.trainer.run(self.state.params, shard, start_offset, steps, lr_offset)
+        result = self.trainer.run(theta, shard, start_offset, steps, lr_offset)
         worker.inner_state = {index: state[param] for index, param in enumerate(self._trainer_params) if param in state}
         state.clear()
         return result
@@ -379,17 +393,26 @@ class Simulation:
         if feedback is not None:  # encoded now, after the previous upload settled its residual (in order, as a peer)
             submit = dataclasses.replace(submit, pseudo_gradient=feedback.roundtrip(submit.pseudo_gradient))
             self._uploads[name][0] = (submit, steps)
+        self.workers[name].out = (submit.lease_id, submit.pseudo_gradient)
         self._dispatch(handle(self.state, RequestWork(name, keep=submit.lease_id), now)[1], now)
         self._push(now + self.cfg.sim.upload_s, "arrive", name)
 
     def _arrive(self, name: str, submit: SubmitUpdate, steps: int, now: float) -> bool:
         """An update reaches the coordinator (its lease's end, or ``sim.upload_s`` later); True: the run is over."""
         worker = self.workers[name]
+        if submit.eager_of is not None and submit.eager_of == worker.refused:
+            # it started from θ minus an update the coordinator refused: a peer drops such a lease (its steps are given
+            # back, peer/pipeline.py); the simulator, which never takes a lease back, submits it as trained from θ (its
+            # start off by that update's share: after a refused update only)
+            submit = dataclasses.replace(submit, eager_of=None)
         if self.state.local_updates + steps > self.cfg.sim.total_local_updates:
             self._score_at_budget(now)  # this update would cross the budget: score θ before it
         actions = handle(self.state, submit, now)[1]
+        applied = any(isinstance(a, Applied) and a.lease_id == submit.lease_id for a in actions)
         if worker.feedback is not None:
-            worker.feedback.settle(any(isinstance(a, Applied) and a.lease_id == submit.lease_id for a in actions))
+            worker.feedback.settle(applied)
+        if not applied and not any(isinstance(a, Verify) and a.lease.lease_id == submit.lease_id for a in actions):
+            worker.refused = submit.lease_id
         self._dispatch(actions, now)
         while self._on_arrival:  # verdicts judged on arrival (coordinator/verify.py decide_on_arrival)
             checked, peer = self._on_arrival.pop(0)
@@ -417,7 +440,7 @@ class Simulation:
                 # chains) and ends in a state of its own
                 digests = (FRESH_STATE_DIGEST, f"sim:{worker.lease_id}") if self.cfg.sim.checks else (None, None)
                 submit = SubmitUpdate(name, worker.lease_id, worker.base_version, update,
-                                      state_start=digests[0], state_end=digests[1])
+                                      state_start=digests[0], state_end=digests[1], eager_of=worker.eager_of)
                 lease_id, steps = worker.lease_id, worker.steps
                 worker.result, worker.lease_id = None, None
                 if self.cfg.sim.upload_s > 0:  # the update arrives once uploaded; the next lease trains meanwhile
@@ -427,6 +450,7 @@ class Simulation:
                         self._upload(name, now)
                     continue  # else it waits for the one on its way (one upload at a time, the next lease asked after)
                 if self.cfg.sim.overlap:  # runtime.overlap's order: the next lease is asked for before this update is in
+                    worker.out = (lease_id, update)
                     self._dispatch(handle(self.state, RequestWork(name, keep=lease_id), now)[1], now)
                 if self._arrive(name, submit, steps, now):
                     break

@@ -263,9 +263,11 @@ class CoordinatorClient:
         state_start: Optional[str] = None,
         state_end: Optional[str] = None,
         device_class: Optional[str] = None,
+        eager_of: Optional[str] = None,
     ) -> Ack:
         """Upload a pseudo-gradient; returns the coordinator's :class:`Ack`. Pass a tensor and ``codec``,
-        or an :class:`EncodedTensor` (keep it to resend the exact bytes after a failure)."""
+        or an :class:`EncodedTensor` (keep it to resend the exact bytes after a failure). ``eager_of``: the lease whose
+        update the training's start subtracted (algo/eager.py; None: it started from θ itself)."""
         if isinstance(pseudo_gradient, torch.Tensor):
             if codec is None:
                 raise ValueError("submit(tensor) needs codec=...; or pass an EncodedTensor")
@@ -275,9 +277,10 @@ class CoordinatorClient:
         if pseudo_gradient.numel != self.model_numel:
             raise CodecError(f"pseudo-gradient has {pseudo_gradient.numel} elements, the model {self.model_numel}")
         source = self.decoded.get(base_version)  # the θ it trained from, as decoded (None: not downloaded here)
+        theta_codec, theta_anchor, digest = source if source is not None else (None, None, None)
         header = SubmitHeader(lease_id, base_version, pseudo_gradient.codec, pseudo_gradient.numel,
                               None if inner_loss is None else float(inner_loss), state_start, state_end,
-                              device_class, *(source if source is not None else (None, None, None)))
+                              device_class, theta_codec, theta_anchor, digest, eager_of)
         encoded = pseudo_gradient
         if self.link is None:
             return await self._call("submit", lambda r, w: self._submit(r, w, header, encoded), timeout)

@@ -11,11 +11,11 @@ the wrong type (``True`` is not an int, ``1`` is not a float) and a value out of
 |---|---|---|
 | :class:`AssignRequest` | assign, peer → coordinator | ``kind`` ("config" or "lease"), ``tokens_per_s``?, ``name``?, ``token``?, ``signer``? |
 | :class:`HelloReply` | assign (kind "config"), reply | ``config`` (JSON), ``model_numel``, ``codec``, ``download_codec``, ``run_id``, ``software_version`` |
-| :class:`LeaseGrant` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline``, ``fresh``? |
+| :class:`LeaseGrant` | inside :class:`LeaseReply` | ``lease_id``, ``base_version``, ``shard``, ``start_offset``, ``steps``, ``lr_offset``, ``batch_size``, ``issued_at``, ``deadline``, ``fresh``?, ``eager_of``?, ``eager_share``? |
 | :class:`LeaseReply` | assign (kind "lease"), reply | ``lease``? (a :class:`LeaseGrant` map), ``reason``, ``code``? |
 | :class:`ModelRequest` | get_model, peer → coordinator | ``version``?, ``codec``, ``have_version``?, ``anchor_version``? |
 | :class:`ModelHeader` | get_model, reply header | ``version``, ``codec``, ``numel``, ``unchanged``, ``delta_from``? |
-| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``?, ``device_class``?, ``theta_codec``?, ``theta_anchor``?, ``theta_digest``? |
+| :class:`SubmitHeader` | submit, peer → coordinator | ``lease_id``, ``base_version``, ``codec``, ``numel``, ``inner_loss``?, ``state_start``?, ``state_end``?, ``device_class``?, ``theta_codec``?, ``theta_anchor``?, ``theta_digest``?, ``eager_of``? |
 | :class:`Ready` | submit, reply to an acceptable header | ``ready`` (always true) |
 | :class:`Ack` | submit, final reply | ``accepted``, ``version``, ``reason``, ``duplicate``, ``reveal``?, ``code``?, ``reveal_end``?, ``reveal_start``? |
 | :class:`RevealHeader` | reveal, peer → coordinator, then ``size`` bytes | ``lease_id``, ``size`` |
@@ -234,6 +234,10 @@ class LeaseGrant(_Message):
     issued_at: float
     deadline: float
     fresh: Optional[bool] = None
+    # the eager start (algo/eager.py): train from θ − eager_share × the update of lease ``eager_of`` (the peer's lease
+    # still on its way), as the coordinator decodes it; absent: from θ
+    eager_of: Optional[str] = None
+    eager_share: Optional[float] = None
     REQUIRED: ClassVar[tuple[str, ...]] = (
         "lease_id", "base_version", "shard", "start_offset", "steps", "lr_offset", "batch_size", "issued_at", "deadline",
     )
@@ -250,6 +254,10 @@ class LeaseGrant(_Message):
         self._float("deadline", 0.0, MAX_TIME)
         if self.fresh is not None:
             self._bool("fresh")
+        self._str("eager_of", MAX_ID_CHARS, empty=False, optional=True)
+        self._float("eager_share", 0.0, 2.0, optional=True)
+        if (self.eager_of is None) != (self.eager_share is None):
+            raise _fail("LeaseGrant", "eager_of", "the eager start is eager_of with eager_share, or neither")
 
 
 @dataclass(frozen=True)
@@ -339,6 +347,8 @@ class SubmitHeader(_Message):
     theta_codec: Optional[str] = None
     theta_anchor: Optional[int] = None
     theta_digest: Optional[str] = None
+    # the lease whose update the start subtracted (LeaseGrant.eager_of; absent: trained from θ itself)
+    eager_of: Optional[str] = None
     REQUIRED: ClassVar[tuple[str, ...]] = ("lease_id", "base_version", "codec", "numel")
 
     def __post_init__(self) -> None:
@@ -355,6 +365,7 @@ class SubmitHeader(_Message):
         self._str("theta_codec", CODEC_NAME_MAX, choices=CODECS, optional=True)
         self._int("theta_anchor", 0, MAX_VERSION, optional=True)
         self._str("theta_digest", 64, pattern=DIGEST_PATTERN, optional=True)
+        self._str("eager_of", MAX_ID_CHARS, empty=False, optional=True)
         if (self.theta_codec is None) != (self.theta_digest is None) or (self.theta_anchor is not None and (
                 self.theta_codec in (None, "none") or self.theta_anchor == self.base_version)):
             raise _fail("SubmitHeader", "theta_anchor", "θ's provenance is theta_codec with theta_digest, and an anchor "

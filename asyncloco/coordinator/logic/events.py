@@ -90,6 +90,9 @@ class SubmitUpdate:
     theta_codec: str | None = None
     theta_anchor: int | None = None
     theta_digest: str | None = None
+    # the eager start (algo/eager.py): the lease whose update the peer's start subtracted (Lease.eager_of); None: it
+    # trained from θ itself
+    eager_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -386,6 +389,10 @@ class Verify:
     theta_anchor: int | None = None
     theta_digest: str = ""
     anchor_body: bytes | None = None
+    # the eager start (algo/eager.py): with ``lease.eager_of`` set the peer started from θ − lease.eager_share × this,
+    # the update of that lease as submitted; the re-run does the same (rerun.py start_theta). None with eager_of set:
+    # not at hand (a restart, a repair): the check ends unverified
+    eager: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -280,9 +280,25 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
     lease, shed = draw_carry(state, policy, info, lease)
     if shed:
         why_steps += f"; {shed}"
+    lease = eager_of(state, lease)
+    if lease.eager_of:
+        why_steps += f"; eager start: θ − {lease.eager_share:g} × the update of {lease.eager_of}, still on its way"
     state.leases[lease.lease_id] = lease
     index_lease(state, lease)
     return Assign(peer, lease, f"{why}; {why_steps}; shard {shard_index} sampled by Eq. 2")
+
+
+def eager_of(state: CoordinatorState, lease: Lease) -> Lease:
+    """``lease`` with its eager start (algo/eager.py) when the policy has one: its peer's other lease still out — the
+    one it keeps while uploading it (``RequestWork.keep``; on_request gave back any other), whose update is therefore
+    not in θ at this lease's base version. Not in a sync round (every update of a round is in before the next)."""
+    share = state.policy.eager_share
+    if share <= 0 or state.policy.barrier:
+        return lease
+    out = [other.lease_id for other in peer_leases(state, lease.peer) if other.lease_id != lease.lease_id]
+    if len(out) != 1:
+        return lease
+    return dataclasses.replace(lease, eager_of=out[0], eager_share=share)
 
 
 def _effective_speed(state: CoordinatorState, info: PeerInfo) -> float:
@@ -450,6 +466,7 @@ def _lease_id(state: CoordinatorState) -> str:
 
 def give_back(state: CoordinatorState, lease: Lease, why: str) -> list[Action]:
     del state.leases[lease.lease_id]
+    state.verification.eager.pop(lease.lease_id, None)
     unindex_lease(state, lease)
     info = state.peers.get(lease.peer)
     if info is not None and info.observed is None:

@@ -45,6 +45,12 @@ class Lease:
     # starts from a fresh inner state and no error-feedback residual (VerifyPolicy.fresh_below: its peer's uplink
     # cannot carry a reveal): its check re-runs from θ and the data, nothing revealed; sent to the peer
     fresh: bool = False
+    # the eager start (algo/eager.py): the peer's lease still out at this one's issue (its update is not in this lease's
+    # θ) and the share s of it the start subtracts; sent to the peer. ``eager_ready``: the coordinator accepted that
+    # lease's update (applied, or held for its check) — a submission that used the shift is refused until then
+    eager_of: str = ""
+    eager_share: float = 0.0
+    eager_ready: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -122,6 +128,9 @@ class CoordinatorPolicy:
     link_steps: bool = False
     transfer_cover: float = 1.0  # k
     max_auto_steps: int = 0  # H_max
+    # schedule.eager_start: s; a lease granted while its peer's previous lease is still out starts from θ − s × that
+    # lease's update (algo/eager.py); 0: off
+    eager_share: float = 0.0
     upload_bytes: int = 0  # bytes of one upload and of one θ download (the codecs' sizes for the model)
     download_bytes: int = 0
     max_retained_versions: int = 8  # θ copies kept for leases whose θ was not downloaded yet
@@ -191,12 +200,14 @@ class HeldUpdate:
     theta_codec: str = ""
     theta_anchor: int | None = None
     theta_digest: str = ""
+    eager: torch.Tensor | None = None  # the update its eager start subtracted (events.py Verify.eager)
 
     def state_dict(self) -> dict[str, Any]:
         return {"lease": self.lease.to_dict(), "update": self.update, "base": self.base, "scale": self.scale,
                 "submitted_at": self.submitted_at, "verdict": None if self.verdict is None else dict(self.verdict),
                 "state_start": self.state_start, "state_end": self.state_end, "device_class": self.device_class,
-                "theta_codec": self.theta_codec, "theta_anchor": self.theta_anchor, "theta_digest": self.theta_digest}
+                "theta_codec": self.theta_codec, "theta_anchor": self.theta_anchor, "theta_digest": self.theta_digest,
+                "eager": self.eager}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "HeldUpdate":
@@ -204,7 +215,8 @@ class HeldUpdate:
         return cls(Lease(**state["lease"]), state["update"], state["base"], float(state["scale"]),
                    float(state["submitted_at"]), None if verdict is None else dict(verdict),
                    str(state.get("state_start", "")), str(state.get("state_end", "")), str(state.get("device_class", "")),
-                   str(state.get("theta_codec", "")), state.get("theta_anchor"), str(state.get("theta_digest", "")))
+                   str(state.get("theta_codec", "")), state.get("theta_anchor"), str(state.get("theta_digest", "")),
+                   state.get("eager"))
 
 
 @dataclass
@@ -227,6 +239,9 @@ class VerificationState:
     # lease id -> a drawn check's update applied before its verdict (the verifier was behind: submit.py
     # _apply_then_check), with θ at its base: kept until the verdict, so a restart re-runs the check from the snapshot
     applied_first: dict[str, HeldUpdate] = field(default_factory=dict)
+    # lease id -> the accepted update that a live checked lease's eager start subtracts (submit.py _note_eager): one
+    # θ-sized tensor per such lease, kept until its submission takes it into its check (or the lease ends)
+    eager: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -235,6 +250,7 @@ class VerificationState:
             "held": {k: v.state_dict() for k, v in self.held.items()}, "unchecked": dict(self.unchecked),
             "dropped": self.dropped, "sketch": self.sketch.state_dict(),
             "applied_first": {k: v.state_dict() for k, v in self.applied_first.items()},
+            "eager": dict(self.eager),
         }
 
     @classmethod
@@ -247,6 +263,7 @@ class VerificationState:
             {k: int(v) for k, v in state.get("unchecked", {}).items()}, int(state.get("dropped", 0)),
             SketchState.from_state_dict(state.get("sketch", {})),
             {k: HeldUpdate.from_state_dict(v) for k, v in state.get("applied_first", {}).items()},
+            dict(state.get("eager", {})),
         )
 
 

@@ -19,7 +19,7 @@ from asyncloco.coordinator.logic.draws import PROBATION_WAIT, gate_proven, must_
 from asyncloco.coordinator.logic.events import (
     Action, Applied, Discard, Duplicate, Held, Quarantined, Rejected, SubmitUpdate, Verify,
 )
-from asyncloco.coordinator.logic.indexes import unindex_lease
+from asyncloco.coordinator.logic.indexes import peer_leases, unindex_lease
 from asyncloco.coordinator.logic.leases import base_theta, drop_unused_base_params, give_back, retain_before_step
 from asyncloco.coordinator.logic.state import CoordinatorState, FRESH_STATE_DIGEST, HeldUpdate, Lease, PeerInfo
 from asyncloco.coordinator.sketch import Sketcher, observe
@@ -36,7 +36,16 @@ def on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[
     refused = _refusal(state, event)
     if refused is not None:
         return refused
-    lease = state.leases[event.lease_id]
+    lease, eager = _eager_start(state, event)
+    actions = _accept(state, event, lease, eager, now)
+    _note_eager(state, event, actions)
+    return actions
+
+
+def _accept(state: CoordinatorState, event: SubmitUpdate, lease: Lease, eager: torch.Tensor | None,
+            now: float) -> list[Action]:
+    """:func:`on_submit` past its refusals: ``lease`` as :func:`_eager_start` returned it, ``eager`` the update its
+    start subtracted (for its check)."""
     info = state.peers.get(event.peer)
     if info is not None:
         info.last_seen = now
@@ -68,12 +77,39 @@ def on_submit(state: CoordinatorState, event: SubmitUpdate, now: float) -> list[
         # on the live θ: held all the same, and the log's Unverified or verdict settles it as it did live)
         if _holds_check(state, lease):
             return _hold(state, event, lease, check[0] if check[0] is not None else torch.empty(0), check[1], scale,
-                         verdict, now, score)
-        return _apply_then_check(state, event, lease, check, scale, verdict, now, score)
+                         verdict, now, score, eager)
+        return _apply_then_check(state, event, lease, check, scale, verdict, now, score, eager)
     if scale != 1.0:  # not in place: handle never changes its event (a replay may feed it again)
         update = update.mul(scale)
     base = base_theta(state, lease.base_version) if state.needs_base_params else None
     return _apply(state, lease, update, base, verdict, now, checked=False, sketch=score)
+
+
+def _eager_start(state: CoordinatorState, event: SubmitUpdate) -> tuple[Lease, torch.Tensor | None]:
+    """The submission's lease as its check sees it, and the update its start subtracted (algo/eager.py): a lease
+    granted with an eager start that its peer trained from θ itself (it lost the message, or saw that update refused)
+    is checked as such; one that used it takes the update kept for its check (:func:`_note_eager`; None: not kept —
+    not checked, or lost to a restart: its check then ends unverified)."""
+    lease = state.leases[event.lease_id]
+    kept = state.verification.eager.pop(lease.lease_id, None)
+    if not lease.eager_of:
+        return lease, None
+    if event.eager_of is None:
+        return dataclasses.replace(lease, eager_of="", eager_share=0.0), None
+    return lease, kept
+
+
+def _note_eager(state: CoordinatorState, event: SubmitUpdate, actions: list[Action]) -> None:
+    """An accepted update (applied, or held for its check) of a lease that a live lease of the same peer starts eagerly
+    from (``Lease.eager_of``): that lease's shifted submission may now be accepted, and if it is to be checked, the
+    update is kept for its re-run (a copy: the daemon decodes the next upload into the same buffer)."""
+    if not any(isinstance(a, (Applied, Held)) and a.lease_id == event.lease_id for a in actions):
+        return
+    for lease in peer_leases(state, event.peer):
+        if lease.eager_of == event.lease_id:
+            lease.eager_ready = True
+            if lease.verify and state.policy.verify is not None:
+                state.verification.eager[lease.lease_id] = event.pseudo_gradient.clone()
 
 
 def _refusal(state: CoordinatorState, event: SubmitUpdate) -> list[Action] | None:
@@ -112,6 +148,13 @@ def update_problem(state: CoordinatorState, event: SubmitUpdate, lease: Lease) -
         return RefusalCode.INVALID_UPDATE, "pseudo-gradient must be a float32 tensor"
     if update.shape != state.params.shape:
         return RefusalCode.INVALID_UPDATE, f"pseudo-gradient has shape {tuple(update.shape)}, θ has {tuple(state.params.shape)}"
+    if event.eager_of is not None and event.eager_of != lease.eager_of:
+        return RefusalCode.INVALID_UPDATE, (f"its start subtracted the update of lease {event.eager_of[:40]}, but lease "
+                                            f"{lease.lease_id} was granted with " + (f"the eager start of {lease.eager_of}"
+                                            if lease.eager_of else "no eager start") + ": train from the θ it names")
+    if event.eager_of is not None and not lease.eager_ready:
+        return RefusalCode.INVALID_UPDATE, (f"its start subtracted the update of lease {event.eager_of[:40]}, which the "
+                                            "coordinator has not accepted: a lease starts from θ itself then")
     staleness = state.version - lease.base_version
     if state.policy.max_staleness is not None and staleness > state.policy.max_staleness:
         return RefusalCode.STALE, f"staleness {staleness} exceeds the bound {state.policy.max_staleness}"
@@ -322,39 +365,40 @@ def checked_after(state: CoordinatorState, event: SubmitUpdate) -> bool:
 
 
 def _record(event: SubmitUpdate, lease: Lease, update: torch.Tensor, base: torch.Tensor, scale: float,
-            verdict: GateVerdict | None, now: float) -> HeldUpdate:
+            verdict: GateVerdict | None, now: float, eager: torch.Tensor | None = None) -> HeldUpdate:
     """A checked submission as the state keeps it until its verdict (held, or applied first), with all its check needs."""
     return HeldUpdate(lease, update, base, scale, now, None if verdict is None else dataclasses.asdict(verdict),
                       event.state_start or "", event.state_end or "", event.device_class or "",
-                      event.theta_codec or "", event.theta_anchor, event.theta_digest or "")
+                      event.theta_codec or "", event.theta_anchor, event.theta_digest or "", eager)
 
 
 def _hold(
     state: CoordinatorState, event: SubmitUpdate, lease: Lease, base: torch.Tensor, update: torch.Tensor, scale: float,
-    verdict: GateVerdict | None, now: float, sketch: float | None = None,
+    verdict: GateVerdict | None, now: float, sketch: float | None = None, eager: torch.Tensor | None = None,
 ) -> list[Action]:
     """Accept a checked lease's update but hold it until its verdict (verification.py :func:`on_verified`): θ never
     sees the work of a peer whose check fails, so nothing needs repair when one is caught on its checked leases.
     ``base``/``update``: θ at the lease's base version and the update as submitted (copies that never change)."""
     book = state.verification
     if lease.verify.startswith(PROBATION_WAIT):  # no re-run: it waits for the peer's probation verdicts (verification.py)
-        book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now)
+        book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now, eager)
         drop_unused_base_params(state)
         held = [Held(event.peer, lease.lease_id, state.version, "held until the peer's probation checks agree", sketch)]
         return held + release_at_verdict(state, None, event.peer, now)  # (passed meanwhile: applied at once)
-    book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now)
+    book.held[lease.lease_id] = _record(event, lease, update, base, scale, verdict, now, eager)
     book.pending[lease.lease_id] = event.peer
     drop_unused_base_params(state)
     return [
         Verify(event.peer, lease, base, update, lease.verify, "", event.state_start or "", event.state_end or "",
-               event.device_class or "", event.theta_codec or "", event.theta_anchor, event.theta_digest or ""),
+               event.device_class or "", event.theta_codec or "", event.theta_anchor, event.theta_digest or "",
+               eager=eager),
         Held(event.peer, lease.lease_id, state.version, f"held until its check agrees ({lease.verify})", sketch),
     ]
 
 
 def _apply_then_check(
     state: CoordinatorState, event: SubmitUpdate, lease: Lease, check: tuple[torch.Tensor | None, torch.Tensor],
-    scale: float, verdict: GateVerdict | None, now: float, score: float | None,
+    scale: float, verdict: GateVerdict | None, now: float, score: float | None, eager: torch.Tensor | None = None,
 ) -> list[Action]:
     """A drawn check while the verifier is behind: the update is applied now, unchecked (a failed verdict expels the
     peer and repairs θ), and its check still runs on the copies taken before θ moved."""
@@ -367,10 +411,10 @@ def _apply_then_check(
     state.verification.pending[lease.lease_id] = event.peer
     # kept until its verdict with the check's θ and update (never changed: _verification_copy), so a restart that
     # finds the check unjudged re-runs it from the snapshot — an update applied unchecked is never left unjudged
-    state.verification.applied_first[lease.lease_id] = _record(event, lease, copy, base, scale, verdict, now)
+    state.verification.applied_first[lease.lease_id] = _record(event, lease, copy, base, scale, verdict, now, eager)
     return actions + [Verify(event.peer, lease, base, copy, f"{lease.verify} (applied first: verifier behind)", "",
                              event.state_start or "", event.state_end or "", event.device_class or "",
-                             event.theta_codec or "", event.theta_anchor, event.theta_digest or "")]
+                             event.theta_codec or "", event.theta_anchor, event.theta_digest or "", eager=eager)]
 
 
 # ---------------------------------------------------------------------------------- the apply path
