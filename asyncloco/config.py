@@ -156,11 +156,15 @@ class ScheduleConfig(StrictModel):
     max_auto_steps: int | None = Field(
         None, ge=1, description="local_steps auto: H_max, the most steps a lease gets (None: 10 × max_local_steps)"
     )
-    eager_start: float = Field(
-        0.0, ge=0, le=2, description="s of the eager start: a lease granted while the peer's previous update is on its "
-        "way starts from θ − s × that update as the coordinator decodes it (0: off; the outer learning rate is the step "
-        "the update will take; algo/eager.py, docs/algorithm.md)"
+    eager_start: float | Literal["outer_lr"] = Field(
+        "outer_lr", description="s of the eager start: a lease granted while the peer's previous update is on its way "
+        "starts from θ − s × that update as the coordinator decodes it; outer_lr (the default): outer.lr, the step the "
+        "update will take; a number in [0, 2]; 0: off (algo/eager.py, docs/algorithm.md)"
     )
+
+    def eager_share(self, outer_lr: float) -> float:
+        """``eager_start`` as a number (``outer_lr`` resolved)."""
+        return float(outer_lr) if self.eager_start == "outer_lr" else float(self.eager_start)
 
     @property
     def auto_steps_cap(self) -> int:
@@ -172,6 +176,8 @@ class ScheduleConfig(StrictModel):
         if self.max_auto_steps is not None and self.max_auto_steps < self.max_local_steps:
             raise ValueError(f"schedule.max_auto_steps ({self.max_auto_steps}) must be >= schedule.max_local_steps "
                              f"({self.max_local_steps}): auto only lengthens leases")
+        if not isinstance(self.eager_start, str) and not 0.0 <= self.eager_start <= 2.0:
+            raise ValueError(f"schedule.eager_start ({self.eager_start}) must be outer_lr or a number in [0, 2] (0: off)")
         if self.min_steps > self.max_local_steps:
             raise ValueError(
                 f"schedule.min_steps ({self.min_steps}) must be <= schedule.max_local_steps ({self.max_local_steps})"
@@ -420,6 +426,13 @@ class VerifyConfig(StrictModel):
         "their verdicts (8 bytes a weight) total less than this; otherwise the next lease starts fresh and this one is "
         "checked at the usual fraction, never less (coordinator/logic/leases.py draw_carry). At 150m: up to 3 checks "
         "awaiting; at tiny it never binds (docs/results/wan-home150-carry-backlog-2026-11-30.json)"
+    )
+    # the eager start (schedule.eager_start): a checked lease that starts from θ minus its peer's previous update needs
+    # that update (fp32) kept from its arrival until the lease's own submission
+    eager_keep_mb: int = Field(
+        4096, ge=0, description="schedule.eager_start with verification: while the updates kept for checked leases' "
+        "eager starts (4 bytes a weight each, one per such lease in training) total this much, new leases get no eager "
+        "start, checked or not (coordinator/logic/leases.py eager_of). At 150m: about 6 such leases at once"
     )
     # a passed check leaves the coordinator the lease's end state, which the peer's next lease starts from: kept, that
     # lease is re-run from it if drawn, and its peer reveals nothing, or its end alone (coordinator/chained.py); a

@@ -246,3 +246,21 @@ def test_the_simulator_starts_each_overlapped_lease_eagerly_as_a_peer_does() -> 
     plain, plain_trace = run(0.0)
     assert all("eager_of" not in r for r in _records(plain_trace, "task"))
     assert plain.result.evals[-1] != simulation.result.evals[-1]
+
+
+def test_no_eager_start_is_granted_while_the_kept_updates_fill_their_bound_checked_or_not() -> None:
+    numel_bytes = 4 * 4  # θ has 4 fp32 weights: one kept update
+    state = _state(verify=VerifyPolicy(fraction=1.0, probation_updates=0, hold_backlog=8, eager_keep_bytes=numel_bytes))
+    handle(state, SpeedReport("b", 1.0), 0.0)
+    first = _granted(state, RequestWork("a"), 0.0)
+    second = _granted(state, RequestWork("a", keep=first.lease_id), 1.0)
+    _submit(state, first, torch.ones(4), 2.0)
+    assert list(state.verification.eager) == [second.lease_id]  # the bound is full
+    other = _granted(state, RequestWork("b"), 3.0)
+    b_first = handle(state, RequestWork("b", keep=other.lease_id), 4.0)[1]
+    assert b_first[-1].lease.eager_of == ""  # no eager start while it is full
+    assert [type(a) for a in _submit(state, second, torch.ones(4), 5.0, eager_of=first.lease_id)
+            if not isinstance(a, Verify)] == [Held]
+    assert state.verification.eager == {}  # taken into the check: the bound is free again
+    b_lease = b_first[-1].lease
+    assert _granted(state, RequestWork("b", keep=b_lease.lease_id), 6.0).eager_of == b_lease.lease_id

@@ -248,7 +248,8 @@ def coordinator_policy(
                               sketch_checks=knobs_v.sketch_checks, hold_backlog=knobs_v.hold_backlog,
                               serial_probation=knobs_v.serial_probation,
                               average_released=knobs_v.average_released, slow_carry=knobs_v.slow_uplink_carry,
-                              carry_backlog_bytes=knobs_v.carry_backlog_mb << 20)
+                              carry_backlog_bytes=knobs_v.carry_backlog_mb << 20,
+                              eager_keep_bytes=knobs_v.eager_keep_mb << 20)
     return CoordinatorPolicy(
         gate=gate,
         verify=verify,
@@ -273,5 +274,5 @@ def coordinator_policy(
         link_steps=cfg.schedule.local_steps == "auto",
         transfer_cover=cfg.schedule.transfer_cover,
         max_auto_steps=cfg.schedule.auto_steps_cap,
-        eager_share=0.0 if spec.barrier else cfg.schedule.eager_start,
+        eager_share=0.0 if spec.barrier else min(2.0, cfg.schedule.eager_share(cfg.outer.lr)),
     )

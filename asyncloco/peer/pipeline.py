@@ -19,6 +19,9 @@ What holds with a lease in flight (docs/design.md, "Overlapped rounds"):
   trained from a state the chain refuses, and it is not submitted (``summary.discarded``): the coordinator gives its
   steps back when the peer next asks. Without commitments N+1 is submitted, encoded without the dropped residual, and
   so is a lease granted with a fresh start (``LeaseGrant.fresh``: it started from no state of N's);
+* **the eager start** (``schedule.eager_start``, algo/eager.py). A lease granted with ``eager_of`` = N trains from θ
+  minus ``eager_share`` × N's update, decoded from the encoding in flight (or from N's, once applied); its submission
+  names N. Trained so and N then not applied: it is not submitted (the coordinator would refuse it);
 * **reveals.** N's reveal goes out from N's upload task while N+1 trains; the reveal store keeps at least two leases;
 * **Ctrl+C.** The first lets the lease in training finish, waits for N's ack, submits the last lease and leaves; the
   second leaves at once: the training stops after its step and N's upload is given up (both logged);

@@ -291,9 +291,14 @@ def _issue(state: CoordinatorState, peer: str, now: float, why: str) -> Assign:
 def eager_of(state: CoordinatorState, lease: Lease) -> Lease:
     """``lease`` with its eager start (algo/eager.py) when the policy has one: its peer's other lease still out — the
     one it keeps while uploading it (``RequestWork.keep``; on_request gave back any other), whose update is therefore
-    not in θ at this lease's base version. Not in a sync round (every update of a round is in before the next)."""
+    not in θ at this lease's base version. Not in a sync round (every update of a round is in before the next), and not
+    while the updates kept for checked leases' eager starts fill ``VerifyPolicy.eager_keep_bytes`` — for any lease,
+    checked or not, so that the grant tells a peer nothing of its draw."""
     share = state.policy.eager_share
     if share <= 0 or state.policy.barrier:
+        return lease
+    verify = state.policy.verify
+    if verify is not None and len(state.verification.eager) * 4 * state.params.numel() >= verify.eager_keep_bytes:
         return lease
     out = [other.lease_id for other in peer_leases(state, lease.peer) if other.lease_id != lease.lease_id]
     if len(out) != 1:

@@ -172,6 +172,9 @@ class VerifyPolicy:
     # runtime.verify.carry_backlog_mb: no carry drawn while the updates and base θs kept for the peer's checks awaiting
     # their verdicts take this many bytes or more
     carry_backlog_bytes: int = 4096 << 20
+    # runtime.verify.eager_keep_mb: no eager start granted while the updates kept for checked leases' eager starts take
+    # this many bytes (VerificationState.eager)
+    eager_keep_bytes: int = 4096 << 20
 
 
 FRESH_STATE_DIGEST = hashlib.sha256(b"asyncloco inner state v1: fresh").hexdigest()
