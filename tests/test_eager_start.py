@@ -264,3 +264,39 @@ def test_no_eager_start_is_granted_while_the_kept_updates_fill_their_bound_check
     assert state.verification.eager == {}  # taken into the check: the bound is free again
     b_lease = b_first[-1].lease
     assert _granted(state, RequestWork("b", keep=b_lease.lease_id), 6.0).eager_of == b_lease.lease_id
+
+
+@pytest.mark.parametrize("drawn", [True, False], ids=["drawn-kept", "not-drawn"])
+def test_a_probe_only_rejection_of_an_eager_lease_is_checked_only_where_its_start_was_kept(drawn: bool) -> None:
+    """The gate's probe alone refuses nothing where work is verified: the update is held for a re-run (tests/test_verify.py).
+    An eager lease's re-run needs the update its start subtracted, kept only for a lease drawn at issue; otherwise the
+    update is refused as the gate says (counted as doubted, not toward quarantine), never held for a check that could
+    only end unverified. The repair's replay predicate (refused_as_sent) agrees."""
+    from asyncloco.algo.outer import OuterNesterov
+    from asyncloco.coordinator import gate as G
+    from asyncloco.coordinator.logic.submit import refused_as_sent
+    from tests.test_gate_probe import N, warm_state, with_cosine
+
+    policy = CoordinatorPolicy(max_local_steps=10, dylu=False, grace_period=0.0, lease_timeout_factor=3.0,
+                               lease_slack=100.0, gate=G.GatePolicy(), eager_share=0.7,
+                               verify=VerifyPolicy(fraction=1.0 if drawn else 0.0, probation_updates=0, hold_backlog=8))
+    state = new_state(torch.zeros(N), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+    state.gate = warm_state()
+    handle(state, SpeedReport("old", 10.0), 0.0)
+    first = _granted(state, RequestWork("old"), 0.0)
+    second = _granted(state, RequestWork("old", keep=first.lease_id), 0.5)
+    assert second.eager_of == first.lease_id and bool(second.verify) == drawn
+    honest = with_cosine(0.9)
+    accepted = handle(state, SubmitUpdate("old", first.lease_id, 0, honest), 1.0)[1]
+    assert any(isinstance(a, (Applied, Held)) for a in accepted)
+    assert (second.lease_id in state.verification.eager) == drawn
+    flipped = SubmitUpdate("old", second.lease_id, 0, with_cosine(-0.05), probe_before=5.0, probe_after=5.02,
+                           eager_of=first.lease_id)
+    assert refused_as_sent(state, flipped) is (not drawn)
+    actions = handle(state, flipped, 2.0)[1]
+    if drawn:
+        check = next(a for a in actions if isinstance(a, Verify))
+        assert check.eager is not None and torch.equal(check.eager, honest) and any(isinstance(a, Held) for a in actions)
+        return
+    assert [type(a) for a in actions] == [Rejected, Expired] and actions[0].code == RefusalCode.GATE
+    assert "the update its eager start subtracted, is not kept" in actions[0].reason

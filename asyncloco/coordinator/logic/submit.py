@@ -56,7 +56,7 @@ def _accept(state: CoordinatorState, event: SubmitUpdate, lease: Lease, eager: t
     if policy.gate is not None:
         verdict = gate_verdict(state, event, lease, policy.gate)
         if verdict.action == "reject":
-            instead = _checked_instead(state, lease, verdict)
+            instead = _checked_instead(state, lease, verdict, startable=not (lease.eager_of and eager is None))
             if instead is None:
                 return _gate_reject(state, policy.gate, event, lease, verdict, now)
             verdict, lease = instead  # only the probe spoke against it: held for a check instead of refused
@@ -229,12 +229,15 @@ def gate_verdict(state: CoordinatorState, event: SubmitUpdate, lease: Lease, gat
                              probe, proven=gate_proven(state, lease), sketcher=state.own_sketcher())
 
 
-def _checked_instead(state: CoordinatorState, lease: Lease, verdict: GateVerdict) -> tuple[GateVerdict, Lease] | None:
+def _checked_instead(state: CoordinatorState, lease: Lease, verdict: GateVerdict,
+                     startable: bool = True) -> tuple[GateVerdict, Lease] | None:
     """A gate rejection that only the probe shows (the update raises the probe-batch loss: a few rows' noise on honest
     cold-start work, or a sign-flipped update) is not a refusal where work is verified: the update is held for a check
     (its lease then counts as a suspect's) and applied, weakly, if its re-run agrees — the verdict and lease to do that
     with, or None to refuse it."""
     if verdict.if_checked is None or state.policy.verify is None or base_theta(state, lease.base_version) is None:
+        return None
+    if not startable:  # an eager start whose update was not kept (the lease was not drawn): no re-run can be had
         return None
     return verdict.if_checked, dataclasses.replace(lease, verify=f"suspect: the gate's probe: {verdict.reason}"[:300])
 
@@ -245,14 +248,15 @@ def _gate_reject(
     """The gate rejected the update: the work is refused and its steps go back to the shard (its batches get
     trained by someone else); the gate's record may quarantine the peer. Not for a refusal on the probe's word alone
     in a run that verifies work (one :func:`_checked_instead` could not hold for a check: θ at its base version is
-    gone): the probe's few rows cannot tell honest work on a weak consensus from a sign-flipped update (a loopback run at
+    gone, or an eager start's update was not kept): the probe's few rows cannot tell honest work on a weak consensus from a sign-flipped update (a loopback run at
     outer momentum 0.5 quarantined all three honest peers so, docs/wan.md), so it makes the peer a suspect — its next
     leases drawn at ``suspect_fraction``, whose θ is kept, and a probe-only refusal of those is re-run: a flipped update
     then expels its peer."""
     doubted = verdict.if_checked is not None and state.policy.verify is not None
     quarantine = update_gate.record(gate, state.gate, verdict, None, lease.steps, event.peer, now, doubted=doubted)
     reason = f"update gate: {verdict.reason}" + ("; not counted toward quarantine (it cannot be re-run: θ at its base "
-                                                  "version is gone), the peer's next leases are checked more" if doubted else "")
+                                                  "version, or the update its eager start subtracted, is not kept), the "
+                                                  "peer's next leases are checked more" if doubted else "")
     actions: list[Action] = [Rejected(event.peer, lease.lease_id, reason, RefusalCode.GATE)]
     actions += give_back(state, lease, "its update was rejected by the gate")
     if quarantine is not None:
@@ -281,7 +285,8 @@ def refused_as_sent(state: CoordinatorState, event: SubmitUpdate) -> bool:
     if gate is None:
         return False
     verdict = gate_verdict(state, event, lease, gate)
-    return verdict.action == "reject" and _checked_instead(state, lease, verdict) is None
+    unkept = event.eager_of is not None and bool(lease.eager_of) and lease.lease_id not in state.verification.eager
+    return verdict.action == "reject" and _checked_instead(state, lease, verdict, startable=not unkept) is None
 
 
 def _verification_copy(
