@@ -552,5 +552,8 @@ def on_discard(state: CoordinatorState, event: Discard, now: float) -> list[Acti
     if policy is not None and policy.commit and event.state_end is not None:
         state.verification.chain[event.peer] = event.state_end  # its peer went on from there, as in the live run
     state.applied[lease.lease_id] = state.version  # consumed: a resend is a duplicate, its batches count as used
+    for later in peer_leases(state, event.peer):
+        if later.eager_of == lease.lease_id:  # accepted live: the lease whose start subtracted it is submitted as live
+            later.eager_ready = True
     drop_unused_base_params(state)
     return [Rejected(event.peer, lease.lease_id, "update discarded: its peer was expelled", RefusalCode.DISCARDED)]
