@@ -797,6 +797,51 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     assert torch.equal(repaired.params, reference)
 
 
+def test_a_checked_eager_lease_kept_by_a_repair_keeps_the_update_its_start_subtracted() -> None:
+    """A lease chosen for verification whose eager start (algo/eager.py) subtracts its peer's previous update, kept by
+    a repair: the update kept for its re-run survives it, so its check starts where its peer did — θ it trained from
+    minus 0.7 × that update — and can fail. Were it lost the check could only end unverified, and an update applied
+    before its check would stay in θ unjudged (a colluder's expulsion would shield a sleeper). The replay keeps it
+    where it draws the lease as the live run did; the live copy covers a lease only the live draw chose."""
+    from asyncloco.coordinator.logic import Fetched
+    from asyncloco.coordinator.rerun import start_theta
+    from asyncloco.coordinator.verify import live_base
+
+    # under this secret the attacker's lease and h's first lease are not chosen at fraction 0.5, h's second is
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.5, probation=0, secret=b"b" * 32)
+    anchor.policy = dataclasses.replace(anchor.policy, eager_share=0.7)
+    live = copy.deepcopy(anchor)
+    log, feed = recorder(live)
+    for peer in ("h", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    theirs = lease_of(feed(RequestWork("a"), 0.0))
+    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    first = lease_of(feed(RequestWork("h"), 1.5))
+    second = lease_of(feed(RequestWork("h", keep=first.lease_id), 1.6))
+    assert not theirs.verify and not first.verify and second.verify and second.eager_of == first.lease_id
+    feed(Fetched("h", second.base_version), 1.7)
+    trained_from = live.params.clone()  # θ(1): holds the attacker's update
+    delta = torch.arange(DIM, dtype=torch.float32)
+    feed(SubmitUpdate("h", first.lease_id, first.base_version, delta.clone()), 2.0)
+    assert torch.equal(live.verification.eager[second.lease_id], delta)
+    expelled = [a for a in feed(Verified("a", theirs.lease_id, False, "relative error 1.0"), 3.0) if isinstance(a, Expelled)]
+    assert [a.repair for a in expelled] == [True]
+
+    def submitted(live_eager: Any) -> Verify:
+        result = repair(copy.deepcopy(anchor), log, live.verification.expelled, live.version, live.leases,
+                        live.lease_counter, dict(live.verification.chain), live_base(live), live_eager=live_eager)
+        repaired = result.state
+        assert list(repaired.leases) == [second.lease_id] and repaired.leases[second.lease_id].eager_ready
+        update = SubmitUpdate("h", second.lease_id, second.base_version, torch.ones(DIM), eager_of=first.lease_id)
+        return next(a for a in handle(repaired, update, 4.0)[1] if isinstance(a, Verify))
+
+    for live_eager in (dict(live.verification.eager), None):  # carried over; kept by the replay itself
+        check = submitted(live_eager)
+        assert check.eager is not None and torch.equal(check.eager, delta)
+        start, why = start_theta(check)
+        assert why == "" and start is not None and torch.equal(start, trained_from - delta * 0.7)
+
+
 @pytest.mark.parametrize("verifies", [True, False], ids=["verified", "gate-alone"])
 def test_an_update_only_the_probe_speaks_against_is_checked_instead_of_refused(verifies: bool) -> None:
     """Where work is verified, the gate's probe (a few rows' loss, noisy on honest cold-start work) does not refuse

@@ -156,6 +156,7 @@ def repair(
     live_chain: Optional[Mapping[str, str]] = None,
     live_base: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
     substitute: Optional[Substitute] = None,
+    live_eager: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> RepairResult:
     """θ and the whole coordinator state as if the expelled peers' updates had never been applied.
 
@@ -184,7 +185,8 @@ def repair(
     differently after an earlier repair), the peer's next lease must still chain to the state it actually has.
 
     ``live_base(v)``: the live θ at version ``v`` (or None): with it, a lease chosen for verification is kept too, its
-    live base θ retained for the re-run (without it such leases are given back). A later replay's ``Repaired`` has no
+    live base θ retained for the re-run (without it such leases are given back), and with ``live_eager`` (the live
+    ``verification.eager``) the update its eager start subtracted, kept for that re-run as the live run kept it. A later replay's ``Repaired`` has no
     θ to hand: there such a lease's check is counted unverifiable, which changes no θ.
 
     What the repair decides after its replay (kept leases, version, counter, chain) is a :class:`Repaired` event,
@@ -222,18 +224,19 @@ def repair(
     repaired = repaired_event(state, excluded, live_version, live_leases, live_lease_counter, live_chain, live_base)
     _, voided = handle(state, repaired, last_now)
     if live_leases is not None and live_base is not None:
-        _keep_checks(state, live_leases, live_base)
+        _keep_checks(state, live_leases, live_base, live_eager or {})
     return RepairResult(state, voided, discarded, replayed, repaired, substituted, refused, held)
 
 
 def _keep_checks(state: CoordinatorState, live_leases: Mapping[str, Lease],
-                 live_base: Callable[[int], Optional[torch.Tensor]]) -> None:
+                 live_base: Callable[[int], Optional[torch.Tensor]], live_eager: Mapping[str, torch.Tensor]) -> None:
     """A kept lease that the live coordinator chose for verification stays chosen (the live draw is the one that
-    counts), and θ at its base version — the live one its peer trained from — is retained for the re-run."""
+    counts), and θ at its base version — the live one its peer trained from — is retained for the re-run, with the
+    update its eager start subtracts where the live run kept it (that update is its peer's own, as submitted: a repair
+    changes θ, not an update; without it the check would end unverified, rerun.start_theta)."""
     for lease in state.leases.values():
         live = live_leases[lease.lease_id]
-        # the eager start its peer was granted, and whether the update it subtracts was accepted, as they were live (the
-        # update kept for its check is not carried over: that check ends unverified, rerun.start_theta)
+        # the eager start its peer was granted, and whether the update it subtracts was accepted, as they were live
         lease.eager_of, lease.eager_share, lease.eager_ready = live.eager_of, live.eager_share, live.eager_ready
         if not (live.verify or lease.verify):
             continue
@@ -241,6 +244,9 @@ def _keep_checks(state: CoordinatorState, live_leases: Mapping[str, Lease],
         base = live_base(lease.base_version)
         if base is not None and lease.base_version not in state.base_params:
             state.base_params[lease.base_version] = base
+        kept = live_eager.get(lease.lease_id)
+        if kept is not None and lease.eager_ready:
+            state.verification.eager[lease.lease_id] = kept
 
 
 def repaired_event(

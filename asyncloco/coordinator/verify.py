@@ -1166,7 +1166,8 @@ class DaemonVerification:
                 substitutes = self.reruns.substitutes(action.anchor) if kind == "rerun" and self.reruns is not None else None
                 with self.reruns.lock if substitutes is not None and self.reruns is not None else contextlib.nullcontext():
                     result = repair(state, records, live.verification.expelled, live.version, dict(live.leases),
-                                    live.lease_counter, dict(live.verification.chain), live_base(live), substitutes)
+                                    live.lease_counter, dict(live.verification.chain), live_base(live), substitutes,
+                                    dict(live.verification.eager))
                 results[kind] = (result, substitutes)
         losses: dict[str, float] = {}
         if not remedy:  # live (or a resume whose log ends before the record): measured, the lower loss installed
