@@ -750,6 +750,22 @@ def test_a_lease_at_the_version_its_peer_prefetched_is_fetched_and_survives_a_re
     assert any(type(a).__name__ == "Applied" for a in actions)
 
 
+def attacker_applied_unchecked(secret: bytes, eager_share: float = 0.0) -> tuple[Any, ...]:
+    """Peers h (honest) and a (the attacker) at fraction 0.5, no probation; a's first lease, drawn unchecked under
+    ``secret``, submitted and applied at version 1 — its expulsion will need a repair. Returns the anchor (before
+    anything), the live state, its log, the feed and a's lease."""
+    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.5, probation=0, secret=secret)
+    anchor.policy = dataclasses.replace(anchor.policy, eager_share=eager_share)
+    live = copy.deepcopy(anchor)
+    log, feed = recorder(live)
+    for peer in ("h", "a"):
+        feed(SpeedReport(peer, 10.0), 0.0)
+    theirs = lease_of(feed(RequestWork("a"), 0.0))
+    assert not theirs.verify
+    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    return anchor, live, log, feed, theirs
+
+
 def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_the_theta_its_peer_had() -> None:
     """An honest lease chosen for verification and downloaded when a repair comes is
     kept: it stays chosen, the live θ at its base version — the one its peer trained from, which holds the expelled
@@ -762,14 +778,7 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
 
     # under this secret the first lease draws 0.69 (not chosen at fraction 0.5: the attacker's update is applied
     # unchecked, and its expulsion needs a repair) and the second 0.088 (chosen: the honest lease is checked)
-    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.5, probation=0, secret=b"c" * 32)
-    live = copy.deepcopy(anchor)
-    log, feed = recorder(live)
-
-    for peer in ("h", "a"):
-        feed(SpeedReport(peer, 10.0), 0.0)
-    theirs = lease_of(feed(RequestWork("a"), 0.0))
-    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    anchor, live, log, feed, theirs = attacker_applied_unchecked(b"c" * 32)
     mine = lease_of(feed(RequestWork("h"), 1.5))
     assert mine.verify and mine.base_version == 1
     feed(Fetched("h", mine.base_version), 1.5)
@@ -784,7 +793,6 @@ def test_a_lease_chosen_for_verification_survives_a_repair_and_is_re_run_from_th
     repaired = result.state
     assert list(repaired.leases) == [mine.lease_id] and repaired.leases[mine.lease_id].verify == mine.verify
     assert torch.equal(repaired.base_params[1], trained_from) and repaired.base_params[1] is not live.params
-    assert not theirs.verify
     honest = torch.arange(DIM, dtype=torch.float32)
     _, actions = handle(repaired, SubmitUpdate("h", mine.lease_id, mine.base_version, honest.clone()), 3.0)
     checks = [a for a in actions if isinstance(a, Verify)]
@@ -808,17 +816,10 @@ def test_a_checked_eager_lease_kept_by_a_repair_keeps_the_update_its_start_subtr
     from asyncloco.coordinator.verify import live_base
 
     # under this secret the attacker's lease and h's first lease are not chosen at fraction 0.5, h's second is
-    anchor = verify_state(OuterNesterov(0.7, 0.9), fraction=0.5, probation=0, secret=b"b" * 32)
-    anchor.policy = dataclasses.replace(anchor.policy, eager_share=0.7)
-    live = copy.deepcopy(anchor)
-    log, feed = recorder(live)
-    for peer in ("h", "a"):
-        feed(SpeedReport(peer, 10.0), 0.0)
-    theirs = lease_of(feed(RequestWork("a"), 0.0))
-    feed(SubmitUpdate("a", theirs.lease_id, theirs.base_version, torch.full((DIM,), 5.0)), 1.0)
+    anchor, live, log, feed, theirs = attacker_applied_unchecked(b"b" * 32, eager_share=0.7)
     first = lease_of(feed(RequestWork("h"), 1.5))
     second = lease_of(feed(RequestWork("h", keep=first.lease_id), 1.6))
-    assert not theirs.verify and not first.verify and second.verify and second.eager_of == first.lease_id
+    assert not first.verify and second.verify and second.eager_of == first.lease_id
     feed(Fetched("h", second.base_version), 1.7)
     trained_from = live.params.clone()  # θ(1): holds the attacker's update
     delta = torch.arange(DIM, dtype=torch.float32)
