@@ -217,6 +217,11 @@ class SimConfig(StrictModel):
         0.0, ge=0, description="with sim.overlap: simulated seconds from a lease's end to its update's arrival (its "
         "upload; the next lease trains meanwhile, from θ without it), as a slow link's peer sees it; 0: instantaneous",
     )
+    ask_ahead_s: float = Field(
+        0.0, ge=0, description="with sim.upload_s: a worker asks for its next lease (and takes its θ) this many simulated "
+        "seconds before its lease in training ends, once its previous update is in (peer/pipeline.py's asking ahead, "
+        "which a slow download link needs: the next lease starts from a θ that old); 0: it asks as its upload starts",
+    )
     rerun_seconds_per_step: float | None = Field(
         None, gt=0, description="the verifier's seconds per local step when sim.checks is on; default the fastest worker's"
     )
@@ -237,6 +242,9 @@ class SimConfig(StrictModel):
         if self.upload_s > 0 and not self.overlap:
             raise ValueError("sim.upload_s needs sim.overlap: true (in serial rounds a worker waits for its upload; "
                              "set sim.overlap: true, or sim.upload_s: 0)")
+        if self.ask_ahead_s > 0 and not self.upload_s > 0:
+            raise ValueError("sim.ask_ahead_s models a slow link's asking ahead and needs sim.upload_s > 0; set both, or "
+                             "sim.ask_ahead_s: 0")
         return self
 
 

@@ -105,6 +105,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                 "eager": "lr"},
     "upload_scaled_30_sign_ef_carry_eager_whole": {"reference": 30, "codec": "sgn15of16", "ef": True, "state": "carry",
                                                    "eager": "whole"},
+    "upload_scaled_30_sign_ef_carry_eager_lr_ahead": {"reference": 30, "codec": "sgn15of16", "ef": True,
+                                                      "state": "carry", "eager": "lr", "ahead": True},
     "upload_scaled_30_sign_ef_after_check_0.75_eager_lr": {"reference": 30, "codec": "sgn15of16", "ef": True,
                                                            "state": "carry", "after_check": 0.75, "eager": "lr"},
 }
@@ -198,6 +200,7 @@ def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
         "sim": {"workers": 3, "profile": [1.0 * k, 1.5 * k, 4.0 * k],
                 "total_local_updates": (200 if smoke else args.updates) // k,
                 "eval_every": (50 if smoke else args.eval_every) // k, "overlap": True, "upload_s": upload_s,
+                "ask_ahead_s": args.ask_ahead_fraction * steps if variant.get("ahead") and upload_s > 0 else 0.0,
                 "methods": ["async_dn_dylu"], "seed": args.seed},
         "runtime": {"codec": variant.get("codec", "int4"), "error_feedback": variant.get("ef", False),
                     "error_feedback_decay": 0.5,
@@ -236,7 +239,7 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "upload_s": cfg.sim.upload_s, "codec": cfg.runtime.codec, "error_feedback": cfg.runtime.uses_error_feedback,
         "inner_state": cfg.runtime.verify.inner_state, "residual_pairs": bool(variant.get("pairs")),
         "carry_segment": variant.get("segments"), "carry_after_check": variant.get("after_check"),
-        "momentum": cfg.outer.momentum,
+        "momentum": cfg.outer.momentum, "ask_ahead_s": cfg.sim.ask_ahead_s,
         "outer_lr": cfg.outer.lr, "buffer_size": cfg.outer.buffer_size,
         "poly": variant.get("poly"), "momentum_reference_steps": variant.get("reference"), "eager": variant.get("eager", False), "metric": metric,
         "batch_multiple": variant.get("batch", 1),
@@ -257,6 +260,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=860, help="the fastest worker's lease (home150's: 820-940 steps)")
     parser.add_argument("--upload-fraction", type=float, default=0.5,
                         help="an upload's time in leases (home150: ≈ 15 s up, ≈ 30-40 s leases)")
+    parser.add_argument("--ask-ahead-fraction", type=float, default=0.8,
+                        help="the ..._ahead variants: a worker asks for its next lease (taking its θ) this share of the "
+                             "fastest lease before its lease ends (home150: 1.5 × a download ≈ 0.8 of a lease)")
     parser.add_argument("--updates", type=int, default=14_000, help="local steps in all (sim.total_local_updates)")
     parser.add_argument("--eval-every", type=int, default=1_500)
     parser.add_argument("--seed", type=int, default=0)

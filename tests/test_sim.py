@@ -298,6 +298,41 @@ def test_upload_time_delays_each_update_while_the_next_lease_trains() -> None:
 
 
 @pytest.mark.timeout(180)
+def test_asking_ahead_starts_each_lease_from_the_theta_granted_before_its_predecessor_ended() -> None:
+    """sim.ask_ahead_s: a slow download link's order (peer/pipeline.py) — a worker asks for its next lease ``ask_ahead_s``
+    before its lease in training ends, or when its previous update arrives if that is later, and takes its θ then; the
+    next lease trains the moment its predecessor ends, from that θ minus the predecessor's update (the eager start),
+    its base version the one granted at the ask. Its θ being older, the staleness is larger than when asked at the
+    upload's start. Asking for it without sim.upload_s is a clear error."""
+    upload, ahead = 3.25, 6.5
+    sections: dict[str, Any] = {"schedule": {"grace_period": 0.0}, "outer": {"buffer_size": 3}}
+    sim = {"profile": "very", "total_local_updates": 200, "overlap": True, "upload_s": upload}
+    simulation, trace = _run(toy_config(**sections, sim={**sim, "ask_ahead_s": ahead}), "async_dn_dylu")
+    applied = sorted((r["time"], r["version"], r["lease_id"]) for r in _records(trace, "applied"))
+    arrived = {lease_id: time for time, _, lease_id in applied}
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for record in _records(trace, "task"):
+        by_worker.setdefault(record["worker"], []).append(record)
+    ahead_leases = 0
+    for records in by_worker.values():
+        for before, lease, following in zip(records, records[1:], records[2:]):
+            if before["lease_id"] not in arrived or "asked" not in following:
+                continue
+            asked = max(lease["time"], lease["finish"] - ahead, arrived[before["lease_id"]])
+            assert following["asked"] == asked and following["time"] == lease["finish"]
+            assert following["eager_of"] == lease["lease_id"]
+            versions = [v for t, v, _ in applied if t < asked] or [0]
+            assert following["base_version"] in range(max(versions), max([v for t, v, _ in applied if t <= asked] or [0]) + 1)
+            ahead_leases += 1
+    assert ahead_leases >= 10
+    later, _ = _run(toy_config(**sections, sim=sim), "async_dn_dylu")
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert mean(simulation.result.staleness) > mean(later.result.staleness)
+    with pytest.raises(ValueError, match="sim.ask_ahead_s models a slow link's asking ahead and needs sim.upload_s"):
+        toy_config(sim={"overlap": True, "ask_ahead_s": 1.0})
+
+
+@pytest.mark.timeout(180)
 def test_overlap_asks_for_the_next_lease_before_the_update_is_in_and_doubles_dns_n() -> None:
     """sim.overlap: runtime.overlap's order with instantaneous transfers — each worker's next lease is issued the moment
     its lease ends, from θ without that lease's update (applied right after), and DN's N counts two updates per worker."""

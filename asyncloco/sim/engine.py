@@ -147,6 +147,11 @@ class _Worker:
     out: tuple[str, torch.Tensor] | None = None
     refused: str = ""
     eager_of: str | None = None
+    # sim.ask_ahead_s: the lease granted while one trains, with the θ it was granted from (it trains next); the lease
+    # in training it asked ahead for (the ask then is not repeated at its upload); an ask put off behind an upload
+    pending: tuple[Assign, torch.Tensor, float] | None = None  # (the grant, its θ, when granted)
+    asked_for: str | None = None
+    ask_deferred: bool = False
 
 
 class Simulation:
@@ -250,23 +255,29 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._queue, (time, self._seq, kind, worker))
 
-    def _start(self, action: Assign, now: float) -> None:
-        """A lease assigned: its worker trains it now (the result waits for its "complete" event)."""
+    def _start(self, action: Assign, now: float, theta: torch.Tensor | None = None, asked: float | None = None) -> None:
+        """A lease assigned: its worker trains it now (the result waits for its "complete" event) — or, asked for
+        ahead (``sim.ask_ahead_s``) while another trains, once that one ends, from the θ it was granted from."""
         if self._out_of_budget():
             return  # the run ends with this event: don't train a lease that can never finish
         lease = action.lease
         worker = self.workers[action.peer]
+        if worker.lease_id is not None:
+            worker.pending = (action, self.state.params.clone(), now)
+            self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
+            return
         worker.lease_id, worker.base_version, worker.steps = lease.lease_id, lease.base_version, lease.steps
         if lease.fresh:  # granted with a fresh start (a slow uplink: coordinator/logic/leases.py fresh_reason)
             worker.inner_state, worker.fast_state = {}, None
             if worker.feedback is not None:
                 worker.feedback.drop()
-        theta, worker.eager_of = self.state.params, None
+        fetched = theta is not None
+        theta, worker.eager_of = self.state.params if theta is None else theta, None
         if lease.eager_of and worker.out is not None and worker.out[0] == lease.eager_of:
             theta, worker.eager_of = eager_start(theta, worker.out[1], lease.eager_share), lease.eager_of
         worker.result = self._train(worker, lease.shard, lease.start_offset, lease.steps, lease.lr_offset, theta)
-        # the worker has its θ: the coordinator need not retain that version for this lease
-        self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
+        if not fetched:  # the worker has its θ: the coordinator need not retain that version for this lease
+            self._dispatch(handle(self.state, Fetched(worker.name, lease.base_version), now)[1], now)
         if self.cfg.sim.checks and self.ahead and lease.verify and not lease.verify.startswith(PROBATION_WAIT) \
                 and not lease.eager_of:
             # runtime.verify.ahead (coordinator/ahead.py): its re-run starts now, while the worker trains
@@ -274,6 +285,8 @@ class Simulation:
             self._verifier_free = self._ahead_ready[lease.lease_id] = start + lease.steps * self.rerun_seconds_per_step
         finish = now + lease.steps * worker.seconds_per_step
         self._push(finish, "complete", worker.name)
+        if self.cfg.sim.ask_ahead_s > 0:
+            self._push(max(now, finish - self.cfg.sim.ask_ahead_s), "ask", worker.name)
         self._emit(
             {
                 "type": "task",
@@ -290,6 +303,7 @@ class Simulation:
                 "train_loss": worker.result.mean_loss,
                 **({"verify": lease.verify} if self.cfg.sim.checks and lease.verify else {}),  # why it is re-run
                 **({"eager_of": worker.eager_of} if worker.eager_of else {}),  # started from θ minus its update
+                **({"asked": asked} if asked is not None else {}),  # granted then, from θ then (sim.ask_ahead_s)
             }
         )
 
@@ -393,9 +407,27 @@ class Simulation:
         if feedback is not None:  # encoded now, after the previous upload settled its residual (in order, as a peer)
             submit = dataclasses.replace(submit, pseudo_gradient=feedback.roundtrip(submit.pseudo_gradient))
             self._uploads[name][0] = (submit, steps)
-        self.workers[name].out = (submit.lease_id, submit.pseudo_gradient)
-        self._dispatch(handle(self.state, RequestWork(name, keep=submit.lease_id), now)[1], now)
+        worker = self.workers[name]
+        worker.out = (submit.lease_id, submit.pseudo_gradient)
+        if worker.asked_for != submit.lease_id:  # not asked for ahead: ask now
+            self._dispatch(handle(self.state, RequestWork(name, keep=submit.lease_id), now)[1], now)
+        worker.asked_for, worker.ask_deferred = None, False
         self._push(now + self.cfg.sim.upload_s, "arrive", name)
+        if worker.pending is not None and worker.lease_id is None:  # the lease asked for ahead trains now
+            (action, theta, asked), worker.pending = worker.pending, None
+            self._start(action, now, theta, asked)
+
+    def _ask(self, name: str, now: float) -> None:
+        """``sim.ask_ahead_s`` before its lease's end: the worker asks for the next one, naming the lease in training
+        (``keep``) — once its previous update is in, as a peer asks ahead (peer/pipeline.py); until then put off."""
+        worker = self.workers[name]
+        if worker.lease_id is None or worker.asked_for == worker.lease_id:
+            return
+        if self._uploads.get(name):
+            worker.ask_deferred = True
+            return
+        worker.asked_for, worker.ask_deferred = worker.lease_id, False
+        self._dispatch(handle(self.state, RequestWork(name, keep=worker.lease_id), now)[1], now)
 
     def _arrive(self, name: str, submit: SubmitUpdate, steps: int, now: float) -> bool:
         """An update reaches the coordinator (its lease's end, or ``sim.upload_s`` later); True: the run is over."""
@@ -462,6 +494,10 @@ class Simulation:
                     break
                 if self._uploads[name]:
                     self._upload(name, now)
+                elif self.workers[name].ask_deferred:
+                    self._ask(name, now)
+            elif kind == "ask":
+                self._ask(name, now)
             elif kind.startswith("verdict:"):
                 self._dispatch(handle(self.state, Verified(name, kind.split(":", 1)[1], True, "simulated re-run"), now)[1], now)
                 if self._finished(now):
