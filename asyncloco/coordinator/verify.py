@@ -13,7 +13,8 @@ offset and the run's config — exactly what the coordinator knows. This module:
   within ``runtime.verify.cross_device_tolerance`` (relative L2 error) and ``cross_device_min_cosine`` for a peer of
   another one (a bf16 GPU peer checked on a CPU), whose kernels differ from the verifier's.
 * :class:`Verifier` — the coordinator's background worker: a bounded queue of re-runs (``runtime.verify.queue``;
-  a full queue skips a check and counts it), one re-run at a time in a worker thread, so submissions and acks never
+  a full queue skips a check and counts it; first in, first out, except that a check θ waits for goes first:
+  :class:`UrgentFirst`), one re-run at a time in a worker thread, so submissions and acks never
   wait for it. Each verdict goes back through the node's decide (coordinator/node.py) as a
   :class:`~asyncloco.coordinator.logic.Verified` event (write-ahead log, journal, status.json). Validator peers
   (asyncloco/coordinator/validators.py, asyncloco/validator.py) take checks off the same queue.
@@ -140,6 +141,41 @@ class VerifyStats:
         }
 
 
+URGENT_RUN = 4  # urgent checks taken ahead of a waiting other one in a row, at most (then the oldest other goes)
+
+
+class UrgentFirst(asyncio.Queue["tuple[Verify, float, Optional[Buffer]]"]):
+    """The verifier's queue of ``(check, offered at, revealed)``: first in, first out, except that the oldest *urgent*
+    check — one θ waits for: its update, or an update of its peer's behind it in a chain of carried states
+    (coordinator/chained.py), is held for a verdict — goes ahead of the others, at most :data:`URGENT_RUN` times in a
+    row while another waits, so that no other check waits for ever.
+
+    Why: a slow uplink's every lease is re-run, each check of a peer waiting for the one before it (its start state),
+    so each peer has one check queued and a backlog behind it; taken in turn, a held check — a suspect's, a
+    probation's — waited for every peer's backlog, and its update reached θ 20–42 versions stale (docs/wan.md).
+    An applied-first check's wait delays only its verdict."""
+
+    def __init__(self, maxsize: int, urgent: Callable[[Verify], bool]) -> None:
+        super().__init__(maxsize)
+        self.urgent = urgent
+        self.run = 0  # urgent checks taken ahead of another in a row
+
+    def _get(self) -> Any:
+        items = self._queue  # type: ignore[attr-defined]  # asyncio.Queue's deque (its _get/_put hooks, as PriorityQueue)
+        for index, item in enumerate(items):
+            if not self.urgent(item[0]):
+                continue
+            if index == 0:
+                break  # the oldest is urgent itself: nothing is passed over
+            if self.run < URGENT_RUN:
+                self.run += 1
+                del items[index]
+                return item
+            break
+        self.run = 0
+        return items.popleft()
+
+
 class Verifier:
     """The coordinator's background verification worker. :meth:`offer` never blocks (a full queue skips the
     check); :meth:`run` re-runs one lease at a time in a worker thread and hands each verdict to ``on_verdict``
@@ -154,6 +190,7 @@ class Verifier:
         moot: Callable[[Verify], bool] = lambda task: False,
         on_skip: Optional[Callable[[Verify, str], Awaitable[None]]] = None,
         ahead: int = 0,
+        urgent: Callable[[Verify], bool] = lambda task: False,
     ) -> None:
         self.rerunner = rerunner
         self.on_verdict = on_verdict
@@ -161,7 +198,7 @@ class Verifier:
         self.moot = moot  # a queued check no longer needed (its peer was expelled meanwhile): dropped unrun
         self.clock = clock
         # (check, when it was offered, the revealed start and end states: None for a reset-state lease re-run from θ alone)
-        self.queue: "asyncio.Queue[tuple[Verify, float, Optional[Buffer]]]" = asyncio.Queue(maxsize=capacity)
+        self.queue: "asyncio.Queue[tuple[Verify, float, Optional[Buffer]]]" = UrgentFirst(capacity, urgent)
         self.stats = VerifyStats()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -409,6 +446,7 @@ class DaemonVerification:
             moot=lambda task: task.peer in self.port.node.state.verification.expelled,
             on_skip=self._unverified,
             ahead=self.knobs.ahead if self.knobs.inner_state == "reset" and self.knobs.local else 0,
+            urgent=self._urgent,
         )
         self.replay_seq: Optional[int] = None  # the log record being replayed (None: live)
         # checks a --resume replay met without their verdict (lease id -> check): queued again by start()
@@ -912,6 +950,11 @@ class DaemonVerification:
 
         await self._unverified_id(task.peer, task.lease.lease_id, reason, apply=overflow and not must_check(task.lease))
         self._chain_on(task, None)
+
+    def _urgent(self, task: Verify) -> bool:
+        """Does θ wait for ``task``'s verdict: its update, or one of its peer's (behind it in its chain), is held?"""
+        held = self.port.node.state.verification.held
+        return task.lease.lease_id in held or any(update.lease.peer == task.peer for update in held.values())
 
     def asks_start(self, lease_id: str) -> bool:
         """Must the reveal of ``lease_id`` carry its start state (else the Ack's ``reveal_start: false``: the coordinator
