@@ -139,15 +139,18 @@ class Segments(Simulation):
         super().__init__(*args, **kwargs)
         self.leases: dict[str, int] = {}  # per worker: leases started
 
-    def _start(self, action: Any, now: float) -> None:
+    def _start(self, action: Any, now: float, theta: Any = None, asked: float | None = None) -> None:
         name = action.peer
+        if self.workers[name].lease_id is not None:  # asked for ahead: it starts once the lease in training ends
+            super()._start(action, now, theta, asked)
+            return
         if self.leases.get(name, 0) % self.every == 0:
             worker = self.workers[name]
             worker.inner_state, worker.fast_state = {}, None
             if worker.feedback is not None:
                 worker.feedback.drop()
         self.leases[name] = self.leases.get(name, 0) + 1
-        super()._start(action, now)
+        super()._start(action, now, theta, asked)
 
 
 class AfterCheck(Simulation):
@@ -163,15 +166,18 @@ class AfterCheck(Simulation):
         self.drawn: dict[str, bool] = {}  # per worker: was its last lease drawn
         self.rng = random.Random(self.cfg.seed)
 
-    def _start(self, action: Any, now: float) -> None:
+    def _start(self, action: Any, now: float, theta: Any = None, asked: float | None = None) -> None:
         name = action.peer
+        if self.workers[name].lease_id is not None:  # asked for ahead: it starts once the lease in training ends
+            super()._start(action, now, theta, asked)
+            return
         if not self.drawn.get(name, False):
             worker = self.workers[name]
             worker.inner_state, worker.fast_state = {}, None
             if worker.feedback is not None:
                 worker.feedback.drop()
         self.drawn[name] = self.rng.random() < self.fraction
-        super()._start(action, now)
+        super()._start(action, now, theta, asked)
 
 
 def config(args: argparse.Namespace, variant: dict[str, Any]) -> RunConfig:
