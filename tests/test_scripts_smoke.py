@@ -250,7 +250,7 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
                        "upload_scaled_30_sign_ef_carry_batch_4", "upload_eager",
                        "upload_eager_lr", "upload_eager_whole", "upload_scaled_30_sign_ef_carry_eager",
                        "upload_scaled_30_sign_ef_carry_eager_lr", "upload_scaled_30_sign_ef_carry_eager_whole",
-                       "upload_scaled_30_sign_ef_after_check_0.75_eager_lr"]
+                       "upload_scaled_30_sign_ef_carry_eager_lr_ahead", "upload_scaled_30_sign_ef_after_check_0.75_eager_lr"]
     instant = ("instant", "instant_momentum_0.7", "instant_momentum_0.5", "instant_scaled_30", "instant_sign_ef_carry")
     assert all(r[name]["upload_s"] == 0 for name in instant) and r["instant"]["final_vs_instant"] == 1.0
     # the scaled momentum as if H were 30: the smoke's 10-step leases are shorter, so β is the paper's, bitwise
@@ -269,6 +269,10 @@ def check_slow_link_sim(tmp: Path, _: str) -> None:
         (share, "sgn15of16", True, "carry") for share in (True, "lr", "whole")]
     evals = [r["upload_scaled_30_sign_ef_carry"]["evals"]] + [e["evals"] for e in eager]
     assert all(a[1:] != b[1:] for i, a in enumerate(evals) for b in evals[i + 1:])
+    # asking ahead (sim.ask_ahead_s, 0.8 of a lease's steps at the fastest worker's 1 s a step): the eager_lr setting
+    ahead = r["upload_scaled_30_sign_ef_carry_eager_lr_ahead"]
+    assert (ahead["ask_ahead_s"], r["upload_scaled_30_sign_ef_carry_eager_lr"]["ask_ahead_s"]) == (8.0, 0.0)
+    assert ahead["evals"][1:] != eager[1]["evals"][1:]
     # the engine's eager start (schedule.eager_start) on the slow-uplink setting: its own trajectory
     after = r["upload_scaled_30_sign_ef_after_check_0.75_eager_lr"]
     assert (after["eager"], after["carry_after_check"]) == ("lr", 0.75)
