@@ -132,8 +132,6 @@ def journal_counts(run: Path) -> dict[str, Any]:
 def sim_updates(spec: str) -> list[Update]:
     """The updates the coordinator of ``scripts/slow_link_sim.py``'s variant receives, ``spec`` = ``VARIANT:STEPS``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import argparse as _argparse
-
     import slow_link_sim
 
     from asyncloco.sim.engine import Simulation
@@ -148,8 +146,7 @@ def sim_updates(spec: str) -> list[Update]:
         seen.append((name, submit.pseudo_gradient.to(torch.float32).clone(), False, int(lease_steps)))
         return arrive(self, name, submit, lease_steps, now)
 
-    args = _argparse.Namespace(steps=int(steps), upload_fraction=0.5, ask_ahead_fraction=0.8, updates=14_000,
-                               eval_every=1_500, seed=0, smoke=False)
+    args = slow_link_sim.arguments().parse_args(["--steps", steps])  # the variant at the script's own defaults
     setattr(Simulation, "_arrive", capture)
     try:
         slow_link_sim.run_variant(args, variant)
@@ -172,34 +169,38 @@ def synthetic_updates(peers: int = 3, rounds: int = 40, numel: int = 4096, seed:
             honest = direction / direction.norm() + 1.5 * torch.randn(numel, generator=generator) / numel ** 0.5
             decoded = coder.roundtrip(honest)
             coder.settle(True)
-            yield name, decoded, False, 1
+            yield name, decoded, False, 2  # leases of 2 local steps: --memory-steps 1 shortens the memory, 2 keeps it
 
 
 def measure(updates: Iterable[Update], warmup: int, memory_steps: int | None = None) -> dict[str, Any]:
     policy = GatePolicy()
     reference = Reference(policy, memory_steps)
-    rows, peers = [], []
+    # (whole, without the sender's last update) and its sender, per update judged without its sender's last one
+    rows: list[tuple[float, float]] = []
+    peers: list[str] = []
     for peer, update, weak, steps in updates:
         if not float(update.norm()) > 0:
             continue
         cosines = reference.cosines(peer, update)
         if cosines is not None and cosines[1] is not None:
-            rows.append(cosines)
+            rows.append((cosines[0], cosines[1]))
             peers.append(peer)
         if not weak:  # a weakly agreeing update stays out of the reference (gate.py record)
             reference.join(peer, update, steps)
     rows, peers = rows[warmup:], peers[warmup:]
     whole = [w for w, _ in rows]
-    without = [o for _, o in rows if o is not None]
+    without = [o for _, o in rows]
     cap = policy.cosine_cap
     third = max(1, len(without) // 3)
+    by_peer: dict[str, list[float]] = {}
+    for peer, (_, other) in zip(peers, rows):
+        by_peer.setdefault(peer, []).append(other)
     return {
         "updates": len(rows), "cosine_cap": cap, "memory_steps": memory_steps,
         # the gate's cosine (without the sender's last update) per third of the run and per peer
         "median_by_third": [round(statistics.median(without[k * third:(k + 1) * third]), 4)
                             for k in range(3) if without[k * third:(k + 1) * third]],
-        "median_by_peer": {p: round(statistics.median(o for q, (_, o) in zip(peers, rows) if q == p and o is not None), 4)
-                           for p in sorted(set(peers)) if any(q == p and o is not None for q, (_, o) in zip(peers, rows))},
+        "median_by_peer": {p: round(statistics.median(c), 4) for p, c in sorted(by_peer.items())},
         "whole_reference": {"median": round(statistics.median(whole), 4),
                             "below_cap": round(sum(c < cap for c in whole) / len(whole), 4)},
         "without_the_senders_last_update": {"median": round(statistics.median(without), 4),

@@ -260,7 +260,8 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The script's command line (also read by scripts/gate_own_update.py ``--sim`` for a variant's settings)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=860, help="the fastest worker's lease (home150's: 820-940 steps)")
@@ -275,6 +276,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--smoke", action="store_true", help="the toy task, 10-step leases, seconds of work")
     parser.add_argument("--json", help="write the result here")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]

@@ -306,17 +306,20 @@ def check_gate_own_update(tmp: Path, _: str) -> None:
     assert r["updates"] == 3 * 40 - 3 - 6 and r["cosine_cap"] == 0.05
     # judged without its sender's last update, an honest sign-coded update agrees more with the consensus
     assert r["without_the_senders_last_update"]["median"] > r["whole_reference"]["median"] > 0
-    # memory counted in local steps: leases of at most H steps (the synthetic ones have 1) join as with it in updates
-    same = r["memory_in_steps"]["1"]
-    assert same["memory_steps"] == 1 and same["median_by_third"] == r["median_by_third"] and len(r["median_by_third"]) == 3
+    # memory counted in local steps: leases of at most H steps (the synthetic ones have 2) join as with it in updates;
+    # at H = 1 each joins with weight 1 − 0.8² (not 1 − 0.8): a memory of fewer updates, which agrees less here
+    same, shorter = r["memory_in_steps"]["2"], r["memory_in_steps"]["1"]
+    assert same["memory_steps"] == 2 and same["median_by_third"] == r["median_by_third"] and len(r["median_by_third"]) == 3
     assert same["without_the_senders_last_update"] == r["without_the_senders_last_update"]
+    assert same["median_by_peer"] == r["median_by_peer"] and sorted(r["median_by_peer"]) == ["peer0", "peer1", "peer2"]
+    assert shorter["without_the_senders_last_update"]["median"] < r["without_the_senders_last_update"]["median"]
 
 
 SMOKES: dict[str, Smoke] = {
     "bench_coordinator.py": Smoke(["--smoke", "--dir", "{tmp}", "--json", "{tmp}/out.json"], check_bench_coordinator, 150),
     "bench_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_sim, 60),
     "slow_link_sim.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_slow_link_sim, 240),
-    "gate_own_update.py": Smoke(["--smoke", "--memory-steps", "1", "--json", "{tmp}/out.json"], check_gate_own_update, 90),
+    "gate_own_update.py": Smoke(["--smoke", "--memory-steps", "1,2", "--json", "{tmp}/out.json"], check_gate_own_update, 90),
     "bench_transport.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_transport, 120),
     "wire_budget.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_wire_budget, 90),
     "bench_kept_states.py": Smoke(["--smoke", "--json", "{tmp}/out.json"], check_bench_kept_states, 90),
