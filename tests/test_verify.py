@@ -1415,3 +1415,62 @@ def test_a_probe_only_refusal_that_cannot_be_re_run_makes_a_suspect_not_a_quaran
     assert refusals == [["Rejected", "Expired"]] and not state.gate.quarantined_until
     assert G.suspect(state.gate, "old") == "recently refused by the gate's probe, unchecked"
     assert state.gate.doubted["old"] == [True] and state.gate.verdicts["old"] == [False]
+
+
+@pytest.mark.timeout(60)
+def test_weak_agreement_explained_by_a_check_that_agrees_makes_no_suspect() -> None:
+    """An update taken with weak agreement makes its peer a suspect (its next leases all re-run, their updates held for
+    their verdicts) for ``quarantine_window`` of its verdicts — unless that update's own check agrees: its bitwise re-run
+    shows it is honest work on its lease, so the flag goes at that verdict (gate.explain_weak). On a slow uplink, where
+    a lease is hundreds of steps and its re-run chain long, the window was most of a run (docs/wan.md). A flag whose
+    update was not checked, or a verdict on another lease, leaves the peer a suspect; a suspect's held update that
+    agrees is applied without a flag."""
+    from asyncloco.coordinator import gate as G
+    from asyncloco.coordinator.logic import Applied
+    from tests.test_gate_probe import N, warm_state, with_cosine
+
+    def start(fraction: float) -> CoordinatorState:
+        policy = CoordinatorPolicy(max_local_steps=10, dylu=False, grace_period=0.0, lease_timeout_factor=3.0,
+                                   lease_slack=100.0, gate=G.GatePolicy(),
+                                   verify=VerifyPolicy(fraction=fraction, probation_updates=0, suspect_fraction=1.0,
+                                                       hold_backlog=0))
+        state = new_state(torch.zeros(N), OuterNesterov(0.5, 0.9), [], policy, [10_000], seed=3, lease_secret=b"s" * 32)
+        state.gate = warm_state()
+        handle(state, SpeedReport("old", 10.0), 0.0)
+        return state
+
+    weakly = "recently agreed only weakly with the consensus"
+    # drawn (fraction 1), the verifier "behind" (hold_backlog 0): applied first, taken weakly, its check pending
+    state = start(1.0)
+    first = lease_of(handle(state, RequestWork("old"), 1.0)[1])
+    actions = handle(state, SubmitUpdate("old", first.lease_id, first.base_version, with_cosine(-0.05)), 2.0)[1]
+    applied = [a for a in actions if isinstance(a, Applied)]
+    assert len(applied) == 1 and "weak agreement" in applied[0].gate and first.lease_id in state.verification.pending
+    assert G.suspect(state.gate, "old") == weakly and state.gate.weak_leases["old"] == [first.lease_id]
+    second = lease_of(handle(state, RequestWork("old"), 3.0)[1])
+    assert second.verify == f"suspect, sampled at 1 ({weakly})"
+    # a verdict on another lease explains nothing
+    assert not G.explain_weak(state.gate, "old", "L-other") and G.suspect(state.gate, "old") == weakly
+    # the suspect's update, weak too: held until its verdict; its re-run agrees — applied, no flag of its own
+    held = handle(state, SubmitUpdate("old", second.lease_id, second.base_version, with_cosine(-0.04)), 4.0)[1]
+    assert [type(a).__name__ for a in held] == ["Verify", "Held"] and state.version == 1
+    released = handle(state, Verified("old", second.lease_id, True, "bitwise equal to the re-run"), 5.0)[1]
+    assert [type(a).__name__ for a in released] == ["Verdict", "Applied"] and "weak agreement" in released[1].gate
+    assert state.gate.weak["old"] == [True, False] and G.suspect(state.gate, "old") == weakly  # the first still open
+    # the first update's check agrees: its flag is explained, the peer no longer a suspect
+    handle(state, Verified("old", first.lease_id, True, "bitwise equal to the re-run"), 6.0)
+    assert state.gate.weak["old"] == [False, False] and state.gate.weak_leases["old"] == ["", ""]
+    assert G.suspect(state.gate, "old") == ""
+    third = lease_of(handle(state, RequestWork("old"), 7.0)[1])
+    assert third.verify.startswith("sampled at 1") and not third.verify.startswith("suspect")
+    # the flags survive a snapshot, aligned
+    restored = G.GateState.from_state_dict(state.gate.state_dict())
+    assert (restored.weak, restored.weak_leases) == (state.gate.weak, state.gate.weak_leases)
+
+    # not drawn (fraction 0): no check to explain it — a suspect for quarantine_window verdicts, as before
+    state = start(0.0)
+    lease = lease_of(handle(state, RequestWork("old"), 1.0)[1])
+    assert lease.verify == ""
+    handle(state, SubmitUpdate("old", lease.lease_id, lease.base_version, with_cosine(-0.05)), 2.0)
+    assert G.suspect(state.gate, "old") == weakly and lease.lease_id not in state.verification.pending
+    assert lease_of(handle(state, RequestWork("old"), 3.0)[1]).verify == f"suspect, sampled at 1 ({weakly})"

@@ -149,7 +149,8 @@ def suspect(gate: GateState, peer: str) -> str:
     false-positive rates on the honest peers of the attack benchmark):
 
     * a counted rejection among its recent verdicts;
-    * an update taken with weak agreement (where an attacker shaped to pass the gate lands, honest work rarely);
+    * an update taken with weak agreement (where an attacker shaped to pass the gate lands, honest work rarely) whose
+      check has not agreed (:func:`explain_weak`: one that did is honest work's, and no signal);
     * a rejection on the probe's word alone that could not be re-run instead (``record``'s ``doubted``);
     * an applied update close to an echo of the consensus (cosine ≥ :func:`close_bar`, below the echo bar that
       refuses): a free-rider's echo scaled or noised to stay under the bar, and a peer that has steered the
@@ -164,6 +165,24 @@ def suspect(gate: GateState, peer: str) -> str:
     if any(gate.close.get(peer, ())):
         return "recently agreed with the consensus almost like an echo of it"
     return ""
+
+
+def explain_weak(gate: GateState, peer: str, lease_id: str) -> bool:
+    """A check of ``peer``'s lease ``lease_id`` agreed: if its update was taken with weak agreement, that is no longer a
+    suspect's signal — its bitwise re-run shows it is what honest work on that lease gives, so the weak agreement says
+    nothing about the peer (the signal is for updates shaped to pass the gate, docs/threat-model.md). The flag goes;
+    the update stays applied as it was (weakly: that is about its direction). An attacker clears a flag only by
+    doing the flagged lease honestly. Returns whether a flag was cleared."""
+    leases = gate.weak_leases.get(peer, [])
+    flags = gate.weak.get(peer, [])
+    offset = len(flags) - len(leases)  # aligned at the end (a checkpoint from before weak_leases has none)
+    cleared = False
+    for index, lease in enumerate(leases):
+        if lease == lease_id and lease and 0 <= index + offset < len(flags):
+            flags[index + offset] = False
+            leases[index] = ""
+            cleared = True
+    return cleared
 
 
 def is_quarantined(gate: GateState, peer: str, now: float) -> bool:
@@ -510,11 +529,13 @@ def _clip_or_accept(policy: GatePolicy, seen: _Update, probed: str) -> GateVerdi
 
 def record(
     policy: GatePolicy, gate: GateState, verdict: GateVerdict, update: torch.Tensor | None, steps: int, peer: str, now: float,
-    sketcher: Sketcher | None = None, doubted: bool = False,
+    sketcher: Sketcher | None = None, doubted: bool = False, lease_id: str = "", checked: bool = False,
 ) -> str | None:
     """Book a verdict. ``update`` is the update as applied (after clipping), or None when it was rejected.
     ``doubted``: a rejection on the probe's word alone that could not be turned into a check (logic/submit.py) — it
     makes the peer a suspect (its next leases re-run more) but does not count toward quarantine.
+    ``lease_id``: the update's lease; ``checked``: its re-run already agreed (a held update applied at its verdict) —
+    weak agreement is then no suspect's signal (:func:`explain_weak`).
     Returns the reason when this verdict put ``peer`` into quarantine."""
     rejected = verdict.action == "reject"
     counted = rejected and verdict.counts and not doubted
@@ -534,8 +555,14 @@ def record(
     history.extend([counted, counted] if (counted and probation) else [counted])
     del history[: max(0, len(history) - policy.quarantine_window)]
     weak = gate.weak.setdefault(peer, [])
-    weak.append(verdict.weak and not rejected)
+    weak_leases = gate.weak_leases.setdefault(peer, [])
+    del weak_leases[: max(0, len(weak_leases) - len(weak))]  # aligned (a checkpoint from before weak_leases has none)
+    weak_leases[:0] = [""] * (len(weak) - len(weak_leases))
+    unexplained = verdict.weak and not rejected and not checked
+    weak.append(unexplained)
+    weak_leases.append(lease_id if unexplained else "")
     del weak[: max(0, len(weak) - policy.quarantine_window)]
+    del weak_leases[: max(0, len(weak_leases) - policy.quarantine_window)]
     if not rejected and update is not None:
         gate.present.append(peer)
         del gate.present[: max(0, len(gate.present) - policy.window)]

@@ -80,7 +80,10 @@ class GateState:
     verdicts: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent: True = rejected
     quarantined_until: dict[str, float] = field(default_factory=dict)
     quarantines: dict[str, int] = field(default_factory=dict)
-    weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement
+    weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement, unexplained
+    # beside ``weak``, per peer: the lease id of each weak entry ("" for the others), so that a check of that lease which
+    # agrees explains it away (gate.explain_weak)
+    weak_leases: dict[str, list[str]] = field(default_factory=dict)
     close: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = close to an echo
     # per peer, recent verdicts: True = refused on the probe's word alone where the update could not be re-run instead
     # (a verified run, θ at its base version gone): a suspect's signal, not counted toward quarantine (logic/submit.py)
@@ -107,6 +110,7 @@ class GateState:
             "quarantined_until": dict(self.quarantined_until),
             "quarantines": dict(self.quarantines),
             "weak": {k: list(v) for k, v in self.weak.items()},
+            "weak_leases": {k: list(v) for k, v in self.weak_leases.items()},
             "close": {k: list(v) for k, v in self.close.items()},
             "doubted": {k: list(v) for k, v in self.doubted.items()},
             "shares": dict(self.shares),
@@ -131,6 +135,8 @@ class GateState:
             quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
             quarantines={k: int(v) for k, v in state["quarantines"].items()},
             weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent in older checkpoints
+            # absent before weak verdicts could be explained: their leases unknown, none of them explained later
+            weak_leases={k: [str(x) for x in v] for k, v in state.get("weak_leases", {}).items()},
             close={k: [bool(x) for x in v] for k, v in state.get("close", {}).items()},  # absent before its signal
             doubted={k: [bool(x) for x in v] for k, v in state.get("doubted", {}).items()},  # absent before it
             # absent before the share cap: no shares known, every peer starts from none

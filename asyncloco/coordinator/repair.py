@@ -130,7 +130,7 @@ def _replay_excluded(
             state.policy = policy
     if verdict is not None and gate is not None and not dropped:
         update_gate.record(gate, state.gate, verdict, event.pseudo_gradient * verdict.scale, lease.steps, event.peer, now,
-                           state.own_sketcher())
+                           state.own_sketcher(), lease_id=lease.lease_id)  # as live: applied first, its check pending
     return "discarded" if update is None else "substituted"
 
 

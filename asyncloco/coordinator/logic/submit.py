@@ -450,7 +450,7 @@ def _apply(
     if not checked:
         book = state.verification
         book.unchecked[lease.peer] = book.unchecked.get(lease.peer, 0) + 1
-    gate_note = _after_step(state, lease, verdict, update, now)
+    gate_note = _after_step(state, lease, verdict, update, now, checked)
     return retained + [
         Applied(
             lease.peer,
@@ -468,14 +468,17 @@ def _apply(
 
 
 def _after_step(
-    state: CoordinatorState, lease: Lease, verdict: GateVerdict | None, update: torch.Tensor, now: float
+    state: CoordinatorState, lease: Lease, verdict: GateVerdict | None, update: torch.Tensor, now: float,
+    checked: bool = False,
 ) -> str:
     """Bookkeeping once θ moved: the gate records the update it passed (when it is applied: a held update's only once
-    its check agreed), unused base parameters are dropped. Returns the gate's note for Applied ("" without a gate)."""
+    its check agreed, ``checked``), unused base parameters are dropped. Returns the gate's note for Applied ("" without
+    a gate)."""
     policy = state.policy
     gate_note = ""
     if verdict is not None and policy.gate is not None:
-        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, lease.peer, now, state.own_sketcher())
+        update_gate.record(policy.gate, state.gate, verdict, update, lease.steps, lease.peer, now, state.own_sketcher(),
+                           lease_id=lease.lease_id, checked=checked)
         gate_note = f"clipped ×{verdict.scale:.3g}: {verdict.reason}" if verdict.action == "clip" else verdict.reason
     drop_unused_base_params(state)
     return gate_note

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from asyncloco.coordinator.gate import explain_weak
 from asyncloco.coordinator.logic.draws import PROBATION_WAIT
 from asyncloco.coordinator.logic.events import (
     ADOPTED_FIELDS, Action, Expelled, Rejected, Released, Repaired, Unverified, Verdict, Verified,
@@ -39,6 +40,7 @@ def on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Ac
         return actions + ([] if held is None else _drop_held(state, held, "its peer was expelled"))
     if event.ok:
         book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
+        explain_weak(state.gate, event.peer, event.lease_id)  # an applied-first update taken weakly: honest work's
         return [Verdict(event.peer, event.lease_id, True, event.detail)] + release_at_verdict(state, held, event.peer, now)
     book.failed += 1
     reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
