@@ -1456,9 +1456,11 @@ def test_weak_agreement_explained_by_a_check_that_agrees_makes_no_suspect() -> N
     assert [type(a).__name__ for a in held] == ["Verify", "Held"] and state.version == 1
     released = handle(state, Verified("old", second.lease_id, True, "bitwise equal to the re-run"), 5.0)[1]
     assert [type(a).__name__ for a in released] == ["Verdict", "Applied"] and "weak agreement" in released[1].gate
+    assert released[0].detail == "bitwise equal to the re-run"  # its flag never set: nothing to explain
     assert state.gate.weak["old"] == [True, False] and G.suspect(state.gate, "old") == weakly  # the first still open
     # the first update's check agrees: its flag is explained, the peer no longer a suspect
-    handle(state, Verified("old", first.lease_id, True, "bitwise equal to the re-run"), 6.0)
+    verdict = handle(state, Verified("old", first.lease_id, True, "bitwise equal to the re-run"), 6.0)[1]
+    assert [a.detail for a in verdict] == ["bitwise equal to the re-run; its weak agreement explained"]
     assert state.gate.weak["old"] == [False, False] and state.gate.weak_leases["old"] == ["", ""]
     assert G.suspect(state.gate, "old") == ""
     third = lease_of(handle(state, RequestWork("old"), 7.0)[1])

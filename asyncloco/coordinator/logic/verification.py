@@ -40,8 +40,10 @@ def on_verified(state: CoordinatorState, event: Verified, now: float) -> list[Ac
         return actions + ([] if held is None else _drop_held(state, held, "its peer was expelled"))
     if event.ok:
         book.passed[event.peer] = book.passed.get(event.peer, 0) + 1
-        explain_weak(state.gate, event.peer, event.lease_id)  # an applied-first update taken weakly: honest work's
-        return [Verdict(event.peer, event.lease_id, True, event.detail)] + release_at_verdict(state, held, event.peer, now)
+        # an applied-first update taken with weak agreement: honest work's, no longer a suspect's mark
+        explained = "; its weak agreement explained" if explain_weak(state.gate, event.peer, event.lease_id) else ""
+        verdict = Verdict(event.peer, event.lease_id, True, event.detail + explained)
+        return [verdict] + release_at_verdict(state, held, event.peer, now)
     book.failed += 1
     reason = f"lease {event.lease_id} did not reproduce: {event.detail}"
     book.expelled[event.peer] = reason
