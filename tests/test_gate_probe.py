@@ -442,25 +442,32 @@ def test_weak_agreement_marks_a_peer_suspect_for_verification() -> None:
     G.record(policy, state, verdict, weak * verdict.scale, 10, "old", 0.0)
     assert G.suspect(state, "old") == "recently agreed only weakly with the consensus"
     restored = G.GateState.from_state_dict(state.state_dict())
-    assert restored.weak == {"old": [True]} and G.suspect(restored, "old") == G.suspect(state, "old")
+    # booked without a lease id: a mark no check can explain
+    assert restored.weak == {"old": [G.UNKNOWN_LEASE]} and G.suspect(restored, "old") == G.suspect(state, "old")
+    assert not G.explain_weak(restored, "old", G.UNKNOWN_LEASE) and G.suspect(restored, "old") != ""
     # six agreeing updates later (quarantine_window) the mark is gone
     for _ in range(policy.quarantine_window):
         good = with_cosine(0.4)
         G.record(policy, state, G.score(policy, state, good, 10, "old"), good, 10, "old", 0.0)
         state.reference = warm_state().reference  # keep the consensus at e0: the next cosine is exactly 0.4
         state.own.clear()  # (and no last update of the peer's in it)
-    assert state.weak["old"] == [False] * 6 and G.suspect(state, "old") == ""
+    assert state.weak["old"] == [""] * 6 and G.suspect(state, "old") == ""
     # a counted rejection marks it too (and takes precedence in the reason)
     fresh = warm_state()
     away = G.score(policy, fresh, with_cosine(-0.3), 10, "old")
     assert (away.action, away.counts) == ("reject", True)
     G.record(policy, fresh, away, None, 10, "old", 0.0)
-    fresh.weak["old"] = [True]
+    fresh.weak["old"] = ["L1"]
     assert G.suspect(fresh, "old") == "recently refused by the gate"
-    # an older snapshot (no "weak" key) still loads
+    # older snapshots still load: without "weak"; with flags alone (their leases unknown: never explained); with
+    # flags and, beside them, the lease ids of the later ones (aligned at the end)
     old = state.state_dict()
     del old["weak"]
     assert G.GateState.from_state_dict(old).weak == {}
+    old["weak"] = {"old": [True, False, True]}
+    assert G.GateState.from_state_dict(old).weak == {"old": [G.UNKNOWN_LEASE, "", G.UNKNOWN_LEASE]}
+    old["weak_leases"] = {"old": ["", "L7"]}
+    assert G.GateState.from_state_dict(old).weak == {"old": [G.UNKNOWN_LEASE, "", "L7"]}
 
 
 @pytest.mark.timeout(30)

@@ -1446,7 +1446,7 @@ def test_weak_agreement_explained_by_a_check_that_agrees_makes_no_suspect() -> N
     actions = handle(state, SubmitUpdate("old", first.lease_id, first.base_version, with_cosine(-0.05)), 2.0)[1]
     applied = [a for a in actions if isinstance(a, Applied)]
     assert len(applied) == 1 and "weak agreement" in applied[0].gate and first.lease_id in state.verification.pending
-    assert G.suspect(state.gate, "old") == weakly and state.gate.weak_leases["old"] == [first.lease_id]
+    assert G.suspect(state.gate, "old") == weakly and state.gate.weak["old"] == [first.lease_id]
     second = lease_of(handle(state, RequestWork("old"), 3.0)[1])
     assert second.verify == f"suspect, sampled at 1 ({weakly})"
     # a verdict on another lease explains nothing
@@ -1457,17 +1457,16 @@ def test_weak_agreement_explained_by_a_check_that_agrees_makes_no_suspect() -> N
     released = handle(state, Verified("old", second.lease_id, True, "bitwise equal to the re-run"), 5.0)[1]
     assert [type(a).__name__ for a in released] == ["Verdict", "Applied"] and "weak agreement" in released[1].gate
     assert released[0].detail == "bitwise equal to the re-run"  # its flag never set: nothing to explain
-    assert state.gate.weak["old"] == [True, False] and G.suspect(state.gate, "old") == weakly  # the first still open
+    assert state.gate.weak["old"] == [first.lease_id, ""] and G.suspect(state.gate, "old") == weakly  # the first open
     # the first update's check agrees: its flag is explained, the peer no longer a suspect
     verdict = handle(state, Verified("old", first.lease_id, True, "bitwise equal to the re-run"), 6.0)[1]
     assert [a.detail for a in verdict] == ["bitwise equal to the re-run; its weak agreement explained"]
-    assert state.gate.weak["old"] == [False, False] and state.gate.weak_leases["old"] == ["", ""]
+    assert state.gate.weak["old"] == ["", ""]
     assert G.suspect(state.gate, "old") == ""
     third = lease_of(handle(state, RequestWork("old"), 7.0)[1])
     assert third.verify.startswith("sampled at 1") and not third.verify.startswith("suspect")
-    # the flags survive a snapshot, aligned
-    restored = G.GateState.from_state_dict(state.gate.state_dict())
-    assert (restored.weak, restored.weak_leases) == (state.gate.weak, state.gate.weak_leases)
+    # the marks survive a snapshot
+    assert G.GateState.from_state_dict(state.gate.state_dict()).weak == state.gate.weak
 
     # not drawn (fraction 0): no check to explain it — a suspect for quarantine_window verdicts, as before
     state = start(0.0)

@@ -75,13 +75,13 @@ from typing import Literal
 import torch
 
 from asyncloco.coordinator.gate_state import (
-    OWN_PARTS_MAX, GatePolicy, GateState, join_reference, others_reference, own_cosine, reference_weight,
+    OWN_PARTS_MAX, UNKNOWN_LEASE, GatePolicy, GateState, join_reference, others_reference, own_cosine, reference_weight,
 )
 from asyncloco.coordinator.sketch import Sketcher
 
 __all__ = [
     "GatePolicy", "GateState", "GateVerdict", "score", "record", "is_quarantined", "adamw_norm_bound", "probe_margin", "wants_probe", "needs_probe", "suspect", "close_bar", "reference_weight",
-    "others_reference", "own_cosine", "OWN_PARTS_MAX",
+    "others_reference", "own_cosine", "OWN_PARTS_MAX", "UNKNOWN_LEASE", "explain_weak",
 ]
 
 
@@ -173,14 +173,11 @@ def explain_weak(gate: GateState, peer: str, lease_id: str) -> bool:
     nothing about the peer (the signal is for updates shaped to pass the gate, docs/threat-model.md). The flag goes;
     the update stays applied as it was (weakly: that is about its direction). An attacker clears a flag only by
     doing the flagged lease honestly. Returns whether a flag was cleared."""
-    leases = gate.weak_leases.get(peer, [])
-    flags = gate.weak.get(peer, [])
-    offset = len(flags) - len(leases)  # aligned at the end (a checkpoint from before weak_leases has none)
+    marks = gate.weak.get(peer, [])
     cleared = False
-    for index, lease in enumerate(leases):
-        if lease == lease_id and lease and 0 <= index + offset < len(flags):
-            flags[index + offset] = False
-            leases[index] = ""
+    for index, lease in enumerate(marks):
+        if lease and lease != UNKNOWN_LEASE and lease == lease_id:
+            marks[index] = ""
             cleared = True
     return cleared
 
@@ -555,14 +552,8 @@ def record(
     history.extend([counted, counted] if (counted and probation) else [counted])
     del history[: max(0, len(history) - policy.quarantine_window)]
     weak = gate.weak.setdefault(peer, [])
-    weak_leases = gate.weak_leases.setdefault(peer, [])
-    del weak_leases[: max(0, len(weak_leases) - len(weak))]  # aligned (a checkpoint from before weak_leases has none)
-    weak_leases[:0] = [""] * (len(weak) - len(weak_leases))
-    unexplained = verdict.weak and not rejected and not checked
-    weak.append(unexplained)
-    weak_leases.append(lease_id if unexplained else "")
+    weak.append((lease_id or UNKNOWN_LEASE) if verdict.weak and not rejected and not checked else "")
     del weak[: max(0, len(weak) - policy.quarantine_window)]
-    del weak_leases[: max(0, len(weak_leases) - policy.quarantine_window)]
     if not rejected and update is not None:
         gate.present.append(peer)
         del gate.present[: max(0, len(gate.present) - policy.window)]

@@ -14,10 +14,11 @@ import torch
 from asyncloco.coordinator.sketch import Sketcher
 
 __all__ = [
-    "GatePolicy", "GateState", "OWN_PARTS_MAX", "OWN_BUCKETS", "OWN_SAMPLED", "OWN_REST_MIN", "reference_weight",
+    "GatePolicy", "GateState", "UNKNOWN_LEASE", "OWN_PARTS_MAX", "OWN_BUCKETS", "OWN_SAMPLED", "OWN_REST_MIN", "reference_weight",
     "join_reference", "others_reference", "own_cosine",
 ]
 
+UNKNOWN_LEASE = "?"  # a weak-agreement mark whose lease is not known (booked without one, or from an older checkpoint)
 OWN_PARTS_MAX = 1 << 21  # θ values up to which the gate keeps each peer's part of its reference (4 bytes each per peer)
 # above it, a secret count sketch of each part (coordinator/sketch.py): OWN_BUCKETS float64 values per peer, from
 # OWN_SAMPLED coordinates; the cosine it gives spreads ≈ weight / √OWN_BUCKETS / ‖rest‖ (≈ 0.003 at the defaults)
@@ -80,10 +81,9 @@ class GateState:
     verdicts: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent: True = rejected
     quarantined_until: dict[str, float] = field(default_factory=dict)
     quarantines: dict[str, int] = field(default_factory=dict)
-    weak: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = weak agreement, unexplained
-    # beside ``weak``, per peer: the lease id of each weak entry ("" for the others), so that a check of that lease which
-    # agrees explains it away (gate.explain_weak)
-    weak_leases: dict[str, list[str]] = field(default_factory=dict)
+    # per peer, recent verdicts: the lease id of an update taken with weak agreement and not explained (a check of that
+    # lease which agrees explains it away: gate.explain_weak), UNKNOWN_LEASE where its lease is not known, "" otherwise
+    weak: dict[str, list[str]] = field(default_factory=dict)
     close: dict[str, list[bool]] = field(default_factory=dict)  # per peer, recent verdicts: True = close to an echo
     # per peer, recent verdicts: True = refused on the probe's word alone where the update could not be re-run instead
     # (a verified run, θ at its base version gone): a suspect's signal, not counted toward quarantine (logic/submit.py)
@@ -110,7 +110,6 @@ class GateState:
             "quarantined_until": dict(self.quarantined_until),
             "quarantines": dict(self.quarantines),
             "weak": {k: list(v) for k, v in self.weak.items()},
-            "weak_leases": {k: list(v) for k, v in self.weak_leases.items()},
             "close": {k: list(v) for k, v in self.close.items()},
             "doubted": {k: list(v) for k, v in self.doubted.items()},
             "shares": dict(self.shares),
@@ -134,9 +133,7 @@ class GateState:
             verdicts={k: [bool(x) for x in v] for k, v in state["verdicts"].items()},
             quarantined_until={k: float(v) for k, v in state["quarantined_until"].items()},
             quarantines={k: int(v) for k, v in state["quarantines"].items()},
-            weak={k: [bool(x) for x in v] for k, v in state.get("weak", {}).items()},  # absent in older checkpoints
-            # absent before weak verdicts could be explained: their leases unknown, none of them explained later
-            weak_leases={k: [str(x) for x in v] for k, v in state.get("weak_leases", {}).items()},
+            weak=_weak_marks(state),
             close={k: [bool(x) for x in v] for k, v in state.get("close", {}).items()},  # absent before its signal
             doubted={k: [bool(x) for x in v] for k, v in state.get("doubted", {}).items()},  # absent before it
             # absent before the share cap: no shares known, every peer starts from none
@@ -147,6 +144,22 @@ class GateState:
             own_weight={k: float(v) for k, v in state.get("own_weight", {}).items()},
             own_dot={k: float(v) for k, v in state.get("own_dot", {}).items()},
         )
+
+
+def _weak_marks(state: dict[str, Any]) -> dict[str, list[str]]:
+    """``GateState.weak`` from a snapshot. Absent in the oldest; then a flag per verdict (True: weak, unexplained) with,
+    once weak agreements could be explained, their lease ids beside them in ``weak_leases`` (aligned at the end, ""
+    where none); now the lease ids alone."""
+    leases = state.get("weak_leases", {})
+    marks: dict[str, list[str]] = {}
+    for peer, entries in state.get("weak", {}).items():
+        if all(isinstance(x, str) for x in entries):
+            marks[peer] = [str(x) for x in entries]
+            continue
+        known = [str(x) for x in leases.get(peer, [])][-len(entries):] if entries else []
+        known = [""] * (len(entries) - len(known)) + known
+        marks[peer] = [(lease or UNKNOWN_LEASE) if flag else "" for flag, lease in zip(entries, known)]
+    return marks
 
 
 def reference_weight(policy: GatePolicy, gate: GateState, peer: str) -> float:
