@@ -4,12 +4,14 @@
     python scripts/wan.py profiles                       # the link profiles
     python scripts/wan.py check --profile far            # set one link up and measure it (rates, RTT)
     python scripts/wan.py run --config configs/demo.yaml --peers home:1,far:4,campus:1.5 --budget 120 --out runs/wan
+    python scripts/wan.py compare runs/home runs/lan      # a run against its twin at equal local steps
 
 ``run``: the coordinator in its own namespace, each peer in its own behind its profile's link (tbf
 bandwidth each way, userspace latency/loss), training for ``--budget`` seconds from the first lease; prints
 perplexity vs wall time and writes ``<out>/result.json``. Everything it made (namespaces, veths, qdiscs,
 bridge, processes) is removed on exit, on an error and on Ctrl+C/SIGTERM. Exits 2 with the reason when
-namespaces are unavailable (not root, no ``ip netns``).
+namespaces are unavailable (not root, no ``ip netns``). ``compare``: two runs' ``--out`` directories, the first
+against the second at equal local steps (asyncloco/wan/compare.py): over the last third, at the end, and the lag.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncloco.wan.compare import compare, read_curve  # noqa: E402
 from asyncloco.wan.netns import PROFILES, WanNetwork, namespaces_unavailable, wait_for_port_file  # noqa: E402
 from asyncloco.wan.run import _rate_args, parse_peers, run_wan  # noqa: E402
 
@@ -69,6 +72,10 @@ def main() -> int:
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--seed", type=int, default=0, help="seeds the proxies' loss draws")
     r.add_argument("--smoke", action="store_true", help="seconds of work: the demo, one campus peer, 8 s (tests)")
+    q = sub.add_parser("compare", help="a run against its twin at equal local steps")
+    q.add_argument("run", type=Path, help="the --out directory of the run")
+    q.add_argument("twin", type=Path, help="the --out directory of its twin (e.g. the same config over loopback)")
+    q.add_argument("--json", type=Path, help="also write the comparison here")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args()
     if args.command == "run":
@@ -82,6 +89,22 @@ def main() -> int:
     if args.command == "profiles":
         for profile in PROFILES.values():
             print(profile.describe())
+        return 0
+    if args.command == "compare":
+        try:
+            compared = compare(read_curve(args.run), read_curve(args.twin))
+        except ValueError as error:
+            print(f"scripts/wan.py: {error}", file=sys.stderr)
+            return 2
+        print(f"{'local steps':>12} {'perplexity':>11} {'twin reached it at':>19} {'lag (steps)':>12}")
+        for row in compared["lag"]:
+            print(f"{row['local_steps']:12} {row['perplexity']:11.2f} {row['twin_reached_it_at']:19} {row['lag_steps']:12}")
+        end = compared["at_end"]
+        print(f"× the twin over the last third of {compared['common_local_steps']} common local steps: "
+              f"{compared['last_third']:.3f} ({compared['last_third_evaluations']} evaluations); "
+              f"at {end['local_steps']} steps: {end['ratio']:.3f}")
+        if args.json:
+            args.json.write_text(json.dumps(compared, indent=1))
         return 0
     reason = namespaces_unavailable()
     if reason is not None:
